@@ -1,0 +1,193 @@
+//! The component's exports: translates between the WIT types and the engine. Nothing else in
+//! the crate names generated types.
+
+use crate::bindings::exports::wisp::llm::engine as wit;
+use crate::bindings::wisp::llm::gpu;
+use crate::engine::{Error, Model};
+use crate::sampler::Params;
+use crate::session::Session;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+pub struct Component;
+
+impl From<Error> for wit::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::InvalidModel(m) => wit::Error::InvalidModel(m),
+            Error::Unsupported(m) => wit::Error::Unsupported(m),
+            Error::Io(m) => wit::Error::Io(m),
+            Error::InvalidArgument(m) => wit::Error::InvalidArgument(m),
+            Error::ContextFull(m) => wit::Error::ContextFull(m),
+            Error::OutOfMemory(m) => wit::Error::OutOfMemory(m),
+        }
+    }
+}
+
+pub struct ModelRes {
+    model: Rc<Model>,
+    device: Option<gpu::DeviceInfo>,
+}
+
+pub struct SessionRes(RefCell<Session>);
+
+impl wit::Guest for Component {
+    type Model = ModelRes;
+    type Session = SessionRes;
+}
+
+fn open(bytes: &[u8], _options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
+    let model = Model::load(bytes)?;
+    let device = gpu::available();
+    Ok(wit::Model::new(ModelRes { model: Rc::new(model), device }))
+}
+
+impl wit::GuestModel for ModelRes {
+    fn open(path: String, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
+        let bytes = std::fs::read(&path).map_err(|e| wit::Error::Io(format!("{path}: {e}")))?;
+        open(&bytes, options)
+    }
+
+    fn from_bytes(bytes: Vec<u8>, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
+        open(&bytes, options)
+    }
+
+    fn info(&self) -> wit::ModelInfo {
+        let s = &self.model.summary;
+        let t = &self.model.tokenizer;
+        wit::ModelInfo {
+            architecture: s.architecture.clone(),
+            name: s.name.clone(),
+            n_params: s.n_params,
+            n_layers: s.n_layers,
+            n_embd: s.n_embd,
+            n_vocab: s.n_vocab,
+            n_ctx_train: s.n_ctx_train,
+            file_bytes: s.file_bytes,
+            tokenizer: t.model_name.clone(),
+            bos: t.bos,
+            eos: t.eos,
+            tensors: s
+                .tensors
+                .iter()
+                .map(|(name, kind, dims, bytes)| wit::TensorInfo {
+                    name: name.clone(),
+                    kind: kind.to_string(),
+                    shape: dims.clone(),
+                    bytes: *bytes,
+                })
+                .collect(),
+            metadata: s.metadata.clone(),
+            device: self.device.clone(),
+            gpu_weights: 0,
+        }
+    }
+
+    fn tokenize(&self, text: String, add_special: bool, parse_special: bool) -> Result<Vec<u32>, wit::Error> {
+        Ok(self.model.tokenizer.encode(&text, add_special, parse_special))
+    }
+
+    fn token_piece(&self, token: u32, special: bool) -> Result<Vec<u8>, wit::Error> {
+        self.check_token(token)?;
+        Ok(self.model.tokenizer.piece(token, special))
+    }
+
+    fn detokenize(&self, tokens: Vec<u32>, special: bool) -> Result<String, wit::Error> {
+        for &t in &tokens {
+            self.check_token(t)?;
+        }
+        Ok(self.model.tokenizer.decode(&tokens, special))
+    }
+
+    fn is_end_of_generation(&self, token: u32) -> bool {
+        self.model.tokenizer.is_eog(token)
+    }
+
+    fn new_session(&self, n_ctx: u32) -> Result<wit::Session, wit::Error> {
+        let s = Session::new(Rc::clone(&self.model), n_ctx as usize)?;
+        Ok(wit::Session::new(SessionRes(RefCell::new(s))))
+    }
+}
+
+impl ModelRes {
+    fn check_token(&self, token: u32) -> Result<(), wit::Error> {
+        let n = self.model.n_vocab();
+        if (token as usize) < n {
+            Ok(())
+        } else {
+            Err(wit::Error::InvalidArgument(format!("token id {token} is not below the vocabulary size {n}")))
+        }
+    }
+}
+
+impl From<wit::Sampling> for Params {
+    fn from(s: wit::Sampling) -> Params {
+        Params {
+            temperature: s.temperature,
+            top_k: s.top_k,
+            top_p: s.top_p,
+            min_p: s.min_p,
+            repeat_penalty: s.repeat_penalty,
+            repeat_last_n: s.repeat_last_n,
+            seed: s.seed,
+        }
+    }
+}
+
+impl wit::GuestSession for SessionRes {
+    fn feed(&self, tokens: Vec<u32>) -> Result<(), wit::Error> {
+        Ok(self.0.borrow_mut().feed(&tokens)?)
+    }
+
+    fn next(&self, sampling: wit::Sampling) -> Result<wit::Step, wit::Error> {
+        let step = self.0.borrow_mut().next(&sampling.into())?;
+        Ok(wit::Step { token: step.token, piece: step.piece, end_of_generation: step.end_of_generation })
+    }
+
+    fn logits(&self) -> Result<Vec<f32>, wit::Error> {
+        Ok(self.0.borrow_mut().logits()?.to_vec())
+    }
+
+    fn top(&self, k: u32) -> Result<Vec<(u32, f32)>, wit::Error> {
+        let mut s = self.0.borrow_mut();
+        let logits = s.logits()?;
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let k = (k as usize).min(idx.len());
+        let by = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        if k > 0 && k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by);
+        }
+        idx.truncate(k);
+        idx.sort_unstable_by(by);
+        Ok(idx.into_iter().map(|i| (i, logits[i as usize])).collect())
+    }
+
+    fn position(&self) -> u32 {
+        self.0.borrow().position() as u32
+    }
+
+    fn capacity(&self) -> u32 {
+        self.0.borrow().capacity() as u32
+    }
+
+    fn reset(&self) {
+        self.0.borrow_mut().reset()
+    }
+
+    fn stats(&self) -> wit::Stats {
+        let s = self.0.borrow().stats();
+        let d = s.dispatch;
+        wit::Stats {
+            prefill_tokens: s.prefill_tokens,
+            prefill_ns: s.prefill_ns,
+            decode_tokens: s.decode_tokens,
+            decode_ns: s.decode_ns,
+            cpu_matmuls: d.cpu_matmuls,
+            cpu_flops: d.cpu_flops,
+            gpu_calls: d.gpu_calls,
+            gpu_flops: d.gpu_flops,
+            gpu_ns: d.gpu_ns,
+            gpu_fallbacks: d.gpu_fallbacks,
+        }
+    }
+}

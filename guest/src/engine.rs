@@ -1,0 +1,148 @@
+//! A loaded model: parsed header, tokenizer, architecture and weights. Independent of the
+//! component bindings, so that it is tested natively too.
+
+use crate::gguf::{Gguf, GgufError};
+use crate::models::{LoadError, gemma3};
+use crate::tokenizer::Tokenizer;
+use std::fmt;
+
+/// An engine failure, mapped one to one onto the WIT `error` variant.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Error {
+    InvalidModel(String),
+    Unsupported(String),
+    Io(String),
+    InvalidArgument(String),
+    ContextFull(String),
+    OutOfMemory(String),
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Error::InvalidModel(m) => write!(f, "invalid model: {m}"),
+            Error::Unsupported(m) => write!(f, "unsupported: {m}"),
+            Error::Io(m) => write!(f, "i/o: {m}"),
+            Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            Error::ContextFull(m) => write!(f, "context full: {m}"),
+            Error::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+        }
+    }
+}
+
+impl From<GgufError> for Error {
+    fn from(e: GgufError) -> Self {
+        Error::InvalidModel(e.to_string())
+    }
+}
+
+impl From<LoadError> for Error {
+    fn from(e: LoadError) -> Self {
+        match e {
+            LoadError::Invalid(m) => Error::InvalidModel(m),
+            LoadError::Unsupported(m) => Error::Unsupported(m),
+        }
+    }
+}
+
+/// The architectures this engine runs.
+pub enum Arch {
+    Gemma3 { config: gemma3::Config, weights: gemma3::Weights },
+}
+
+/// What `info` reports, gathered at load.
+pub struct Summary {
+    pub architecture: String,
+    pub name: String,
+    pub n_params: u64,
+    pub n_layers: u32,
+    pub n_embd: u32,
+    pub n_vocab: u32,
+    pub n_ctx_train: u32,
+    pub file_bytes: u64,
+    /// (name, type, dims, bytes)
+    pub tensors: Vec<(String, &'static str, Vec<u64>, u64)>,
+    pub metadata: Vec<(String, String)>,
+}
+
+pub struct Model {
+    pub arch: Arch,
+    pub tokenizer: Tokenizer,
+    pub summary: Summary,
+}
+
+/// Whether `n` bytes can be allocated now, without aborting when they cannot.
+pub fn can_allocate(n: usize) -> bool {
+    let mut v: Vec<u8> = Vec::new();
+    v.try_reserve_exact(n).is_ok()
+}
+
+impl Model {
+    /// Builds a model from a whole GGUF file.
+    pub fn load(file: &[u8]) -> Result<Model, Error> {
+        let g = Gguf::parse(file)?;
+        let architecture = g
+            .get_str("general.architecture")
+            .map_err(Error::InvalidModel)?
+            .ok_or_else(|| Error::InvalidModel("general.architecture is missing".into()))?
+            .to_string();
+        let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
+            if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
+        })?;
+        // The converted weights take about one byte per parameter plus scales: refuse early,
+        // with a message, what cannot fit rather than trap half way.
+        let n_params: u64 = g.tensors.iter().map(|t| t.n_elements).sum();
+        let need = n_params.saturating_add(n_params / 4);
+        if need > usize::MAX as u64 || !can_allocate(need as usize) {
+            return Err(Error::OutOfMemory(format!(
+                "the model's {n_params} parameters need about {} MiB of guest memory",
+                need >> 20
+            )));
+        }
+        let arch = match architecture.as_str() {
+            "gemma3" => {
+                let config = gemma3::Config::from_gguf(&g)?;
+                if config.n_vocab != tokenizer.n_vocab() {
+                    return Err(Error::InvalidModel(format!(
+                        "the embedding has {} rows, the vocabulary {} tokens",
+                        config.n_vocab,
+                        tokenizer.n_vocab()
+                    )));
+                }
+                let weights = gemma3::Weights::load(&config, &g, file)?;
+                Arch::Gemma3 { config, weights }
+            }
+            other => {
+                return Err(Error::Unsupported(format!("architecture {other:?}")));
+            }
+        };
+        let (n_layers, n_embd, n_vocab, n_ctx_train) = match &arch {
+            Arch::Gemma3 { config: c, .. } => (c.n_layer, c.n_embd, c.n_vocab, c.n_ctx_train),
+        };
+        let summary = Summary {
+            name: g.get_str("general.name").ok().flatten().unwrap_or_default().to_string(),
+            architecture,
+            n_params,
+            n_layers: n_layers as u32,
+            n_embd: n_embd as u32,
+            n_vocab: n_vocab as u32,
+            n_ctx_train: n_ctx_train as u32,
+            file_bytes: file.len() as u64,
+            tensors: g
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.kind.name(), t.dims.clone(), t.n_bytes))
+                .collect(),
+            metadata: g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect(),
+        };
+        Ok(Model { arch, tokenizer, summary })
+    }
+
+    pub fn n_vocab(&self) -> usize {
+        self.tokenizer.n_vocab()
+    }
+
+    pub fn n_ctx_train(&self) -> usize {
+        self.summary.n_ctx_train as usize
+    }
+}

@@ -1,0 +1,45 @@
+//! Scalar reference kernels: the definition the SIMD versions are tested against, and the
+//! kernels of targets without simd128.
+
+use super::QActs;
+use crate::quant::{QK, QMatrix};
+
+/// One output of `matmul_q`: row `r` of `w` against row `tok` of `x`.
+pub fn dot_q(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
+    let n = w.n_in;
+    let g = w.group as usize;
+    let q = &w.q[r * n..(r + 1) * n];
+    let d = &w.d[r * n / g..(r + 1) * n / g];
+    let xq = &x.q[tok * n..(tok + 1) * n];
+    let xs = &x.s[tok * n / QK..(tok + 1) * n / QK];
+    let mut acc = 0f32;
+    for c in 0..n / g {
+        let isum: i32 = (c * g..(c + 1) * g).map(|i| q[i] as i32 * xq[i] as i32).sum();
+        acc += isum as f32 * (d[c] * xs[c * g / QK]);
+    }
+    if !w.m.is_empty() {
+        let m = &w.m[r * n / QK..(r + 1) * n / QK];
+        let xsum = &x.sum[tok * n / QK..(tok + 1) * n / QK];
+        acc -= m.iter().zip(xsum).map(|(m, s)| m * s).sum::<f32>();
+    }
+    acc
+}
+
+/// `y[t, n_out] = x[t, n_in] @ W^T`
+pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
+    for (tok, yr) in y.chunks_exact_mut(w.n_out).enumerate() {
+        for (r, o) in yr.iter_mut().enumerate() {
+            *o = dot_q(w, r, x, tok);
+        }
+    }
+}
+
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(a, b)| a * b).sum()
+}
+
+pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}

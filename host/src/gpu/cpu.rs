@@ -1,0 +1,109 @@
+//! A reference implementation of the `gpu` interface on the host's CPU: it decodes every upload
+//! format to f32 and multiplies plainly. It defines what the device backends must compute, and
+//! lets the guest's device path be tested on any machine.
+
+use super::{Backend, BufferId, Device, Format, GpuError};
+use std::collections::HashMap;
+
+struct Weight {
+    n_out: usize,
+    n_in: usize,
+    format: Format,
+    /// `[n_out, n_in]`, decoded.
+    w: Vec<f32>,
+}
+
+/// The CPU reference backend.
+#[derive(Default)]
+pub struct CpuBackend {
+    weights: HashMap<BufferId, Weight>,
+    next: BufferId,
+}
+
+impl CpuBackend {
+    pub fn new() -> Self {
+        Self::default()
+    }
+}
+
+/// Decodes `rows` whole rows of `n_in` elements of `format` into `out`.
+pub fn decode_rows(format: Format, n_in: usize, data: &[u8], scales: &[f32], out: &mut [f32]) {
+    match format {
+        Format::F32 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Format::Bf16 => {
+            for (o, c) in out.iter_mut().zip(data.chunks_exact(2)) {
+                *o = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        Format::Q8x32 | Format::Q8x16 => {
+            let g = format.block() as usize;
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = scales[i / g] * data[i] as i8 as f32;
+            }
+        }
+        Format::Q4x32 => {
+            for (i, o) in out.iter_mut().enumerate() {
+                let q = (data[i / 2] >> (4 * (i % 2))) & 0xF;
+                let b = i / 32;
+                *o = scales[2 * b] * q as f32 - scales[2 * b + 1];
+            }
+        }
+    }
+    debug_assert_eq!(out.len() % n_in, 0);
+}
+
+impl Backend for CpuBackend {
+    fn device(&self) -> Option<Device> {
+        Some(Device {
+            name: "wisp CPU reference".into(),
+            backend: "cpu".into(),
+            device_type: "cpu".into(),
+            max_weight_bytes: 1 << 32,
+            max_activation_elements: 1 << 28,
+        })
+    }
+
+    fn create(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        let n = n_out as usize * n_in as usize;
+        let mut w = Vec::new();
+        w.try_reserve_exact(n).map_err(|_| GpuError::OutOfMemory(format!("{n} weights")))?;
+        w.resize(n, 0.0);
+        let id = self.next;
+        self.next += 1;
+        self.weights.insert(id, Weight { n_out: n_out as usize, n_in: n_in as usize, format, w });
+        Ok(id)
+    }
+
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        let w = self.weights.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))?;
+        let row_bytes = w.format.data_bytes(w.n_in as u64).unwrap_or(0) as usize;
+        let rows = data.len() / row_bytes;
+        let start = first_row as usize * w.n_in;
+        decode_rows(w.format, w.n_in, data, scales, &mut w.w[start..start + rows * w.n_in]);
+        Ok(())
+    }
+
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let n_in = n_in as usize;
+        jobs.iter()
+            .map(|id| {
+                let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))?;
+                let mut y = vec![0f32; t as usize * w.n_out];
+                for (xr, yr) in x.chunks_exact(n_in).zip(y.chunks_exact_mut(w.n_out)) {
+                    for (o, wr) in yr.iter_mut().zip(w.w.chunks_exact(n_in)) {
+                        *o = wr.iter().zip(xr).map(|(a, b)| a * b).sum();
+                    }
+                }
+                Ok(y)
+            })
+            .collect()
+    }
+
+    fn free(&mut self, id: BufferId) {
+        self.weights.remove(&id);
+    }
+}

@@ -1,0 +1,466 @@
+//! The host side of the `wisp:llm/gpu` interface.
+//!
+//! [`GpuCtx`] owns what a guest instance has on the device: its weight handles, its budget, and
+//! a [`Backend`] that does the device work. Everything a guest sends is checked here, before a
+//! backend sees it, so that backends only deal with well-formed requests and a hostile guest gets
+//! a typed error: a forged or stale handle, mismatched lengths, shapes that overflow, sizes past
+//! the device's limits or the instance's budget. Nothing a guest sends can trap or panic the host.
+
+mod cpu;
+
+pub use cpu::CpuBackend;
+
+use crate::bindings::wisp::llm::gpu as wit;
+use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+
+/// A weight layout of the WIT `weight-format` (see `wit/gpu.wit` for the exact bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Format {
+    F32,
+    Bf16,
+    Q8x32,
+    Q8x16,
+    Q4x32,
+}
+
+impl Format {
+    /// Elements per scale block (1 for the float formats).
+    pub fn block(self) -> u64 {
+        match self {
+            Format::F32 | Format::Bf16 => 1,
+            Format::Q8x32 | Format::Q4x32 => 32,
+            Format::Q8x16 => 16,
+        }
+    }
+
+    /// Bytes of `data` for `n` elements (`n` a multiple of the block).
+    pub fn data_bytes(self, n: u64) -> Option<u64> {
+        match self {
+            Format::F32 => n.checked_mul(4),
+            Format::Bf16 => n.checked_mul(2),
+            Format::Q8x32 | Format::Q8x16 => Some(n),
+            Format::Q4x32 => Some(n / 2),
+        }
+    }
+
+    /// Number of f32 in `scales` for `n` elements.
+    pub fn scale_count(self, n: u64) -> u64 {
+        match self {
+            Format::F32 | Format::Bf16 => 0,
+            Format::Q8x32 => n / 32,
+            Format::Q8x16 => n / 16,
+            Format::Q4x32 => n / 16,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::F32 => "f32",
+            Format::Bf16 => "bf16",
+            Format::Q8x32 => "q8x32",
+            Format::Q8x16 => "q8x16",
+            Format::Q4x32 => "q4x32",
+        }
+    }
+
+    pub const ALL: [Format; 5] = [Format::F32, Format::Bf16, Format::Q8x32, Format::Q8x16, Format::Q4x32];
+}
+
+impl From<wit::WeightFormat> for Format {
+    fn from(f: wit::WeightFormat) -> Self {
+        match f {
+            wit::WeightFormat::F32 => Format::F32,
+            wit::WeightFormat::Bf16 => Format::Bf16,
+            wit::WeightFormat::Q8x32 => Format::Q8x32,
+            wit::WeightFormat::Q8x16 => Format::Q8x16,
+            wit::WeightFormat::Q4x32 => Format::Q4x32,
+        }
+    }
+}
+
+impl From<Format> for wit::WeightFormat {
+    fn from(f: Format) -> Self {
+        match f {
+            Format::F32 => wit::WeightFormat::F32,
+            Format::Bf16 => wit::WeightFormat::Bf16,
+            Format::Q8x32 => wit::WeightFormat::Q8x32,
+            Format::Q8x16 => wit::WeightFormat::Q8x16,
+            Format::Q4x32 => wit::WeightFormat::Q4x32,
+        }
+    }
+}
+
+/// A failure of a `gpu` call, as the guest sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuError {
+    Unavailable(String),
+    InvalidArgument(String),
+    OutOfMemory(String),
+    DeviceLost(String),
+}
+
+impl std::fmt::Display for GpuError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GpuError::Unavailable(m) => write!(f, "unavailable: {m}"),
+            GpuError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            GpuError::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+            GpuError::DeviceLost(m) => write!(f, "device lost: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for GpuError {}
+
+impl From<GpuError> for wit::Error {
+    fn from(e: GpuError) -> Self {
+        match e {
+            GpuError::Unavailable(m) => wit::Error::Unavailable(m),
+            GpuError::InvalidArgument(m) => wit::Error::InvalidArgument(m),
+            GpuError::OutOfMemory(m) => wit::Error::OutOfMemory(m),
+            GpuError::DeviceLost(m) => wit::Error::DeviceLost(m),
+        }
+    }
+}
+
+/// What a backend's device is and what it accepts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Device {
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    /// Largest single weight buffer, in bytes of its format's data.
+    pub max_weight_bytes: u64,
+    /// Largest input or output of one job, in f32 elements.
+    pub max_activation_elements: u64,
+}
+
+/// Identifies a weight inside a backend.
+pub type BufferId = u64;
+
+/// The device work behind the `gpu` interface. Arguments are already checked by [`GpuCtx`]:
+/// shapes are non-zero and consistent, lengths match, sizes are within [`Device`]'s limits.
+pub trait Backend: Send {
+    /// The device, or `None` when there is none.
+    fn device(&self) -> Option<Device>;
+    /// Reserves a zeroed weight `[n_out, n_in]`.
+    fn create(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError>;
+    /// Writes whole rows `first_row..` of a weight.
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError>;
+    /// `y_j[t, n_out_j] = x[t, n_in] @ W_j^T` for each job.
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
+    /// Frees a weight. Never fails: a lost device has nothing left to free.
+    fn free(&mut self, id: BufferId);
+}
+
+/// A backend with no device: `available` is `none`, every call is `unavailable`.
+pub struct NoDevice;
+
+impl Backend for NoDevice {
+    fn device(&self) -> Option<Device> {
+        None
+    }
+    fn create(&mut self, _: Format, _: u32, _: u32) -> Result<BufferId, GpuError> {
+        Err(GpuError::Unavailable("this host has no GPU".into()))
+    }
+    fn write_rows(&mut self, _: BufferId, _: u32, _: &[u8], _: &[f32]) -> Result<(), GpuError> {
+        Err(GpuError::Unavailable("this host has no GPU".into()))
+    }
+    fn matmul(&mut self, _: &[f32], _: u32, _: u32, _: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        Err(GpuError::Unavailable("this host has no GPU".into()))
+    }
+    fn free(&mut self, _: BufferId) {}
+}
+
+/// Per-instance limits on device use.
+#[derive(Debug, Clone, Copy)]
+pub struct Budget {
+    /// Bytes of weight data (plus scales) an instance may hold on the device.
+    pub bytes: u64,
+    /// Weight handles an instance may hold.
+    pub handles: u32,
+    /// Jobs in one `matmul` call.
+    pub jobs: u32,
+}
+
+impl Default for Budget {
+    fn default() -> Self {
+        Budget { bytes: 8 << 30, handles: 4096, jobs: 64 }
+    }
+}
+
+/// The host-side state of one weight handle.
+#[derive(Debug)]
+pub struct WeightHandle {
+    id: BufferId,
+    format: Format,
+    rows: u32,
+    cols: u32,
+    bytes: u64,
+}
+
+/// Owned GPU context of one guest instance: the backend, its handles and budget.
+pub struct GpuCtx {
+    backend: Box<dyn Backend>,
+    device: Option<Device>,
+    table: ResourceTable,
+    budget: Budget,
+    used_bytes: u64,
+    used_handles: u32,
+    lost: Option<String>,
+}
+
+fn invalid<T>(m: impl Into<String>) -> Result<T, GpuError> {
+    Err(GpuError::InvalidArgument(m.into()))
+}
+
+impl GpuCtx {
+    pub fn new(backend: Box<dyn Backend>, budget: Budget) -> GpuCtx {
+        let device = backend.device();
+        GpuCtx { backend, device, table: ResourceTable::new(), budget, used_bytes: 0, used_handles: 0, lost: None }
+    }
+
+    /// A context with no device.
+    pub fn none() -> GpuCtx {
+        GpuCtx::new(Box::new(NoDevice), Budget::default())
+    }
+
+    pub fn device(&self) -> Option<&Device> {
+        self.device.as_ref()
+    }
+
+    /// Bytes and handles currently held on the device.
+    pub fn usage(&self) -> (u64, u32) {
+        (self.used_bytes, self.used_handles)
+    }
+
+    fn ready(&self) -> Result<&Device, GpuError> {
+        if let Some(why) = &self.lost {
+            return Err(GpuError::DeviceLost(why.clone()));
+        }
+        self.device.as_ref().ok_or_else(|| GpuError::Unavailable("this host has no GPU".into()))
+    }
+
+    /// Records a device loss reported by the backend: every later call fails the same way.
+    fn track<T>(&mut self, r: Result<T, GpuError>) -> Result<T, GpuError> {
+        if let Err(GpuError::DeviceLost(why)) = &r {
+            self.lost = Some(why.clone());
+        }
+        r
+    }
+
+    pub fn allocate(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<Resource<WeightHandle>, GpuError> {
+        let device = self.ready()?;
+        if n_out == 0 || n_in == 0 {
+            return invalid(format!("empty weight [{n_out}, {n_in}]"));
+        }
+        if n_in as u64 % format.block() != 0 {
+            return invalid(format!("n-in {n_in} is not a multiple of {}'s block of {}", format.name(), format.block()));
+        }
+        let n = n_out as u64 * n_in as u64;
+        let data = format.data_bytes(n).ok_or_else(|| GpuError::InvalidArgument("weight size overflows".into()))?;
+        let bytes = data + 4 * format.scale_count(n);
+        if data > device.max_weight_bytes {
+            return Err(GpuError::OutOfMemory(format!(
+                "a weight of {data} bytes exceeds the device's limit of {}",
+                device.max_weight_bytes
+            )));
+        }
+        if self.used_handles >= self.budget.handles {
+            return Err(GpuError::OutOfMemory(format!("this instance holds its budget of {} handles", self.budget.handles)));
+        }
+        if self.used_bytes + bytes > self.budget.bytes {
+            return Err(GpuError::OutOfMemory(format!(
+                "{bytes} more bytes exceed this instance's budget ({} of {} used)",
+                self.used_bytes, self.budget.bytes
+            )));
+        }
+        let r = self.backend.create(format, n_out, n_in);
+        let id = self.track(r)?;
+        let handle = WeightHandle { id, format, rows: n_out, cols: n_in, bytes };
+        match self.table.push(handle) {
+            Ok(res) => {
+                self.used_bytes += bytes;
+                self.used_handles += 1;
+                Ok(res)
+            }
+            Err(e) => {
+                self.backend.free(id);
+                Err(GpuError::OutOfMemory(format!("handle table: {e}")))
+            }
+        }
+    }
+
+    pub fn write_rows(&mut self, w: &Resource<WeightHandle>, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.ready()?;
+        let h = self.table.get(w).map_err(|e| GpuError::InvalidArgument(format!("weight handle: {e}")))?;
+        let row_data = h.format.data_bytes(h.cols as u64).unwrap_or(u64::MAX);
+        let row_scales = h.format.scale_count(h.cols as u64);
+        if data.is_empty() || data.len() as u64 % row_data != 0 {
+            return invalid(format!("{} bytes of data is not a whole number of {row_data}-byte rows", data.len()));
+        }
+        let rows = data.len() as u64 / row_data;
+        if scales.len() as u64 != rows * row_scales {
+            return invalid(format!("{rows} rows of {} need {} scales, got {}", h.format.name(), rows * row_scales, scales.len()));
+        }
+        if first_row as u64 + rows > h.rows as u64 {
+            return invalid(format!("rows {first_row}..{} are past the weight's {} rows", first_row as u64 + rows, h.rows));
+        }
+        let id = h.id;
+        let r = self.backend.write_rows(id, first_row, data, scales);
+        self.track(r)
+    }
+
+    pub fn upload(&mut self, format: Format, n_out: u32, n_in: u32, data: &[u8], scales: &[f32]) -> Result<Resource<WeightHandle>, GpuError> {
+        // Check the lengths before reserving anything.
+        let n = n_out as u64 * n_in as u64;
+        if let Some(want) = format.data_bytes(n) {
+            if data.len() as u64 != want || scales.len() as u64 != format.scale_count(n) {
+                return invalid(format!(
+                    "a {} weight [{n_out}, {n_in}] needs {want} bytes and {} scales, got {} and {}",
+                    format.name(),
+                    format.scale_count(n),
+                    data.len(),
+                    scales.len()
+                ));
+            }
+        }
+        let w = self.allocate(format, n_out, n_in)?;
+        if let Err(e) = self.write_rows(&w, 0, data, scales) {
+            self.release(w);
+            return Err(e);
+        }
+        Ok(w)
+    }
+
+    pub fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[Resource<WeightHandle>]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let device = self.ready()?;
+        let max_elems = device.max_activation_elements;
+        if t == 0 || n_in == 0 {
+            return invalid(format!("empty input [{t}, {n_in}]"));
+        }
+        if x.len() as u64 != t as u64 * n_in as u64 {
+            return invalid(format!("x has {} values, t * n-in is {}", x.len(), t as u64 * n_in as u64));
+        }
+        if jobs.is_empty() {
+            return invalid("no jobs");
+        }
+        if jobs.len() > self.budget.jobs as usize {
+            return invalid(format!("{} jobs exceed the limit of {} per call", jobs.len(), self.budget.jobs));
+        }
+        if x.len() as u64 > max_elems {
+            return Err(GpuError::OutOfMemory(format!("an input of {} values exceeds the device's limit of {max_elems}", x.len())));
+        }
+        let mut ids = Vec::with_capacity(jobs.len());
+        for (i, j) in jobs.iter().enumerate() {
+            let h = self.table.get(j).map_err(|e| GpuError::InvalidArgument(format!("job {i}: weight handle: {e}")))?;
+            if h.cols != n_in {
+                return invalid(format!("job {i}: the weight has {} columns, n-in is {n_in}", h.cols));
+            }
+            if t as u64 * h.rows as u64 > max_elems {
+                return Err(GpuError::OutOfMemory(format!(
+                    "job {i}: an output of {} values exceeds the device's limit of {max_elems}",
+                    t as u64 * h.rows as u64
+                )));
+            }
+            ids.push(h.id);
+        }
+        let r = self.backend.matmul(x, t, n_in, &ids);
+        self.track(r)
+    }
+
+    /// Frees a handle's device memory.
+    pub fn release(&mut self, w: Resource<WeightHandle>) {
+        if let Ok(h) = self.table.delete(w) {
+            self.backend.free(h.id);
+            self.used_bytes -= h.bytes;
+            self.used_handles -= 1;
+        }
+    }
+
+    fn info(&self) -> Option<wit::DeviceInfo> {
+        let d = self.device.as_ref()?;
+        Some(wit::DeviceInfo {
+            name: d.name.clone(),
+            backend: d.backend.clone(),
+            device_type: d.device_type.clone(),
+            max_weight_bytes: d.max_weight_bytes,
+            max_activation_elements: d.max_activation_elements,
+            budget_bytes: self.budget.bytes - self.used_bytes,
+            budget_handles: self.budget.handles - self.used_handles,
+        })
+    }
+}
+
+impl wit::Host for GpuCtx {
+    fn available(&mut self) -> wasmtime::Result<Option<wit::DeviceInfo>> {
+        Ok(if self.lost.is_some() { None } else { self.info() })
+    }
+
+    fn upload(
+        &mut self,
+        format: wit::WeightFormat,
+        n_out: u32,
+        n_in: u32,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
+        Ok(GpuCtx::upload(self, format.into(), n_out, n_in, &data, &scales).map_err(Into::into))
+    }
+
+    fn allocate(&mut self, format: wit::WeightFormat, n_out: u32, n_in: u32) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
+        Ok(GpuCtx::allocate(self, format.into(), n_out, n_in).map_err(Into::into))
+    }
+
+    fn matmul(
+        &mut self,
+        x: Vec<f32>,
+        t: u32,
+        n_in: u32,
+        jobs: Vec<Resource<WeightHandle>>,
+    ) -> wasmtime::Result<Result<Vec<Vec<f32>>, wit::Error>> {
+        Ok(GpuCtx::matmul(self, &x, t, n_in, &jobs).map_err(Into::into))
+    }
+}
+
+impl wit::HostWeight for GpuCtx {
+    fn write_rows(
+        &mut self,
+        w: Resource<WeightHandle>,
+        first_row: u32,
+        data: Vec<u8>,
+        scales: Vec<f32>,
+    ) -> wasmtime::Result<Result<(), wit::Error>> {
+        Ok(GpuCtx::write_rows(self, &w, first_row, &data, &scales).map_err(Into::into))
+    }
+
+    fn rows(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&w).map(|h| h.rows).unwrap_or(0))
+    }
+
+    fn cols(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
+        Ok(self.table.get(&w).map(|h| h.cols).unwrap_or(0))
+    }
+
+    fn format(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<wit::WeightFormat> {
+        Ok(self.table.get(&w).map(|h| h.format).unwrap_or(Format::F32).into())
+    }
+
+    fn drop(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<()> {
+        self.release(w);
+        Ok(())
+    }
+}
+
+struct GpuData;
+
+impl HasData for GpuData {
+    type Data<'a> = &'a mut GpuCtx;
+}
+
+/// Adds wisp's `gpu` interface to a linker whose store data holds a [`GpuCtx`]. This is all an
+/// embedder needs to give the wisp component (or any component importing `wisp:llm/gpu`) a GPU.
+pub fn add_to_linker<T: 'static>(linker: &mut Linker<T>, get: fn(&mut T) -> &mut GpuCtx) -> anyhow::Result<()> {
+    wit::add_to_linker::<T, GpuData>(linker, get)?;
+    Ok(())
+}

@@ -1,0 +1,29 @@
+//! wisp's native host: runs the wisp inference component under wasmtime and gives it a GPU.
+//!
+//! ```no_run
+//! use wisp::{GpuCtx, GpuMode, Options, Sampling, Wisp};
+//! # fn main() -> anyhow::Result<()> {
+//! let path = std::path::Path::new("/models/gemma-3-270m-q4_k_m.gguf");
+//! let wisp = Wisp::new(Options::default())?;
+//! let mut inst = wisp.instantiate(GpuCtx::none(), path.parent())?;
+//! let model = inst.open_model(path, GpuMode::Off)??;
+//! let tokens = inst.tokenize(model, "The capital of France is", true, false)??;
+//! let session = inst.new_session(model, 64)??;
+//! inst.feed(session, &tokens)??;
+//! for _ in 0..8 {
+//!     let step = inst.next(session, &Sampling::default())??;
+//!     print!("{}", String::from_utf8_lossy(&step.piece));
+//! }
+//! # Ok(()) }
+//! ```
+
+mod bindings;
+pub mod fetch;
+pub mod gpu;
+mod runtime;
+
+pub use gpu::{Backend, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, NoDevice, add_to_linker};
+pub use runtime::{
+    EngineError, GUEST_WASM, GpuMode, HostState, Instance, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    Stats, Step, Wisp,
+};

@@ -1,0 +1,371 @@
+//! The embedding API: load the wisp component into wasmtime, open models, drive sessions.
+
+use crate::bindings::Inference;
+use crate::bindings::exports::wisp::llm::engine as wit;
+use crate::gpu::{self, GpuCtx};
+use anyhow::{Context, Result};
+use std::hash::{Hash, Hasher};
+use std::path::{Path, PathBuf};
+use wasmtime::component::{Component, Linker, ResourceAny};
+use wasmtime::{Config, Engine, Store, StoreLimits, StoreLimitsBuilder};
+use wasmtime_wasi::{FsPerms, ResourceTable, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+/// The guest component built with this crate (the same bytes the browser host runs).
+pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
+
+/// Where the guest sees the directory of the model it opens.
+const GUEST_MODEL_DIR: &str = "/model";
+
+/// A typed engine failure, as the guest reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EngineError {
+    InvalidModel(String),
+    Unsupported(String),
+    Io(String),
+    InvalidArgument(String),
+    ContextFull(String),
+    OutOfMemory(String),
+}
+
+impl std::fmt::Display for EngineError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EngineError::InvalidModel(m) => write!(f, "invalid model: {m}"),
+            EngineError::Unsupported(m) => write!(f, "unsupported: {m}"),
+            EngineError::Io(m) => write!(f, "cannot read: {m}"),
+            EngineError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
+            EngineError::ContextFull(m) => write!(f, "context full: {m}"),
+            EngineError::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for EngineError {}
+
+impl From<wit::Error> for EngineError {
+    fn from(e: wit::Error) -> Self {
+        match e {
+            wit::Error::InvalidModel(m) => EngineError::InvalidModel(m),
+            wit::Error::Unsupported(m) => EngineError::Unsupported(m),
+            wit::Error::Io(m) => EngineError::Io(m),
+            wit::Error::InvalidArgument(m) => EngineError::InvalidArgument(m),
+            wit::Error::ContextFull(m) => EngineError::ContextFull(m),
+            wit::Error::OutOfMemory(m) => EngineError::OutOfMemory(m),
+        }
+    }
+}
+
+/// Where the guest runs its matrix products (the WIT `gpu-mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuMode {
+    Off,
+    #[default]
+    Auto,
+    On,
+}
+
+/// Sampling settings (the WIT `sampling` record). The default is greedy.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0 is greedy.
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+    }
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub token: u32,
+    /// The token's bytes (may end inside a UTF-8 sequence).
+    pub piece: Vec<u8>,
+    pub end_of_generation: bool,
+}
+
+/// What a model is (the WIT `model-info`).
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub name: String,
+    pub n_params: u64,
+    pub n_layers: u32,
+    pub n_embd: u32,
+    pub n_vocab: u32,
+    pub n_ctx_train: u32,
+    pub file_bytes: u64,
+    pub tokenizer: String,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// (name, type, shape, bytes)
+    pub tensors: Vec<(String, String, Vec<u64>, u64)>,
+    pub metadata: Vec<(String, String)>,
+    /// (name, backend) of the device the guest saw.
+    pub device: Option<(String, String)>,
+    pub gpu_weights: u32,
+}
+
+/// Counters of a session (the WIT `stats`).
+pub type Stats = wit::Stats;
+
+/// Options of a [`Wisp`] runtime and its instances.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Largest linear memory of a guest instance, in bytes.
+    pub max_memory: usize,
+    /// Directory for compiled components (skips recompiling the guest on each start).
+    pub cache_dir: Option<PathBuf>,
+    /// Per-instance device budget.
+    pub budget: gpu::Budget,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { max_memory: 4 << 30, cache_dir: crate::fetch::cache_dir().ok().map(|d| d.join("compiled")), budget: gpu::Budget::default() }
+    }
+}
+
+/// Store data of one guest instance.
+pub struct HostState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    gpu: GpuCtx,
+    limits: StoreLimits,
+}
+
+impl WasiView for HostState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
+    }
+}
+
+/// A wasmtime engine with the wisp component compiled and linked: cheap to instantiate.
+pub struct Wisp {
+    engine: Engine,
+    component: Component,
+    linker: Linker<HostState>,
+    options: Options,
+}
+
+fn compile(engine: &Engine, bytes: &[u8], cache: Option<&Path>) -> Result<Component> {
+    let Some(dir) = cache else { return Component::new(engine, bytes).map_err(Into::into) };
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    bytes.hash(&mut h);
+    engine.precompile_compatibility_hash().hash(&mut h);
+    env!("CARGO_PKG_VERSION").hash(&mut h);
+    let path = dir.join(format!("wisp-{:016x}.cwasm", h.finish()));
+    if path.exists() {
+        // SAFETY: the file was written by `Component::serialize` of this very build (its name
+        // hashes the component, the engine's settings and this crate's version) into wisp's own
+        // cache directory; a file that fails wasmtime's own header checks is recompiled.
+        if let Ok(c) = unsafe { Component::deserialize_file(engine, &path) } {
+            return Ok(c);
+        }
+    }
+    let component = Component::new(engine, bytes)?;
+    if let Ok(bytes) = component.serialize() {
+        let _ = std::fs::create_dir_all(dir);
+        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, bytes).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    }
+    Ok(component)
+}
+
+impl Wisp {
+    /// The runtime with wisp's own guest component.
+    pub fn new(options: Options) -> Result<Wisp> {
+        Wisp::with_component(GUEST_WASM, options)
+    }
+
+    /// The runtime with another build of a component of the `inference` world.
+    pub fn with_component(bytes: &[u8], options: Options) -> Result<Wisp> {
+        let mut config = Config::new();
+        config.wasm_component_model(true);
+        let engine = Engine::new(&config)?;
+        let component = compile(&engine, bytes, options.cache_dir.as_deref()).context("compiling the guest component")?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+        gpu::add_to_linker(&mut linker, |s: &mut HostState| &mut s.gpu)?;
+        Ok(Wisp { engine, component, linker, options })
+    }
+
+    /// A fresh guest instance. `model_dir`, if given, is preopened read-only: the only part of
+    /// the host's file system the guest can see.
+    pub fn instantiate(&self, gpu: GpuCtx, model_dir: Option<&Path>) -> Result<Instance> {
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.inherit_stderr();
+        if let Some(dir) = model_dir {
+            wasi.preopened_dir(dir, GUEST_MODEL_DIR, FsPerms::ReadOnly)
+                .map_err(|e| anyhow::Error::from(e).context(format!("opening {}", dir.display())))?;
+        }
+        let limits = StoreLimitsBuilder::new().memory_size(self.options.max_memory).build();
+        let state = HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        let api = Inference::instantiate(&mut store, &self.component, &self.linker)
+            .map_err(|e| anyhow::Error::from(e).context("instantiating the guest"))?;
+        Ok(Instance { store, api, model_dir: model_dir.map(Path::to_path_buf) })
+    }
+
+    pub fn options(&self) -> &Options {
+        &self.options
+    }
+}
+
+/// A loaded model inside an [`Instance`].
+#[derive(Debug, Clone, Copy)]
+pub struct Model(ResourceAny);
+
+/// A session (KV cache) inside an [`Instance`].
+#[derive(Debug, Clone, Copy)]
+pub struct Session(ResourceAny);
+
+/// One guest instance: its store, its models and sessions.
+pub struct Instance {
+    store: Store<HostState>,
+    api: Inference,
+    model_dir: Option<PathBuf>,
+}
+
+/// Engine calls return `Ok(Err(e))` for a typed engine error and `Err` for a trap.
+pub type Outcome<T> = Result<Result<T, EngineError>>;
+
+fn mode(m: GpuMode) -> wit::GpuMode {
+    match m {
+        GpuMode::Off => wit::GpuMode::Off,
+        GpuMode::Auto => wit::GpuMode::Auto,
+        GpuMode::On => wit::GpuMode::On,
+    }
+}
+
+impl Instance {
+    /// Opens a model file inside the instance's model directory.
+    pub fn open_model(&mut self, path: &Path, gpu: GpuMode) -> Outcome<Model> {
+        let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
+        let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
+        let guest_path = format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?);
+        let e = self.api.wisp_llm_engine().model();
+        let r = e.call_open(&mut self.store, &guest_path, wit::LoadOptions { gpu: mode(gpu) })?;
+        Ok(r.map(Model).map_err(Into::into))
+    }
+
+    /// Opens a model given as bytes.
+    pub fn open_model_bytes(&mut self, bytes: &[u8], gpu: GpuMode) -> Outcome<Model> {
+        let e = self.api.wisp_llm_engine().model();
+        let r = e.call_from_bytes(&mut self.store, bytes, wit::LoadOptions { gpu: mode(gpu) })?;
+        Ok(r.map(Model).map_err(Into::into))
+    }
+
+    pub fn model_info(&mut self, m: Model) -> Result<ModelInfo> {
+        let i = self.api.wisp_llm_engine().model().call_info(&mut self.store, m.0)?;
+        Ok(ModelInfo {
+            architecture: i.architecture,
+            name: i.name,
+            n_params: i.n_params,
+            n_layers: i.n_layers,
+            n_embd: i.n_embd,
+            n_vocab: i.n_vocab,
+            n_ctx_train: i.n_ctx_train,
+            file_bytes: i.file_bytes,
+            tokenizer: i.tokenizer,
+            bos: i.bos,
+            eos: i.eos,
+            tensors: i.tensors.into_iter().map(|t| (t.name, t.kind, t.shape, t.bytes)).collect(),
+            metadata: i.metadata,
+            device: i.device.map(|d| (d.name, d.backend)),
+            gpu_weights: i.gpu_weights,
+        })
+    }
+
+    pub fn tokenize(&mut self, m: Model, text: &str, add_special: bool, parse_special: bool) -> Outcome<Vec<u32>> {
+        let r = self.api.wisp_llm_engine().model().call_tokenize(&mut self.store, m.0, text, add_special, parse_special)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn token_piece(&mut self, m: Model, token: u32, special: bool) -> Outcome<Vec<u8>> {
+        let r = self.api.wisp_llm_engine().model().call_token_piece(&mut self.store, m.0, token, special)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn detokenize(&mut self, m: Model, tokens: &[u32], special: bool) -> Outcome<String> {
+        let r = self.api.wisp_llm_engine().model().call_detokenize(&mut self.store, m.0, tokens, special)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn is_end_of_generation(&mut self, m: Model, token: u32) -> Result<bool> {
+        self.api.wisp_llm_engine().model().call_is_end_of_generation(&mut self.store, m.0, token).map_err(Into::into)
+    }
+
+    /// A new session with room for `n_ctx` tokens (0: the model's training context).
+    pub fn new_session(&mut self, m: Model, n_ctx: u32) -> Outcome<Session> {
+        let r = self.api.wisp_llm_engine().model().call_new_session(&mut self.store, m.0, n_ctx)?;
+        Ok(r.map(Session).map_err(Into::into))
+    }
+
+    pub fn feed(&mut self, s: Session, tokens: &[u32]) -> Outcome<()> {
+        let r = self.api.wisp_llm_engine().session().call_feed(&mut self.store, s.0, tokens)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn next(&mut self, s: Session, sampling: &Sampling) -> Outcome<Step> {
+        let p = wit::Sampling {
+            temperature: sampling.temperature,
+            top_k: sampling.top_k,
+            top_p: sampling.top_p,
+            min_p: sampling.min_p,
+            repeat_penalty: sampling.repeat_penalty,
+            repeat_last_n: sampling.repeat_last_n,
+            seed: sampling.seed,
+        };
+        let r = self.api.wisp_llm_engine().session().call_next(&mut self.store, s.0, p)?;
+        Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation }).map_err(Into::into))
+    }
+
+    pub fn logits(&mut self, s: Session) -> Outcome<Vec<f32>> {
+        let r = self.api.wisp_llm_engine().session().call_logits(&mut self.store, s.0)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn top(&mut self, s: Session, k: u32) -> Outcome<Vec<(u32, f32)>> {
+        let r = self.api.wisp_llm_engine().session().call_top(&mut self.store, s.0, k)?;
+        Ok(r.map_err(Into::into))
+    }
+
+    pub fn position(&mut self, s: Session) -> Result<u32> {
+        self.api.wisp_llm_engine().session().call_position(&mut self.store, s.0).map_err(Into::into)
+    }
+
+    pub fn reset(&mut self, s: Session) -> Result<()> {
+        self.api.wisp_llm_engine().session().call_reset(&mut self.store, s.0).map_err(Into::into)
+    }
+
+    pub fn stats(&mut self, s: Session) -> Result<Stats> {
+        self.api.wisp_llm_engine().session().call_stats(&mut self.store, s.0).map_err(Into::into)
+    }
+
+    /// Frees a session's memory in the guest.
+    pub fn drop_session(&mut self, s: Session) -> Result<()> {
+        s.0.resource_drop(&mut self.store).map_err(Into::into)
+    }
+
+    /// Frees a model's memory in the guest (its sessions keep it alive until they go).
+    pub fn drop_model(&mut self, m: Model) -> Result<()> {
+        m.0.resource_drop(&mut self.store).map_err(Into::into)
+    }
+
+    /// The instance's GPU context (device usage, for statistics and tests).
+    pub fn gpu(&mut self) -> &mut GpuCtx {
+        &mut self.store.data_mut().gpu
+    }
+}
