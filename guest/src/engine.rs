@@ -3,6 +3,7 @@
 
 use crate::gguf::{Gguf, GgufError};
 use crate::models::{LoadError, gemma3};
+use crate::quant;
 use crate::tokenizer::Tokenizer;
 use std::fmt;
 
@@ -89,10 +90,18 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
             if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
         })?;
-        // The converted weights take about one byte per parameter plus scales: refuse early,
-        // with a message, what cannot fit rather than trap half way.
+        // The converted weights take about one byte per parameter plus scales for block
+        // formats, and four (f32) for float formats: refuse early, with a message, what cannot
+        // fit rather than trap half way.
         let n_params: u64 = g.tensors.iter().map(|t| t.n_elements).sum();
-        let need = n_params.saturating_add(n_params / 4);
+        let need = g
+            .tensors
+            .iter()
+            .map(|t| match quant::qmatrix_layout(t.kind) {
+                Some(_) => t.n_elements.saturating_add(t.n_elements / 4),
+                None => t.n_elements.saturating_mul(4),
+            })
+            .fold(0, u64::saturating_add);
         if need > usize::MAX as u64 || !can_allocate(need as usize) {
             return Err(Error::OutOfMemory(format!(
                 "the model's {n_params} parameters need about {} MiB of guest memory",

@@ -18,6 +18,14 @@ pub const DEFAULT_ALIGNMENT: u64 = 32;
 /// Largest capacity reserved up front from a count read from the file.
 const PREALLOC_CAP: u64 = 4096;
 
+/// An empty vector for `n` items counted in the file, with room reserved for at most
+/// `PREALLOC_CAP` of them and never more bytes than the file has left: a count only proves the
+/// bytes for its smallest items, which may be smaller than a `T`.
+fn reserved<T>(n: u64, bytes_left: u64) -> Vec<T> {
+    let room = bytes_left / size_of::<T>().max(1) as u64;
+    Vec::with_capacity(n.min(PREALLOC_CAP).min(room) as usize)
+}
+
 /// A parse failure, with where in the file it happened.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GgufError {
@@ -476,7 +484,7 @@ impl<'a> Reader<'a> {
         let n = self.count(&format!("{what}: array length"), item)? as usize;
         macro_rules! items {
             ($variant:ident, $read:expr) => {{
-                let mut v = Vec::with_capacity(n.min(PREALLOC_CAP as usize));
+                let mut v = reserved(n as u64, self.remaining());
                 for _ in 0..n {
                     v.push($read(&mut *self)?);
                 }
@@ -531,9 +539,9 @@ impl Gguf {
         // A key/value is at least key length + type + one byte: 13 bytes.
         let n_kv = r.count("metadata count", 13)?;
 
-        // Capacities are capped: a count only proves the bytes for its smallest items exist.
-        let mut metadata = Vec::with_capacity(n_kv.min(PREALLOC_CAP) as usize);
-        let mut index = HashMap::with_capacity(n_kv.min(PREALLOC_CAP) as usize);
+        // Capacities are capped by the bytes left; the indexes grow with the entries read.
+        let mut metadata = reserved(n_kv, r.remaining());
+        let mut index = HashMap::new();
         for _ in 0..n_kv {
             let at = r.pos as u64;
             let key = r.string("metadata key", MAX_STRING_BYTES)?;
@@ -565,8 +573,8 @@ impl Gguf {
             }
         };
 
-        let mut tensors = Vec::with_capacity(n_tensors.min(PREALLOC_CAP) as usize);
-        let mut tensor_index = HashMap::with_capacity(n_tensors.min(PREALLOC_CAP) as usize);
+        let mut tensors = reserved(n_tensors, r.remaining());
+        let mut tensor_index = HashMap::new();
         for _ in 0..n_tensors {
             let at = r.pos as u64;
             let name = r.string("tensor name", MAX_STRING_BYTES)?;

@@ -19,6 +19,7 @@
 
 mod bindings;
 pub mod fetch;
+pub mod golden;
 pub mod gpu;
 mod runtime;
 

@@ -183,9 +183,17 @@ fn compile(engine: &Engine, bytes: &[u8], cache: Option<&Path>) -> Result<Compon
 }
 
 impl Wisp {
-    /// The runtime with wisp's own guest component.
+    /// The runtime with wisp's own guest component, or with the component file named by the
+    /// environment variable `WISP_COMPONENT` when it is set (for developing the guest).
     pub fn new(options: Options) -> Result<Wisp> {
-        Wisp::with_component(GUEST_WASM, options)
+        match std::env::var_os("WISP_COMPONENT") {
+            Some(path) => {
+                let bytes = std::fs::read(&path)
+                    .with_context(|| format!("reading WISP_COMPONENT={}", Path::new(&path).display()))?;
+                Wisp::with_component(&bytes, options)
+            }
+            None => Wisp::with_component(GUEST_WASM, options),
+        }
     }
 
     /// The runtime with another build of a component of the `inference` world.

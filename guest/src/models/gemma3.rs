@@ -47,7 +47,7 @@ impl Config {
         let n_head = required_u64(g, &key("attention.head_count"), super::MAX_HEADS)? as usize;
         let n_head_kv = match g.get_u64(&key("attention.head_count_kv"))? {
             None => n_head,
-            Some(v) if v == 0 || n_head % v as usize != 0 => {
+            Some(v) if v == 0 || !(n_head as u64).is_multiple_of(v) => {
                 return invalid(format!(
                     "attention.head_count_kv = {v} does not divide head_count = {n_head}"
                 ));
@@ -56,11 +56,24 @@ impl Config {
         };
         let head_dim = match g.get_u64(&key("attention.key_length"))? {
             Some(v) if v > 0 && v <= super::MAX_WIDTH && v % 2 == 0 => v as usize,
+            Some(v) => return invalid(format!("attention.key_length {v} is not a usable head size")),
             None if n_embd % n_head == 0 && (n_embd / n_head) % 2 == 0 => n_embd / n_head,
-            other => return invalid(format!("attention.key_length {other:?} is not a usable head size")),
+            None => {
+                return invalid(format!(
+                    "attention.head_count {n_head} does not divide embedding_length {n_embd} \
+                     into heads of even size, and attention.key_length is missing"
+                ));
+            }
         };
+        // Bounds every product of widths the session computes, in 32 bits too.
+        if n_head * head_dim > super::MAX_WIDTH as usize {
+            return invalid(format!(
+                "attention width {n_head} heads x {head_dim} exceeds the cap of {}",
+                super::MAX_WIDTH
+            ));
+        }
         if let Some(v) = g.get_u64(&key("attention.value_length"))? {
-            if v as usize != head_dim {
+            if v != head_dim as u64 {
                 return Err(LoadError::Unsupported(format!(
                     "value_length {v} differs from key_length {head_dim}"
                 )));
@@ -79,10 +92,13 @@ impl Config {
                 return Err(LoadError::Unsupported(format!("rope scaling {other:?}")));
             }
         };
-        let window = g.get_u64(&key("attention.sliding_window"))?.unwrap_or(512) as usize;
+        // A window as long as the longest context is no window: larger ones are clamped.
+        let window =
+            g.get_u64(&key("attention.sliding_window"))?.unwrap_or(512).min(super::MAX_CONTEXT)
+                as usize;
         let token_embd = g.tensor("token_embd.weight");
         let n_vocab = match token_embd.map(|t| t.dims.as_slice()) {
-            Some([e, v]) if *e as usize == n_embd && *v > 0 && *v <= u32::MAX as u64 / 2 => {
+            Some([e, v]) if *e == n_embd as u64 && *v > 0 && *v <= u32::MAX as u64 / 2 => {
                 *v as usize
             }
             Some(d) => {

@@ -68,7 +68,7 @@ pub type Error = String;
 fn special_id(g: &Gguf, key: &str, n_vocab: usize) -> Result<Option<u32>, Error> {
     match g.get_u64(key)? {
         None => Ok(None),
-        Some(id) if (id as usize) < n_vocab => Ok(Some(id as u32)),
+        Some(id) if id < n_vocab as u64 => Ok(Some(id as u32)),
         // llama.cpp treats -1 (as u32::MAX) as "none".
         Some(id) if id == u32::MAX as u64 => Ok(None),
         Some(id) => Err(format!("{key} = {id} is not below the vocabulary size {n_vocab}")),

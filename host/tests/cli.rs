@@ -1,0 +1,184 @@
+//! The `wisp` CLI run as a user runs it, on the real default model.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+/// The default model, fetched once for all tests of this binary.
+fn model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::GEMMA3_270M, false).expect("fetching the default model"))
+}
+
+fn wisp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_wisp")).args(args).output().expect("running wisp")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn golden() -> Value {
+    let text = std::fs::read_to_string(root().join("tests/golden/gemma3-270m.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+#[test]
+fn tokenize_gives_llama_cpp_ids_for_every_golden_case() {
+    let m = model().to_str().unwrap();
+    for case in golden()["cases"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let o = wisp(&["tokenize", "--model", m, "--json", prompt]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let got: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+        assert_eq!(got, case["prompt_tokens"], "case {}", case["name"]);
+    }
+}
+
+#[test]
+fn tokenize_prints_pieces_without_json() {
+    let o = wisp(&["tokenize", "--model", model().to_str().unwrap(), "Hello world"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.lines().count() >= 3, "{out}");
+    assert!(out.contains("\"<bos>\"") && out.contains("\" world\""), "{out}");
+}
+
+#[test]
+fn eval_meets_the_golden_thresholds_on_the_cpu() {
+    let golden = root().join("tests/golden/gemma3-270m.json");
+    let m = model().to_str().unwrap();
+    let o = wisp(&["eval", "--model", m, "--gpu", "off", "--golden", golden.to_str().unwrap(), "--json"]);
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stderr(&o)));
+    for c in v["cases"].as_array().unwrap() {
+        assert_eq!(c["pass"], true, "case failed: {c}");
+        assert!(c["max_top5_diff"].as_f64().unwrap() <= 1.5);
+        assert!(c["rmse"].as_f64().unwrap() <= 0.6);
+        assert_eq!(c["steps"].as_array().unwrap()[0]["top"].as_array().unwrap().len(), 5);
+    }
+    assert_eq!(v["cases"].as_array().unwrap().len(), 7, "every case ran, long-gpl included");
+    assert!(o.status.success(), "{}", stderr(&o));
+}
+
+#[test]
+fn eval_fails_with_exit_3_when_the_reference_disagrees() {
+    // A golden file whose continuation is wrong at a step with a large margin.
+    let dir = tempdir("eval-fail");
+    let mut g = golden();
+    let case = &mut g["cases"][0];
+    case["continuation"][0] = Value::from(12345);
+    case["steps"][0]["top5"][0] = serde_json::json!([12345, 40.0]);
+    let path = dir.join("bad.json");
+    std::fs::write(&path, serde_json::to_string(&serde_json::json!({"cases": [case.clone()]})).unwrap()).unwrap();
+    let o = wisp(&["eval", "--model", model().to_str().unwrap(), "--gpu", "off", "--golden", path.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}\n{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).contains("FAIL"), "{}", stdout(&o));
+}
+
+#[test]
+fn run_streams_a_sensible_continuation() {
+    let o = wisp(&["run", "--model", model().to_str().unwrap(), "-n", "8", "The capital of France is"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.starts_with("The capital of France is the capital of"), "{out}");
+    assert!(stderr(&o).contains("decode:"), "{}", stderr(&o));
+}
+
+#[test]
+fn run_with_sampling_is_reproducible_by_seed() {
+    let m = model().to_str().unwrap();
+    let args = ["run", "--model", m, "-n", "12", "--temp", "0.9", "--seed", "7", "Once upon a time"];
+    let a = wisp(&args);
+    let b = wisp(&args);
+    assert!(a.status.success(), "{}", stderr(&a));
+    assert_eq!(stdout(&a), stdout(&b));
+}
+
+#[test]
+fn info_reports_the_model() {
+    let o = wisp(&["info", "--model", model().to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(v["architecture"], "gemma3");
+    assert_eq!(v["n_vocab"], 262144);
+    assert_eq!(v["n_layers"], 18);
+    assert_eq!(v["file_bytes"], 253113024);
+    let types: Vec<&str> = v["tensor_types"].as_array().unwrap().iter().map(|t| t["type"].as_str().unwrap()).collect();
+    for t in ["F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"] {
+        assert!(types.contains(&t), "{types:?}");
+    }
+    let text = wisp(&["info", "--model", model().to_str().unwrap()]);
+    assert!(stdout(&text).contains("architecture: gemma3"), "{}", stdout(&text));
+}
+
+#[test]
+fn bench_prints_speeds() {
+    let o = wisp(&[
+        "bench", "--model", model().to_str().unwrap(), "--runs", "1", "--prompt-tokens", "16", "--decode-tokens", "4",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    for key in ["prefill_tok_s", "decode_tok_s", "load_s"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key} in {v}");
+    }
+    assert_eq!(v["prompt_tokens"], 16);
+}
+
+#[test]
+fn fetch_prints_the_cached_model() {
+    let path = model();
+    let o = wisp(&["fetch"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(Path::new(stdout(&o).trim()), path);
+    let o = wisp(&["fetch", "no-such-model"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("unknown model"), "{}", stderr(&o));
+}
+
+fn tempdir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("wisp-cli-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn bad_model_paths_fail_with_one_line() {
+    let dir = tempdir("bad");
+    let not_gguf = dir.join("notes.gguf");
+    std::fs::write(&not_gguf, b"this is not a model file at all").unwrap();
+    let missing = dir.join("missing.gguf");
+    for (path, code, needle) in [
+        (missing.as_path(), 1, "cannot open model"),
+        (dir.as_path(), 1, "is a directory"),
+        (not_gguf.as_path(), 2, "bad magic"),
+    ] {
+        let o = wisp(&["run", "--model", path.to_str().unwrap(), "hi"]);
+        assert_eq!(o.status.code(), Some(code), "{}", stderr(&o));
+        let err = stderr(&o);
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.contains(needle), "{err}");
+    }
+}
+
+#[test]
+fn help_has_examples_for_every_subcommand() {
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch"] {
+        let o = wisp(&[sub, "--help"]);
+        assert!(o.status.success());
+        assert!(stdout(&o).contains("Examples:"), "{sub}: {}", stdout(&o));
+    }
+    let o = wisp(&["--help"]);
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch"] {
+        assert!(stdout(&o).contains(sub));
+    }
+}
