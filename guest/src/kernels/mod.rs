@@ -24,6 +24,10 @@ pub struct QActs {
     pub s: Vec<f32>,
     /// `[t, n / 32]`: the exact sum of each block, for weight formats with mins.
     pub sum: Vec<f32>,
+    /// `s` and `sum` regrouped for kernels that run 4 tokens at once:
+    /// `[t / 4, n / 32, 4]`, the 4 tokens of a group side by side.
+    pub s4: Vec<f32>,
+    pub sum4: Vec<f32>,
 }
 
 impl QActs {
@@ -49,6 +53,18 @@ impl QActs {
             }
             *s = scale;
             *sum = xb.iter().sum();
+        }
+        let nb = n / 32;
+        let groups = t / 4;
+        self.s4.resize(groups * nb * 4, 0.0);
+        self.sum4.resize(groups * nb * 4, 0.0);
+        for g in 0..groups {
+            for b in 0..nb {
+                for i in 0..4 {
+                    self.s4[(g * nb + b) * 4 + i] = self.s[(4 * g + i) * nb + b];
+                    self.sum4[(g * nb + b) * 4 + i] = self.sum[(4 * g + i) * nb + b];
+                }
+            }
         }
     }
 }
@@ -120,5 +136,109 @@ pub fn softmax(x: &mut [f32]) {
     let inv = 1.0 / sum;
     for v in x.iter_mut() {
         *v *= inv;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gguf::TensorType;
+    use crate::quant::tests::{Rng, random_blocks};
+    use crate::quant::{self, QMatrix};
+
+    /// A fresh seed per run, printed so that a failure can be replayed.
+    fn seed() -> u64 {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(1);
+        let s = (t as u64) | 1;
+        println!("seed {s:#x}");
+        s
+    }
+
+    /// Random activations with a few outliers, as transformer activations have.
+    fn activations(rng: &mut Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|i| rng.f32() * if i % 97 == 5 { 40.0 } else { 1.0 }).collect()
+    }
+
+    /// The quantized product against the f64 product of the dequantized weights, within the
+    /// error the i16 activations allow (half a step of each block's scale) plus f32 rounding.
+    #[test]
+    fn matmul_q_matches_the_dequantized_reference() {
+        let mut rng = Rng(seed());
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+            let (block, _) = kind.block();
+            for &t in &[1usize, 3, 4, 5, 9] {
+                let blocks = 1 + (rng.next_u64() % 3) as usize;
+                let n_in = block as usize * blocks * if block == 32 { 1 + (rng.next_u64() % 7) as usize } else { 1 };
+                let n_out = 1 + (rng.next_u64() % 9) as usize;
+                let data = random_blocks(kind, n_out * n_in, &mut rng);
+                let q = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                let mut w = vec![0f32; n_out * n_in];
+                quant::dequantize(kind, &data, &mut w);
+                let x = activations(&mut rng, t * n_in);
+                let mut acts = QActs::default();
+                acts.quantize(&x, t, n_in);
+                let mut y = vec![0f32; t * n_out];
+                matmul_q(&q, &acts, &mut y);
+                for tok in 0..t {
+                    let xr = &x[tok * n_in..(tok + 1) * n_in];
+                    for r in 0..n_out {
+                        let wr = &w[r * n_in..(r + 1) * n_in];
+                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let magnitude: f64 = wr.iter().zip(xr).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum();
+                        let quant_err: f64 = (0..n_in / 32)
+                            .map(|b| {
+                                let amax = xr[32 * b..32 * b + 32].iter().fold(0f32, |m, v| m.max(v.abs())) as f64;
+                                let wsum: f64 = wr[32 * b..32 * b + 32].iter().map(|v| v.abs() as f64).sum();
+                                wsum * amax / 65534.0
+                            })
+                            .sum();
+                        let tol = 1.01 * quant_err + 1e-5 * magnitude + 1e-6;
+                        let got = y[tok * n_out + r] as f64;
+                        assert!(
+                            (got - exact).abs() <= tol,
+                            "{kind:?} t={t} [{n_out}, {n_in}] token {tok} row {r}: {got} vs {exact} (tol {tol})"
+                        );
+                    }
+                }
+                // The dispatched kernel (SIMD on wasm32) agrees with the scalar reference.
+                let mut reference = vec![0f32; t * n_out];
+                scalar::matmul_q(&q, &acts, &mut reference);
+                for (a, b) in y.iter().zip(&reference) {
+                    assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{kind:?} t={t}: simd {a} vs scalar {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dot_and_axpy_match_scalar() {
+        let mut rng = Rng(seed());
+        for n in [0usize, 1, 3, 4, 7, 8, 9, 31, 256, 1000] {
+            let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot(&a, &b) as f64 - exact).abs() <= 1e-5 * (1.0 + n as f64), "dot n={n}");
+            let mut y1 = b.clone();
+            let mut y2 = b.clone();
+            axpy(0.37, &a, &mut y1);
+            scalar::axpy(0.37, &a, &mut y2);
+            assert_eq!(y1, y2, "axpy n={n}");
+        }
+    }
+
+    #[test]
+    fn quantized_activations_are_within_half_a_step() {
+        let mut rng = Rng(seed());
+        let x = activations(&mut rng, 4 * 64 + 3 * 64);
+        let mut a = QActs::default();
+        a.quantize(&x, 7, 64);
+        for (i, v) in x.iter().enumerate() {
+            let s = a.s[i / 32];
+            // Half a step, plus the f32 rounding of `v / s` (a few thousandths of a step).
+            assert!((a.q[i] as f32 * s - v).abs() <= 0.51 * s, "element {i}");
+        }
+        // The regrouped scales of 4-token groups hold the same values.
+        assert_eq!(a.s4[(0 * 2 + 1) * 4 + 2], a.s[2 * 2 + 1]);
+        assert_eq!(a.sum4[(0 * 2 + 1) * 4 + 3], a.sum[3 * 2 + 1]);
     }
 }

@@ -13,85 +13,186 @@ fn hsum(v: v128) -> f32 {
         + f32x4_extract_lane::<3>(v)
 }
 
-/// Row `r` of `w` against `N` consecutive token rows of `x` starting at `tok`.
-/// The weights of each block are widened once and used for all `N` tokens.
+/// `[sum(a), sum(b), sum(c), sum(d)]`: four horizontal sums at once.
 #[inline(always)]
-unsafe fn dot_rows<const N: usize>(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> [f32; N] {
+fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
+    let ab = i32x4_add(i32x4_shuffle::<0, 4, 1, 5>(a, b), i32x4_shuffle::<2, 6, 3, 7>(a, b));
+    let cd = i32x4_add(i32x4_shuffle::<0, 4, 1, 5>(c, d), i32x4_shuffle::<2, 6, 3, 7>(c, d));
+    i32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd))
+}
+
+/// The 32 weights of one block widened to i16.
+#[inline(always)]
+unsafe fn widen(q: *const i8) -> [v128; 4] {
+    unsafe {
+        let w0 = v128_load(q as *const v128);
+        let w1 = v128_load(q.add(16) as *const v128);
+        [
+            i16x8_extend_low_i8x16(w0),
+            i16x8_extend_high_i8x16(w0),
+            i16x8_extend_low_i8x16(w1),
+            i16x8_extend_high_i8x16(w1),
+        ]
+    }
+}
+
+/// Integer products of one block against 32 i16 activations: the sums of elements 0..16 and
+/// 16..32, each as i32x4 partial sums.
+#[inline(always)]
+unsafe fn products(a: &[v128; 4], x: *const i16) -> (v128, v128) {
+    unsafe {
+        let lo = i32x4_add(
+            i32x4_dot_i16x8(a[0], v128_load(x as *const v128)),
+            i32x4_dot_i16x8(a[1], v128_load(x.add(8) as *const v128)),
+        );
+        let hi = i32x4_add(
+            i32x4_dot_i16x8(a[2], v128_load(x.add(16) as *const v128)),
+            i32x4_dot_i16x8(a[3], v128_load(x.add(24) as *const v128)),
+        );
+        (lo, hi)
+    }
+}
+
+/// Row `r` of `w` against one token row `tok` of `x`. Blocks go four at a time: their integer
+/// sums are reduced together and scaled with one vector multiply.
+#[inline(always)]
+unsafe fn dot_row(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
     let n = w.n_in;
     let nb = n / QK;
-    let mut acc = [f32x4_splat(0.0); N];
     unsafe {
         let q = w.q.as_ptr().add(r * n);
-        for b in 0..nb {
-            let w0 = v128_load(q.add(QK * b) as *const v128);
-            let w1 = v128_load(q.add(QK * b + 16) as *const v128);
-            let a0 = i16x8_extend_low_i8x16(w0);
-            let a1 = i16x8_extend_high_i8x16(w0);
-            let a2 = i16x8_extend_low_i8x16(w1);
-            let a3 = i16x8_extend_high_i8x16(w1);
-            for (i, acc) in acc.iter_mut().enumerate() {
-                let row = tok + i;
-                let xp = x.q.as_ptr().add(row * n + QK * b);
-                let xs = *x.s.get_unchecked(row * nb + b);
-                let lo = i32x4_add(
-                    i32x4_dot_i16x8(a0, v128_load(xp as *const v128)),
-                    i32x4_dot_i16x8(a1, v128_load(xp.add(8) as *const v128)),
-                );
-                let hi = i32x4_add(
-                    i32x4_dot_i16x8(a2, v128_load(xp.add(16) as *const v128)),
-                    i32x4_dot_i16x8(a3, v128_load(xp.add(24) as *const v128)),
-                );
-                match w.group {
-                    Group::G32 => {
-                        let d = *w.d.get_unchecked(r * nb + b) * xs;
-                        let p = f32x4_convert_i32x4(i32x4_add(lo, hi));
-                        *acc = f32x4_add(*acc, f32x4_mul(p, f32x4_splat(d)));
+        let xq = x.q.as_ptr().add(tok * n);
+        let xs = x.s.as_ptr().add(tok * nb);
+        let mut acc = f32x4_splat(0.0);
+        let mut b = 0;
+        match w.group {
+            Group::G32 => {
+                let d = w.d.as_ptr().add(r * nb);
+                while b + 4 <= nb {
+                    let mut p = [i32x4_splat(0); 4];
+                    for (i, p) in p.iter_mut().enumerate() {
+                        let (lo, hi) = products(&widen(q.add(QK * (b + i))), xq.add(QK * (b + i)));
+                        *p = i32x4_add(lo, hi);
                     }
-                    Group::G16 => {
-                        let d0 = *w.d.get_unchecked(2 * (r * nb + b)) * xs;
-                        let d1 = *w.d.get_unchecked(2 * (r * nb + b) + 1) * xs;
-                        let p = f32x4_add(
-                            f32x4_mul(f32x4_convert_i32x4(lo), f32x4_splat(d0)),
-                            f32x4_mul(f32x4_convert_i32x4(hi), f32x4_splat(d1)),
-                        );
-                        *acc = f32x4_add(*acc, p);
+                    let sums = f32x4_convert_i32x4(hsum4_i32(p[0], p[1], p[2], p[3]));
+                    let scale = f32x4_mul(v128_load(d.add(b) as *const v128), v128_load(xs.add(b) as *const v128));
+                    acc = f32x4_add(acc, f32x4_mul(sums, scale));
+                    b += 4;
+                }
+            }
+            Group::G16 => {
+                let d = w.d.as_ptr().add(2 * r * nb);
+                while b + 4 <= nb {
+                    let mut lo = [i32x4_splat(0); 4];
+                    let mut hi = [i32x4_splat(0); 4];
+                    for i in 0..4 {
+                        (lo[i], hi[i]) = products(&widen(q.add(QK * (b + i))), xq.add(QK * (b + i)));
                     }
+                    let s_lo = f32x4_convert_i32x4(hsum4_i32(lo[0], lo[1], lo[2], lo[3]));
+                    let s_hi = f32x4_convert_i32x4(hsum4_i32(hi[0], hi[1], hi[2], hi[3]));
+                    let d0 = v128_load(d.add(2 * b) as *const v128);
+                    let d1 = v128_load(d.add(2 * b + 4) as *const v128);
+                    let d_lo = i32x4_shuffle::<0, 2, 4, 6>(d0, d1);
+                    let d_hi = i32x4_shuffle::<1, 3, 5, 7>(d0, d1);
+                    let xs4 = v128_load(xs.add(b) as *const v128);
+                    let p = f32x4_add(f32x4_mul(s_lo, d_lo), f32x4_mul(s_hi, d_hi));
+                    acc = f32x4_add(acc, f32x4_mul(p, xs4));
+                    b += 4;
                 }
             }
         }
-    }
-    let mut out = [0f32; N];
-    for i in 0..N {
-        out[i] = hsum(acc[i]);
-        if !w.m.is_empty() {
-            let m = &w.m[r * nb..(r + 1) * nb];
-            let s = &x.sum[(tok + i) * nb..(tok + i + 1) * nb];
-            out[i] -= m.iter().zip(s).map(|(m, s)| m * s).sum::<f32>();
+        let mut out = hsum(acc);
+        // The last blocks of a row whose block count is not a multiple of 4.
+        let g = w.group as usize;
+        while b < nb {
+            let (lo, hi) = products(&widen(q.add(QK * b)), xq.add(QK * b));
+            let (lo, hi) = (hsum(f32x4_convert_i32x4(lo)), hsum(f32x4_convert_i32x4(hi)));
+            let xs = *xs.add(b);
+            out += match g {
+                32 => (lo + hi) * *w.d.get_unchecked(r * nb + b) * xs,
+                _ => (lo * *w.d.get_unchecked(2 * (r * nb + b)) + hi * *w.d.get_unchecked(2 * (r * nb + b) + 1)) * xs,
+            };
+            b += 1;
         }
+        if !w.m.is_empty() {
+            out -= super::scalar::dot(&w.m[r * nb..(r + 1) * nb], &x.sum[tok * nb..(tok + 1) * nb]);
+        }
+        out
     }
-    out
+}
+
+/// Row `r` of `w` against the 4 token rows of group `g` of `x` (tokens `4g..4g + 4`): each
+/// block is widened once for the four tokens, and the four tokens' block sums are reduced and
+/// scaled together. Returns the four outputs.
+#[inline(always)]
+unsafe fn dot_row_x4(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
+    let n = w.n_in;
+    let nb = n / QK;
+    unsafe {
+        let q = w.q.as_ptr().add(r * n);
+        let xq = x.q.as_ptr().add(4 * g * n);
+        let s4 = x.s4.as_ptr().add(g * nb * 4);
+        let mut acc = f32x4_splat(0.0);
+        for b in 0..nb {
+            let a = widen(q.add(QK * b));
+            let mut lo = [i32x4_splat(0); 4];
+            let mut hi = [i32x4_splat(0); 4];
+            for i in 0..4 {
+                (lo[i], hi[i]) = products(&a, xq.add(i * n + QK * b));
+            }
+            let xs4 = v128_load(s4.add(4 * b) as *const v128);
+            match w.group {
+                Group::G32 => {
+                    let sums = hsum4_i32(
+                        i32x4_add(lo[0], hi[0]),
+                        i32x4_add(lo[1], hi[1]),
+                        i32x4_add(lo[2], hi[2]),
+                        i32x4_add(lo[3], hi[3]),
+                    );
+                    let d = f32x4_splat(*w.d.get_unchecked(r * nb + b));
+                    acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4)));
+                }
+                Group::G16 => {
+                    let s_lo = f32x4_convert_i32x4(hsum4_i32(lo[0], lo[1], lo[2], lo[3]));
+                    let s_hi = f32x4_convert_i32x4(hsum4_i32(hi[0], hi[1], hi[2], hi[3]));
+                    let d0 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b)));
+                    let d1 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b) + 1));
+                    let p = f32x4_add(f32x4_mul(s_lo, d0), f32x4_mul(s_hi, d1));
+                    acc = f32x4_add(acc, f32x4_mul(p, xs4));
+                }
+            }
+            if !w.m.is_empty() {
+                let m = f32x4_splat(*w.m.get_unchecked(r * nb + b));
+                acc = f32x4_sub(acc, f32x4_mul(m, v128_load(x.sum4.as_ptr().add((g * nb + b) * 4) as *const v128)));
+            }
+        }
+        acc
+    }
 }
 
 /// `y[t, n_out] = x[t, n_in] @ W^T`. Rows outermost, so each weight row is read once from
-/// memory and the (smaller) activations are re-read from cache.
+/// memory while the (smaller) activations stay in cache; tokens in groups of 4.
 pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
+    let nb = w.n_in / QK;
     assert!(x.n == w.n_in && w.n_in % QK == 0 && y.len() == x.t * w.n_out);
-    assert!(w.q.len() == w.n_out * w.n_in && x.q.len() >= x.t * x.n);
+    assert!(w.q.len() == w.n_out * w.n_in && w.d.len() == w.n_out * w.n_in / w.group as usize);
+    assert!(w.m.is_empty() || w.m.len() == w.n_out * nb);
+    assert!(x.q.len() >= x.t * x.n && x.s.len() >= x.t * nb && x.sum.len() >= x.t * nb);
+    assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.sum4.len() >= x.t / 4 * nb * 4);
     let n_out = w.n_out;
+    let groups = x.t / 4;
     for r in 0..n_out {
-        let mut tok = 0;
-        // SAFETY: the asserts above bound every row and block index the kernel reads.
+        // SAFETY: the asserts above bound every row, block and token index the kernels read.
         unsafe {
-            while tok + 4 <= x.t {
-                let v = dot_rows::<4>(w, r, x, tok);
-                for (i, v) in v.into_iter().enumerate() {
-                    y[(tok + i) * n_out + r] = v;
-                }
-                tok += 4;
+            for g in 0..groups {
+                let v = dot_row_x4(w, r, x, g);
+                y[(4 * g) * n_out + r] = f32x4_extract_lane::<0>(v);
+                y[(4 * g + 1) * n_out + r] = f32x4_extract_lane::<1>(v);
+                y[(4 * g + 2) * n_out + r] = f32x4_extract_lane::<2>(v);
+                y[(4 * g + 3) * n_out + r] = f32x4_extract_lane::<3>(v);
             }
-            while tok < x.t {
-                y[tok * n_out + r] = dot_rows::<1>(w, r, x, tok)[0];
-                tok += 1;
+            for tok in 4 * groups..x.t {
+                y[tok * n_out + r] = dot_row(w, r, x, tok);
             }
         }
     }
