@@ -3,7 +3,8 @@
 
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
-use crate::engine::{Error, Model};
+use crate::dispatch::{self, DeviceError, DeviceLimits, Format, Mode};
+use crate::engine::{DeviceOffer, Error, Model};
 use crate::sampler::Params;
 use crate::session::Session;
 use std::cell::RefCell;
@@ -36,9 +37,77 @@ impl wit::Guest for Component {
     type Session = SessionRes;
 }
 
-fn open(bytes: &[u8], _options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
-    let model = Model::load(bytes)?;
+/// The host's `gpu` imports as the dispatcher's `Device`: ids index the weight handles.
+struct HostGpu {
+    weights: RefCell<Vec<Option<gpu::Weight>>>,
+}
+
+impl From<gpu::Error> for DeviceError {
+    fn from(e: gpu::Error) -> Self {
+        match e {
+            gpu::Error::Unavailable(m) => DeviceError::Unavailable(m),
+            gpu::Error::InvalidArgument(m) => DeviceError::InvalidArgument(m),
+            gpu::Error::OutOfMemory(m) => DeviceError::OutOfMemory(m),
+            gpu::Error::DeviceLost(m) => DeviceError::Lost(m),
+        }
+    }
+}
+
+impl dispatch::Device for HostGpu {
+    fn allocate(&self, format: Format, n_out: u32, n_in: u32) -> Result<usize, DeviceError> {
+        let format = match format {
+            Format::F32 => gpu::WeightFormat::F32,
+            Format::Q8x32 => gpu::WeightFormat::Q8x32,
+            Format::Q8x16 => gpu::WeightFormat::Q8x16,
+            Format::Q4x32 => gpu::WeightFormat::Q4x32,
+        };
+        let w = gpu::allocate(format, n_out, n_in)?;
+        let mut ws = self.weights.borrow_mut();
+        ws.push(Some(w));
+        Ok(ws.len() - 1)
+    }
+
+    fn write_rows(&self, id: usize, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), DeviceError> {
+        let ws = self.weights.borrow();
+        let w = ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")))?;
+        Ok(w.write_rows(first_row, data, scales)?)
+    }
+
+    fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let ws = self.weights.borrow();
+        let handles = jobs
+            .iter()
+            .map(|&id| ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}"))))
+            .collect::<Result<Vec<&gpu::Weight>, _>>()?;
+        Ok(gpu::matmul(x, t, n_in, &handles)?)
+    }
+
+    fn free(&self, id: usize) {
+        if let Some(w) = self.weights.borrow_mut().get_mut(id) {
+            w.take();
+        }
+    }
+}
+
+fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
     let device = gpu::available();
+    let mode = match options.gpu {
+        wit::GpuMode::Off => Mode::Off,
+        wit::GpuMode::Auto => Mode::Auto,
+        wit::GpuMode::On => Mode::On,
+    };
+    let offer = device.as_ref().map(|d| DeviceOffer {
+        mode,
+        device: Box::new(HostGpu { weights: RefCell::new(Vec::new()) }),
+        limits: DeviceLimits {
+            name: d.name.clone(),
+            max_weight_bytes: d.max_weight_bytes,
+            max_activation_elements: d.max_activation_elements,
+            budget_bytes: d.budget_bytes,
+            budget_handles: d.budget_handles,
+        },
+    });
+    let model = Model::load_with(bytes, offer)?;
     Ok(wit::Model::new(ModelRes { model: Rc::new(model), device }))
 }
 
@@ -79,7 +148,7 @@ impl wit::GuestModel for ModelRes {
                 .collect(),
             metadata: s.metadata.clone(),
             device: self.device.clone(),
-            gpu_weights: 0,
+            gpu_weights: self.model.gpu_weights as u32,
         }
     }
 

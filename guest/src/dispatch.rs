@@ -1,8 +1,18 @@
-//! Where each batch of matrix products runs. Today: the guest's CPU kernels; the products are
-//! grouped by input (q/k/v, gate/up) so that the input is prepared once per batch.
+//! Where each batch of matrix products runs: the guest's CPU kernels or the host's device.
+//!
+//! Products are grouped by input (q/k/v, gate/up), so a batch is one `gpu.matmul` call or one
+//! quantization of the input for the CPU kernels. The policy (`Mode::Auto`) compares estimates:
+//! device time = round trip + bytes moved / bandwidth + FLOPs / device rate, CPU time =
+//! FLOPs / CPU rate, with every rate measured on this machine (a calibration at load, then a
+//! running average of what actually ran). A device error falls back to the CPU for that batch;
+//! a lost device is never asked again. Either way the tokens are the same.
 
 use crate::kernels::{self, QActs};
 use crate::models::{Linear, WeightData};
+use crate::quant::{Group, QMatrix};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::Instant;
 
 /// Counters of what ran where.
 #[derive(Debug, Default, Clone, Copy)]
@@ -15,20 +25,223 @@ pub struct Counters {
     pub gpu_fallbacks: u64,
 }
 
-/// Per-session dispatcher: scratch for the quantized input, and counters.
+/// The `gpu-mode` of the WIT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Off,
+    Auto,
+    On,
+}
+
+/// A device failure (the WIT `gpu.error`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceError {
+    Unavailable(String),
+    InvalidArgument(String),
+    OutOfMemory(String),
+    Lost(String),
+}
+
+/// The upload formats of the WIT `weight-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    F32,
+    Q8x32,
+    Q8x16,
+    Q4x32,
+}
+
+/// What the host says of its device.
+#[derive(Debug, Clone)]
+pub struct DeviceLimits {
+    pub name: String,
+    pub max_weight_bytes: u64,
+    pub max_activation_elements: u64,
+    pub budget_bytes: u64,
+    pub budget_handles: u32,
+}
+
+/// The host's `gpu` imports, behind a trait so the policy is testable without a host.
+pub trait Device {
+    fn allocate(&self, format: Format, n_out: u32, n_in: u32) -> Result<usize, DeviceError>;
+    fn write_rows(&self, id: usize, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), DeviceError>;
+    /// One output per job, each `[t, n_out]`.
+    fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
+    /// Releases a weight's device memory.
+    fn free(&self, id: usize);
+}
+
+/// Bytes per `write-rows` call: large weights go up in slices of rows, so no single list
+/// crossing the component boundary is large.
+const UPLOAD_SLICE_BYTES: usize = 8 << 20;
+
+/// A weight as `(format, data, scales)` for `rows` rows starting at `first`, exactly the values
+/// the CPU kernels use.
+fn encode_rows(w: &Linear, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32>) {
+    let n = w.n_in;
+    match &w.w {
+        WeightData::F32(f) => {
+            let data = f[first * n..(first + rows) * n].iter().flat_map(|v| v.to_le_bytes()).collect();
+            (Format::F32, data, Vec::new())
+        }
+        WeightData::Q(q) => encode_q(q, first, rows),
+    }
+}
+
+fn encode_q(q: &QMatrix, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32>) {
+    let n = q.n_in;
+    let g = q.group as usize;
+    let values = &q.q[first * n..(first + rows) * n];
+    if q.m.is_empty() {
+        let format = if q.group == Group::G16 { Format::Q8x16 } else { Format::Q8x32 };
+        let data = values.iter().map(|&v| v as u8).collect();
+        (format, data, q.d[first * n / g..(first + rows) * n / g].to_vec())
+    } else {
+        // Formats with mins have 4-bit values 0..=15 (Q4_K): pack two a byte, low nibble first.
+        let data = values.chunks_exact(2).map(|p| (p[0] as u8 & 0xF) | ((p[1] as u8 & 0xF) << 4)).collect();
+        let blocks = first * n / 32..(first + rows) * n / 32;
+        let scales = blocks.flat_map(|b| [q.d[b], q.m[b]]).collect();
+        (Format::Q4x32, data, scales)
+    }
+}
+
+/// Whether a weight can go to the device in an upload format.
+fn uploadable(w: &Linear) -> bool {
+    match &w.w {
+        WeightData::F32(_) => true,
+        WeightData::Q(q) => q.m.is_empty() || (q.group == Group::G32 && q.q.iter().all(|&v| (0..16).contains(&v))),
+    }
+}
+
+/// Uploads one weight, a slice of rows at a time. Returns its device id.
+pub fn upload(dev: &dyn Device, w: &Linear) -> Result<usize, DeviceError> {
+    let (format, _, _) = encode_rows(w, 0, 0);
+    let id = dev.allocate(format, w.n_out as u32, w.n_in as u32)?;
+    let row_bytes = match format {
+        Format::F32 => 4 * w.n_in,
+        Format::Q4x32 => w.n_in / 2,
+        _ => w.n_in,
+    };
+    let rows_per_slice = (UPLOAD_SLICE_BYTES / row_bytes.max(1)).max(1);
+    let mut first = 0;
+    while first < w.n_out {
+        let rows = rows_per_slice.min(w.n_out - first);
+        let (_, data, scales) = encode_rows(w, first, rows);
+        dev.write_rows(id, first as u32, &data, &scales)?;
+        first += rows;
+    }
+    Ok(id)
+}
+
+/// Measured speeds, in FLOP/s and seconds, for the policy.
+#[derive(Debug, Clone, Copy)]
+pub struct Rates {
+    /// Round trip of a tiny device call.
+    pub gpu_latency: f64,
+    /// Device FLOP/s on a large batch, and its bytes/s for moving activations.
+    pub gpu_flops: f64,
+    pub gpu_bytes: f64,
+    /// CPU FLOP/s at t = 1 and on batches.
+    pub cpu_flops_1: f64,
+    pub cpu_flops_n: f64,
+}
+
+/// The model's device: its uploaded weights' ids live in each `Linear::gpu`.
+pub struct Gpu {
+    pub device: Box<dyn Device>,
+    pub mode: Mode,
+    pub limits: DeviceLimits,
+    pub rates: Cell<Option<Rates>>,
+    /// Why the device is no longer used, once it was lost.
+    pub lost: RefCell<Option<String>>,
+}
+
+impl Gpu {
+    fn usable(&self) -> bool {
+        self.mode != Mode::Off && self.lost.borrow().is_none()
+    }
+
+    /// The policy: should this batch run on the device?
+    fn wants(&self, t: usize, flops: u64, bytes: u64) -> bool {
+        match self.mode {
+            Mode::Off => false,
+            Mode::On => true,
+            Mode::Auto => match self.rates.get() {
+                None => false,
+                Some(r) => {
+                    let gpu = r.gpu_latency + bytes as f64 / r.gpu_bytes + flops as f64 / r.gpu_flops;
+                    let cpu = flops as f64 / if t == 1 { r.cpu_flops_1 } else { r.cpu_flops_n };
+                    gpu < cpu
+                }
+            },
+        }
+    }
+
+    /// Folds a measured CPU rate into the estimate (a running average).
+    fn observe_cpu(&self, t: usize, flops: u64, secs: f64) {
+        if let (Some(mut r), true) = (self.rates.get(), secs > 0.0) {
+            let rate = flops as f64 / secs;
+            let slot = if t == 1 { &mut r.cpu_flops_1 } else { &mut r.cpu_flops_n };
+            *slot = 0.9 * *slot + 0.1 * rate;
+            self.rates.set(Some(r));
+        }
+    }
+}
+
+/// Per-session dispatcher: scratch for the quantized input, counters, and the model's device.
 #[derive(Default)]
 pub struct Dispatch {
     acts: QActs,
     pub counters: Counters,
+    pub gpu: Option<Rc<Gpu>>,
 }
 
 impl Dispatch {
+    pub fn new(gpu: Option<Rc<Gpu>>) -> Dispatch {
+        Dispatch { gpu, ..Dispatch::default() }
+    }
+
     /// For each `(W, y)` in `jobs`: `y[t, n_out] = x[t, n_in] @ W^T`. Every `W` has `n_in`
     /// columns.
     pub fn matmul(&mut self, x: &[f32], t: usize, jobs: &mut [(&Linear, &mut [f32])]) {
         let Some(n_in) = jobs.first().map(|(w, _)| w.n_in) else { return };
         debug_assert!(jobs.iter().all(|(w, y)| w.n_in == n_in && y.len() >= t * w.n_out));
         let x = &x[..t * n_in];
+        let flops: u64 = jobs.iter().map(|(w, _)| w.flops(t)).sum();
+        if let Some(gpu) = self.gpu.clone() {
+            let ids: Option<Vec<usize>> = jobs.iter().map(|(w, _)| w.gpu).collect();
+            let bytes = 4 * (x.len() + jobs.iter().map(|(w, _)| t * w.n_out).sum::<usize>()) as u64;
+            let max = gpu.limits.max_activation_elements;
+            let fits = x.len() as u64 <= max && jobs.iter().all(|(w, _)| (t * w.n_out) as u64 <= max);
+            if let Some(ids) = ids.filter(|_| fits && gpu.usable() && gpu.wants(t, flops, bytes)) {
+                let start = Instant::now();
+                match gpu.device.matmul(x, t as u32, n_in as u32, &ids) {
+                    Ok(outs) if outs.len() == jobs.len() && outs.iter().zip(jobs.iter()).all(|(o, (w, _))| o.len() == t * w.n_out) => {
+                        for (o, (_, y)) in outs.iter().zip(jobs.iter_mut()) {
+                            y[..o.len()].copy_from_slice(o);
+                        }
+                        self.counters.gpu_calls += 1;
+                        self.counters.gpu_flops += flops;
+                        self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+                        return;
+                    }
+                    Ok(_) => {
+                        *gpu.lost.borrow_mut() = Some("the device returned outputs of the wrong shape".into());
+                    }
+                    Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
+                    Err(_) => {}
+                }
+                self.counters.gpu_fallbacks += 1;
+            }
+            let start = Instant::now();
+            self.cpu(x, t, n_in, jobs);
+            gpu.observe_cpu(t, flops, start.elapsed().as_secs_f64());
+            return;
+        }
+        self.cpu(x, t, n_in, jobs);
+    }
+
+    fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) {
         if jobs.iter().any(|(w, _)| matches!(w.w, WeightData::Q(_))) {
             self.acts.quantize(x, t, n_in);
         }
@@ -42,4 +255,117 @@ impl Dispatch {
             self.counters.cpu_flops += w.flops(t);
         }
     }
+}
+
+/// Times `f` a few times and keeps the fastest, in seconds.
+fn fastest(runs: usize, mut f: impl FnMut() -> bool) -> Option<f64> {
+    let mut best = f64::INFINITY;
+    for _ in 0..runs {
+        let start = Instant::now();
+        if !f() {
+            return None;
+        }
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Some(best)
+}
+
+/// Measures the device and the CPU on one of the model's own weights (`probe`, already
+/// uploaded): round trip at t = 1, throughput at a prefill-sized batch, CPU at both.
+pub fn calibrate(gpu: &Gpu, probe: &Linear) -> Option<Rates> {
+    let id = probe.gpu?;
+    let (n_in, n_out) = (probe.n_in, probe.n_out);
+    let big_t = 64;
+    let x: Vec<f32> = (0..big_t * n_in).map(|i| ((i * 7919) % 113) as f32 / 113.0 - 0.5).collect();
+    let dev = &gpu.device;
+    let latency = fastest(3, || dev.matmul(&x[..n_in], 1, n_in as u32, &[id]).is_ok())?;
+    let batch = fastest(2, || dev.matmul(&x, big_t as u32, n_in as u32, &[id]).is_ok())?;
+    let flops = 2.0 * (big_t * n_in * n_out) as f64;
+    let bytes = 4.0 * (big_t * (n_in + n_out)) as f64;
+    let work = (batch - latency).max(1e-7);
+    let mut d = Dispatch::default();
+    let mut y = vec![0f32; big_t * n_out];
+    let cpu_1 = fastest(3, || {
+        d.cpu(&x[..n_in], 1, n_in, &mut [(probe, &mut y[..n_out])]);
+        true
+    })?;
+    let cpu_n = fastest(2, || {
+        d.cpu(&x, big_t, n_in, &mut [(probe, &mut y)]);
+        true
+    })?;
+    Some(Rates {
+        gpu_latency: latency,
+        // Bandwidth and arithmetic share the time beyond the round trip; charge it all to both
+        // so neither is overestimated.
+        gpu_flops: flops / work,
+        gpu_bytes: bytes / work,
+        cpu_flops_1: 2.0 * (n_in * n_out) as f64 / cpu_1,
+        cpu_flops_n: flops / cpu_n,
+    })
+}
+
+/// Uploads the model's weights as the mode wants: every one with `On`; with `Auto`, one probe
+/// first, then the rest only if the measured device beats the CPU at a prefill-sized batch.
+/// Returns how many are resident. Errors stop the uploads; what is resident stays in use.
+pub fn place(gpu: &Gpu, linears: &mut [&mut Linear]) -> usize {
+    if gpu.mode == Mode::Off || linears.is_empty() {
+        return 0;
+    }
+    let mut resident = 0;
+    let mut budget = gpu.limits.budget_bytes;
+    let mut handles = gpu.limits.budget_handles;
+    let try_upload = |w: &mut Linear, budget: &mut u64, handles: &mut u32| -> bool {
+        let (_, data, scales) = encode_rows(w, 0, 1);
+        let bytes = (data.len() + 4 * scales.len()) as u64 * w.n_out as u64;
+        if !uploadable(w) || bytes > *budget || *handles == 0 || data.len() as u64 * w.n_out as u64 > gpu.limits.max_weight_bytes {
+            return false;
+        }
+        match upload(gpu.device.as_ref(), w) {
+            Ok(id) => {
+                w.gpu = Some(id);
+                *budget -= bytes;
+                *handles -= 1;
+                true
+            }
+            Err(DeviceError::Lost(why)) => {
+                *gpu.lost.borrow_mut() = Some(why);
+                false
+            }
+            Err(_) => false,
+        }
+    };
+    if gpu.mode == Mode::Auto {
+        // The largest layer weight (not the output projection) is the probe.
+        let n = linears.len().saturating_sub(1).max(1);
+        let Some(probe) = (0..n).max_by_key(|&i| linears[i].n_out * linears[i].n_in) else { return 0 };
+        if !try_upload(linears[probe], &mut budget, &mut handles) {
+            return 0;
+        }
+        resident += 1;
+        let rates = calibrate(gpu, linears[probe]);
+        gpu.rates.set(rates);
+        let worth = rates.is_some_and(|r| {
+            let flops = 2.0 * 64.0 * (linears[probe].n_in * linears[probe].n_out) as f64;
+            r.gpu_latency + flops / r.gpu_flops < flops / r.cpu_flops_n
+        });
+        if !worth {
+            // The CPU wins even on batches: keep nothing on the device.
+            if let Some(id) = linears[probe].gpu.take() {
+                gpu.device.free(id);
+            }
+            return 0;
+        }
+    }
+    for w in linears.iter_mut() {
+        if w.gpu.is_some() {
+            continue;
+        }
+        if gpu.lost.borrow().is_some() {
+            break;
+        }
+        if try_upload(w, &mut budget, &mut handles) {
+            resident += 1;
+        }
+    }
+    resident
 }

@@ -1,11 +1,13 @@
 //! A loaded model: parsed header, tokenizer, architecture and weights. Independent of the
 //! component bindings, so that it is tested natively too.
 
+use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
 use crate::models::{LoadError, gemma3};
 use crate::quant;
 use crate::tokenizer::Tokenizer;
 use std::fmt;
+use std::rc::Rc;
 
 /// An engine failure, mapped one to one onto the WIT `error` variant.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,6 +72,17 @@ pub struct Model {
     pub arch: Arch,
     pub tokenizer: Tokenizer,
     pub summary: Summary,
+    /// The host's device, when the mode allows it and the host has one.
+    pub gpu: Option<Rc<Gpu>>,
+    /// Weights resident on the device.
+    pub gpu_weights: usize,
+}
+
+/// The device a model may use, as the component hands it over.
+pub struct DeviceOffer {
+    pub mode: Mode,
+    pub device: Box<dyn Device>,
+    pub limits: DeviceLimits,
 }
 
 /// Whether `n` bytes can be allocated now, without aborting when they cannot.
@@ -79,8 +92,14 @@ pub fn can_allocate(n: usize) -> bool {
 }
 
 impl Model {
-    /// Builds a model from a whole GGUF file.
+    /// Builds a model from a whole GGUF file, CPU only.
     pub fn load(file: &[u8]) -> Result<Model, Error> {
+        Model::load_with(file, None)
+    }
+
+    /// Builds a model from a whole GGUF file and places its weights on `offer`'s device as
+    /// its mode wants.
+    pub fn load_with(file: &[u8], offer: Option<DeviceOffer>) -> Result<Model, Error> {
         let g = Gguf::parse(file)?;
         let architecture = g
             .get_str("general.architecture")
@@ -108,7 +127,7 @@ impl Model {
                 need >> 20
             )));
         }
-        let arch = match architecture.as_str() {
+        let mut arch = match architecture.as_str() {
             "gemma3" => {
                 let config = gemma3::Config::from_gguf(&g)?;
                 if config.n_vocab != tokenizer.n_vocab() {
@@ -144,7 +163,14 @@ impl Model {
                 .collect(),
             metadata: g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect(),
         };
-        Ok(Model { arch, tokenizer, summary })
+        let gpu = offer.filter(|o| o.mode != Mode::Off).map(|o| {
+            Rc::new(Gpu { device: o.device, mode: o.mode, limits: o.limits, rates: Default::default(), lost: Default::default() })
+        });
+        let gpu_weights = match (&gpu, &mut arch) {
+            (Some(gpu), Arch::Gemma3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
+            (None, _) => 0,
+        };
+        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights })
     }
 
     pub fn n_vocab(&self) -> usize {

@@ -64,10 +64,11 @@ impl Session {
                 State::Gemma3(gemma3::State::new(config, n_ctx, BATCH.min(n_ctx)))
             }
         };
+        let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
             model,
             state,
-            dispatch: Dispatch::default(),
+            dispatch,
             sampler: Sampler::default(),
             history: Vec::new(),
             done: 0,

@@ -210,13 +210,13 @@ impl Weights {
         })
     }
 
-    /// Every linear layer, for uploads and statistics.
-    pub fn linears(&self) -> Vec<&Linear> {
-        let mut v: Vec<&Linear> = Vec::new();
-        for l in &self.layers {
-            v.extend([&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down]);
+    /// Every linear layer, the output projection last, for placing them on a device.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v: Vec<&mut Linear> = Vec::new();
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
         }
-        v.push(self.output.as_ref().unwrap_or(&self.embd));
+        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
         v
     }
 }
