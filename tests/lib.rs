@@ -1,1 +1,47 @@
+//! Shared helpers of wisp's conformance and end-to-end tests.
 
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("tests/ is inside the workspace").to_path_buf()
+}
+
+/// The default model, fetched once per test binary.
+pub fn model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::GEMMA3_270M, false).expect("fetching the default model"))
+}
+
+/// The golden cases of the default model.
+pub fn golden_cases() -> Vec<wisp::golden::Case> {
+    wisp::golden::load(&root().join("tests/golden/gemma3-270m.json")).expect("reading the golden file")
+}
+
+/// Whether a missing device must fail the test (under CI) rather than skip it.
+pub fn hardware_required() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// The wgpu backend on this machine's adapter, or `None` (after saying why) when there is none
+/// and the test may skip. Under `CI=true` a missing adapter panics.
+pub fn wgpu_backend() -> Option<wisp::WgpuBackend> {
+    match wisp::WgpuBackend::new() {
+        Ok(Some(b)) => {
+            if let Some(d) = wisp::Backend::device(&b) {
+                eprintln!("adapter: {} ({})", d.name, d.backend);
+            }
+            Some(b)
+        }
+        other => {
+            let why = match other {
+                Err(e) => format!("wgpu failed: {e:#}"),
+                _ => "no wgpu adapter".to_string(),
+            };
+            assert!(!hardware_required(), "{why}, and CI=true requires one (install mesa-vulkan-drivers)");
+            eprintln!("skipping: {why}");
+            None
+        }
+    }
+}

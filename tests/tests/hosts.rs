@@ -1,0 +1,133 @@
+//! The guest against each host: CPU only, the CPU reference device, and wgpu (lavapipe where
+//! there is no GPU), held to the same golden thresholds and producing the same tokens.
+
+use wisp::golden::{self, Case};
+use wisp::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model, Options, Sampling, Wisp};
+use wisp_tests::{golden_cases, model, wgpu_backend};
+
+fn open(gpu: GpuCtx, mode: GpuMode) -> (Instance, Model) {
+    let wisp = Wisp::new(Options::default()).unwrap();
+    let path = model();
+    let mut inst = wisp.instantiate(gpu, path.parent()).unwrap();
+    let m = inst.open_model(path, mode).unwrap().unwrap();
+    (inst, m)
+}
+
+fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
+    for case in cases {
+        let r = golden::run_case(inst, m, case, 5).unwrap();
+        eprintln!("{}: max top5 diff {:.4}, rmse {:?}", r.name, r.max_top5_diff, r.rmse);
+        assert!(r.pass(), "{} fails the golden thresholds: {r:?}", r.name);
+    }
+}
+
+/// Greedy tokens of a prompt.
+fn greedy(inst: &mut Instance, m: Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let s = inst.new_session(m, (prompt.len() + n) as u32).unwrap().unwrap();
+    inst.feed(s, prompt).unwrap().unwrap();
+    let greedy = Sampling { temperature: 0.0, ..Sampling::default() };
+    let out = (0..n).map(|_| inst.next(s, &greedy).unwrap().unwrap().token).collect();
+    inst.drop_session(s).unwrap();
+    out
+}
+
+#[test]
+fn every_golden_case_passes_through_the_cpu_reference_device() {
+    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+    let info = inst.model_info(m).unwrap();
+    assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
+    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
+    check(&mut inst, m, &cases);
+}
+
+#[test]
+fn every_golden_case_passes_on_wgpu() {
+    let Some(backend) = wgpu_backend() else { return };
+    let (mut inst, m) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let info = inst.model_info(m).unwrap();
+    eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
+    assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
+    check(&mut inst, m, &golden_cases());
+    let s = inst.new_session(m, 8).unwrap().unwrap();
+    inst.feed(s, &[2, 818]).unwrap().unwrap();
+    let stats = inst.stats(s).unwrap();
+    assert!(stats.gpu_calls > 0 && stats.gpu_fallbacks == 0, "{stats:?}");
+}
+
+#[test]
+fn greedy_tokens_are_the_same_with_the_gpu_on_and_off() {
+    let Some(backend) = wgpu_backend() else { return };
+    let (mut on, m_on) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut off, m_off) = open(GpuCtx::none(), GpuMode::Off);
+    for case in golden_cases().iter().filter(|c| c.name != "long-gpl") {
+        let a = greedy(&mut on, m_on, &case.prompt_tokens, 8);
+        let b = greedy(&mut off, m_off, &case.prompt_tokens, 8);
+        assert_eq!(a, b, "case {}", case.name);
+    }
+}
+
+/// A device that works for `healthy` matmul calls, then is lost.
+struct Failing {
+    inner: CpuBackend,
+    healthy: usize,
+    lost: bool,
+}
+
+impl Backend for Failing {
+    fn device(&self) -> Option<Device> {
+        self.inner.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        if self.lost { Err(GpuError::DeviceLost("simulated".into())) } else { self.inner.create(f, n_out, n_in) }
+    }
+    fn write_rows(&mut self, id: BufferId, r: u32, d: &[u8], s: &[f32]) -> Result<(), GpuError> {
+        if self.lost { Err(GpuError::DeviceLost("simulated".into())) } else { self.inner.write_rows(id, r, d, s) }
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        if self.healthy == 0 {
+            self.lost = true;
+        }
+        if self.lost {
+            return Err(GpuError::DeviceLost("simulated loss mid-session".into()));
+        }
+        self.healthy -= 1;
+        self.inner.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.inner.free(id)
+    }
+}
+
+#[test]
+fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
+    let prompt = golden_cases()[0].prompt_tokens.clone();
+    let (mut off, m_off) = open(GpuCtx::none(), GpuMode::Off);
+    let want = greedy(&mut off, m_off, &prompt, 12);
+    // 18 layers x 4 batches per token: lost during the third generated token.
+    let failing = Failing { inner: CpuBackend::new(), healthy: 4 * 18 * 3 + 5, lost: false };
+    let (mut inst, m) = open(GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
+    let s = inst.new_session(m, 64).unwrap().unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    let greedy_s = Sampling { temperature: 0.0, ..Sampling::default() };
+    let got: Vec<u32> = (0..12).map(|_| inst.next(s, &greedy_s).unwrap().unwrap().token).collect();
+    assert_eq!(got, want);
+    let stats = inst.stats(s).unwrap();
+    assert!(stats.gpu_calls > 0, "{stats:?}");
+    assert_eq!(stats.gpu_fallbacks, 1, "the loss is seen once, then the device is not asked again: {stats:?}");
+    assert!(stats.cpu_matmuls > 0, "{stats:?}");
+    // The host keeps serving: a new session on the same instance works, on the CPU.
+    let s2 = inst.new_session(m, 16).unwrap().unwrap();
+    inst.feed(s2, &prompt).unwrap().unwrap();
+    assert_eq!(inst.next(s2, &greedy_s).unwrap().unwrap().token, want[0]);
+}
+
+#[test]
+fn auto_mode_on_a_slow_device_keeps_work_on_the_cpu() {
+    // The CPU reference device is far slower than the guest's kernels: auto must notice.
+    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::Auto);
+    let s = inst.new_session(m, 32).unwrap().unwrap();
+    inst.feed(s, &golden_cases()[0].prompt_tokens).unwrap().unwrap();
+    let stats = inst.stats(s).unwrap();
+    assert_eq!(stats.gpu_calls, 0, "{stats:?}");
+    assert_eq!(inst.model_info(m).unwrap().gpu_weights, 0);
+}
