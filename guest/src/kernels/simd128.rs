@@ -125,7 +125,7 @@ unsafe fn dot_row(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
 /// block is widened once for the four tokens, and the four tokens' block sums are reduced and
 /// scaled together. Returns the four outputs.
 #[inline(always)]
-unsafe fn dot_row_x4(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
+unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
     let n = w.n_in;
     let nb = n / QK;
     unsafe {
@@ -141,8 +141,8 @@ unsafe fn dot_row_x4(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
                 (lo[i], hi[i]) = products(&a, xq.add(i * n + QK * b));
             }
             let xs4 = v128_load(s4.add(4 * b) as *const v128);
-            match w.group {
-                Group::G32 => {
+            match G16 {
+                false => {
                     let sums = hsum4_i32(
                         i32x4_add(lo[0], hi[0]),
                         i32x4_add(lo[1], hi[1]),
@@ -152,7 +152,7 @@ unsafe fn dot_row_x4(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
                     let d = f32x4_splat(*w.d.get_unchecked(r * nb + b));
                     acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4)));
                 }
-                Group::G16 => {
+                true => {
                     let s_lo = f32x4_convert_i32x4(hsum4_i32(lo[0], lo[1], lo[2], lo[3]));
                     let s_hi = f32x4_convert_i32x4(hsum4_i32(hi[0], hi[1], hi[2], hi[3]));
                     let d0 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b)));
@@ -161,7 +161,7 @@ unsafe fn dot_row_x4(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
                     acc = f32x4_add(acc, f32x4_mul(p, xs4));
                 }
             }
-            if !w.m.is_empty() {
+            if MINS {
                 let m = f32x4_splat(*w.m.get_unchecked(r * nb + b));
                 acc = f32x4_sub(acc, f32x4_mul(m, v128_load(x.sum4.as_ptr().add((g * nb + b) * 4) as *const v128)));
             }
@@ -185,7 +185,12 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
         // SAFETY: the asserts above bound every row, block and token index the kernels read.
         unsafe {
             for g in 0..groups {
-                let v = dot_row_x4(w, r, x, g);
+                let v = match (w.group, w.m.is_empty()) {
+                    (Group::G32, true) => dot_row_x4::<false, false>(w, r, x, g),
+                    (Group::G32, false) => dot_row_x4::<false, true>(w, r, x, g),
+                    (Group::G16, true) => dot_row_x4::<true, false>(w, r, x, g),
+                    (Group::G16, false) => dot_row_x4::<true, true>(w, r, x, g),
+                };
                 y[(4 * g) * n_out + r] = f32x4_extract_lane::<0>(v);
                 y[(4 * g + 1) * n_out + r] = f32x4_extract_lane::<1>(v);
                 y[(4 * g + 2) * n_out + r] = f32x4_extract_lane::<2>(v);
