@@ -1,0 +1,892 @@
+//! The `gpu` interface on a real device, through wgpu (Vulkan, Metal, DX12 or GL).
+//!
+//! Device and queue are made once; the pipelines of `shaders/matmul.wgsl` are built on first
+//! use, one per kernel and format, and cached. Weights live in persistent storage buffers, in
+//! their upload format (the shader decodes them). A `matmul` writes `x` once, records every job's
+//! dispatches in one command buffer, copies all outputs to one staging buffer and maps it once;
+//! the input, output, staging and parameter buffers are kept and grown across calls.
+//!
+//! Every wgpu call runs inside error scopes, and an uncaptured-error handler replaces wgpu's
+//! default (which panics), so that a validation or out-of-memory error becomes a [`GpuError`].
+//! A lost device (reported by wgpu's device-lost callback, or [`WgpuBackend::simulate_device_loss`])
+//! makes every later call return [`GpuError::DeviceLost`].
+
+use super::{Backend, BufferId, Device, Format, GpuError};
+use anyhow::{Context, Result, bail};
+use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::{Arc, Mutex, mpsc};
+
+const SHADER: &str = include_str!("../../../shaders/matmul.wgsl");
+
+/// Invocations in a workgroup (`WG` in the shader).
+const WORKGROUP: u32 = 64;
+/// Rows of `x` at which `gemm` (4 rows of x per invocation) takes over from `gemv`.
+const GEMM_MIN_T: u32 = 4;
+/// Weight rows an invocation of `gemm` computes (8 in the shader), and of `gemv` (4).
+const GEMM_ROWS: u32 = 8;
+const GEMV_ROWS: u32 = 4;
+/// Multiply-adds one dispatch may cover, so that no single dispatch runs for long on a slow
+/// device (a watchdog may take a device that does).
+const DISPATCH_MACS: u64 = 1 << 28;
+/// Bytes of one `queue.write_buffer` of weights: bounds wgpu's staging memory during uploads.
+const WRITE_CHUNK: usize = 64 << 20;
+/// Size of `Params` in the shader.
+const PARAMS_BYTES: u64 = 32;
+
+/// The shader's entry points.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kernel {
+    Gemv,
+    Gemm,
+}
+
+impl Kernel {
+    fn entry(self) -> &'static str {
+        match self {
+            Kernel::Gemv => "gemv",
+            Kernel::Gemm => "gemm",
+        }
+    }
+}
+
+/// FORMAT in the shader.
+fn format_id(format: Format) -> f64 {
+    match format {
+        Format::F32 => 0.0,
+        Format::Bf16 => 1.0,
+        Format::Q8x32 => 2.0,
+        Format::Q8x16 => 3.0,
+        Format::Q4x32 => 4.0,
+    }
+}
+
+/// `Params` in the shader.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+struct Params {
+    n_in: u32,
+    n_out: u32,
+    t: u32,
+    row_quads: u32,
+    scale_row: u32,
+    row_base: u32,
+    t_base: u32,
+    x_stride: u32,
+}
+const _: () = assert!(size_of::<Params>() as u64 == PARAMS_BYTES);
+
+struct Weight {
+    format: Format,
+    n_out: u32,
+    n_in: u32,
+    /// Bytes of one row in the upload format.
+    row_bytes: u64,
+    /// 16-byte quads of one row on the device: `row_bytes` rounded up to a whole shader step
+    /// (only f32 and bf16 rows can need padding).
+    row_quads: u32,
+    scale_row: u32,
+    data: wgpu::Buffer,
+    /// `None` for the float formats, which bind the placeholder.
+    scales: Option<wgpu::Buffer>,
+}
+
+/// One dispatch of a `matmul`: its job, kernel, parameters and workgroup counts.
+struct Dispatch {
+    job: usize,
+    kernel: Kernel,
+    params: Params,
+    groups: (u32, u32),
+}
+
+/// Buffers reused across `matmul` calls, grown when a call needs more.
+#[derive(Default)]
+struct Scratch {
+    input: Option<wgpu::Buffer>,
+    output: Option<wgpu::Buffer>,
+    staging: Option<wgpu::Buffer>,
+    params: Option<wgpu::Buffer>,
+}
+
+/// What wgpu's callbacks report, shared with them.
+#[derive(Default)]
+struct Events {
+    lost: Mutex<Option<String>>,
+    uncaptured: Mutex<Option<String>>,
+}
+
+impl Events {
+    fn lost(&self) -> Option<String> {
+        self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn set_lost(&self, why: String) {
+        let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+        if lost.is_none() {
+            *lost = Some(why);
+        }
+    }
+
+    fn take_uncaptured(&self) -> Option<String> {
+        self.uncaptured.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+/// The error scopes around one piece of device work (innermost last).
+struct Scopes {
+    scopes: Vec<wgpu::ErrorScopeGuard>,
+}
+
+/// A `gpu` backend on a wgpu device.
+pub struct WgpuBackend {
+    device: wgpu::Device,
+    queue: wgpu::Queue,
+    info: Device,
+    limits: wgpu::Limits,
+    events: Arc<Events>,
+    /// Invocations sharing a row in `gemv` (LANES_K in the shader).
+    lanes_k: u32,
+    module: Option<wgpu::ShaderModule>,
+    bind_layout: wgpu::BindGroupLayout,
+    pipeline_layout: wgpu::PipelineLayout,
+    pipelines: HashMap<(Kernel, Format), wgpu::ComputePipeline>,
+    placeholder: wgpu::Buffer,
+    weights: HashMap<BufferId, Weight>,
+    next: BufferId,
+    scratch: Scratch,
+}
+
+fn backend_name(b: wgpu::Backend) -> &'static str {
+    match b {
+        wgpu::Backend::Vulkan => "vulkan",
+        wgpu::Backend::Metal => "metal",
+        wgpu::Backend::Dx12 => "dx12",
+        wgpu::Backend::Gl => "gl",
+        wgpu::Backend::BrowserWebGpu => "webgpu",
+        wgpu::Backend::Noop => "other",
+    }
+}
+
+fn device_type_name(t: wgpu::DeviceType) -> &'static str {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => "discrete-gpu",
+        wgpu::DeviceType::IntegratedGpu => "integrated-gpu",
+        wgpu::DeviceType::VirtualGpu => "virtual-gpu",
+        wgpu::DeviceType::Cpu => "cpu",
+        wgpu::DeviceType::Other => "other",
+    }
+}
+
+/// Lower is preferred: a real GPU first, a CPU implementation last; Vulkan before GL.
+fn rank(info: &wgpu::AdapterInfo) -> (u8, u8) {
+    let kind = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Other => 3,
+        wgpu::DeviceType::Cpu => 4,
+    };
+    let api = match info.backend {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        _ => 1,
+    };
+    (kind, api)
+}
+
+/// Whether an adapter can run the shader at all.
+fn usable(adapter: &wgpu::Adapter) -> bool {
+    let caps = adapter.get_downlevel_capabilities();
+    let limits = adapter.limits();
+    caps.flags.contains(wgpu::DownlevelFlags::COMPUTE_SHADERS)
+        && limits.max_storage_buffers_per_shader_stage >= 4
+        && limits.max_compute_invocations_per_workgroup >= WORKGROUP
+        && limits.max_compute_workgroup_size_x >= WORKGROUP
+}
+
+fn align_up(n: u64, a: u64) -> u64 {
+    n.div_ceil(a) * a
+}
+
+fn wgpu_error(e: wgpu::Error) -> GpuError {
+    match e {
+        wgpu::Error::OutOfMemory { .. } => GpuError::OutOfMemory("the device is out of memory".into()),
+        other => GpuError::Unavailable(format!("the device refused the work: {other}")),
+    }
+}
+
+impl WgpuBackend {
+    /// Opens the preferred adapter: a GPU if there is one, else any adapter (Mesa's lavapipe or
+    /// llvmpipe). Vulkan, Metal and DX12 adapters come first; GL is only looked at when none of
+    /// those will do. `WISP_ADAPTER`, when set, picks the preferred usable adapter whose name
+    /// contains it (case-insensitive), and is an error when none does. `Ok(None)` when there is
+    /// no usable adapter.
+    pub fn new() -> Result<Option<WgpuBackend>> {
+        let wanted = std::env::var("WISP_ADAPTER").ok().filter(|s| !s.is_empty()).map(|s| s.to_lowercase());
+        let mut seen = Vec::new();
+        for backends in [wgpu::Backends::PRIMARY, wgpu::Backends::SECONDARY] {
+            let instance = wgpu::Instance::new(wgpu::InstanceDescriptor {
+                backends,
+                ..wgpu::InstanceDescriptor::new_without_display_handle()
+            });
+            let adapters: Vec<wgpu::Adapter> =
+                pollster::block_on(instance.enumerate_adapters(backends)).into_iter().filter(usable).collect();
+            seen.extend(
+                adapters.iter().map(|a| format!("{} ({})", a.get_info().name, backend_name(a.get_info().backend))),
+            );
+            let chosen = adapters
+                .iter()
+                .filter(|a| wanted.as_ref().is_none_or(|w| a.get_info().name.to_lowercase().contains(w)))
+                .min_by_key(|a| rank(&a.get_info()));
+            if let Some(adapter) = chosen {
+                return Self::open(adapter.clone()).map(Some);
+            }
+        }
+        match wanted {
+            Some(w) => bail!("WISP_ADAPTER={w:?} matches none of the adapters: [{}]", seen.join(", ")),
+            None => Ok(None),
+        }
+    }
+
+    fn open(adapter: wgpu::Adapter) -> Result<WgpuBackend> {
+        let ainfo = adapter.get_info();
+        // The adapter's own limits: the defaults would cap a storage binding at 128 MiB.
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("wisp"),
+            required_features: wgpu::Features::empty(),
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .with_context(|| format!("opening {} ({})", ainfo.name, backend_name(ainfo.backend)))?;
+
+        let events = Arc::new(Events::default());
+        let e = events.clone();
+        device.on_uncaptured_error(Arc::new(move |err: wgpu::Error| {
+            *e.uncaptured.lock().unwrap_or_else(|p| p.into_inner()) = Some(err.to_string());
+        }));
+        let e = events.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            e.set_lost(format!("{reason:?}: {message}"));
+        });
+
+        let storage = |binding: u32, read_only: bool, min: u64| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty: wgpu::BufferBindingType::Storage { read_only },
+                has_dynamic_offset: false,
+                min_binding_size: wgpu::BufferSize::new(min),
+            },
+            count: None,
+        };
+        let scopes = push_scopes(&device);
+        let bind_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("matmul"),
+            entries: &[
+                wgpu::BindGroupLayoutEntry {
+                    binding: 0,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: true,
+                        min_binding_size: wgpu::BufferSize::new(PARAMS_BYTES),
+                    },
+                    count: None,
+                },
+                storage(1, true, 16),
+                storage(2, true, 4),
+                storage(3, true, 16),
+                storage(4, false, 4),
+            ],
+        });
+        let pipeline_layout = device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("matmul"),
+            bind_group_layouts: &[Some(&bind_layout)],
+            immediate_size: 0,
+        });
+        let placeholder = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("scales placeholder"),
+            size: 4,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        pop_scopes(scopes).map_err(|e| anyhow::anyhow!("setting up {}: {e}", ainfo.name))?;
+
+        let max_binding = limits.max_storage_buffer_binding_size.min(limits.max_buffer_size) & !3;
+        let info = Device {
+            name: ainfo.name.clone(),
+            backend: backend_name(ainfo.backend).into(),
+            device_type: device_type_name(ainfo.device_type).into(),
+            max_weight_bytes: max_binding,
+            max_activation_elements: max_binding / 4,
+        };
+        // A CPU device runs an invocation per SIMD lane: one row each is best there, and keeps
+        // the barrier out. A GPU shares a row among a warp's worth, for coalesced reads.
+        let lanes_k = if ainfo.device_type == wgpu::DeviceType::Cpu { 1 } else { 32 };
+        Ok(WgpuBackend {
+            device,
+            queue,
+            info,
+            limits,
+            events,
+            lanes_k,
+            module: None,
+            bind_layout,
+            pipeline_layout,
+            pipelines: HashMap::new(),
+            placeholder,
+            weights: HashMap::new(),
+            next: 0,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// The adapter's name, backend and type, e.g. "llvmpipe (LLVM 15.0.6, 256 bits) (vulkan, cpu)".
+    pub fn describe(&self) -> String {
+        format!("{} ({}, {})", self.info.name, self.info.backend, self.info.device_type)
+    }
+
+    /// How many invocations of the small-t kernel share one weight row (LANES_K in the shader):
+    /// a power of two from 1 to 64. `new` picks 1 on CPU devices and 32 on GPUs; this overrides
+    /// it, so that either path can be tested (or tuned) on any device.
+    pub fn set_gemv_lanes(&mut self, lanes: u32) -> Result<(), GpuError> {
+        if !lanes.is_power_of_two() || lanes > WORKGROUP {
+            return Err(GpuError::InvalidArgument(format!(
+                "{lanes} lanes a row: not a power of two up to {WORKGROUP}"
+            )));
+        }
+        if lanes != self.lanes_k {
+            self.lanes_k = lanes;
+            self.pipelines.retain(|(kernel, _), _| *kernel != Kernel::Gemv);
+        }
+        Ok(())
+    }
+
+    /// Makes the device lost, as a driver reset would: the device is destroyed and every later
+    /// call returns [`GpuError::DeviceLost`]. For tests.
+    pub fn simulate_device_loss(&mut self) {
+        self.device.destroy();
+        // Destruction is reported through the device-lost callback on the next poll.
+        let _ = self.poll();
+        self.events.set_lost("simulated device loss".into());
+        self.scratch = Scratch::default();
+    }
+
+    fn live(&self) -> Result<(), GpuError> {
+        match self.events.lost() {
+            Some(why) => Err(GpuError::DeviceLost(why)),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends a piece of work: its scopes' errors, a loss in the meantime, or an uncaptured error.
+    fn finish(&self, scopes: Scopes) -> Result<(), GpuError> {
+        let scoped = pop_scopes(scopes);
+        self.live()?;
+        scoped?;
+        match self.events.take_uncaptured() {
+            Some(m) => Err(GpuError::Unavailable(format!("the device refused the work: {m}"))),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for the queue. wgpu panics on a device error here (a device lost mid-wait): that
+    /// panic is caught and becomes an error.
+    fn poll(&self) -> Result<(), GpuError> {
+        let device = &self.device;
+        match catch_unwind(AssertUnwindSafe(|| device.poll(wgpu::PollType::wait_indefinitely()))) {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => Err(GpuError::Unavailable(format!("waiting for the device: {e}"))),
+            Err(_) => {
+                self.events.set_lost("the device failed while it was waited for".into());
+                Err(GpuError::DeviceLost(self.events.lost().unwrap_or_default()))
+            }
+        }
+    }
+
+    fn pipeline(&mut self, kernel: Kernel, format: Format) -> Result<wgpu::ComputePipeline, GpuError> {
+        if let Some(p) = self.pipelines.get(&(kernel, format)) {
+            return Ok(p.clone());
+        }
+        let scopes = push_scopes(&self.device);
+        let module = match &self.module {
+            Some(m) => m.clone(),
+            None => {
+                let m = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    label: Some("matmul.wgsl"),
+                    source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+                });
+                self.module = Some(m.clone());
+                m
+            }
+        };
+        let constants = [("FORMAT", format_id(format)), ("LANES_K", self.lanes_k as f64)];
+        let label = format!("matmul {} {}", kernel.entry(), format.name());
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(&label),
+            layout: Some(&self.pipeline_layout),
+            module: &module,
+            entry_point: Some(kernel.entry()),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants: &constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        if let Err(e) = self.finish(scopes) {
+            // A module that failed to build is not kept either.
+            self.module = None;
+            return Err(e);
+        }
+        self.pipelines.insert((kernel, format), pipeline.clone());
+        Ok(pipeline)
+    }
+
+    /// A buffer of at least `size` bytes in `slot`, grown (to a power of two, within `cap`) when
+    /// it is smaller.
+    fn ensure(
+        device: &wgpu::Device,
+        slot: &mut Option<wgpu::Buffer>,
+        size: u64,
+        cap: u64,
+        usage: wgpu::BufferUsages,
+        label: &str,
+    ) -> wgpu::Buffer {
+        if let Some(b) = slot
+            && b.size() >= size
+        {
+            return b.clone();
+        }
+        let grown = size.checked_next_power_of_two().unwrap_or(size).min(cap).max(size);
+        let b = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: grown,
+            usage,
+            mapped_at_creation: false,
+        });
+        *slot = Some(b.clone());
+        b
+    }
+
+    /// The dispatches of one job: `gemv` for small `t`, `gemm` otherwise; split so that no
+    /// dispatch exceeds the device's workgroups per dimension or `DISPATCH_MACS`.
+    fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, out: &mut Vec<Dispatch>) {
+        let (kernel, rows_per_group, t_per_group) = if t < GEMM_MIN_T {
+            (Kernel::Gemv, GEMV_ROWS * WORKGROUP / self.lanes_k, 1)
+        } else {
+            (Kernel::Gemm, GEMM_ROWS * WORKGROUP, 4)
+        };
+        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
+        let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
+        let gy_total = (t as u64).div_ceil(t_per_group as u64);
+        let macs_per_group = rows_per_group as u64 * t_per_group as u64 * w.n_in as u64;
+        let groups_budget = (DISPATCH_MACS / macs_per_group).max(1);
+        let gx = gx_total.min(max_dim).min(groups_budget).max(1);
+        let gy = gy_total.min(max_dim).min((groups_budget / gx).max(1));
+        let base = Params {
+            n_in: w.n_in,
+            n_out: w.n_out,
+            t,
+            row_quads: w.row_quads,
+            scale_row: w.scale_row,
+            row_base: 0,
+            t_base: 0,
+            x_stride: x_quads,
+        };
+        let mut y0 = 0;
+        while y0 < gy_total {
+            let ny = gy.min(gy_total - y0);
+            let mut x0 = 0;
+            while x0 < gx_total {
+                let nx = gx.min(gx_total - x0);
+                let params = Params {
+                    row_base: (x0 * rows_per_group as u64) as u32,
+                    t_base: (y0 * t_per_group as u64) as u32,
+                    ..base
+                };
+                out.push(Dispatch { job, kernel, params, groups: (nx as u32, ny as u32) });
+                x0 += nx;
+            }
+            y0 += ny;
+        }
+    }
+
+    /// Runs `jobs` (all of whose outputs fit one output buffer) over the input already written
+    /// to the input buffer: one submission, one readback.
+    fn run_batch(&mut self, x_bytes: u64, x_quads: u32, t: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
+        let params_stride = align_up(PARAMS_BYTES, uniform_align);
+
+        let mut offsets = Vec::with_capacity(jobs.len());
+        let mut lens = Vec::with_capacity(jobs.len());
+        let mut out_bytes = 0u64;
+        let mut dispatches = Vec::new();
+        let mut kernels = Vec::new();
+        for (j, id) in jobs.iter().enumerate() {
+            let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+            out_bytes = align_up(out_bytes, storage_align);
+            offsets.push(out_bytes);
+            let len = t as u64 * w.n_out as u64;
+            lens.push(len);
+            out_bytes += len * 4;
+            self.plan(j, w, t, x_quads, &mut dispatches);
+            kernels.push(w.format);
+        }
+        let mut pipelines = HashMap::new();
+        for d in &dispatches {
+            let format = kernels[d.job];
+            if let std::collections::hash_map::Entry::Vacant(e) = pipelines.entry((d.kernel, format)) {
+                e.insert(self.pipeline(d.kernel, format)?);
+            }
+        }
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let device = &self.device;
+        let s = &mut self.scratch;
+        let input = Self::ensure(
+            device,
+            &mut s.input,
+            x_bytes,
+            cap,
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            "input",
+        );
+        let output = Self::ensure(
+            device,
+            &mut s.output,
+            out_bytes,
+            cap,
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            "output",
+        );
+        let staging = Self::ensure(
+            device,
+            &mut s.staging,
+            out_bytes,
+            cap,
+            wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            "staging",
+        );
+        let params_bytes = params_stride * dispatches.len() as u64;
+        if params_bytes > u32::MAX as u64 {
+            return Err(GpuError::OutOfMemory(format!("{} dispatches are too many for one call", dispatches.len())));
+        }
+        let params_buf = Self::ensure(
+            device,
+            &mut s.params,
+            params_bytes,
+            cap,
+            wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            "params",
+        );
+
+        let mut params = vec![0u8; params_bytes as usize];
+        for (i, d) in dispatches.iter().enumerate() {
+            let at = i * params_stride as usize;
+            params[at..at + PARAMS_BYTES as usize].copy_from_slice(bytemuck::bytes_of(&d.params));
+        }
+        self.queue.write_buffer(&params_buf, 0, &params);
+
+        let mut groups = Vec::with_capacity(jobs.len());
+        for (j, id) in jobs.iter().enumerate() {
+            let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+            let scales = w.scales.as_ref().unwrap_or(&self.placeholder);
+            groups.push(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("matmul"),
+                layout: &self.bind_layout,
+                entries: &[
+                    wgpu::BindGroupEntry { binding: 0, resource: binding(&params_buf, 0, PARAMS_BYTES) },
+                    wgpu::BindGroupEntry { binding: 1, resource: w.data.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 2, resource: scales.as_entire_binding() },
+                    wgpu::BindGroupEntry { binding: 3, resource: binding(&input, 0, x_bytes) },
+                    wgpu::BindGroupEntry { binding: 4, resource: binding(&output, offsets[j], lens[j] * 4) },
+                ],
+            }));
+        }
+
+        let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("matmul") });
+        {
+            let mut pass = encoder
+                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
+            for (i, d) in dispatches.iter().enumerate() {
+                let Some(pipeline) = pipelines.get(&(d.kernel, kernels[d.job])) else {
+                    return Err(GpuError::Unavailable(format!(
+                        "no pipeline for {:?} {}",
+                        d.kernel,
+                        kernels[d.job].name()
+                    )));
+                };
+                pass.set_pipeline(pipeline);
+                pass.set_bind_group(0, &groups[d.job], &[(i as u64 * params_stride) as u32]);
+                pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+            }
+        }
+        encoder.copy_buffer_to_buffer(&output, 0, &staging, 0, out_bytes);
+        self.queue.submit([encoder.finish()]);
+
+        let (tx, rx) = mpsc::channel();
+        let slice = staging.slice(0..out_bytes);
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        let waited = self.poll();
+        let mapped = match rx.try_recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(GpuError::Unavailable(format!("reading the result back: {e}"))),
+            Err(_) => Err(GpuError::Unavailable("reading the result back: the mapping never completed".into())),
+        };
+        let result = waited.and(mapped).and_then(|()| {
+            let view =
+                slice.get_mapped_range().map_err(|e| GpuError::Unavailable(format!("reading the result back: {e}")))?;
+            let outs = offsets
+                .iter()
+                .zip(&lens)
+                .map(|(&o, &n)| bytemuck::pod_collect_to_vec::<u8, f32>(&view[o as usize..(o + n * 4) as usize]))
+                .collect::<Vec<_>>();
+            Ok(outs)
+        });
+        staging.unmap();
+        let finished = self.finish(scopes);
+        match (finished, result) {
+            (Ok(()), Ok(outs)) => Ok(outs),
+            (Err(e), _) | (Ok(()), Err(e)) => {
+                // Start the next call from fresh buffers: these may be left mapped or invalid.
+                self.scratch = Scratch::default();
+                Err(e)
+            }
+        }
+    }
+}
+
+fn binding(buffer: &wgpu::Buffer, offset: u64, size: u64) -> wgpu::BindingResource<'_> {
+    wgpu::BindingResource::Buffer(wgpu::BufferBinding { buffer, offset, size: wgpu::BufferSize::new(size) })
+}
+
+fn push_scopes(device: &wgpu::Device) -> Scopes {
+    Scopes {
+        scopes: vec![
+            device.push_error_scope(wgpu::ErrorFilter::Internal),
+            device.push_error_scope(wgpu::ErrorFilter::OutOfMemory),
+            device.push_error_scope(wgpu::ErrorFilter::Validation),
+        ],
+    }
+}
+
+/// Pops the scopes, innermost first; the first error they caught.
+fn pop_scopes(mut scopes: Scopes) -> Result<(), GpuError> {
+    let mut first = None;
+    while let Some(s) = scopes.scopes.pop() {
+        if let Some(e) = pollster::block_on(s.pop()) {
+            first.get_or_insert(e);
+        }
+    }
+    match first {
+        Some(e) => Err(wgpu_error(e)),
+        None => Ok(()),
+    }
+}
+
+impl Backend for WgpuBackend {
+    fn device(&self) -> Option<Device> {
+        match self.events.lost() {
+            Some(_) => None,
+            None => Some(self.info.clone()),
+        }
+    }
+
+    fn create(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.live()?;
+        let row_bytes = format
+            .data_bytes(n_in as u64)
+            .ok_or_else(|| GpuError::InvalidArgument(format!("a row of {n_in} {} values overflows", format.name())))?;
+        // A row is a whole number of shader steps: 8 elements for f32 and bf16 (32 and 16
+        // bytes), a multiple of 16 bytes already for the block formats.
+        let step = if format == Format::F32 { 32 } else { 16 };
+        let row_quads = row_bytes.div_ceil(step) * step / 16;
+        let data_bytes = row_quads * 16 * n_out as u64;
+        let scale_row = format.scale_count(n_in as u64);
+        let scale_bytes = scale_row * 4 * n_out as u64;
+        let max = self.info.max_weight_bytes;
+        if data_bytes > max || scale_bytes > max || row_quads > u32::MAX as u64 || scale_row > u32::MAX as u64 {
+            return Err(GpuError::OutOfMemory(format!(
+                "a {} weight [{n_out}, {n_in}] needs a buffer of {data_bytes} bytes; the device's limit is {max}",
+                format.name()
+            )));
+        }
+        let scopes = push_scopes(&self.device);
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let data = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("weights"),
+            size: data_bytes,
+            usage,
+            mapped_at_creation: false,
+        });
+        let scales = (scale_bytes > 0).then(|| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("scales"),
+                size: scale_bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        });
+        self.finish(scopes)?;
+        let id = self.next;
+        self.next += 1;
+        self.weights.insert(
+            id,
+            Weight {
+                format,
+                n_out,
+                n_in,
+                row_bytes,
+                row_quads: row_quads as u32,
+                scale_row: scale_row as u32,
+                data,
+                scales,
+            },
+        );
+        Ok(id)
+    }
+
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.live()?;
+        let w = self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        let row_bytes = w.row_bytes as usize;
+        let stride = w.row_quads as usize * 16;
+        let scale_stride = w.scale_row as usize * 4;
+        // Checked by `GpuCtx` already; checked again so that no caller can make this panic.
+        let rows = data.len() / row_bytes.max(1);
+        if rows == 0
+            || data.len() != rows * row_bytes
+            || scales.len() != rows * w.scale_row as usize
+            || first_row as u64 + rows as u64 > w.n_out as u64
+        {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} bytes and {} scales at row {first_row} are not whole rows of a [{}, {}] {} weight",
+                data.len(),
+                scales.len(),
+                w.n_out,
+                w.n_in,
+                w.format.name()
+            )));
+        }
+        let scopes = push_scopes(&self.device);
+        // Rows at most WRITE_CHUNK bytes at a time (at least one row).
+        let rows_per_chunk = (WRITE_CHUNK / stride.max(1)).max(1);
+        let mut padded = Vec::new();
+        let mut r = 0;
+        while r < rows {
+            let n = rows_per_chunk.min(rows - r);
+            let src = &data[r * row_bytes..(r + n) * row_bytes];
+            let bytes = if stride == row_bytes {
+                src
+            } else {
+                // Rows that are not whole quads (f32, bf16) are padded with zeros.
+                padded.clear();
+                padded.resize(n * stride, 0);
+                for (dst, row) in padded.chunks_exact_mut(stride).zip(src.chunks_exact(row_bytes)) {
+                    dst[..row_bytes].copy_from_slice(row);
+                }
+                &padded[..]
+            };
+            let offset = (first_row as u64 + r as u64) * stride as u64;
+            self.queue.write_buffer(&w.data, offset, bytes);
+            if let Some(sb) = &w.scales {
+                let per_row = w.scale_row as usize;
+                let s = &scales[r * per_row..(r + n) * per_row];
+                self.queue.write_buffer(
+                    sb,
+                    (first_row as u64 + r as u64) * scale_stride as u64,
+                    bytemuck::cast_slice(s),
+                );
+            }
+            r += n;
+        }
+        // Flush the writes (and free wgpu's staging memory) before returning.
+        self.queue.submit(std::iter::empty());
+        let waited = self.poll();
+        self.finish(scopes)?;
+        waited
+    }
+
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.live()?;
+        if t == 0 || n_in == 0 || x.len() as u64 != t as u64 * n_in as u64 || jobs.is_empty() {
+            return Err(GpuError::InvalidArgument(format!("x of {} values is not [{t}, {n_in}], or no jobs", x.len())));
+        }
+        // Rows of x padded with zeros to whole shader steps of 8 (only f32 and bf16 weights can
+        // have such an n_in).
+        let x_elems = (n_in as u64).div_ceil(8) * 8;
+        let x_quads = (x_elems / 4) as u32;
+        let x_bytes = t as u64 * x_elems * 4;
+        let max = self.info.max_weight_bytes;
+        if x_bytes > max {
+            return Err(GpuError::OutOfMemory(format!("an input of {} values exceeds the device's limit", x.len())));
+        }
+        // Group the jobs so that each group's outputs fit one buffer (almost always one group).
+        let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let mut batches: Vec<&[BufferId]> = Vec::new();
+        let mut start = 0;
+        let mut bytes = 0u64;
+        for (i, id) in jobs.iter().enumerate() {
+            let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+            if w.n_in != n_in {
+                return Err(GpuError::InvalidArgument(format!(
+                    "job {i}: the weight has {} columns, n-in is {n_in}",
+                    w.n_in
+                )));
+            }
+            let len = t as u64 * w.n_out as u64 * 4;
+            if len > max {
+                return Err(GpuError::OutOfMemory(format!(
+                    "job {i}: an output of {len} bytes exceeds the device's limit"
+                )));
+            }
+            let at = align_up(bytes, storage_align);
+            if i > start && at + len > self.limits.max_buffer_size {
+                batches.push(&jobs[start..i]);
+                start = i;
+                bytes = len;
+            } else {
+                bytes = at + len;
+            }
+        }
+        batches.push(&jobs[start..]);
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let input = Self::ensure(
+            &self.device,
+            &mut self.scratch.input,
+            x_bytes,
+            cap,
+            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            "input",
+        );
+        if x_elems == n_in as u64 {
+            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(x));
+        } else {
+            let mut padded = vec![0f32; (t as u64 * x_elems) as usize];
+            for (dst, row) in padded.chunks_exact_mut(x_elems as usize).zip(x.chunks_exact(n_in as usize)) {
+                dst[..row.len()].copy_from_slice(row);
+            }
+            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(&padded));
+        }
+        if let Err(e) = self.finish(scopes) {
+            self.scratch = Scratch::default();
+            return Err(e);
+        }
+        let mut outs = Vec::with_capacity(jobs.len());
+        for batch in batches {
+            outs.extend(self.run_batch(x_bytes, x_quads, t, batch)?);
+        }
+        Ok(outs)
+    }
+
+    fn free(&mut self, id: BufferId) {
+        // Dropping the buffers frees them once no submitted work uses them.
+        self.weights.remove(&id);
+    }
+}

@@ -1,0 +1,415 @@
+//! The wgpu backend against the CPU reference, on fresh random shapes and data.
+//!
+//! Each test names the adapter it ran on. Without an adapter a test is skipped with a message,
+//! except under `CI=true`, where it fails. Tolerance: `|gpu - cpu| <= 1e-4 * sum_k |w[n, k] * x[t, k]|`
+//! for every output (both sides compute in f32, in a different order). `WISP_TEST_SEED` repeats
+//! a run; every test prints its seed.
+
+use std::time::Instant;
+use wisp::{Backend, Budget, CpuBackend, Format, GpuCtx, GpuError, WgpuBackend};
+
+const TOLERANCE: f32 = 1e-4;
+
+/// The backend on the preferred adapter, or `None` (skip) when there is none outside CI.
+fn backend(test: &str) -> Option<WgpuBackend> {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true");
+    match WgpuBackend::new() {
+        Ok(Some(b)) => {
+            println!("{test}: adapter {}", b.describe());
+            Some(b)
+        }
+        Ok(None) if ci => panic!("{test}: no wgpu adapter, and CI=true (install mesa-vulkan-drivers for lavapipe)"),
+        Ok(None) => {
+            println!("{test}: skipped: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
+            None
+        }
+        Err(e) => panic!("{test}: opening the adapter failed: {e:#}"),
+    }
+}
+
+/// SplitMix64: small, seedable, good enough for test data.
+struct Rng(u64);
+
+impl Rng {
+    fn new(test: &str) -> Rng {
+        let seed = match std::env::var("WISP_TEST_SEED") {
+            Ok(s) => s.parse().unwrap_or(0),
+            Err(_) => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(1),
+        };
+        println!("{test}: seed {seed}");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e3779b97f4a7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58476d1ce4e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d049bb133111eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: u32, hi: u32) -> u32 {
+        lo + (self.next() % (hi - lo + 1) as u64) as u32
+    }
+
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// A weight in its upload format, and its values decoded as `wit/gpu.wit` defines them.
+struct Weight {
+    format: Format,
+    n_out: u32,
+    n_in: u32,
+    data: Vec<u8>,
+    scales: Vec<f32>,
+    decoded: Vec<f32>,
+}
+
+impl Weight {
+    fn random(rng: &mut Rng, format: Format, n_out: u32, n_in: u32) -> Weight {
+        let n = n_out as usize * n_in as usize;
+        let (data, scales) = match format {
+            Format::F32 => ((0..n).flat_map(|_| rng.unit().to_le_bytes()).collect(), vec![]),
+            Format::Bf16 => {
+                ((0..n).flat_map(|_| ((rng.unit().to_bits() >> 16) as u16).to_le_bytes()).collect(), vec![])
+            }
+            Format::Q8x32 | Format::Q8x16 => {
+                (rng.bytes(n), (0..format.scale_count(n as u64)).map(|_| rng.unit() * 0.05).collect())
+            }
+            Format::Q4x32 => (rng.bytes(n / 2), (0..format.scale_count(n as u64)).map(|_| rng.unit() * 0.1).collect()),
+        };
+        let decoded = decode(format, &data, &scales, n);
+        Weight { format, n_out, n_in, data, scales, decoded }
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.data.len() / self.n_out as usize
+    }
+
+    fn row_scales(&self) -> usize {
+        self.scales.len() / self.n_out as usize
+    }
+}
+
+/// The WIT's layouts, written out again independently of the host's decoder.
+fn decode(format: Format, data: &[u8], scales: &[f32], n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| match format {
+            Format::F32 => f32::from_le_bytes([data[4 * i], data[4 * i + 1], data[4 * i + 2], data[4 * i + 3]]),
+            Format::Bf16 => f32::from_bits(((data[2 * i + 1] as u32) << 24) | ((data[2 * i] as u32) << 16)),
+            Format::Q8x32 => scales[i / 32] * (data[i] as i8) as f32,
+            Format::Q8x16 => scales[i / 16] * (data[i] as i8) as f32,
+            Format::Q4x32 => {
+                let q = if i % 2 == 0 { data[i / 2] & 0xf } else { data[i / 2] >> 4 };
+                scales[2 * (i / 32)] * q as f32 - scales[2 * (i / 32) + 1]
+            }
+        })
+        .collect()
+}
+
+fn random_x(rng: &mut Rng, t: u32, n_in: u32) -> Vec<f32> {
+    (0..t as usize * n_in as usize).map(|_| rng.unit()).collect()
+}
+
+/// A random `n_in` for `format`: a multiple of its block only (odd for the float formats).
+fn random_n_in(rng: &mut Rng, format: Format, max_blocks: u32) -> u32 {
+    let block = format.block() as u32;
+    match block {
+        1 => rng.range(1, max_blocks * 8),
+        b => b * rng.range(1, max_blocks),
+    }
+}
+
+fn upload(b: &mut dyn Backend, w: &Weight) -> u64 {
+    let id = b.create(w.format, w.n_out, w.n_in).expect("create");
+    b.write_rows(id, 0, &w.data, &w.scales).expect("write_rows");
+    id
+}
+
+/// Checks `got` (outputs of `weights` over `x`) against the CPU reference and the tolerance.
+fn check(what: &str, weights: &[&Weight], x: &[f32], t: u32, got: &[Vec<f32>]) {
+    let mut cpu = CpuBackend::new();
+    let ids: Vec<u64> = weights.iter().map(|w| upload(&mut cpu, w)).collect();
+    let n_in = weights[0].n_in;
+    let want = cpu.matmul(x, t, n_in, &ids).expect("cpu matmul");
+    assert_eq!(got.len(), weights.len(), "{what}: one output per job");
+    for (j, w) in weights.iter().enumerate() {
+        assert_eq!(got[j].len(), t as usize * w.n_out as usize, "{what}: job {j}: output length");
+        let n_in = n_in as usize;
+        for ti in 0..t as usize {
+            let xr = &x[ti * n_in..(ti + 1) * n_in];
+            for n in 0..w.n_out as usize {
+                let wr = &w.decoded[n * n_in..(n + 1) * n_in];
+                let magnitude: f32 = wr.iter().zip(xr).map(|(a, b)| (a * b).abs()).sum();
+                let i = ti * w.n_out as usize + n;
+                let (g, c) = (got[j][i], want[j][i]);
+                assert!(
+                    (g - c).abs() <= TOLERANCE * magnitude + f32::MIN_POSITIVE,
+                    "{what}: job {j} ({} [{}, {}]): y[{ti}, {n}] = {g}, the CPU has {c} (sum |w x| = {magnitude})",
+                    w.format.name(),
+                    w.n_out,
+                    w.n_in
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn every_format_matches_the_cpu() {
+    let Some(mut gpu) = backend("every_format_matches_the_cpu") else { return };
+    let mut rng = Rng::new("every_format_matches_the_cpu");
+    for format in Format::ALL {
+        for t in [1, 2, 7, 64] {
+            let n_in = random_n_in(&mut rng, format, 24);
+            // Several jobs in one call, with ragged row counts.
+            let weights: Vec<Weight> = (0..3)
+                .map(|_| {
+                    let n_out = rng_rows(&mut rng);
+                    Weight::random(&mut rng, format, n_out, n_in)
+                })
+                .collect();
+            let ids: Vec<u64> = weights.iter().map(|w| upload(&mut gpu, w)).collect();
+            let x = random_x(&mut rng, t, n_in);
+            let got = gpu.matmul(&x, t, n_in, &ids).expect("matmul");
+            let what = format!("{} t={t} n_in={n_in}", format.name());
+            check(&what, &weights.iter().collect::<Vec<_>>(), &x, t, &got);
+            for id in ids {
+                gpu.free(id);
+            }
+        }
+    }
+}
+
+/// A ragged row count: not a multiple of any tile.
+fn rng_rows(rng: &mut Rng) -> u32 {
+    match rng.range(0, 3) {
+        0 => rng.range(1, 5),
+        1 => 128 * rng.range(1, 3) + rng.range(1, 127),
+        _ => rng.range(1, 300),
+    }
+}
+
+#[test]
+fn mixed_formats_in_one_call() {
+    let Some(mut gpu) = backend("mixed_formats_in_one_call") else { return };
+    let mut rng = Rng::new("mixed_formats_in_one_call");
+    let n_in = 32 * rng.range(1, 12);
+    for t in [1, 7, 64] {
+        let weights: Vec<Weight> = Format::ALL
+            .iter()
+            .map(|&f| {
+                let n_out = rng_rows(&mut rng);
+                Weight::random(&mut rng, f, n_out, n_in)
+            })
+            .collect();
+        let ids: Vec<u64> = weights.iter().map(|w| upload(&mut gpu, w)).collect();
+        let x = random_x(&mut rng, t, n_in);
+        let got = gpu.matmul(&x, t, n_in, &ids).expect("matmul");
+        check(&format!("mixed t={t} n_in={n_in}"), &weights.iter().collect::<Vec<_>>(), &x, t, &got);
+    }
+}
+
+#[test]
+fn rows_written_in_chunks_equal_one_write() {
+    let Some(mut gpu) = backend("rows_written_in_chunks_equal_one_write") else { return };
+    let mut rng = Rng::new("rows_written_in_chunks_equal_one_write");
+    for format in Format::ALL {
+        let n_in = random_n_in(&mut rng, format, 8);
+        let n_out = rng.range(3, 200);
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let whole = upload(&mut gpu, &w);
+
+        // The same rows in three writes, last chunk first.
+        let chunked = gpu.create(format, n_out, n_in).expect("create");
+        let a = rng.range(1, n_out - 2) as usize;
+        let b = rng.range(a as u32 + 1, n_out - 1) as usize;
+        let (rb, rs) = (w.row_bytes(), w.row_scales());
+        for (lo, hi) in [(b, n_out as usize), (0, a), (a, b)] {
+            gpu.write_rows(chunked, lo as u32, &w.data[lo * rb..hi * rb], &w.scales[lo * rs..hi * rs])
+                .expect("write_rows");
+        }
+        for t in [1, 7] {
+            let x = random_x(&mut rng, t, n_in);
+            let got = gpu.matmul(&x, t, n_in, &[whole, chunked]).expect("matmul");
+            assert_eq!(got[0], got[1], "{}: chunked rows {a}, {b} of {n_out}", format.name());
+            check(&format!("{} chunked", format.name()), &[&w, &w], &x, t, &got);
+        }
+    }
+}
+
+#[test]
+fn rows_never_written_read_as_zero() {
+    let Some(mut gpu) = backend("rows_never_written_read_as_zero") else { return };
+    let mut rng = Rng::new("rows_never_written_read_as_zero");
+    for format in Format::ALL {
+        let n_in = random_n_in(&mut rng, format, 4);
+        let n_out = rng.range(2, 150);
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let id = gpu.create(format, n_out, n_in).expect("create");
+        let half = (n_out / 2) as usize;
+        let (rb, rs) = (w.row_bytes(), w.row_scales());
+        gpu.write_rows(id, 0, &w.data[..half * rb], &w.scales[..half * rs]).expect("write_rows");
+        let x = random_x(&mut rng, 5, n_in);
+        let got = gpu.matmul(&x, 5, n_in, &[id]).expect("matmul");
+        for ti in 0..5 {
+            let row = &got[0][ti * n_out as usize..(ti + 1) * n_out as usize];
+            assert!(
+                row[half..].iter().all(|&v| v == 0.0),
+                "{}: unwritten rows are not zero: {:?}",
+                format.name(),
+                &row[half..]
+            );
+        }
+    }
+}
+
+#[test]
+fn device_loss_is_an_error_not_a_panic() {
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
+    let mut rng = Rng::new("device_loss_is_an_error_not_a_panic");
+    let w = Weight::random(&mut rng, Format::Q8x32, 40, 64);
+    let id = upload(&mut gpu, &w);
+    let x = random_x(&mut rng, 3, 64);
+    gpu.matmul(&x, 3, 64, &[id]).expect("matmul before the loss");
+
+    gpu.simulate_device_loss();
+    let lost = |r: Result<(), GpuError>, what: &str| match r {
+        Err(GpuError::DeviceLost(_)) => {}
+        other => panic!("{what} after the loss: {other:?}, not device-lost"),
+    };
+    lost(gpu.create(Format::F32, 4, 4).map(|_| ()), "create");
+    lost(gpu.write_rows(id, 0, &w.data, &w.scales), "write_rows");
+    lost(gpu.matmul(&x, 3, 64, &[id]).map(|_| ()), "matmul");
+    lost(gpu.matmul(&x, 3, 64, &[id]).map(|_| ()), "a second matmul");
+    assert!(gpu.device().is_none(), "a lost device is not offered");
+    gpu.free(id);
+
+    // A GpuCtx over a backend lost before it was made offers no device, and says so.
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
+    gpu.simulate_device_loss();
+    let mut ctx = GpuCtx::new(Box::new(gpu), Budget::default());
+    assert!(ctx.device().is_none());
+    assert!(ctx.allocate(Format::F32, 4, 4).is_err());
+}
+
+#[test]
+fn requests_past_the_limits_are_refused_by_gpuctx() {
+    let Some(gpu) = backend("requests_past_the_limits_are_refused_by_gpuctx") else { return };
+    let device = gpu.device().expect("a device");
+    println!(
+        "limits: max_weight_bytes {}, max_activation_elements {}",
+        device.max_weight_bytes, device.max_activation_elements
+    );
+    let budget = Budget { bytes: u64::MAX / 2, handles: 16, jobs: 64 };
+    let mut ctx = GpuCtx::new(Box::new(gpu), budget);
+
+    // A weight one block past the largest buffer.
+    let n_in = 4096u32;
+    let n_out = (device.max_weight_bytes / n_in as u64 + 1).min(u32::MAX as u64) as u32;
+    match ctx.allocate(Format::Q8x32, n_out, n_in) {
+        Err(GpuError::OutOfMemory(m)) => println!("refused as it should be: {m}"),
+        Err(e) => panic!("a weight past the limit: {e}, not out-of-memory"),
+        Ok(_) => panic!("a weight past the limit was allocated"),
+    }
+
+    // An output past the activation limit, from a small input.
+    let n_in = 32u32;
+    let n_out = 1u32 << 16;
+    let w = ctx.allocate(Format::Q4x32, n_out, n_in).expect("allocate");
+    let t = (device.max_activation_elements / n_out as u64 + 1) as u32;
+    let x = vec![0.5f32; t as usize * n_in as usize];
+    match ctx.matmul(&x, t, n_in, std::slice::from_ref(&w)) {
+        Err(GpuError::OutOfMemory(m)) => println!("refused as it should be: {m}"),
+        Err(e) => panic!("an output past the limit: {e}, not out-of-memory"),
+        Ok(_) => panic!("an output past the limit was computed"),
+    }
+    // The context still works.
+    let y = ctx.matmul(&x[..n_in as usize * 2], 2, n_in, std::slice::from_ref(&w)).expect("a matmul in the limits");
+    assert_eq!(y[0].len(), 2 * n_out as usize);
+    assert!(y[0].iter().all(|&v| v == 0.0), "an allocated, unwritten weight reads as zero");
+}
+
+/// A mid-size case, timed: q4x32 [2048, 2048] at t = 1 and t = 64 (the latter split over
+/// several dispatches), checked against the CPU and reported in GFLOP/s.
+#[test]
+fn mid_size_throughput() {
+    let Some(mut gpu) = backend("mid_size_throughput") else { return };
+    let mut rng = Rng::new("mid_size_throughput");
+    for format in [Format::Q4x32, Format::Q8x32, Format::F32] {
+        let (n_out, n_in) = (2048u32, 2048u32);
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let id = upload(&mut gpu, &w);
+        for t in [1u32, 64] {
+            let x = random_x(&mut rng, t, n_in);
+            // The first call builds the pipeline.
+            let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+            let runs = 3;
+            let start = Instant::now();
+            for _ in 0..runs {
+                gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+            }
+            let secs = start.elapsed().as_secs_f64() / runs as f64;
+            let flops = 2.0 * t as f64 * n_out as f64 * n_in as f64;
+            println!(
+                "mid_size_throughput: {} [{n_out}, {n_in}] t={t}: {:.2} ms, {:.2} GFLOP/s",
+                format.name(),
+                secs * 1e3,
+                flops / secs / 1e9
+            );
+            check(&format!("{} mid-size t={t}", format.name()), &[&w], &x, t, &got);
+        }
+        gpu.free(id);
+    }
+}
+
+/// Calls large enough to be split into several dispatches, over rows and over t, with ragged
+/// edges at the splits.
+#[test]
+fn large_calls_split_into_dispatches() {
+    let Some(mut gpu) = backend("large_calls_split_into_dispatches") else { return };
+    let mut rng = Rng::new("large_calls_split_into_dispatches");
+    for (format, n_out, n_in, t) in [(Format::Q4x32, 4173, 16384, 5), (Format::Q8x32, 700, 2048, 301)] {
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let id = upload(&mut gpu, &w);
+        let x = random_x(&mut rng, t, n_in);
+        let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+        check(&format!("{} [{n_out}, {n_in}] t={t}", format.name()), &[&w], &x, t, &got);
+        gpu.free(id);
+    }
+}
+
+/// The small-t kernel with a row shared by several invocations (the GPU layout, summed through
+/// workgroup memory) and by one (the CPU layout) gives the CPU's results either way.
+#[test]
+fn gemv_row_sharing_matches_the_cpu() {
+    let Some(mut gpu) = backend("gemv_row_sharing_matches_the_cpu") else { return };
+    let mut rng = Rng::new("gemv_row_sharing_matches_the_cpu");
+    assert!(gpu.set_gemv_lanes(3).is_err() && gpu.set_gemv_lanes(128).is_err());
+    for lanes in [1, 4, 32, 64] {
+        gpu.set_gemv_lanes(lanes).expect("lanes");
+        for format in Format::ALL {
+            let n_in = random_n_in(&mut rng, format, 40);
+            let n_out = rng_rows(&mut rng);
+            let w = Weight::random(&mut rng, format, n_out, n_in);
+            let id = upload(&mut gpu, &w);
+            for t in [1, 3] {
+                let x = random_x(&mut rng, t, n_in);
+                let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+                check(&format!("{} lanes={lanes} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+            }
+            gpu.free(id);
+        }
+    }
+}

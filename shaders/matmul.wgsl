@@ -1,0 +1,435 @@
+// y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T, with W decoded in the shader from its upload
+// format: the byte layouts of `wit/gpu.wit`, decoded as the host's `cpu::decode_rows` does
+// (f32; bf16 = the high half of an f32; q8: w = d * q, q a signed byte; q4: w = d * q - m,
+// element 2i in the low nibble of byte i).
+//
+// Bindings, group 0 (one layout for every entry point and format):
+//   0  params   uniform, dynamic offset  Params: the shape, and the part of it one dispatch covers
+//   1  weights  storage, read            array<vec4<u32>>: W's data in its upload format; row r
+//                                        starts at quad r * row_quads. Rows are whole steps
+//                                        (below): f32 and bf16 rows of other lengths end in
+//                                        zero padding; the block formats never need it
+//   2  scales   storage, read            array<f32>: W's block scales as uploaded, scale_row a
+//                                        row ([d] a block; [d, m] a block for q4x32); f32 and
+//                                        bf16 bind a placeholder
+//   3  x        storage, read            array<vec4<f32>>: x[t, n_in], row-major, each row
+//                                        padded with zeros to x_stride quads (a whole step)
+//   4  y        storage, read_write      array<f32>: y[t, n_out], row-major (one job's range)
+//
+// Pipeline-overridable constants:
+//   FORMAT   0 f32, 1 bf16, 2 q8x32, 3 q8x16, 4 q4x32
+//   LANES_K  `gemv` only: invocations sharing one row (a power of two, at most 64). 1 on CPU
+//            devices (rows per invocation, no barrier); on a GPU a warp's worth, so that
+//            neighbouring invocations read neighbouring quads of a row (coalesced), summed
+//            through workgroup memory after one barrier.
+//
+// A row is walked in steps of one quad of weights (two for f32): 8 elements for f32 and bf16,
+// 16 for q8x32 and q8x16 (one scale a step), 32 for q4x32 (one [d, m] a step). Weights are
+// loaded a quad at a time, scales once a step, and every loaded value is used by several rows:
+// a load whose address differs between invocations is what costs most on CPU implementations
+// (lavapipe fetches it lane by lane); barriers are slow there too, so neither kernel needs one
+// on a CPU device.
+//
+// Entry points:
+//   gemv  small t (decode). Each invocation: 4 weight rows (64 / LANES_K apart) against one row
+//         of x (wid.y), sharing each x load among the 4 rows.
+//   gemm  t >= 4 (prefill), register-blocked: each invocation computes 8 weight rows (64
+//         apart) x 4 rows of x = 32 outputs; a workgroup covers 512 weight rows and 4 rows of
+//         x. All its invocations read the same x values (broadcast loads), and each decoded
+//         weight is used 4 times. No workgroup memory, no barrier.
+// Shapes that are not a multiple of the tile are clamped on load and masked on store.
+
+struct Params {
+    n_in: u32,       // columns of W and x
+    n_out: u32,      // rows of W, columns of y
+    t: u32,          // rows of x and y
+    row_quads: u32,  // vec4<u32> of weights a row of W
+    scale_row: u32,  // f32 scales a row of W
+    row_base: u32,   // first row of W this dispatch covers
+    t_base: u32,     // first row of x this dispatch covers
+    x_stride: u32,   // vec4<f32> a row of x (n_in padded with zeros to a whole step)
+}
+
+@group(0) @binding(0) var<uniform> params: Params;
+@group(0) @binding(1) var<storage, read> weights: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> scales: array<f32>;
+@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+
+override FORMAT: u32 = 0u;
+override LANES_K: u32 = 1u;
+
+const F32: u32 = 0u;
+const BF16: u32 = 1u;
+const Q8X32: u32 = 2u;
+const Q8X16: u32 = 3u;
+const Q4X32: u32 = 4u;
+
+const WG: u32 = 64u;
+
+// Elements of a row a step covers.
+fn step_elements() -> u32 {
+    switch FORMAT {
+        case F32, BF16: {
+            return 8u;
+        }
+        case Q8X32, Q8X16: {
+            return 16u;
+        }
+        default: {
+            return 32u;
+        }
+    }
+}
+
+// ---- decoding -----------------------------------------------------------------------------
+
+// Eight consecutive weights of a row.
+struct W8 {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+}
+
+// Four words of bf16 pairs: element 2i in the low half of word i, 2i + 1 in the high half.
+fn bf16_group(q: vec4<u32>) -> W8 {
+    let even = bitcast<vec4<f32>>(q << vec4<u32>(16u));
+    let odd = bitcast<vec4<f32>>(q & vec4<u32>(0xffff0000u));
+    return W8(vec4<f32>(even.x, odd.x, even.y, odd.y), vec4<f32>(even.z, odd.z, even.w, odd.w));
+}
+
+// The four signed bytes of a word, byte 0 first.
+fn q8_quad(word: u32) -> vec4<f32> {
+    let s = bitcast<vec4<i32>>(vec4<u32>(word) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u);
+    return vec4<f32>(s);
+}
+
+// Two words of signed bytes, times their block's scale: w = d * q.
+fn q8_group(w0: u32, w1: u32, d: f32) -> W8 {
+    return W8(d * q8_quad(w0), d * q8_quad(w1));
+}
+
+// The eight nibbles of a word: element 2i in the low nibble of byte i, so nibble n is element n.
+// w = d * q - m.
+fn q4_group(word: u32, d: f32, m: f32) -> W8 {
+    let lo = (vec4<u32>(word) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(0xfu);
+    let hi = (vec4<u32>(word) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(0xfu);
+    return W8(d * vec4<f32>(lo) - m, d * vec4<f32>(hi) - m);
+}
+
+// x[i .. i + 4], i a multiple of 4.
+fn x_quad(i: u32) -> vec4<f32> {
+    return x[i / 4u];
+}
+
+// ---- gemv ---------------------------------------------------------------------------------
+
+// Step s of weight row `row`, dotted with the step's x values (x0, x1, ... in order).
+fn f32_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
+    let i = row * params.row_quads + 2u * s;
+    return dot(bitcast<vec4<f32>>(weights[i]), x0) + dot(bitcast<vec4<f32>>(weights[i + 1u]), x1);
+}
+
+fn bf16_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>) -> f32 {
+    let w = bf16_group(weights[row * params.row_quads + s]);
+    return dot(w.lo, x0) + dot(w.hi, x1);
+}
+
+fn q8_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> f32 {
+    let w = weights[row * params.row_quads + s];
+    let d = scales[row * params.scale_row + select(s / 2u, s, FORMAT == Q8X16)];
+    let a = q8_group(w.x, w.y, d);
+    let b = q8_group(w.z, w.w, d);
+    return dot(a.lo, x0) + dot(a.hi, x1) + dot(b.lo, x2) + dot(b.hi, x3);
+}
+
+fn q4_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>,
+          x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
+    let w = weights[row * params.row_quads + s];
+    let si = row * params.scale_row + 2u * s;
+    let d = scales[si];
+    let m = scales[si + 1u];
+    let a = q4_group(w.x, d, m);
+    let b = q4_group(w.y, d, m);
+    let c = q4_group(w.z, d, m);
+    let e = q4_group(w.w, d, m);
+    return dot(a.lo, x0) + dot(a.hi, x1) + dot(b.lo, x2) + dot(b.hi, x3)
+        + dot(c.lo, x4) + dot(c.hi, x5) + dot(e.lo, x6) + dot(e.hi, x7);
+}
+
+// Step s of the four weight rows r against one row of x at offset xo: its x values are loaded
+// once and shared by the four rows.
+fn gemv_step(acc: vec4<f32>, r: vec4<u32>, s: u32, xo: u32) -> vec4<f32> {
+    let k = xo + s * step_elements();
+    var a = acc;
+    switch FORMAT {
+        case F32: {
+            let x0 = x_quad(k);
+            let x1 = x_quad(k + 4u);
+            a += vec4<f32>(
+                f32_dot(r.x, s, x0, x1), f32_dot(r.y, s, x0, x1), f32_dot(r.z, s, x0, x1), f32_dot(r.w, s, x0, x1),
+            );
+        }
+        case BF16: {
+            let x0 = x_quad(k);
+            let x1 = x_quad(k + 4u);
+            a += vec4<f32>(
+                bf16_dot(r.x, s, x0, x1), bf16_dot(r.y, s, x0, x1), bf16_dot(r.z, s, x0, x1), bf16_dot(r.w, s, x0, x1),
+            );
+        }
+        case Q8X32, Q8X16: {
+            let x0 = x_quad(k);
+            let x1 = x_quad(k + 4u);
+            let x2 = x_quad(k + 8u);
+            let x3 = x_quad(k + 12u);
+            a += vec4<f32>(
+                q8_dot(r.x, s, x0, x1, x2, x3), q8_dot(r.y, s, x0, x1, x2, x3),
+                q8_dot(r.z, s, x0, x1, x2, x3), q8_dot(r.w, s, x0, x1, x2, x3),
+            );
+        }
+        default: {
+            let x0 = x_quad(k);
+            let x1 = x_quad(k + 4u);
+            let x2 = x_quad(k + 8u);
+            let x3 = x_quad(k + 12u);
+            let x4 = x_quad(k + 16u);
+            let x5 = x_quad(k + 20u);
+            let x6 = x_quad(k + 24u);
+            let x7 = x_quad(k + 28u);
+            a += vec4<f32>(
+                q4_dot(r.x, s, x0, x1, x2, x3, x4, x5, x6, x7), q4_dot(r.y, s, x0, x1, x2, x3, x4, x5, x6, x7),
+                q4_dot(r.z, s, x0, x1, x2, x3, x4, x5, x6, x7), q4_dot(r.w, s, x0, x1, x2, x3, x4, x5, x6, x7),
+            );
+        }
+    }
+    return a;
+}
+
+var<workgroup> partial: array<vec4<f32>, WG>;
+
+@compute @workgroup_size(64)
+fn gemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let lane = lid.x % LANES_K;
+    let rows_apart = WG / LANES_K;
+    let row0 = params.row_base + wid.x * (4u * rows_apart) + lid.x / LANES_K;
+    let rows = vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u) * rows_apart;
+    let r = min(rows, vec4<u32>(params.n_out - 1u));
+    let tr = params.t_base + wid.y;
+    let xo = min(tr, params.t - 1u) * (4u * params.x_stride);
+
+    // Loop bounds are uniform across the workgroup (the barrier below needs it).
+    var acc = vec4<f32>(0.0);
+    let steps = (params.n_in + step_elements() - 1u) / step_elements();
+    for (var s0 = 0u; s0 < steps; s0 += LANES_K) {
+        let s = s0 + lane;
+        if (s < steps) {
+            acc = gemv_step(acc, r, s, xo);
+        }
+    }
+
+    if (LANES_K > 1u) {
+        partial[lid.x] = acc;
+        workgroupBarrier();
+        if (lane == 0u) {
+            for (var i = 1u; i < LANES_K; i++) {
+                acc += partial[lid.x + i];
+            }
+        }
+    }
+    if (lane == 0u && tr < params.t) {
+        let i = tr * params.n_out;
+        let n_out = params.n_out;
+        if (rows.x < n_out) { y[i + rows.x] = acc.x; }
+        if (rows.y < n_out) { y[i + rows.y] = acc.y; }
+        if (rows.z < n_out) { y[i + rows.z] = acc.z; }
+        if (rows.w < n_out) { y[i + rows.w] = acc.w; }
+    }
+}
+
+// ---- gemm ---------------------------------------------------------------------------------
+
+// Eight consecutive x values of each of the four rows of x of an invocation.
+struct X8 {
+    a0: vec4<f32>,
+    a1: vec4<f32>,
+    b0: vec4<f32>,
+    b1: vec4<f32>,
+    c0: vec4<f32>,
+    c1: vec4<f32>,
+    d0: vec4<f32>,
+    d1: vec4<f32>,
+}
+
+// x[o + k .. o + k + 8] for the four row offsets o.
+fn x8(o: vec4<u32>, k: u32) -> X8 {
+    return X8(
+        x_quad(o.x + k), x_quad(o.x + k + 4u),
+        x_quad(o.y + k), x_quad(o.y + k + 4u),
+        x_quad(o.z + k), x_quad(o.z + k + 4u),
+        x_quad(o.w + k), x_quad(o.w + k + 4u),
+    );
+}
+
+// acc[c] += w . x_c for the four rows c of x.
+fn fma8(acc: vec4<f32>, w: W8, v: X8) -> vec4<f32> {
+    return acc + vec4<f32>(
+        dot(w.lo, v.a0) + dot(w.hi, v.a1),
+        dot(w.lo, v.b0) + dot(w.hi, v.b1),
+        dot(w.lo, v.c0) + dot(w.hi, v.c1),
+        dot(w.lo, v.d0) + dot(w.hi, v.d1),
+    );
+}
+
+// One step s of weight row `row` against the four rows of x: the step's x values are loaded
+// once by the caller and shared by all the invocation's weight rows.
+fn f32_row(acc: vec4<f32>, row: u32, s: u32, v: X8) -> vec4<f32> {
+    let i = row * params.row_quads + 2u * s;
+    return fma8(acc, W8(bitcast<vec4<f32>>(weights[i]), bitcast<vec4<f32>>(weights[i + 1u])), v);
+}
+
+fn bf16_row(acc: vec4<f32>, row: u32, s: u32, v: X8) -> vec4<f32> {
+    return fma8(acc, bf16_group(weights[row * params.row_quads + s]), v);
+}
+
+fn q8_row(acc: vec4<f32>, row: u32, s: u32, v0: X8, v1: X8) -> vec4<f32> {
+    let w = weights[row * params.row_quads + s];
+    let d = scales[row * params.scale_row + select(s / 2u, s, FORMAT == Q8X16)];
+    return fma8(fma8(acc, q8_group(w.x, w.y, d), v0), q8_group(w.z, w.w, d), v1);
+}
+
+fn q4_row(acc: vec4<f32>, row: u32, s: u32, v0: X8, v1: X8, v2: X8, v3: X8) -> vec4<f32> {
+    let w = weights[row * params.row_quads + s];
+    let si = row * params.scale_row + 2u * s;
+    let d = scales[si];
+    let m = scales[si + 1u];
+    var a = fma8(acc, q4_group(w.x, d, m), v0);
+    a = fma8(a, q4_group(w.y, d, m), v1);
+    a = fma8(a, q4_group(w.z, d, m), v2);
+    return fma8(a, q4_group(w.w, d, m), v3);
+}
+
+// Accumulators of an invocation: one vec4 (its four rows of x) for each of its 8 weight rows.
+struct Acc {
+    a: vec4<f32>,
+    b: vec4<f32>,
+    c: vec4<f32>,
+    d: vec4<f32>,
+    e: vec4<f32>,
+    f: vec4<f32>,
+    g: vec4<f32>,
+    h: vec4<f32>,
+}
+
+// Rows of W of an invocation (8, 64 apart), clamped to the last row.
+struct Rows {
+    a: u32,
+    b: u32,
+    c: u32,
+    d: u32,
+    e: u32,
+    f: u32,
+    g: u32,
+    h: u32,
+}
+
+// Step s of the invocation's weight rows over the four rows of x at offsets o.
+fn gemm_step(acc: Acc, r: Rows, s: u32, o: vec4<u32>) -> Acc {
+    var a = acc;
+    let k = s * step_elements();
+    switch FORMAT {
+        case F32: {
+            let v = x8(o, k);
+            a.a = f32_row(a.a, r.a, s, v);
+            a.b = f32_row(a.b, r.b, s, v);
+            a.c = f32_row(a.c, r.c, s, v);
+            a.d = f32_row(a.d, r.d, s, v);
+            a.e = f32_row(a.e, r.e, s, v);
+            a.f = f32_row(a.f, r.f, s, v);
+            a.g = f32_row(a.g, r.g, s, v);
+            a.h = f32_row(a.h, r.h, s, v);
+        }
+        case BF16: {
+            let v = x8(o, k);
+            a.a = bf16_row(a.a, r.a, s, v);
+            a.b = bf16_row(a.b, r.b, s, v);
+            a.c = bf16_row(a.c, r.c, s, v);
+            a.d = bf16_row(a.d, r.d, s, v);
+            a.e = bf16_row(a.e, r.e, s, v);
+            a.f = bf16_row(a.f, r.f, s, v);
+            a.g = bf16_row(a.g, r.g, s, v);
+            a.h = bf16_row(a.h, r.h, s, v);
+        }
+        case Q8X32, Q8X16: {
+            let v0 = x8(o, k);
+            let v1 = x8(o, k + 8u);
+            a.a = q8_row(a.a, r.a, s, v0, v1);
+            a.b = q8_row(a.b, r.b, s, v0, v1);
+            a.c = q8_row(a.c, r.c, s, v0, v1);
+            a.d = q8_row(a.d, r.d, s, v0, v1);
+            a.e = q8_row(a.e, r.e, s, v0, v1);
+            a.f = q8_row(a.f, r.f, s, v0, v1);
+            a.g = q8_row(a.g, r.g, s, v0, v1);
+            a.h = q8_row(a.h, r.h, s, v0, v1);
+        }
+        default: {
+            let v0 = x8(o, k);
+            let v1 = x8(o, k + 8u);
+            let v2 = x8(o, k + 16u);
+            let v3 = x8(o, k + 24u);
+            a.a = q4_row(a.a, r.a, s, v0, v1, v2, v3);
+            a.b = q4_row(a.b, r.b, s, v0, v1, v2, v3);
+            a.c = q4_row(a.c, r.c, s, v0, v1, v2, v3);
+            a.d = q4_row(a.d, r.d, s, v0, v1, v2, v3);
+            a.e = q4_row(a.e, r.e, s, v0, v1, v2, v3);
+            a.f = q4_row(a.f, r.f, s, v0, v1, v2, v3);
+            a.g = q4_row(a.g, r.g, s, v0, v1, v2, v3);
+            a.h = q4_row(a.h, r.h, s, v0, v1, v2, v3);
+        }
+    }
+    return a;
+}
+
+// Writes row `row` of W's outputs for the rows t0..t0+4 of x that exist.
+fn store4(row: u32, t0: u32, acc: vec4<f32>) {
+    let n_out = params.n_out;
+    if (row >= n_out) {
+        return;
+    }
+    let t = params.t;
+    let i = t0 * n_out + row;
+    y[i] = acc.x;
+    if (t0 + 1u < t) { y[i + n_out] = acc.y; }
+    if (t0 + 2u < t) { y[i + 2u * n_out] = acc.z; }
+    if (t0 + 3u < t) { y[i + 3u * n_out] = acc.w; }
+}
+
+@compute @workgroup_size(64)
+fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let row0 = params.row_base + wid.x * (8u * WG) + lid.x;
+    let last = params.n_out - 1u;
+    let r = Rows(
+        min(row0, last), min(row0 + 1u * WG, last), min(row0 + 2u * WG, last), min(row0 + 3u * WG, last),
+        min(row0 + 4u * WG, last), min(row0 + 5u * WG, last), min(row0 + 6u * WG, last), min(row0 + 7u * WG, last),
+    );
+
+    // Rows t0..t0+4 of x, clamped to the last one: the same for the whole workgroup.
+    let t0 = params.t_base + wid.y * 4u;
+    let o = min(vec4<u32>(t0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(params.t - 1u)) * 4u * params.x_stride;
+
+    let zero = vec4<f32>(0.0);
+    var acc = Acc(zero, zero, zero, zero, zero, zero, zero, zero);
+    let steps = (params.n_in + step_elements() - 1u) / step_elements();
+    for (var s = 0u; s < steps; s++) {
+        acc = gemm_step(acc, r, s, o);
+    }
+
+    if (t0 < params.t) {
+        store4(row0, t0, acc.a);
+        store4(row0 + 1u * WG, t0, acc.b);
+        store4(row0 + 2u * WG, t0, acc.c);
+        store4(row0 + 3u * WG, t0, acc.d);
+        store4(row0 + 4u * WG, t0, acc.e);
+        store4(row0 + 5u * WG, t0, acc.f);
+        store4(row0 + 6u * WG, t0, acc.g);
+        store4(row0 + 7u * WG, t0, acc.h);
+    }
+}
