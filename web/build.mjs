@@ -1,0 +1,180 @@
+// Transpiles the guest component for the browser with jco, from the very bytes the native host
+// runs (`target/guest/wasm32-wasip2/release/wisp_guest.wasm`, under $CARGO_TARGET_DIR when that is
+// set, or $WISP_GUEST_WASM).
+//
+// Output, in web/dist/ (not committed: it follows the guest):
+//   wisp_guest.wasm  the component, copied byte for byte; jco transpiles this copy
+//   jspi/            jco --async-mode jspi: the gpu imports suspend the guest (WebGPU is async)
+//   sync/            jco without async: for browsers without JSPI, where the guest gets no device
+//   guest.json       sha256 and size of the component, the jco flags, sha256 of every output
+//
+// `node build.mjs` builds; `import { build } from './build.mjs'` does the same from a test.
+
+import { execFileSync } from 'node:child_process';
+import { createHash } from 'node:crypto';
+import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { dirname, join, relative, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+export const WEB = dirname(fileURLToPath(import.meta.url));
+export const ROOT = resolve(WEB, '..');
+export const DIST = join(WEB, 'dist');
+// Where host/build.rs has cargo build the guest: `<target dir>/guest/...`, the target dir being
+// $CARGO_TARGET_DIR (relative to the workspace) or target/.
+const TARGET = process.env.CARGO_TARGET_DIR ? resolve(ROOT, process.env.CARGO_TARGET_DIR) : join(ROOT, 'target');
+export const GUEST_WASM = process.env.WISP_GUEST_WASM
+  ? resolve(process.env.WISP_GUEST_WASM)
+  : join(TARGET, 'guest/wasm32-wasip2/release/wisp_guest.wasm');
+
+const GPU = 'wisp:llm/gpu@0.1.0';
+const ENGINE = 'wisp:llm/engine@0.1.0';
+
+// The gpu imports that return promises (WebGPU's error scopes, pipeline creation and readback
+// are async). jco matches these names exactly; a name it does not find is ignored without a
+// word, and the guest then receives a pending promise where it expects a value. `checkJspi`
+// below fails the build when one the guest imports is not wrapped (the guest imports no
+// `upload`: it uploads with allocate + write-rows).
+export const ASYNC_IMPORTS = [
+  `${GPU}#allocate`,
+  `${GPU}#upload`,
+  `${GPU}#matmul`,
+  `${GPU}#[method]weight.write-rows`,
+];
+// The engine exports that can reach an async import: loading (uploads and the dispatch
+// calibration) and everything that runs a forward pass (feed, and next/logits/top, which run
+// the pending token's pass). The others stay synchronous.
+export const ASYNC_EXPORTS = [
+  `${ENGINE}#[static]model.open`,
+  `${ENGINE}#[static]model.from-bytes`,
+  `${ENGINE}#[method]session.feed`,
+  `${ENGINE}#[method]session.next`,
+  `${ENGINE}#[method]session.logits`,
+  `${ENGINE}#[method]session.top`,
+];
+// The gpu functions that answer at once (the device is opened before the guest starts).
+const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format']);
+
+export function sha256(bytes) {
+  return createHash('sha256').update(bytes).digest('hex');
+}
+
+function jco(args) {
+  const bin = join(WEB, 'node_modules/@bytecodealliance/jco/dist/jco.js');
+  execFileSync(process.execPath, [bin, ...args], { cwd: WEB, stdio: ['ignore', 'ignore', 'inherit'] });
+}
+
+function jcoVersion() {
+  return JSON.parse(readFileSync(join(WEB, 'node_modules/@bytecodealliance/jco/package.json'), 'utf8')).version;
+}
+
+// jco 1.35 emits `[static]` async exports as plain functions whose body awaits (a syntax error;
+// `[method]` exports get `async function`). Marks those functions async, and checks that it did.
+function fixStaticAsyncExports(js) {
+  let fixed = 0;
+  const out = js.replace(/^([ \t]*)(\w+)\.(\w+) = function (\w+)\(/gm, (all, indent, cls, name, fname, offset) => {
+    const body = js.slice(offset, js.indexOf(`\n${indent}};`, offset));
+    if (!/\bawait\b/.test(body)) return all;
+    fixed += 1;
+    return `${indent}${cls}.${name} = async function ${fname}(`;
+  });
+  return { js: out, fixed };
+}
+
+// The generated JS must wrap every gpu import the guest uses in WebAssembly.Suspending (jco marks
+// the host function `manuallyAsync`), except the synchronous ones, and every async export in
+// WebAssembly.promising. Returns what is wrong.
+export function checkJspi(js) {
+  const problems = [];
+  const imported = new Map();
+  for (const m of js.matchAll(/^[ \t]*(_trampoline\d+)\.fnName = '([^']+)';(\n[ \t]*\1\.manuallyAsync = true;)?/gm)) {
+    imported.set(m[2], Boolean(m[3]));
+  }
+  const camel = (name) => name.replace(/^\[method\]\w+\./, '').replace(/-(\w)/g, (_, c) => c.toUpperCase());
+  const wanted = new Set(ASYNC_IMPORTS.map((n) => `${n.split('#')[0]}#${camel(n.split('#')[1])}`));
+  for (const [name, async] of imported) {
+    if (!name.startsWith(`${GPU}#`)) continue;
+    if (wanted.has(name) && !async) problems.push(`async import ${name} is not marked async`);
+    if (!wanted.has(name) && !SYNC_IMPORTS.has(name.split('#')[1])) {
+      problems.push(`the guest imports ${name}, which is in neither ASYNC_IMPORTS nor SYNC_IMPORTS`);
+    }
+  }
+  if (![...imported.keys()].some((n) => n === `${GPU}#matmul`)) problems.push(`no trampoline for ${GPU}#matmul was found`);
+  for (const name of ASYNC_EXPORTS) {
+    if (!js.includes(`= WebAssembly.promising(exports1['${name}'])`)) problems.push(`async export ${name} is not promising`);
+  }
+  if (fixStaticAsyncExports(js).fixed > 0) problems.push('a non-async function awaits');
+  return problems;
+}
+
+/**
+ * Runs jco on `wasm` into `out`: with `jspi`, in JSPI mode with the given async imports and
+ * exports, the static exports made async and the output checked (a throw lists what is
+ * missing). Returns how many static exports were fixed.
+ */
+export function transpile(wasm, out, { jspi, asyncImports = ASYNC_IMPORTS, asyncExports = ASYNC_EXPORTS }) {
+  const args = ['transpile', wasm, '-o', out, '--name', 'wisp_guest', '--instantiation', 'async', '--no-typescript', '--quiet'];
+  if (!jspi) {
+    jco(args);
+    return { fixed: 0 };
+  }
+  jco([...args, '--async-mode', 'jspi', '--async-imports', ...asyncImports, '--async-exports', ...asyncExports]);
+  const file = join(out, 'wisp_guest.js');
+  const { js, fixed } = fixStaticAsyncExports(readFileSync(file, 'utf8'));
+  writeFileSync(file, js);
+  const problems = checkJspi(js);
+  if (problems.length) throw new Error(`jco's JSPI output is not what the browser host needs:\n  ${problems.join('\n  ')}`);
+  return { fixed };
+}
+
+function filesUnder(dir) {
+  const out = [];
+  for (const name of readdirSync(dir)) {
+    const p = join(dir, name);
+    if (statSync(p).isDirectory()) out.push(...filesUnder(p));
+    else out.push(p);
+  }
+  return out;
+}
+
+/** Transpiles the guest into web/dist and returns the manifest written to dist/guest.json. */
+export function build({ wasm = GUEST_WASM, quiet = false } = {}) {
+  if (!existsSync(wasm)) {
+    throw new Error(`${wasm} is missing: build the guest first (cargo build --release -p wisp)`);
+  }
+  const bytes = readFileSync(wasm);
+  rmSync(DIST, { recursive: true, force: true });
+  mkdirSync(DIST, { recursive: true });
+  const copy = join(DIST, 'wisp_guest.wasm');
+  writeFileSync(copy, bytes);
+
+  const { fixed } = transpile(copy, join(DIST, 'jspi'), { jspi: true });
+  transpile(copy, join(DIST, 'sync'), { jspi: false });
+
+  const outputs = {};
+  for (const f of filesUnder(DIST).sort()) {
+    if (f.endsWith('guest.json')) continue;
+    outputs[relative(DIST, f)] = sha256(readFileSync(f));
+  }
+  const manifest = {
+    source: relative(ROOT, wasm),
+    sha256: sha256(bytes),
+    bytes: bytes.length,
+    jco: jcoVersion(),
+    jspi: { asyncImports: ASYNC_IMPORTS, asyncExports: ASYNC_EXPORTS, staticExportsMadeAsync: fixed },
+    outputs,
+  };
+  writeFileSync(join(DIST, 'guest.json'), JSON.stringify(manifest, null, 2) + '\n');
+  if (!quiet) {
+    console.log(`transpiled ${manifest.source} (${bytes.length} bytes, sha256 ${manifest.sha256}) with jco ${manifest.jco} into ${relative(ROOT, DIST)}/{jspi,sync}`);
+  }
+  return manifest;
+}
+
+if (process.argv[1] && resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
+  try {
+    build();
+  } catch (e) {
+    console.error(`build: ${e.message}`);
+    process.exit(1);
+  }
+}

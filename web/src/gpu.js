@@ -1,0 +1,225 @@
+// The `wisp:llm/gpu` imports for one guest instance: the browser's counterpart of
+// host/src/gpu/mod.rs. Everything the guest sends is checked here (shapes, lengths, handles,
+// the device's limits, the instance's budget of bytes, handles and jobs) before webgpu.js does
+// the device work. Nothing the guest sends can throw: every result is `{ tag: 'ok' | 'err' }`
+// with the WIT error variant, and a lost device makes every later call `device-lost`.
+//
+// `createGpu(opened)` (opened by `openDevice`) gives the import object over WebGPU;
+// `createGpu(null, why)` the one of a host without a device (`available` is none, every call
+// `unavailable`), synchronous so that it also serves a guest transpiled without JSPI.
+
+import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
+
+export { openDevice } from './webgpu.js';
+
+/** What one instance may hold and send, as the native host's `Budget::default()`. */
+const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
+
+const ok = (val) => ({ tag: 'ok', val });
+const err = (tag, message) => ({ tag: 'err', val: { tag, val: message } });
+const invalid = (m) => err('invalid-argument', m);
+const oom = (m) => err('out-of-memory', m);
+
+/**
+ * The import object of `wisp:llm/gpu` for one guest instance, over the device `openDevice`
+ * opened, or without a device when `opened` has none (`why` says why). Also returns the
+ * instance's usage, the device's info, and a way to lose the device on purpose (for tests).
+ */
+export function createGpu(opened, why = 'this host has no GPU') {
+  if (!opened?.device) return noDevice(why);
+  const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes);
+  const state = { usedBytes: 0n, usedHandles: 0, lost: null };
+  const handles = new WeakSet();
+
+  // A device error reported as the guest sees it; a loss sticks.
+  const failure = (e) => {
+    if (e instanceof GpuError) {
+      if (e.tag === 'device-lost') state.lost = e.message;
+      return err(e.tag, e.message);
+    }
+    return err('unavailable', `the device failed: ${e?.message ?? e}`);
+  };
+
+  const ready = () => {
+    if (state.lost) return err('device-lost', state.lost);
+    if (backend?.lost) {
+      state.lost = backend.lost;
+      return err('device-lost', state.lost);
+    }
+    return null;
+  };
+
+  class Weight {
+    #w;
+    #bytes;
+    constructor(w, bytes) {
+      this.#w = w;
+      this.#bytes = bytes;
+      handles.add(this);
+    }
+
+    static inner(weight) {
+      return handles.has(weight) ? weight.#w : null;
+    }
+
+    rows() {
+      return this.#w?.nOut ?? 0;
+    }
+
+    cols() {
+      return this.#w?.nIn ?? 0;
+    }
+
+    format() {
+      return this.#w?.format ?? 'f32';
+    }
+
+    async writeRows(firstRow, data, scales) {
+      const bad = ready();
+      if (bad) return bad;
+      const w = this.#w;
+      if (!w) return invalid('the weight was dropped');
+      const rowData = w.rowBytes;
+      if (data.length === 0 || data.length % rowData !== 0) {
+        return invalid(`${data.length} bytes of data is not a whole number of ${rowData}-byte rows`);
+      }
+      const rows = data.length / rowData;
+      if (scales.length !== rows * w.scaleRow) {
+        return invalid(`${rows} rows of ${w.format} need ${rows * w.scaleRow} scales, got ${scales.length}`);
+      }
+      if (firstRow + rows > w.nOut) {
+        return invalid(`rows ${firstRow}..${firstRow + rows} are past the weight's ${w.nOut} rows`);
+      }
+      try {
+        await backend.writeRows(w, firstRow, data, scales);
+        return ok(undefined);
+      } catch (e) {
+        return failure(e);
+      }
+    }
+
+    [Symbol.dispose]() {
+      if (!this.#w) return;
+      this.#w.data.destroy();
+      this.#w.scales?.destroy();
+      this.#w = null;
+      state.usedBytes -= this.#bytes;
+      state.usedHandles -= 1;
+    }
+  }
+
+  function available() {
+    if (state.lost || backend.lost) return undefined;
+    const i = backend.info;
+    return {
+      name: i.name,
+      backend: i.backend,
+      deviceType: i.deviceType,
+      maxWeightBytes: BigInt(i.maxWeightBytes),
+      maxActivationElements: BigInt(i.maxActivationElements),
+      budgetBytes: BUDGET.bytes - state.usedBytes,
+      budgetHandles: BUDGET.handles - state.usedHandles,
+    };
+  }
+
+  async function allocate(format, nOut, nIn) {
+    const bad = ready();
+    if (bad) return bad;
+    const f = FORMATS[format];
+    if (!f) return invalid(`unknown format ${format}`);
+    if (nOut === 0 || nIn === 0) return invalid(`empty weight [${nOut}, ${nIn}]`);
+    if (BigInt(nIn) % f.block !== 0n) return invalid(`n-in ${nIn} is not a multiple of ${format}'s block of ${f.block}`);
+    const n = BigInt(nOut) * BigInt(nIn);
+    const data = dataBytes(format, n);
+    if (data >= 1n << 64n) return invalid('weight size overflows');
+    const bytes = data + 4n * scaleCount(format, n);
+    if (data > BigInt(backend.info.maxWeightBytes)) {
+      return oom(`a weight of ${data} bytes exceeds the device's limit of ${backend.info.maxWeightBytes}`);
+    }
+    if (state.usedHandles >= BUDGET.handles) return oom(`this instance holds its budget of ${BUDGET.handles} handles`);
+    if (state.usedBytes + bytes > BUDGET.bytes) {
+      return oom(`${bytes} more bytes exceed this instance's budget (${state.usedBytes} of ${BUDGET.bytes} used)`);
+    }
+    try {
+      const w = await backend.create(format, nOut, nIn);
+      state.usedBytes += bytes;
+      state.usedHandles += 1;
+      return ok(new Weight(w, bytes));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
+  async function upload(format, nOut, nIn, data, scales) {
+    const f = FORMATS[format];
+    if (f) {
+      const n = BigInt(nOut) * BigInt(nIn);
+      const want = dataBytes(format, n);
+      const wantScales = scaleCount(format, n);
+      if (BigInt(data.length) !== want || BigInt(scales.length) !== wantScales) {
+        return invalid(`a ${format} weight [${nOut}, ${nIn}] needs ${want} bytes and ${wantScales} scales, got ${data.length} and ${scales.length}`);
+      }
+    }
+    const a = await allocate(format, nOut, nIn);
+    if (a.tag === 'err') return a;
+    const w = await a.val.writeRows(0, data, scales);
+    if (w.tag === 'err') {
+      a.val[Symbol.dispose]();
+      return w;
+    }
+    return a;
+  }
+
+  async function matmul(x, t, nIn, jobs) {
+    const bad = ready();
+    if (bad) return bad;
+    const maxElems = backend.info.maxActivationElements;
+    if (t === 0 || nIn === 0) return invalid(`empty input [${t}, ${nIn}]`);
+    if (x.length !== t * nIn) return invalid(`x has ${x.length} values, t * n-in is ${t * nIn}`);
+    if (jobs.length === 0) return invalid('no jobs');
+    if (jobs.length > BUDGET.jobs) return invalid(`${jobs.length} jobs exceed the limit of ${BUDGET.jobs} per call`);
+    if (x.length > maxElems) return oom(`an input of ${x.length} values exceeds the device's limit of ${maxElems}`);
+    const ws = [];
+    for (let i = 0; i < jobs.length; i++) {
+      const w = Weight.inner(jobs[i]);
+      if (!w) return invalid(`job ${i}: not a live weight handle of this instance`);
+      if (w.nIn !== nIn) return invalid(`job ${i}: the weight has ${w.nIn} columns, n-in is ${nIn}`);
+      if (t * w.nOut > maxElems) return oom(`job ${i}: an output of ${t * w.nOut} values exceeds the device's limit of ${maxElems}`);
+      ws.push(w);
+    }
+    try {
+      return ok(await backend.matmul(x, t, nIn, ws));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
+  return {
+    imports: { Weight, available, upload, allocate, matmul },
+    /** Bytes and handles this instance holds on the device. */
+    usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
+    info: backend.info,
+    why: null,
+    simulateDeviceLoss: () => backend.simulateDeviceLoss(),
+  };
+}
+
+/** The imports of a host without a device: synchronous, so that they also serve a guest
+ *  transpiled without JSPI. */
+function noDevice(why) {
+  const unavailable = () => err('unavailable', why);
+  class Weight {
+    rows() { return 0; }
+    cols() { return 0; }
+    format() { return 'f32'; }
+    writeRows() { return unavailable(); }
+    [Symbol.dispose]() {}
+  }
+  return {
+    imports: { Weight, available: () => undefined, upload: unavailable, allocate: unavailable, matmul: unavailable },
+    usage: () => ({ bytes: 0, handles: 0 }),
+    info: null,
+    why,
+    simulateDeviceLoss: () => {},
+  };
+}

@@ -1,0 +1,467 @@
+// Device work on WebGPU for the `wisp:llm/gpu` imports: the browser's counterpart of
+// host/src/gpu/wgpu.rs, running the same shaders/matmul.wgsl (fetched at run time) with the same
+// bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan.
+//
+// Weights live in storage buffers in their upload format (the shader decodes them); f32 and
+// bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. A `matmul`
+// writes x once, records every job's dispatches in one compute pass, copies all outputs to one
+// staging buffer and maps it once; input, output, staging and parameter buffers are kept and
+// grown across calls. Every piece of device work runs inside error scopes: a validation or
+// out-of-memory error becomes a `GpuError`; a lost device makes every later call `device-lost`.
+// Arguments are checked by gpu.js before they get here.
+
+/** Invocations in a workgroup (WG in the shader). */
+const WORKGROUP = 64;
+/** Rows of x at which `gemm` (4 rows of x per invocation) takes over from `gemv`. */
+const GEMM_MIN_T = 4;
+/** Weight rows an invocation of `gemm` computes (8 in the shader), and of `gemv` (4). */
+const GEMM_ROWS = 8;
+const GEMV_ROWS = 4;
+/** Multiply-adds one dispatch may cover, so that no single dispatch runs for long. */
+const DISPATCH_MACS = 2 ** 28;
+/** Bytes of one `writeBuffer` of weights. */
+const WRITE_CHUNK = 64 << 20;
+/** Size of `Params` in the shader. */
+const PARAMS_BYTES = 32;
+
+/** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
+export const FORMATS = {
+  f32: { id: 0, block: 1n },
+  bf16: { id: 1, block: 1n },
+  q8x32: { id: 2, block: 32n },
+  q8x16: { id: 3, block: 16n },
+  q4x32: { id: 4, block: 32n },
+};
+
+/** Bytes of `data` for `n` elements (a BigInt). */
+export function dataBytes(format, n) {
+  switch (format) {
+    case 'f32': return n * 4n;
+    case 'bf16': return n * 2n;
+    case 'q8x32': case 'q8x16': return n;
+    default: return n / 2n;
+  }
+}
+
+/** f32 values in `scales` for `n` elements. */
+export function scaleCount(format, n) {
+  switch (format) {
+    case 'q8x32': return n / 32n;
+    case 'q8x16': case 'q4x32': return n / 16n;
+    default: return 0n;
+  }
+}
+
+/** A device failure, tagged as the WIT `gpu.error` case it becomes. */
+export class GpuError extends Error {
+  constructor(tag, message) {
+    super(message);
+    this.tag = tag;
+  }
+}
+
+const alignUp = (n, a) => Math.ceil(n / a) * a;
+
+/** What the adapter is, for `device-info` and the choice of LANES_K. */
+export function describeAdapter(adapter) {
+  const info = adapter.info || {};
+  const name = [info.vendor, info.architecture, info.device, info.description].filter(Boolean).join(' ') || 'WebGPU adapter';
+  // WebGPU does not say what kind of device it is; a fallback adapter (SwiftShader) runs on the
+  // CPU. Other adapters are "other": the guest's policy measures them anyway.
+  const cpu = Boolean(info.isFallbackAdapter) || /swiftshader|llvmpipe|lavapipe/i.test(name);
+  return { name, deviceType: cpu ? 'cpu' : 'other' };
+}
+
+/**
+ * Opens a WebGPU device with the adapter's own limits for buffers (the defaults would cap a
+ * storage binding at 128 MiB). Resolves to `{ device, adapter, shader, lanes }`, or `{ why }`
+ * when there is no usable device. `lanes` (a power of two up to 64) sets LANES_K of `gemv`
+ * instead of the choice by device type.
+ */
+export async function openDevice(shaderUrl, { lanes } = {}) {
+  if (lanes !== undefined && !(Number.isInteger(lanes) && lanes >= 1 && lanes <= WORKGROUP && (lanes & (lanes - 1)) === 0)) {
+    return { why: `${lanes} lanes a row: not a power of two up to ${WORKGROUP}` };
+  }
+  if (!globalThis.navigator?.gpu) return { why: 'this browser has no WebGPU (navigator.gpu is missing)' };
+  let adapter;
+  try {
+    adapter = await navigator.gpu.requestAdapter();
+  } catch (e) {
+    return { why: `requestAdapter failed: ${e.message}` };
+  }
+  if (!adapter) return { why: 'WebGPU found no adapter' };
+  const l = adapter.limits;
+  if (l.maxStorageBuffersPerShaderStage < 4 || l.maxComputeInvocationsPerWorkgroup < WORKGROUP || l.maxComputeWorkgroupSizeX < WORKGROUP) {
+    return { why: 'the WebGPU adapter cannot run the matmul shader (limits)' };
+  }
+  let device;
+  try {
+    device = await adapter.requestDevice({
+      label: 'wisp',
+      requiredLimits: {
+        maxStorageBufferBindingSize: l.maxStorageBufferBindingSize,
+        maxBufferSize: l.maxBufferSize,
+        maxStorageBuffersPerShaderStage: 4,
+      },
+    });
+  } catch (e) {
+    return { why: `requestDevice failed: ${e.message}` };
+  }
+  const res = await fetch(shaderUrl);
+  if (!res.ok) return { why: `fetching ${shaderUrl}: HTTP ${res.status}` };
+  const shader = await res.text();
+  return { device, adapter, shader, lanes };
+}
+
+/** The WebGPU work behind the imports, on one device. */
+export class WebGpuBackend {
+  constructor(device, adapter, shader, lanes) {
+    this.device = device;
+    this.limits = device.limits;
+    const { name, deviceType } = describeAdapter(adapter);
+    this.lost = null;
+    this.uncaptured = null;
+    device.lost.then((info) => { this.lost ??= `${info.reason}: ${info.message}`; });
+    device.addEventListener('uncapturederror', (e) => { this.uncaptured = e.error.message; });
+    const maxBinding = Math.min(this.limits.maxStorageBufferBindingSize, this.limits.maxBufferSize) & ~3;
+    this.info = {
+      name,
+      backend: 'webgpu',
+      deviceType,
+      maxWeightBytes: maxBinding,
+      maxActivationElements: Math.floor(maxBinding / 4),
+    };
+    // A CPU device runs an invocation per SIMD lane: one row each is best there, and keeps the
+    // barrier out (on SwiftShader 1 lane is 1.8x faster than 8 and 4x faster than 32). A GPU
+    // shares a row among a warp's worth, for coalesced reads. `lanes` overrides the choice.
+    this.lanesK = lanes || (deviceType === 'cpu' ? 1 : 32);
+    this.shader = shader;
+    this.module = null;
+    this.pipelines = new Map();
+    this.scratch = {};
+    this.storageAlign = Math.max(this.limits.minStorageBufferOffsetAlignment, 4);
+    this.paramsStride = alignUp(PARAMS_BYTES, Math.max(this.limits.minUniformBufferOffsetAlignment, 4));
+
+    const storage = (binding, readOnly, min) => ({
+      binding,
+      visibility: GPUShaderStage.COMPUTE,
+      buffer: { type: readOnly ? 'read-only-storage' : 'storage', minBindingSize: min },
+    });
+    this.bindLayout = device.createBindGroupLayout({
+      label: 'matmul',
+      entries: [
+        { binding: 0, visibility: GPUShaderStage.COMPUTE, buffer: { type: 'uniform', hasDynamicOffset: true, minBindingSize: PARAMS_BYTES } },
+        storage(1, true, 16),
+        storage(2, true, 4),
+        storage(3, true, 16),
+        storage(4, false, 4),
+      ],
+    });
+    this.pipelineLayout = device.createPipelineLayout({ label: 'matmul', bindGroupLayouts: [this.bindLayout] });
+    this.placeholder = device.createBuffer({ label: 'scales placeholder', size: 4, usage: GPUBufferUsage.STORAGE });
+  }
+
+  live() {
+    if (this.lost) throw new GpuError('device-lost', this.lost);
+  }
+
+  pushScopes() {
+    this.device.pushErrorScope('internal');
+    this.device.pushErrorScope('out-of-memory');
+    this.device.pushErrorScope('validation');
+  }
+
+  /** Runs `work` (which may be async) inside error scopes: resolves to its result, or throws the
+   *  first error the scopes caught, or the one `work` threw (the scopes are popped either way). */
+  async scoped(work) {
+    this.pushScopes();
+    let result;
+    try {
+      result = await work();
+    } catch (e) {
+      await this.finish().catch(() => {});
+      throw e instanceof GpuError ? e : new GpuError('unavailable', `the device refused the work: ${e.message}`);
+    }
+    await this.finish();
+    return result;
+  }
+
+  /** Pops the scopes (innermost first) and throws the first error they caught, a loss in the
+   *  meantime, or an uncaptured error. */
+  async finish() {
+    let first = null;
+    for (let i = 0; i < 3; i++) {
+      let e = null;
+      try {
+        e = await this.device.popErrorScope();
+      } catch (x) {
+        e = x;
+      }
+      first ??= e;
+    }
+    this.live();
+    if (first) {
+      if (typeof GPUOutOfMemoryError !== 'undefined' && first instanceof GPUOutOfMemoryError) {
+        throw new GpuError('out-of-memory', 'the device is out of memory');
+      }
+      throw new GpuError('unavailable', `the device refused the work: ${first.message}`);
+    }
+    if (this.uncaptured) {
+      const m = this.uncaptured;
+      this.uncaptured = null;
+      throw new GpuError('unavailable', `the device refused the work: ${m}`);
+    }
+  }
+
+  async pipeline(kernel, format) {
+    const key = `${kernel} ${format}`;
+    const cached = this.pipelines.get(key);
+    if (cached) return cached;
+    let pipeline;
+    try {
+      pipeline = await this.scoped(() => {
+        this.module ??= this.device.createShaderModule({ label: 'matmul.wgsl', code: this.shader });
+        return this.device.createComputePipelineAsync({
+          label: `matmul ${kernel} ${format}`,
+          layout: this.pipelineLayout,
+          compute: {
+            module: this.module,
+            entryPoint: kernel,
+            constants: { FORMAT: FORMATS[format].id, LANES_K: this.lanesK },
+          },
+        });
+      });
+    } catch (e) {
+      // A module that failed to build is not kept either.
+      this.module = null;
+      throw e;
+    }
+    this.pipelines.set(key, pipeline);
+    return pipeline;
+  }
+
+  /** A buffer of at least `size` bytes in scratch slot `slot`, grown to a power of two. */
+  ensure(slot, size, usage) {
+    const b = this.scratch[slot];
+    if (b && b.size >= size) return b;
+    b?.destroy();
+    const cap = this.limits.maxBufferSize;
+    const grown = Math.max(size, Math.min(cap, 2 ** Math.ceil(Math.log2(Math.max(size, 4)))));
+    const nb = this.device.createBuffer({ label: slot, size: alignUp(grown, 4), usage });
+    this.scratch[slot] = nb;
+    return nb;
+  }
+
+  dropScratch() {
+    for (const b of Object.values(this.scratch)) b?.destroy();
+    this.scratch = {};
+  }
+
+  async create(format, nOut, nIn) {
+    this.live();
+    const rowBytes = Number(dataBytes(format, BigInt(nIn)));
+    // A row is a whole number of shader steps: 8 elements for f32 and bf16 (32 and 16 bytes),
+    // a multiple of 16 bytes already for the block formats.
+    const step = format === 'f32' ? 32 : 16;
+    const rowQuads = (Math.ceil(rowBytes / step) * step) / 16;
+    const size = rowQuads * 16 * nOut;
+    const scaleRow = Number(scaleCount(format, BigInt(nIn)));
+    const scaleBytes = scaleRow * 4 * nOut;
+    const max = this.info.maxWeightBytes;
+    if (size > max || scaleBytes > max) {
+      throw new GpuError('out-of-memory', `a ${format} weight [${nOut}, ${nIn}] needs a buffer of ${size} bytes; the device's limit is ${max}`);
+    }
+    const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
+    let data = null;
+    let scales = null;
+    try {
+      await this.scoped(() => {
+        data = this.device.createBuffer({ label: 'weights', size, usage });
+        if (scaleBytes > 0) scales = this.device.createBuffer({ label: 'scales', size: scaleBytes, usage });
+      });
+    } catch (e) {
+      data?.destroy();
+      scales?.destroy();
+      throw e;
+    }
+    return { format, nOut, nIn, rowBytes, rowQuads, scaleRow, data, scales };
+  }
+
+  async writeRows(w, firstRow, data, scales) {
+    this.live();
+    const rows = data.length / w.rowBytes;
+    const stride = w.rowQuads * 16;
+    const perChunk = Math.max(1, Math.floor(WRITE_CHUNK / stride));
+    await this.scoped(() => {
+      for (let r = 0; r < rows; r += perChunk) {
+        const n = Math.min(perChunk, rows - r);
+        const src = data.subarray(r * w.rowBytes, (r + n) * w.rowBytes);
+        let bytes = src;
+        if (stride !== w.rowBytes) {
+          // Rows that are not whole steps (f32, bf16) are padded with zeros.
+          bytes = new Uint8Array(n * stride);
+          for (let i = 0; i < n; i++) bytes.set(src.subarray(i * w.rowBytes, (i + 1) * w.rowBytes), i * stride);
+        }
+        this.device.queue.writeBuffer(w.data, (firstRow + r) * stride, bytes);
+        if (w.scales) {
+          const s = scales.subarray(r * w.scaleRow, (r + n) * w.scaleRow);
+          this.device.queue.writeBuffer(w.scales, (firstRow + r) * w.scaleRow * 4, s);
+        }
+      }
+    });
+  }
+
+  /** The dispatches of one job: `gemv` for small t, `gemm` otherwise; split so that no
+   *  dispatch exceeds the workgroups per dimension or DISPATCH_MACS. */
+  plan(job, w, t, xQuads, out) {
+    const [kernel, rowsPerGroup, tPerGroup] = t < GEMM_MIN_T
+      ? ['gemv', (GEMV_ROWS * WORKGROUP) / this.lanesK, 1]
+      : ['gemm', GEMM_ROWS * WORKGROUP, 4];
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    const gxTotal = Math.ceil(w.nOut / rowsPerGroup);
+    const gyTotal = Math.ceil(t / tPerGroup);
+    const macsPerGroup = rowsPerGroup * tPerGroup * w.nIn;
+    const budget = Math.max(1, Math.floor(DISPATCH_MACS / macsPerGroup));
+    const gx = Math.max(1, Math.min(gxTotal, maxDim, budget));
+    const gy = Math.min(gyTotal, maxDim, Math.max(1, Math.floor(budget / gx)));
+    for (let y0 = 0; y0 < gyTotal; y0 += gy) {
+      const ny = Math.min(gy, gyTotal - y0);
+      for (let x0 = 0; x0 < gxTotal; x0 += gx) {
+        const nx = Math.min(gx, gxTotal - x0);
+        // Params: n_in, n_out, t, row_quads, scale_row, row_base, t_base, x_stride.
+        const params = [w.nIn, w.nOut, t, w.rowQuads, w.scaleRow, x0 * rowsPerGroup, y0 * tPerGroup, xQuads];
+        out.push({ job, kernel, format: w.format, params, groups: [nx, ny] });
+      }
+    }
+  }
+
+  async matmul(x, t, nIn, jobs) {
+    this.live();
+    // Rows of x padded with zeros to whole shader steps of 8.
+    const xElems = Math.ceil(nIn / 8) * 8;
+    const xQuads = xElems / 4;
+    const xBytes = t * xElems * 4;
+    if (xBytes > this.info.maxWeightBytes) {
+      throw new GpuError('out-of-memory', `an input of ${x.length} values exceeds the device's limit`);
+    }
+    // Group the jobs so that each group's outputs fit one buffer (almost always one group).
+    const batches = [];
+    let start = 0;
+    let bytes = 0;
+    jobs.forEach((w, i) => {
+      const len = t * w.nOut * 4;
+      const at = alignUp(bytes, this.storageAlign);
+      if (i > start && at + len > this.limits.maxBufferSize) {
+        batches.push(jobs.slice(start, i));
+        start = i;
+        bytes = len;
+      } else {
+        bytes = at + len;
+      }
+    });
+    batches.push(jobs.slice(start));
+
+    try {
+      await this.scoped(() => {
+        const input = this.ensure('input', xBytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST);
+        if (xElems === nIn) {
+          this.device.queue.writeBuffer(input, 0, x);
+        } else {
+          const padded = new Float32Array(t * xElems);
+          for (let r = 0; r < t; r++) padded.set(x.subarray(r * nIn, (r + 1) * nIn), r * xElems);
+          this.device.queue.writeBuffer(input, 0, padded);
+        }
+      });
+    } catch (e) {
+      this.dropScratch();
+      throw e;
+    }
+    const outs = [];
+    for (const batch of batches) outs.push(...(await this.runBatch(xBytes, xQuads, t, batch)));
+    return outs;
+  }
+
+  /** Runs jobs whose outputs fit one output buffer over the input already written: one
+   *  submission, one readback. */
+  async runBatch(xBytes, xQuads, t, jobs) {
+    const offsets = [];
+    const lens = [];
+    const dispatches = [];
+    let outBytes = 0;
+    jobs.forEach((w, j) => {
+      outBytes = alignUp(outBytes, this.storageAlign);
+      offsets.push(outBytes);
+      lens.push(t * w.nOut);
+      outBytes += t * w.nOut * 4;
+      this.plan(j, w, t, xQuads, dispatches);
+    });
+    const pipelines = new Map();
+    for (const d of dispatches) {
+      const key = `${d.kernel} ${d.format}`;
+      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
+    }
+
+    let staging = null;
+    let mapped = false;
+    try {
+      return await this.scoped(async () => {
+        const usage = GPUBufferUsage;
+        const input = this.scratch.input;
+        const output = this.ensure('output', outBytes, usage.STORAGE | usage.COPY_SRC);
+        staging = this.ensure('staging', outBytes, usage.MAP_READ | usage.COPY_DST);
+        const paramsBytes = this.paramsStride * dispatches.length;
+        const paramsBuf = this.ensure('params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
+        const params = new Uint32Array(paramsBytes / 4);
+        dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
+        this.device.queue.writeBuffer(paramsBuf, 0, params);
+
+        const groups = jobs.map((w, j) => this.device.createBindGroup({
+          label: 'matmul',
+          layout: this.bindLayout,
+          entries: [
+            { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
+            { binding: 1, resource: { buffer: w.data } },
+            { binding: 2, resource: { buffer: w.scales || this.placeholder } },
+            { binding: 3, resource: { buffer: input, offset: 0, size: xBytes } },
+            { binding: 4, resource: { buffer: output, offset: offsets[j], size: lens[j] * 4 } },
+          ],
+        }));
+        const encoder = this.device.createCommandEncoder({ label: 'matmul' });
+        const pass = encoder.beginComputePass({ label: 'matmul' });
+        dispatches.forEach((d, i) => {
+          pass.setPipeline(pipelines.get(`${d.kernel} ${d.format}`));
+          pass.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
+          pass.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
+        });
+        pass.end();
+        encoder.copyBufferToBuffer(output, 0, staging, 0, outBytes);
+        this.device.queue.submit([encoder.finish()]);
+
+        try {
+          await staging.mapAsync(GPUMapMode.READ, 0, outBytes);
+        } catch (e) {
+          this.live();
+          throw new GpuError('unavailable', `reading the result back: ${e.message}`);
+        }
+        mapped = true;
+        const view = staging.getMappedRange(0, outBytes);
+        const outs = offsets.map((o, j) => new Float32Array(view.slice(o, o + lens[j] * 4)));
+        staging.unmap();
+        mapped = false;
+        return outs;
+      });
+    } catch (e) {
+      if (mapped) staging.unmap();
+      // Start the next call from fresh buffers: these may be left mapped or invalid.
+      this.dropScratch();
+      throw e;
+    }
+  }
+
+  /** Makes the device lost, as a driver reset would. For tests. */
+  simulateDeviceLoss() {
+    this.device.destroy();
+    this.lost ??= 'simulated device loss';
+    this.dropScratch();
+  }
+}
