@@ -1,0 +1,269 @@
+//! Qwen2 (Qwen2 technical report; Hugging Face's `Qwen2ForCausalLM`) and Llama (Llama 2 and 3,
+//! `LlamaForCausalLM`): the same pre-norm decoder block, told apart by the GGUF architecture.
+//!
+//! `x = x + wo(attn(rope(wq h + bq), rope(wk h + bk), wv h + bv))`, `h = rms_norm(x)`, then
+//! `x = x + down(silu(gate(h)) * up(h))`, `h = rms_norm(x)`; logits `= output(rms_norm(x))`.
+//!
+//! Quirks, all read from the GGUF file where it has them:
+//! - Qwen2 has biases on q, k and v (optional here for both: loaded when the file has them);
+//! - RoPE: Qwen2 rotates the two halves of each head (NEOX), Llama adjacent pairs (the GGUF
+//!   converter permutes Llama's q/k rows for it); base `rope.freq_base` (10000 when missing),
+//!   linear `rope.scaling.factor`, and Llama 3's per-frequency divisors `rope_freqs.weight`;
+//! - grouped-query attention, queries scaled by `1/sqrt(head_dim)`, no sliding window;
+//! - the output projection is `output.weight`, or tied to `token_embd.weight` when absent;
+//!   the embedding is not scaled.
+
+use super::attention::{Heads, attend};
+use super::rope::{self, Style};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
+use crate::dispatch::Dispatch;
+use crate::gguf::Gguf;
+
+/// The architectures this file runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Qwen2,
+    Llama,
+}
+
+impl Family {
+    pub fn from_name(arch: &str) -> Option<Family> {
+        match arch {
+            "qwen2" => Some(Family::Qwen2),
+            "llama" => Some(Family::Llama),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::Qwen2 => "qwen2",
+            Family::Llama => "llama",
+        }
+    }
+}
+
+/// Hyperparameters from the GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub family: Family,
+    pub hp: Hparams,
+    pub rope_style: Style,
+}
+
+impl Config {
+    pub fn from_gguf(g: &Gguf, family: Family) -> Result<Config, LoadError> {
+        let hp = Hparams::from_gguf(g, family.name(), 10_000.0)?;
+        let rope_style = match family {
+            Family::Qwen2 => Style::Neox,
+            Family::Llama => Style::Norm,
+        };
+        Ok(Config { family, hp, rope_style })
+    }
+}
+
+pub struct Layer {
+    /// `[n_embd]`
+    pub attn_norm: Vec<f32>,
+    /// `[n_head * head_dim, n_embd]`
+    pub wq: Linear,
+    /// `[n_head_kv * head_dim, n_embd]`
+    pub wk: Linear,
+    /// `[n_head_kv * head_dim, n_embd]`
+    pub wv: Linear,
+    /// `[n_head * head_dim]`, `[n_head_kv * head_dim]`, `[n_head_kv * head_dim]`
+    pub bq: Option<Vec<f32>>,
+    pub bk: Option<Vec<f32>>,
+    pub bv: Option<Vec<f32>>,
+    /// `[n_embd, n_head * head_dim]`
+    pub wo: Linear,
+    /// `[n_embd]`
+    pub bo: Option<Vec<f32>>,
+    /// `[n_embd]`
+    pub ffn_norm: Vec<f32>,
+    /// `[n_ff, n_embd]`
+    pub gate: Linear,
+    /// `[n_ff, n_embd]`
+    pub up: Linear,
+    /// `[n_embd, n_ff]`
+    pub down: Linear,
+}
+
+/// Immutable after load.
+pub struct Weights {
+    /// `[n_vocab, n_embd]`
+    pub embd: Linear,
+    /// `[n_vocab, n_embd]`, `None` when tied to `embd`.
+    pub output: Option<Linear>,
+    /// `[n_embd]`
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<Layer>,
+    /// RoPE frequencies, with the file's `rope_freqs.weight` (`[head_dim / 2]`) if it has one.
+    pub rope: rope::Freqs,
+}
+
+impl Weights {
+    pub fn load(c: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
+        let h = &c.hp;
+        let (e, hd) = (h.n_embd, h.head_dim);
+        let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
+        let mut layers = Vec::with_capacity(h.n_layer);
+        for l in 0..h.n_layer {
+            let name = |s: &str| format!("blk.{l}.{s}.weight");
+            let bias = |s: &str, n: usize| optional_vector(g, file, &format!("blk.{l}.{s}.bias"), n);
+            layers.push(Layer {
+                attn_norm: vector(g, file, &name("attn_norm"), e)?,
+                wq: Linear::load(g, file, &name("attn_q"), nq, e)?,
+                wk: Linear::load(g, file, &name("attn_k"), nkv, e)?,
+                wv: Linear::load(g, file, &name("attn_v"), nkv, e)?,
+                bq: bias("attn_q", nq)?,
+                bk: bias("attn_k", nkv)?,
+                bv: bias("attn_v", nkv)?,
+                wo: Linear::load(g, file, &name("attn_output"), e, nq)?,
+                bo: bias("attn_output", e)?,
+                ffn_norm: vector(g, file, &name("ffn_norm"), e)?,
+                gate: Linear::load(g, file, &name("ffn_gate"), h.n_ff, e)?,
+                up: Linear::load(g, file, &name("ffn_up"), h.n_ff, e)?,
+                down: Linear::load(g, file, &name("ffn_down"), e, h.n_ff)?,
+            });
+        }
+        let output = match g.tensor("output.weight") {
+            Some(_) => Some(Linear::load(g, file, "output.weight", h.n_vocab, e)?),
+            None => None,
+        };
+        let factors = optional_vector(g, file, "rope_freqs.weight", hd / 2)?;
+        if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
+            return super::invalid(format!("rope_freqs.weight holds the factor {bad}"));
+        }
+        Ok(Weights {
+            embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
+            output,
+            output_norm: vector(g, file, "output_norm.weight", e)?,
+            layers,
+            rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
+        })
+    }
+
+    /// Every linear layer, the output projection last, for placing them on a device.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v: Vec<&mut Linear> = Vec::new();
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
+        }
+        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
+        v
+    }
+}
+
+/// Per-session state, allocated once: KV cache and scratch for batches of up to `batch` tokens.
+pub struct State {
+    pub n_ctx: usize,
+    pub batch: usize,
+    pub cache: Vec<LayerCache>,
+    pub buf: Scratch,
+    rope: rope::Table,
+}
+
+impl State {
+    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
+        let h = &c.hp;
+        let kv = h.n_head_kv * h.head_dim;
+        State {
+            n_ctx,
+            batch,
+            cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, None, batch, kv)).collect(),
+            buf: Scratch::new(h, n_ctx, batch),
+            rope: rope::Table::new(batch, h.head_dim),
+        }
+    }
+
+    /// Bytes this state holds (KV cache and scratch).
+    pub fn bytes(&self) -> usize {
+        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.rope.bytes()
+    }
+}
+
+/// `y[i, :] += bias` for every row of `y`.
+fn add_bias(y: &mut [f32], bias: Option<&[f32]>) {
+    if let Some(bias) = bias {
+        for row in y.chunks_exact_mut(bias.len()) {
+            row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+        }
+    }
+}
+
+/// `x * sigmoid(x)`
+#[inline]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
+/// keys and values to the cache; with `want_logits`, fills `s.buf.logits` for the last token.
+/// The caller checks that the tokens are in the vocabulary and fit in the context.
+pub fn forward(
+    c: &Config,
+    w: &Weights,
+    s: &mut State,
+    d: &mut Dispatch,
+    tokens: &[u32],
+    pos: usize,
+    want_logits: bool,
+) {
+    let h = &c.hp;
+    let t = tokens.len();
+    debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
+    let (e, hd) = (h.n_embd, h.head_dim);
+    let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
+    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+    let b = &mut s.buf;
+
+    // x = embd[token]
+    embed(&w.embd, tokens, &mut b.x);
+    s.rope.fill(&w.rope, pos, t);
+
+    for (l, layer) in w.layers.iter().enumerate() {
+        let cache = &mut s.cache[l];
+
+        // Attention: x = x + wo(attn(q, k, v)), (q, k, v) = W h + b, h = attn_norm(x)
+        norm_rows(&b.x, &layer.attn_norm, h.eps, t, &mut b.xb);
+        d.matmul(
+            &b.xb,
+            t,
+            &mut [(&layer.wq, &mut b.q), (&layer.wk, &mut b.k), (&layer.wv, &mut b.v)],
+        );
+        add_bias(&mut b.q[..t * nq], layer.bq.as_deref());
+        add_bias(&mut b.k[..t * nkv], layer.bk.as_deref());
+        add_bias(&mut b.v[..t * nkv], layer.bv.as_deref());
+        for i in 0..t {
+            for head in b.q[i * nq..(i + 1) * nq].chunks_exact_mut(hd) {
+                s.rope.rotate(c.rope_style, i, head);
+            }
+            for head in b.k[i * nkv..(i + 1) * nkv].chunks_exact_mut(hd) {
+                s.rope.rotate(c.rope_style, i, head);
+            }
+            cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
+        }
+        attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
+        d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
+        add_bias(&mut b.xb[..t * e], layer.bo.as_deref());
+        for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
+            *x += o;
+        }
+
+        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+        norm_rows(&b.x, &layer.ffn_norm, h.eps, t, &mut b.xb);
+        d.matmul(&b.xb, t, &mut [(&layer.gate, &mut b.gate), (&layer.up, &mut b.up)]);
+        for (g, u) in b.gate[..t * h.n_ff].iter_mut().zip(&b.up[..t * h.n_ff]) {
+            *g = silu(*g) * u;
+        }
+        d.matmul(&b.gate, t, &mut [(&layer.down, &mut b.xb)]);
+        for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
+            *x += o;
+        }
+    }
+
+    if want_logits {
+        project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
+    }
+}

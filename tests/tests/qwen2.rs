@@ -1,0 +1,146 @@
+//! The second family, Qwen2.5-Coder-0.5B-Instruct (`qwen2`, byte-level BPE, chat template),
+//! through the component: llama.cpp's token ids, the golden thresholds on the CPU path and on
+//! the devices, and the model's chat template.
+
+use wisp::golden::{self, Case};
+use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Wisp};
+use wisp_tests::{qwen_golden_cases, qwen_model, wgpu_backend};
+
+fn open(gpu: GpuCtx, mode: GpuMode) -> (Instance, Model) {
+    let wisp = Wisp::new(Options::default()).unwrap();
+    let path = qwen_model();
+    let mut inst = wisp.instantiate(gpu, path.parent()).unwrap();
+    let m = inst.open_model(path, mode).unwrap().unwrap();
+    (inst, m)
+}
+
+fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
+    for case in cases {
+        let r = golden::run_case(inst, m, case, 5).unwrap();
+        eprintln!(
+            "{}: argmax {}/{}, max top5 diff {:.4}, rmse {:.4}",
+            r.name,
+            r.argmax_checked - r.argmax_mismatches.len(),
+            r.argmax_checked,
+            r.max_top5_diff,
+            r.rmse.unwrap_or(f64::NAN)
+        );
+        assert!(r.judged && r.rmse.is_some(), "{}: the case has references", r.name);
+        assert!(r.pass(), "{} fails the golden thresholds: {r:?}", r.name);
+    }
+}
+
+/// The cases the device paths run (the CPU reference device is slow).
+fn some_cases() -> Vec<Case> {
+    qwen_golden_cases().into_iter().filter(|c| c.name == "binary-search" || c.name == "chat").collect()
+}
+
+/// `(role, content)` messages of a prompt rendered with the ChatML template, and whether it ends
+/// with the opening of the assistant's turn.
+fn chatml_messages(text: &str) -> (Vec<(String, String)>, bool) {
+    let mut messages = Vec::new();
+    let mut generation_prompt = false;
+    for block in text.split("<|im_start|>").skip(1) {
+        let (role, rest) = block.split_once('\n').expect("a role line");
+        match rest.strip_suffix("<|im_end|>\n") {
+            Some(content) => messages.push((role.to_string(), content.to_string())),
+            None => {
+                assert!(rest.is_empty() && role == "assistant", "only the last turn is open: {block:?}");
+                generation_prompt = true;
+            }
+        }
+    }
+    (messages, generation_prompt)
+}
+
+#[test]
+fn the_model_is_qwen2_with_a_gpt2_tokenizer() {
+    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let info = inst.model_info(m).unwrap();
+    assert_eq!(info.architecture, "qwen2");
+    assert_eq!(info.tokenizer, "gpt2");
+    assert_eq!((info.n_layers, info.n_embd, info.n_vocab), (24, 896, 151936));
+    // <|im_end|> (the file's EOS) and <|endoftext|> end a generation; <|im_start|> does not.
+    assert_eq!(info.eos, Some(151645));
+    assert!(inst.is_end_of_generation(m, 151645).unwrap());
+    assert!(inst.is_end_of_generation(m, 151643).unwrap());
+    assert!(!inst.is_end_of_generation(m, 151644).unwrap());
+}
+
+#[test]
+fn the_tokenizer_gives_llama_cpp_ids_for_every_golden_case() {
+    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    for case in qwen_golden_cases() {
+        // No BOS (add_bos_token is false); `<|im_start|>` and the like are special tokens.
+        let ids = inst.tokenize(m, &case.prompt, true, true).unwrap().unwrap();
+        assert_eq!(ids, case.prompt_tokens, "case {}", case.name);
+        let text = inst.detokenize(m, &ids, true).unwrap().unwrap();
+        assert_eq!(text, case.prompt, "case {} round trip", case.name);
+    }
+    // Without parse-special, control-token text is plain text.
+    let plain = inst.tokenize(m, "<|im_start|>", true, false).unwrap().unwrap();
+    assert!(plain.len() > 1 && !plain.contains(&151644), "{plain:?}");
+}
+
+#[test]
+fn every_golden_case_passes_on_the_cpu() {
+    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    check(&mut inst, m, &qwen_golden_cases());
+}
+
+#[test]
+fn the_chat_template_renders_the_chat_case() {
+    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let case = qwen_golden_cases().into_iter().find(|c| c.name == "chat").expect("a chat case");
+    let (messages, generation_prompt) = chatml_messages(&case.prompt);
+    assert_eq!(messages.len(), 2, "{messages:?}");
+    assert!(generation_prompt);
+    let text = inst.apply_chat_template(m, &messages, true).unwrap().unwrap();
+    assert_eq!(text, case.prompt);
+    // Without a system message the template supplies Qwen's own.
+    let text = inst.apply_chat_template(m, &messages[1..], false).unwrap().unwrap();
+    assert!(text.starts_with("<|im_start|>system\nYou are Qwen, created by Alibaba Cloud."), "{text}");
+    assert!(text.ends_with("<|im_end|>\n"), "{text}");
+}
+
+#[test]
+fn a_greedy_chat_reply_ends_at_end_of_turn() {
+    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let messages = [("user".to_string(), "Reply with the single word: yes".to_string())];
+    let text = inst.apply_chat_template(m, &messages, true).unwrap().unwrap();
+    let prompt = inst.tokenize(m, &text, true, true).unwrap().unwrap();
+    let s = inst.new_session(m, prompt.len() as u32 + 32).unwrap().unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    let mut reply = Vec::new();
+    let ended = (0..32).any(|_| {
+        let step = inst.next(s, &Sampling::default()).unwrap().unwrap();
+        reply.extend(step.piece);
+        step.end_of_generation
+    });
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(ended, "no end of turn in {reply:?}");
+    assert!(reply.to_lowercase().contains("yes"), "{reply:?}");
+}
+
+#[test]
+fn golden_cases_pass_through_the_cpu_reference_device() {
+    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+    let info = inst.model_info(m).unwrap();
+    // 24 layers x 7 weights and the output projection.
+    assert_eq!(info.gpu_weights, 24 * 7 + 1, "weights resident");
+    check(&mut inst, m, &some_cases());
+    let s = inst.new_session(m, 8).unwrap().unwrap();
+    inst.feed(s, &[785, 12884]).unwrap().unwrap();
+    let stats = inst.stats(s).unwrap();
+    assert!(stats.gpu_calls > 0 && stats.gpu_fallbacks == 0, "{stats:?}");
+}
+
+#[test]
+fn golden_cases_pass_on_wgpu() {
+    let Some(backend) = wgpu_backend() else { return };
+    let (mut inst, m) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let info = inst.model_info(m).unwrap();
+    eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
+    assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
+    check(&mut inst, m, &some_cases());
+}
