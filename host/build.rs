@@ -1,5 +1,6 @@
 //! Builds the guest component (wasm32-wasip2) so that `cargo build` at the top level yields a
-//! `wisp` binary that carries its guest: the CLI needs no path to find it.
+//! `wisp` binary that carries its guest: the CLI needs no path to find it. The conformance kit
+//! (`tests/conformance`, a second component) is built by the same invocation and embedded too.
 //!
 //! The guest is built by a nested cargo in its own target directory (`<target>/guest`), so it
 //! never contends for the outer build's lock; cargo's own incremental checks make a rebuild with
@@ -12,7 +13,17 @@ use std::process::Command;
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let root = manifest.parent().expect("host/ is inside the workspace").to_path_buf();
-    for p in ["guest/src", "guest/Cargo.toml", "wit", ".cargo/config.toml", "Cargo.lock"] {
+    for p in [
+        "guest/src",
+        "guest/Cargo.toml",
+        "tests/conformance/src",
+        "tests/conformance/Cargo.toml",
+        "wit",
+        ".cargo/config.toml",
+        "Cargo.lock",
+        // The workspace's release profile (the guest's per-package debug info).
+        "Cargo.toml",
+    ] {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
     println!("cargo:rerun-if-env-changed=WISP_GUEST_PROFILE");
@@ -25,7 +36,7 @@ fn main() {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&root)
-        .args(["build", "--release", "--locked", "-p", "wisp-guest", "--target", "wasm32-wasip2"])
+        .args(["build", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "--target", "wasm32-wasip2"])
         .arg("--target-dir")
         .arg(&target_dir);
     // The outer build's flags are for the host target; the guest's come from .cargo/config.toml.
@@ -39,9 +50,12 @@ fn main() {
              `rustup target add wasm32-wasip2`)"
         );
     }
-    let wasm = target_dir.join("wasm32-wasip2/release/wisp_guest.wasm");
-    let out = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo")).join("wisp_guest.wasm");
-    std::fs::copy(&wasm, &out)
-        .unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
-    println!("cargo:rustc-env=WISP_GUEST_WASM={}", out.display());
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
+    for (file, var) in [("wisp_guest.wasm", "WISP_GUEST_WASM"), ("wisp_conformance.wasm", "WISP_CONFORMANCE_WASM")] {
+        let wasm = target_dir.join("wasm32-wasip2/release").join(file);
+        let out = out_dir.join(file);
+        std::fs::copy(&wasm, &out)
+            .unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
+        println!("cargo:rustc-env={var}={}", out.display());
+    }
 }

@@ -19,6 +19,19 @@ pub fn golden_cases() -> Vec<wisp::golden::Case> {
     wisp::golden::load(&root().join("tests/golden/gemma3-270m.json")).expect("reading the golden file")
 }
 
+/// The second family's model (Qwen2.5-Coder-0.5B-Instruct, `qwen2`), fetched once per test
+/// binary.
+pub fn qwen_model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::QWEN25_CODER_05B, false).expect("fetching the Qwen2.5-Coder model"))
+}
+
+/// The golden cases of the Qwen2.5-Coder model.
+pub fn qwen_golden_cases() -> Vec<wisp::golden::Case> {
+    wisp::golden::load(&root().join("tests/golden/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b.json"))
+        .expect("reading the Qwen golden file")
+}
+
 /// Whether a missing device must fail the test (under CI) rather than skip it.
 pub fn hardware_required() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")

@@ -111,10 +111,23 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
     Ok(wit::Model::new(ModelRes { model: Rc::new(model), device }))
 }
 
+/// Reads a whole file, with a typed error (not an abort) when guest memory cannot hold it.
+fn read_file(path: &str) -> Result<Vec<u8>, wit::Error> {
+    use std::io::Read;
+    let io = |e: std::io::Error| wit::Error::Io(format!("{path}: {e}"));
+    let mut f = std::fs::File::open(path).map_err(io)?;
+    let len = f.metadata().map_err(io)?.len();
+    let mut bytes = Vec::new();
+    usize::try_from(len).ok().and_then(|n| bytes.try_reserve_exact(n).ok()).ok_or_else(|| {
+        wit::Error::OutOfMemory(format!("{path}: a file of {len} bytes does not fit in guest memory"))
+    })?;
+    f.read_to_end(&mut bytes).map_err(io)?;
+    Ok(bytes)
+}
+
 impl wit::GuestModel for ModelRes {
     fn open(path: String, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
-        let bytes = std::fs::read(&path).map_err(|e| wit::Error::Io(format!("{path}: {e}")))?;
-        open(&bytes, options)
+        open(&read_file(&path)?, options)
     }
 
     fn from_bytes(bytes: Vec<u8>, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
@@ -170,6 +183,11 @@ impl wit::GuestModel for ModelRes {
 
     fn is_end_of_generation(&self, token: u32) -> bool {
         self.model.tokenizer.is_eog(token)
+    }
+
+    fn apply_chat_template(&self, messages: Vec<(String, String)>, add_generation_prompt: bool) -> Result<String, wit::Error> {
+        let template = self.model.chat_template.as_ref().ok_or_else(|| wit::Error::Unsupported("the model has no chat template".into()))?;
+        Ok(template.render(&messages, add_generation_prompt)?)
     }
 
     fn new_session(&self, n_ctx: u32) -> Result<wit::Session, wit::Error> {

@@ -1,9 +1,10 @@
 //! A loaded model: parsed header, tokenizer, architecture and weights. Independent of the
 //! component bindings, so that it is tested natively too.
 
+use crate::chat;
 use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
-use crate::models::{LoadError, gemma3};
+use crate::models::{Hparams, LoadError, gemma3, qwen2};
 use crate::quant;
 use crate::tokenizer::Tokenizer;
 use std::fmt;
@@ -51,6 +52,17 @@ impl From<LoadError> for Error {
 /// The architectures this engine runs.
 pub enum Arch {
     Gemma3 { config: gemma3::Config, weights: gemma3::Weights },
+    /// Qwen2 and Llama.
+    Qwen2 { config: qwen2::Config, weights: qwen2::Weights },
+}
+
+impl Arch {
+    pub fn hparams(&self) -> &Hparams {
+        match self {
+            Arch::Gemma3 { config, .. } => &config.hp,
+            Arch::Qwen2 { config, .. } => &config.hp,
+        }
+    }
 }
 
 /// What `info` reports, gathered at load.
@@ -76,6 +88,8 @@ pub struct Model {
     pub gpu: Option<Rc<Gpu>>,
     /// Weights resident on the device.
     pub gpu_weights: usize,
+    /// The chat template (the file's, or a built-in one for a known family), if any.
+    pub chat_template: Option<chat::Template>,
 }
 
 /// The device a model may use, as the component hands it over.
@@ -127,26 +141,35 @@ impl Model {
                 need >> 20
             )));
         }
-        let mut arch = match architecture.as_str() {
-            "gemma3" => {
+        let check_vocab = |hp: &Hparams| {
+            if hp.n_vocab == tokenizer.n_vocab() {
+                return Ok(());
+            }
+            Err(Error::InvalidModel(format!(
+                "the embedding has {} rows, the vocabulary {} tokens",
+                hp.n_vocab,
+                tokenizer.n_vocab()
+            )))
+        };
+        let mut arch = match (architecture.as_str(), qwen2::Family::from_name(&architecture)) {
+            ("gemma3", _) => {
                 let config = gemma3::Config::from_gguf(&g)?;
-                if config.n_vocab != tokenizer.n_vocab() {
-                    return Err(Error::InvalidModel(format!(
-                        "the embedding has {} rows, the vocabulary {} tokens",
-                        config.n_vocab,
-                        tokenizer.n_vocab()
-                    )));
-                }
+                check_vocab(&config.hp)?;
                 let weights = gemma3::Weights::load(&config, &g, file)?;
                 Arch::Gemma3 { config, weights }
             }
-            other => {
+            (_, Some(family)) => {
+                let config = qwen2::Config::from_gguf(&g, family)?;
+                check_vocab(&config.hp)?;
+                let weights = qwen2::Weights::load(&config, &g, file)?;
+                Arch::Qwen2 { config, weights }
+            }
+            (other, None) => {
                 return Err(Error::Unsupported(format!("architecture {other:?}")));
             }
         };
-        let (n_layers, n_embd, n_vocab, n_ctx_train) = match &arch {
-            Arch::Gemma3 { config: c, .. } => (c.n_layer, c.n_embd, c.n_vocab, c.n_ctx_train),
-        };
+        let hp = arch.hparams();
+        let (n_layers, n_embd, n_vocab, n_ctx_train) = (hp.n_layer, hp.n_embd, hp.n_vocab, hp.n_ctx_train);
         let summary = Summary {
             name: g.get_str("general.name").ok().flatten().unwrap_or_default().to_string(),
             architecture,
@@ -168,9 +191,11 @@ impl Model {
         });
         let gpu_weights = match (&gpu, &mut arch) {
             (Some(gpu), Arch::Gemma3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
+            (Some(gpu), Arch::Qwen2 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (None, _) => 0,
         };
-        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights })
+        let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
+        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template })
     }
 
     pub fn n_vocab(&self) -> usize {

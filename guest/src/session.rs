@@ -2,7 +2,7 @@
 
 use crate::dispatch::{Counters, Dispatch};
 use crate::engine::{Arch, Error, Model, can_allocate};
-use crate::models::gemma3;
+use crate::models::{gemma3, qwen2};
 use crate::sampler::{Params, Sampler};
 use std::rc::Rc;
 use std::time::Instant;
@@ -12,6 +12,30 @@ pub const BATCH: usize = 64;
 
 enum State {
     Gemma3(gemma3::State),
+    Qwen2(qwen2::State),
+}
+
+impl State {
+    fn n_ctx(&self) -> usize {
+        match self {
+            State::Gemma3(s) => s.n_ctx,
+            State::Qwen2(s) => s.n_ctx,
+        }
+    }
+
+    fn batch(&self) -> usize {
+        match self {
+            State::Gemma3(s) => s.batch,
+            State::Qwen2(s) => s.batch,
+        }
+    }
+
+    fn logits(&self) -> &[f32] {
+        match self {
+            State::Gemma3(s) => &s.buf.logits,
+            State::Qwen2(s) => &s.buf.logits,
+        }
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -50,19 +74,18 @@ impl Session {
                 model.n_ctx_train()
             )));
         }
+        // Estimate first so that a context too large for guest memory is an error.
+        let need = n_ctx.saturating_mul(model.arch.hparams().kv_bytes_per_token());
+        if !can_allocate(need) {
+            return Err(Error::OutOfMemory(format!(
+                "a context of {n_ctx} tokens needs {} MiB of KV cache",
+                need >> 20
+            )));
+        }
+        let batch = BATCH.min(n_ctx);
         let state = match &model.arch {
-            Arch::Gemma3 { config, .. } => {
-                // Estimate first so that a context too large for guest memory is an error.
-                let kv = config.n_layer * 2 * 4 * config.n_head_kv * config.head_dim;
-                let need = n_ctx.saturating_mul(kv);
-                if !can_allocate(need) {
-                    return Err(Error::OutOfMemory(format!(
-                        "a context of {n_ctx} tokens needs {} MiB of KV cache",
-                        need >> 20
-                    )));
-                }
-                State::Gemma3(gemma3::State::new(config, n_ctx, BATCH.min(n_ctx)))
-            }
+            Arch::Gemma3 { config, .. } => State::Gemma3(gemma3::State::new(config, n_ctx, batch)),
+            Arch::Qwen2 { config, .. } => State::Qwen2(qwen2::State::new(config, n_ctx, batch)),
         };
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
@@ -77,9 +100,7 @@ impl Session {
     }
 
     pub fn capacity(&self) -> usize {
-        match &self.state {
-            State::Gemma3(s) => s.n_ctx,
-        }
+        self.state.n_ctx()
     }
 
     pub fn position(&self) -> usize {
@@ -129,16 +150,22 @@ impl Session {
             return Ok(());
         }
         let model = Rc::clone(&self.model);
-        match (&model.arch, &mut self.state) {
-            (Arch::Gemma3 { config, weights }, State::Gemma3(s)) => {
-                while self.done < self.history.len() {
-                    let n = (self.history.len() - self.done).min(s.batch);
-                    let last = self.done + n == self.history.len();
-                    let tokens = &self.history[self.done..self.done + n];
-                    gemma3::forward(config, weights, s, &mut self.dispatch, tokens, self.done, last);
-                    self.done += n;
+        let batch = self.state.batch();
+        while self.done < self.history.len() {
+            let n = (self.history.len() - self.done).min(batch);
+            let last = self.done + n == self.history.len();
+            let tokens = &self.history[self.done..self.done + n];
+            let d = &mut self.dispatch;
+            match (&model.arch, &mut self.state) {
+                (Arch::Gemma3 { config, weights }, State::Gemma3(s)) => {
+                    gemma3::forward(config, weights, s, d, tokens, self.done, last)
                 }
+                (Arch::Qwen2 { config, weights }, State::Qwen2(s)) => {
+                    qwen2::forward(config, weights, s, d, tokens, self.done, last)
+                }
+                _ => return Err(Error::InvalidArgument("the session belongs to another model".into())),
             }
+            self.done += n;
         }
         Ok(())
     }
@@ -149,9 +176,7 @@ impl Session {
             return Err(Error::InvalidArgument("no token has been fed".into()));
         }
         self.run()?;
-        Ok(match &self.state {
-            State::Gemma3(s) => &s.logits,
-        })
+        Ok(self.state.logits())
     }
 
     /// Samples a token from the current logits and appends it (its forward pass is deferred).
@@ -166,9 +191,7 @@ impl Session {
         let start = Instant::now();
         let model = Rc::clone(&self.model);
         self.logits()?;
-        let logits = match &self.state {
-            State::Gemma3(s) => &s.logits,
-        };
+        let logits = self.state.logits();
         let token = self.sampler.sample(logits, &self.history, params);
         self.history.push(token);
         // Decode time includes the deferred forward pass of the previous generated token.

@@ -1436,11 +1436,96 @@ fn special_token_id_outside_the_vocabulary() {
     assert_eq!(m.tokenizer.eos, None);
 }
 
+/// The tiny Gemma's weights as `arch` (`qwen2` or `llama`): no extra norms, q/k/v biases, and
+/// a byte-level BPE vocabulary (`gpt2`, pre-tokenizer `qwen2`).
+fn tiny_qwen2(arch: &str) -> Builder {
+    let mut b = tiny_gemma();
+    for kv in &mut b.kvs {
+        if let Kv::Typed(k, _) = kv
+            && let Some(rest) = k.strip_prefix(b"gemma3.")
+        {
+            *k = [format!("{arch}.").as_bytes(), rest].concat();
+        }
+    }
+    b.set("general.architecture", s(arch))
+        .remove(&format!("{arch}.attention.sliding_window"))
+        .set("tokenizer.ggml.model", s("gpt2"))
+        .set("tokenizer.ggml.pre", s("qwen2"))
+        .set("tokenizer.ggml.merges", Val::ArrStr(vec!["h e".into(), "l l".into(), "o r".into()]))
+        .set("tokenizer.ggml.add_bos_token", Val::Bool(false));
+    let (nq, nkv) = (N_HEAD as u64 * HEAD_DIM, N_HEAD_KV as u64 * HEAD_DIM);
+    for l in 0..N_LAYER {
+        for t in ["attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm"] {
+            b.remove_tensor(&format!("blk.{l}.{t}.weight"));
+        }
+        for (t, n) in [("attn_q", nq), ("attn_k", nkv), ("attn_v", nkv)] {
+            b.tensor_data(&format!("blk.{l}.{t}.bias"), &[n], GGUF_F32, f32_bytes((0..n).map(|i| i as f32 / 1e3)));
+        }
+    }
+    b
+}
+
+#[test]
+fn qwen2_and_llama_positive_controls_load_and_run() {
+    for arch in ["qwen2", "llama"] {
+        let model = Rc::new(load_ok(&tiny_qwen2(arch).build()));
+        assert_eq!(model.summary.architecture, arch);
+        let ids = model.tokenizer.encode("hello world", true, false);
+        assert!(!ids.is_empty() && ids.iter().all(|&t| (t as usize) < N_VOCAB), "{ids:?}");
+        assert_ne!(ids.first(), Some(&2), "no BOS: {ids:?}");
+        let mut s = Session::new(Rc::clone(&model), 16).expect("a session");
+        s.feed(&[5, 6, 7]).expect("feed");
+        assert!(s.logits().expect("logits").iter().all(|v| v.is_finite()), "{arch}: non-finite logits");
+    }
+    // Biases are optional; the q/k/v weights are not.
+    let mut b = tiny_qwen2("llama");
+    for l in 0..N_LAYER {
+        for t in ["attn_q", "attn_k", "attn_v"] {
+            b.remove_tensor(&format!("blk.{l}.{t}.bias"));
+        }
+    }
+    load_ok(&b.build());
+    b.remove_tensor("blk.1.attn_k.weight");
+    assert_invalid(load_err(&b.build()), "tensor blk.1.attn_k.weight is missing");
+}
+
+#[test]
+fn qwen2_problems() {
+    let mut b = tiny_qwen2("qwen2");
+    b.tensor_mut("blk.0.attn_q.bias").dims = vec![HEAD_DIM];
+    assert_invalid(load_err(&b.build()), "tensor blk.0.attn_q.bias has shape");
+
+    let mut b = tiny_qwen2("llama");
+    b.tensor_data("rope_freqs.weight", &[HEAD_DIM / 2], GGUF_F32, f32_bytes((0..HEAD_DIM / 2).map(|_| 0.0)));
+    assert_invalid(load_err(&b.build()), "rope_freqs.weight holds the factor 0");
+
+    let mut b = tiny_qwen2("qwen2");
+    b.set("qwen2.rope.dimension_count", Val::U32(HEAD_DIM as u32 / 2));
+    assert_unsupported(load_err(&b.build()), "rope.dimension_count 16 differs from the head size 32");
+
+    let mut b = tiny_qwen2("qwen2");
+    b.set("qwen2.rope.scaling.type", s("yarn"));
+    assert_unsupported(load_err(&b.build()), "rope scaling \"yarn\"");
+
+    let mut b = tiny_qwen2("qwen2");
+    b.set("tokenizer.ggml.pre", s("tekken"));
+    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"tekken\"");
+}
+
 #[test]
 fn tokenizer_problems() {
     let mut b = tiny_gemma();
+    b.set("tokenizer.ggml.model", s("rwkv"));
+    assert_unsupported(load_err(&b.build()), "unsupported tokenizer model \"rwkv\"");
+
+    // Byte-level BPE needs a pre-tokenizer this engine has, and its merges.
+    let mut b = tiny_gemma();
     b.set("tokenizer.ggml.model", s("gpt2"));
-    assert_unsupported(load_err(&b.build()), "unsupported tokenizer model \"gpt2\"");
+    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"default\"");
+    b.set("tokenizer.ggml.pre", s("qwen2"));
+    assert_invalid(load_err(&b.build()), "tokenizer.ggml.merges is missing");
+    b.set("tokenizer.ggml.merges", Val::ArrI32(vec![1, 2]));
+    assert_invalid(load_err(&b.build()), "tokenizer.ggml.merges is missing or not a list of strings");
 
     let mut b = tiny_gemma();
     b.remove("tokenizer.ggml.model");

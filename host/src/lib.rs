@@ -18,12 +18,13 @@
 //! ```
 
 mod bindings;
+pub mod conformance;
 pub mod fetch;
 pub mod golden;
 pub mod gpu;
 mod runtime;
 
-pub use gpu::{Backend, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, NoDevice, add_to_linker};
+pub use gpu::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, NoDevice, WgpuBackend, add_to_linker};
 pub use runtime::{
     EngineError, GUEST_WASM, GpuMode, HostState, Instance, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,

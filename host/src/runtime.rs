@@ -13,6 +13,9 @@ use wasmtime_wasi::{FsPerms, ResourceTable, WasiCtx, WasiCtxBuilder, WasiCtxView
 /// The guest component built with this crate (the same bytes the browser host runs).
 pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 
+/// The resolution of the per-call time limit.
+const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
 
@@ -122,6 +125,11 @@ pub type Stats = wit::Stats;
 pub struct Options {
     /// Largest linear memory of a guest instance, in bytes.
     pub max_memory: usize,
+    /// Longest a single guest call may run (wall clock) before it is interrupted; `None` for
+    /// no limit. Host calls (GPU work) are not interruptible and are bounded on their own.
+    pub call_timeout: Option<std::time::Duration>,
+    /// Largest wasm stack of a guest call, in bytes.
+    pub max_stack: usize,
     /// Directory for compiled components (skips recompiling the guest on each start).
     pub cache_dir: Option<PathBuf>,
     /// Per-instance device budget.
@@ -130,7 +138,13 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { max_memory: 4 << 30, cache_dir: crate::fetch::cache_dir().ok().map(|d| d.join("compiled")), budget: gpu::Budget::default() }
+        Options {
+            max_memory: 4 << 30,
+            call_timeout: Some(std::time::Duration::from_secs(600)),
+            max_stack: 2 << 20,
+            cache_dir: crate::fetch::cache_dir().ok().map(|d| d.join("compiled")),
+            budget: gpu::Budget::default(),
+        }
     }
 }
 
@@ -200,7 +214,20 @@ impl Wisp {
     pub fn with_component(bytes: &[u8], options: Options) -> Result<Wisp> {
         let mut config = Config::new();
         config.wasm_component_model(true);
+        config.max_wasm_stack(options.max_stack);
+        config.epoch_interruption(options.call_timeout.is_some());
         let engine = Engine::new(&config)?;
+        if options.call_timeout.is_some() {
+            // One tick every EPOCH_TICK; the thread ends with the engine.
+            let weak = engine.weak();
+            std::thread::spawn(move || {
+                while let Some(engine) = weak.upgrade() {
+                    engine.increment_epoch();
+                    drop(engine);
+                    std::thread::sleep(EPOCH_TICK);
+                }
+            });
+        }
         let component = compile(&engine, bytes, options.cache_dir.as_deref()).context("compiling the guest component")?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
@@ -221,9 +248,13 @@ impl Wisp {
         let state = HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
+        let deadline = self.options.call_timeout.map(|t| (t.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64);
+        if let Some(ticks) = deadline {
+            store.set_epoch_deadline(ticks);
+        }
         let api = Inference::instantiate(&mut store, &self.component, &self.linker)
             .map_err(|e| anyhow::Error::from(e).context("instantiating the guest"))?;
-        Ok(Instance { store, api, model_dir: model_dir.map(Path::to_path_buf) })
+        Ok(Instance { store, api, model_dir: model_dir.map(Path::to_path_buf), deadline })
     }
 
     pub fn options(&self) -> &Options {
@@ -244,6 +275,8 @@ pub struct Instance {
     store: Store<HostState>,
     api: Inference,
     model_dir: Option<PathBuf>,
+    /// Epoch ticks each guest call may run.
+    deadline: Option<u64>,
 }
 
 /// Engine calls return `Ok(Err(e))` for a typed engine error and `Err` for a trap.
@@ -258,11 +291,19 @@ fn mode(m: GpuMode) -> wit::GpuMode {
 }
 
 impl Instance {
+    /// Restarts the time limit for the next guest call.
+    fn arm(&mut self) {
+        if let Some(ticks) = self.deadline {
+            self.store.set_epoch_deadline(ticks);
+        }
+    }
+
     /// Opens a model file inside the instance's model directory.
     pub fn open_model(&mut self, path: &Path, gpu: GpuMode) -> Outcome<Model> {
         let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
         let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
         let guest_path = format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?);
+        self.arm();
         let e = self.api.wisp_llm_engine().model();
         let r = e.call_open(&mut self.store, &guest_path, wit::LoadOptions { gpu: mode(gpu) })?;
         Ok(r.map(Model).map_err(Into::into))
@@ -270,12 +311,14 @@ impl Instance {
 
     /// Opens a model given as bytes.
     pub fn open_model_bytes(&mut self, bytes: &[u8], gpu: GpuMode) -> Outcome<Model> {
+        self.arm();
         let e = self.api.wisp_llm_engine().model();
         let r = e.call_from_bytes(&mut self.store, bytes, wit::LoadOptions { gpu: mode(gpu) })?;
         Ok(r.map(Model).map_err(Into::into))
     }
 
     pub fn model_info(&mut self, m: Model) -> Result<ModelInfo> {
+        self.arm();
         let i = self.api.wisp_llm_engine().model().call_info(&mut self.store, m.0)?;
         Ok(ModelInfo {
             architecture: i.architecture,
@@ -297,31 +340,47 @@ impl Instance {
     }
 
     pub fn tokenize(&mut self, m: Model, text: &str, add_special: bool, parse_special: bool) -> Outcome<Vec<u32>> {
+        self.arm();
         let r = self.api.wisp_llm_engine().model().call_tokenize(&mut self.store, m.0, text, add_special, parse_special)?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn token_piece(&mut self, m: Model, token: u32, special: bool) -> Outcome<Vec<u8>> {
+        self.arm();
         let r = self.api.wisp_llm_engine().model().call_token_piece(&mut self.store, m.0, token, special)?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn detokenize(&mut self, m: Model, tokens: &[u32], special: bool) -> Outcome<String> {
+        self.arm();
         let r = self.api.wisp_llm_engine().model().call_detokenize(&mut self.store, m.0, tokens, special)?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn is_end_of_generation(&mut self, m: Model, token: u32) -> Result<bool> {
+        self.arm();
         self.api.wisp_llm_engine().model().call_is_end_of_generation(&mut self.store, m.0, token).map_err(Into::into)
+    }
+
+    /// Renders `(role, content)` messages with the model's chat template; with
+    /// `add_generation_prompt`, the text ends where the assistant's reply begins. Tokenize it
+    /// with `parse_special`.
+    pub fn apply_chat_template(&mut self, m: Model, messages: &[(String, String)], add_generation_prompt: bool) -> Outcome<String> {
+        self.arm();
+        let e = self.api.wisp_llm_engine().model();
+        let r = e.call_apply_chat_template(&mut self.store, m.0, messages, add_generation_prompt)?;
+        Ok(r.map_err(Into::into))
     }
 
     /// A new session with room for `n_ctx` tokens (0: the model's training context).
     pub fn new_session(&mut self, m: Model, n_ctx: u32) -> Outcome<Session> {
+        self.arm();
         let r = self.api.wisp_llm_engine().model().call_new_session(&mut self.store, m.0, n_ctx)?;
         Ok(r.map(Session).map_err(Into::into))
     }
 
     pub fn feed(&mut self, s: Session, tokens: &[u32]) -> Outcome<()> {
+        self.arm();
         let r = self.api.wisp_llm_engine().session().call_feed(&mut self.store, s.0, tokens)?;
         Ok(r.map_err(Into::into))
     }
@@ -336,29 +395,35 @@ impl Instance {
             repeat_last_n: sampling.repeat_last_n,
             seed: sampling.seed,
         };
+        self.arm();
         let r = self.api.wisp_llm_engine().session().call_next(&mut self.store, s.0, p)?;
         Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation }).map_err(Into::into))
     }
 
     pub fn logits(&mut self, s: Session) -> Outcome<Vec<f32>> {
+        self.arm();
         let r = self.api.wisp_llm_engine().session().call_logits(&mut self.store, s.0)?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn top(&mut self, s: Session, k: u32) -> Outcome<Vec<(u32, f32)>> {
+        self.arm();
         let r = self.api.wisp_llm_engine().session().call_top(&mut self.store, s.0, k)?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn position(&mut self, s: Session) -> Result<u32> {
+        self.arm();
         self.api.wisp_llm_engine().session().call_position(&mut self.store, s.0).map_err(Into::into)
     }
 
     pub fn reset(&mut self, s: Session) -> Result<()> {
+        self.arm();
         self.api.wisp_llm_engine().session().call_reset(&mut self.store, s.0).map_err(Into::into)
     }
 
     pub fn stats(&mut self, s: Session) -> Result<Stats> {
+        self.arm();
         self.api.wisp_llm_engine().session().call_stats(&mut self.store, s.0).map_err(Into::into)
     }
 

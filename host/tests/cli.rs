@@ -15,6 +15,12 @@ fn model() -> &'static Path {
     MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::GEMMA3_270M, false).expect("fetching the default model"))
 }
 
+/// The second family's model (Qwen2.5-Coder-0.5B-Instruct), fetched once.
+fn qwen_model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::QWEN25_CODER_05B, false).expect("fetching the Qwen model"))
+}
+
 fn wisp(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_wisp")).args(args).output().expect("running wisp")
 }
@@ -172,13 +178,74 @@ fn bad_model_paths_fail_with_one_line() {
 
 #[test]
 fn help_has_examples_for_every_subcommand() {
-    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch"] {
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance"] {
         let o = wisp(&[sub, "--help"]);
         assert!(o.status.success());
         assert!(stdout(&o).contains("Examples:"), "{sub}: {}", stdout(&o));
     }
     let o = wisp(&["--help"]);
-    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch"] {
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance"] {
         assert!(stdout(&o).contains(sub));
     }
+}
+
+#[test]
+fn chat_answers_one_message_with_the_models_template() {
+    let m = qwen_model().to_str().unwrap();
+    let system = "You are a helpful assistant.";
+    let o = wisp(&["chat", "--model", m, "--gpu", "off", "--system", system, "-n", "24", "What does HTTP status 404 mean?"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // The greedy reply of the golden `chat` case, whose prompt is this conversation rendered.
+    let out = stdout(&o);
+    assert!(out.starts_with("HTTP status 404 typically indicates that the requested resource"), "{out}");
+    assert!(stderr(&o).contains("stopped after 24 tokens"), "{}", stderr(&o));
+}
+
+#[test]
+fn chat_stops_at_the_end_of_the_turn() {
+    let m = qwen_model().to_str().unwrap();
+    let o = wisp(&["chat", "--model", m, "--gpu", "off", "-n", "64", "Reply with the single word: yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).to_lowercase().contains("yes"), "{}", stdout(&o));
+    assert!(!stderr(&o).contains("stopped after"), "{}", stderr(&o));
+    assert!(!stdout(&o).contains("<|im_end|>"), "{}", stdout(&o));
+}
+
+#[test]
+fn chat_reads_a_conversation_from_stdin() {
+    use std::io::Write;
+    let m = qwen_model().to_str().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_wisp"))
+        .args(["chat", "--model", m, "--gpu", "off", "-n", "48", "--stats"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let input = "My name is Ada. Reply with one short sentence.\nWhat is my name? Reply with the name only.\n/reset\nReply with the single word: yes\n";
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let replies: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(replies.len() >= 3, "{out}");
+    // The second turn sees the first (the cache carries over: only the new turn is fed).
+    assert!(out.contains("Ada"), "{out}");
+    let err = stderr(&o);
+    let turns: Vec<&str> = err.lines().filter(|l| l.starts_with("[prompt ")).collect();
+    assert_eq!(turns.len(), 3, "{err}");
+    let fed = |l: &str| l.split_whitespace().nth(1).and_then(|n| n.parse::<u32>().ok()).unwrap();
+    assert!(fed(turns[1]) < fed(turns[0]), "the second turn feeds only what is new: {err}");
+}
+
+#[test]
+fn conformance_passes_on_the_cpu_reference_and_skips_without_a_device() {
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json"]);
+    assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!((v["failed"].as_u64(), v["skipped"].as_u64()), (Some(0), Some(0)), "{v}");
+    assert!(v["passed"].as_u64().unwrap() > 25, "{v}");
+    let o = wisp(&["conformance", "--device", "none"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("skip matmul-q4x32: no device"), "{}", stdout(&o));
 }

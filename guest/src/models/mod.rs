@@ -1,9 +1,17 @@
-//! Model architectures and what they share: weight loading from GGUF, linear layers, the KV
-//! cache. One file per architecture.
+//! Model architectures and what they share: hyperparameters and weight loading from GGUF,
+//! linear layers, the per-session scratch, the KV cache and attention (`attention`), rotary
+//! embeddings (`rope`). One file per architecture.
 
+pub mod attention;
 pub mod gemma3;
+pub mod qwen2;
+pub mod rope;
 
+pub use attention::LayerCache;
+
+use crate::dispatch::Dispatch;
 use crate::gguf::{Gguf, TensorType};
+use crate::kernels::rms_norm;
 use crate::quant::{self, QMatrix};
 use std::fmt;
 
@@ -138,28 +146,200 @@ impl Linear {
     }
 }
 
-/// Keys and values of one layer: a ring of `cap` positions. Global layers have room for the
-/// whole context; sliding-window layers for the window plus one batch, so that a batch's own
-/// keys never overwrite keys its earlier queries still see.
-pub struct LayerCache {
-    /// `[cap, kv_dim]`
-    pub k: Vec<f32>,
-    /// `[cap, kv_dim]`
-    pub v: Vec<f32>,
-    pub cap: usize,
-    pub window: Option<usize>,
+/// A 1-D tensor as f32, or `None` when the file does not have it.
+pub fn optional_vector(g: &Gguf, file: &[u8], name: &str, n: usize) -> Result<Option<Vec<f32>>, LoadError> {
+    match g.tensor(name) {
+        Some(_) => vector(g, file, name, n).map(Some),
+        None => Ok(None),
+    }
 }
 
-impl LayerCache {
-    pub fn new(n_ctx: usize, window: Option<usize>, batch: usize, kv_dim: usize) -> Self {
-        let cap = match window {
-            Some(w) => n_ctx.min(w + batch),
-            None => n_ctx,
+/// The hyperparameters every decoder-only transformer here has, read from the keys
+/// `{arch}.*` of the GGUF metadata and checked against the caps above.
+#[derive(Debug, Clone)]
+pub struct Hparams {
+    pub n_vocab: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_ff: usize,
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_ctx_train: usize,
+    pub eps: f32,
+    pub rope_base: f64,
+    pub rope_scale: f64,
+}
+
+impl Hparams {
+    /// `rope_base` is the architecture's default for a missing `rope.freq_base`.
+    pub fn from_gguf(g: &Gguf, arch: &str, rope_base: f64) -> Result<Hparams, LoadError> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let n_embd = required_u64(g, &key("embedding_length"), MAX_WIDTH)? as usize;
+        let n_layer = required_u64(g, &key("block_count"), MAX_LAYERS)? as usize;
+        let n_ff = required_u64(g, &key("feed_forward_length"), MAX_WIDTH * 8)? as usize;
+        let n_head = required_u64(g, &key("attention.head_count"), MAX_HEADS)? as usize;
+        let n_head_kv = match g.get_u64(&key("attention.head_count_kv"))? {
+            None => n_head,
+            Some(v) if v == 0 || !(n_head as u64).is_multiple_of(v) => {
+                return invalid(format!(
+                    "attention.head_count_kv = {v} does not divide head_count = {n_head}"
+                ));
+            }
+            Some(v) => v as usize,
         };
-        LayerCache { k: vec![0.0; cap * kv_dim], v: vec![0.0; cap * kv_dim], cap, window }
+        let head_dim = match g.get_u64(&key("attention.key_length"))? {
+            Some(v) if v > 0 && v <= MAX_WIDTH && v % 2 == 0 => v as usize,
+            Some(v) => return invalid(format!("attention.key_length {v} is not a usable head size")),
+            None if n_embd % n_head == 0 && (n_embd / n_head) % 2 == 0 => n_embd / n_head,
+            None => {
+                return invalid(format!(
+                    "attention.head_count {n_head} does not divide embedding_length {n_embd} \
+                     into heads of even size, and attention.key_length is missing"
+                ));
+            }
+        };
+        // Bounds every product of widths the session computes, in 32 bits too.
+        if n_head * head_dim > MAX_WIDTH as usize {
+            return invalid(format!(
+                "attention width {n_head} heads x {head_dim} exceeds the cap of {MAX_WIDTH}"
+            ));
+        }
+        if let Some(v) = g.get_u64(&key("attention.value_length"))? {
+            if v != head_dim as u64 {
+                return Err(LoadError::Unsupported(format!(
+                    "value_length {v} differs from key_length {head_dim}"
+                )));
+            }
+        }
+        if let Some(v) = g.get_u64(&key("rope.dimension_count"))? {
+            if v != head_dim as u64 {
+                return Err(LoadError::Unsupported(format!(
+                    "rope.dimension_count {v} differs from the head size {head_dim}"
+                )));
+            }
+        }
+        let n_ctx_train = match g.get_u64(&key("context_length"))? {
+            Some(v) if v > 0 => v.min(MAX_CONTEXT) as usize,
+            _ => 8192,
+        };
+        let eps = g.get_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6) as f32;
+        let rope_base = g.get_f64(&key("rope.freq_base"))?.unwrap_or(rope_base);
+        let rope_scale = match g.get_str(&key("rope.scaling.type"))? {
+            None | Some("none") => 1.0,
+            Some("linear") => g.get_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+            Some(other) => {
+                return Err(LoadError::Unsupported(format!("rope scaling {other:?}")));
+            }
+        };
+        let token_embd = g.tensor("token_embd.weight");
+        let n_vocab = match token_embd.map(|t| t.dims.as_slice()) {
+            Some([e, v]) if *e == n_embd as u64 && *v > 0 && *v <= u32::MAX as u64 / 2 => {
+                *v as usize
+            }
+            Some(d) => {
+                return invalid(format!(
+                    "token_embd.weight has shape {d:?}, expected [{n_embd}, n_vocab]"
+                ));
+            }
+            None => return invalid("tensor token_embd.weight is missing"),
+        };
+        if !(eps > 0.0 && eps < 1.0) || !(rope_base > 1.0) || !(rope_scale >= 1.0) {
+            return invalid(format!(
+                "implausible hyperparameters: eps {eps}, rope base {rope_base}, rope scale {rope_scale}"
+            ));
+        }
+        Ok(Hparams {
+            n_vocab,
+            n_embd,
+            n_layer,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_ctx_train,
+            eps,
+            rope_base,
+            rope_scale,
+        })
+    }
+
+    /// Bytes of KV cache per token of context (f32 keys and values, every layer).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.n_layer * 2 * 4 * self.n_head_kv * self.head_dim
+    }
+}
+
+/// A session's scratch for batches of up to `batch` tokens, allocated once.
+pub struct Scratch {
+    /// `[batch, n_embd]`: the residual stream.
+    pub x: Vec<f32>,
+    /// `[batch, n_embd]`
+    pub xb: Vec<f32>,
+    /// `[batch, n_head * head_dim]`
+    pub q: Vec<f32>,
+    /// `[batch, n_head_kv * head_dim]`
+    pub k: Vec<f32>,
+    /// `[batch, n_head_kv * head_dim]`
+    pub v: Vec<f32>,
+    /// `[batch, n_head * head_dim]`
+    pub att: Vec<f32>,
+    /// `[batch, n_ff]`
+    pub gate: Vec<f32>,
+    /// `[batch, n_ff]`
+    pub up: Vec<f32>,
+    /// `[n_ctx]`: attention scores of one head.
+    pub scores: Vec<f32>,
+    /// `[n_vocab]`: logits after the last token.
+    pub logits: Vec<f32>,
+}
+
+impl Scratch {
+    pub fn new(h: &Hparams, n_ctx: usize, batch: usize) -> Scratch {
+        let (nq, nkv) = (h.n_head * h.head_dim, h.n_head_kv * h.head_dim);
+        Scratch {
+            x: vec![0.0; batch * h.n_embd],
+            xb: vec![0.0; batch * h.n_embd],
+            q: vec![0.0; batch * nq],
+            k: vec![0.0; batch * nkv],
+            v: vec![0.0; batch * nkv],
+            att: vec![0.0; batch * nq],
+            gate: vec![0.0; batch * h.n_ff],
+            up: vec![0.0; batch * h.n_ff],
+            scores: vec![0.0; n_ctx],
+            logits: vec![0.0; h.n_vocab],
+        }
     }
 
     pub fn bytes(&self) -> usize {
-        4 * (self.k.len() + self.v.len())
+        let n = self.x.len() + self.xb.len() + self.q.len() + self.k.len() + self.v.len()
+            + self.att.len() + self.gate.len() + self.up.len() + self.scores.len()
+            + self.logits.len();
+        4 * n
     }
+}
+
+/// `x[i, :] = embd[tokens[i], :]`, `x: [t, n_embd]`.
+pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
+    for (row, &tok) in x.chunks_exact_mut(embd.n_in).zip(tokens) {
+        embd.row(tok as usize, row);
+    }
+}
+
+/// `out[i, :] = rms_norm(x[i, :]) * w` for the first `t` rows of width `w.len()`.
+pub fn norm_rows(x: &[f32], w: &[f32], eps: f32, t: usize, out: &mut [f32]) {
+    let n = t * w.len();
+    out[..n].copy_from_slice(&x[..n]);
+    for row in out[..n].chunks_exact_mut(w.len()) {
+        rms_norm(row, w, eps);
+    }
+}
+
+/// `logits = output(rms_norm(x[t - 1, :]) * norm)`: the head, on the batch's last token only.
+pub fn project_logits(s: &mut Scratch, output: &Linear, norm: &[f32], eps: f32, t: usize, d: &mut Dispatch) {
+    let e = norm.len();
+    let last = &mut s.xb[..e];
+    last.copy_from_slice(&s.x[(t - 1) * e..t * e]);
+    rms_norm(last, norm, eps);
+    d.matmul(&s.xb[..e], 1, &mut [(output, &mut s.logits)]);
 }

@@ -4,8 +4,11 @@
 //! of a text into special-token fragments and raw-text fragments (llama.cpp's
 //! `tokenizer_st_partition`): user-defined tokens are always cut out of the text, control tokens
 //! only when `parse_special` is set; longer tokens are cut first. Raw fragments then go to the
-//! model's own algorithm (`spm.rs` for `tokenizer.ggml.model = llama`).
+//! model's own algorithm (`spm.rs` for `tokenizer.ggml.model = llama`, `bpe.rs` with the
+//! pre-tokenizer of `pretok.rs` for `gpt2`).
 
+mod bpe;
+mod pretok;
 mod spm;
 
 use crate::gguf::{Array, Gguf};
@@ -40,6 +43,8 @@ impl TokenType {
 pub enum Kind {
     /// SentencePiece-style: merges by score, `▁` for spaces, byte fallback.
     Spm,
+    /// GPT-2-style byte-level BPE: merges by rank over a pre-tokenizer's words.
+    Bpe,
 }
 
 pub struct Tokenizer {
@@ -58,6 +63,8 @@ pub struct Tokenizer {
     pub add_bos: bool,
     pub add_eos: bool,
     add_space_prefix: bool,
+    /// Merges and pre-tokenizer, for `Kind::Bpe`.
+    bpe: Option<bpe::Bpe>,
     /// Tokens that end a generation.
     eog: Vec<u32>,
 }
@@ -80,8 +87,10 @@ impl Tokenizer {
         let model = g.get_str("tokenizer.ggml.model")?.ok_or("tokenizer.ggml.model is missing")?;
         let kind = match model {
             "llama" => Kind::Spm,
+            "gpt2" => Kind::Bpe,
             other => return Err(format!("unsupported tokenizer model {other:?}")),
         };
+        let pre = g.get_str("tokenizer.ggml.pre")?.unwrap_or("default");
         let tokens = match g.get_array("tokenizer.ggml.tokens")? {
             Some(Array::String(v)) if !v.is_empty() => v.clone(),
             _ => return Err("tokenizer.ggml.tokens is missing or not a list of strings".into()),
@@ -131,12 +140,38 @@ impl Tokenizer {
         let eos = special_id(g, "tokenizer.ggml.eos_token_id", n)?;
         let unk = special_id(g, "tokenizer.ggml.unknown_token_id", n)?;
         let eot = special_id(g, "tokenizer.ggml.eot_token_id", n)?;
-        let add_bos = g.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(kind == Kind::Spm);
+        let bpe = match kind {
+            Kind::Spm => None,
+            Kind::Bpe => {
+                let pre = pretok::Pre::from_name(pre)
+                    .ok_or_else(|| format!("unsupported BPE pre-tokenizer tokenizer.ggml.pre = {pre:?}"))?;
+                let merges = match g.get_array("tokenizer.ggml.merges")? {
+                    Some(Array::String(v)) => v,
+                    _ => return Err("tokenizer.ggml.merges is missing or not a list of strings".into()),
+                };
+                Some(bpe::Bpe::new(merges, pre)?)
+            }
+        };
+        // As llama.cpp: SentencePiece and Llama 3 vocabularies add BOS unless the file says not.
+        let bos_default = kind == Kind::Spm || pretok::Pre::from_name(pre) == Some(pretok::Pre::Llama3);
+        let add_bos = g.get_bool("tokenizer.ggml.add_bos_token")?.unwrap_or(bos_default);
         let add_eos = g.get_bool("tokenizer.ggml.add_eos_token")?.unwrap_or(false);
         let add_space_prefix = g.get_bool("tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
         let mut eog: Vec<u32> = eos.into_iter().chain(eot).collect();
-        // As llama.cpp: control tokens that by their text end a turn also end a generation.
-        for name in ["<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>"] {
+        // As llama.cpp: control tokens that by their text end a turn (or a fill-in-the-middle
+        // answer) also end a generation.
+        for name in [
+            "<end_of_turn>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|im_end|>",
+            "<|end|>",
+            "<|endoftext|>",
+            "<|end_of_text|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+        ] {
             if let Some(&id) = by_text.get(name) {
                 if types[id as usize] == TokenType::Control && !eog.contains(&id) {
                     eog.push(id);
@@ -158,6 +193,7 @@ impl Tokenizer {
             add_bos,
             add_eos,
             add_space_prefix,
+            bpe,
             eog,
         })
     }
@@ -196,6 +232,11 @@ impl Tokenizer {
                             }
                             t.push_str(s);
                             spm::encode(self, &t.replace(' ', "\u{2581}"), &mut out);
+                        }
+                        Kind::Bpe => {
+                            if let Some(bpe) = &self.bpe {
+                                bpe.encode(self, s, &mut out);
+                            }
                         }
                     }
                     prev_special = false;
@@ -247,7 +288,14 @@ impl Tokenizer {
     pub fn piece(&self, id: u32, special: bool) -> Vec<u8> {
         let Some(text) = self.tokens.get(id as usize) else { return Vec::new() };
         match self.types[id as usize] {
-            TokenType::Normal => text.replace('\u{2581}', " ").into_bytes(),
+            TokenType::Normal => match &self.bpe {
+                Some(bpe) => {
+                    let mut out = Vec::with_capacity(text.len());
+                    bpe.decode(text, &mut out);
+                    out
+                }
+                None => text.replace('\u{2581}', " ").into_bytes(),
+            },
             TokenType::Byte => match self.byte_tokens.iter().position(|&b| b == Some(id)) {
                 Some(b) => vec![b as u8],
                 None => Vec::new(),
@@ -267,6 +315,11 @@ impl Tokenizer {
 
     fn lookup(&self, text: &str) -> Option<u32> {
         self.by_text.get(text).copied()
+    }
+
+    /// The id of the token whose text is `text` (the last one, if several are).
+    pub fn token_id(&self, text: &str) -> Option<u32> {
+        self.lookup(text)
     }
 }
 

@@ -4,7 +4,7 @@ use super::{ModelArgs, engine, load};
 use anyhow::Result;
 use clap::Args;
 use std::time::Instant;
-use wisp::Sampling;
+use wisp::{Format, Sampling};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -22,6 +22,56 @@ pub struct BenchArgs {
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
+    /// Size of the square weight of the per-format matmul benchmark (with `--gpu on`).
+    #[arg(long, default_value_t = 2048)]
+    matmul_size: u32,
+}
+
+/// GFLOP/s of the device's matmul per upload format and batch size, and the round trip of a
+/// tiny call: what the guest's dispatch policy weighs.
+fn device_matmuls(a: &BenchArgs) -> Result<Option<serde_json::Value>> {
+    let mut ctx = super::gpu_ctx(&a.model)?;
+    let Some(device) = ctx.device().cloned() else { return Ok(None) };
+    let n = a.matmul_size;
+    let elems = n as usize * n as usize;
+    let mut formats = serde_json::Map::new();
+    for format in Format::ALL {
+        let data: Vec<u8> = match format {
+            Format::F32 => (0..elems).flat_map(|i| (((i % 17) as f32 - 8.0) * 0.01).to_le_bytes()).collect(),
+            Format::Bf16 => (0..elems).flat_map(|i| [0u8, if i % 2 == 0 { 0x3c } else { 0xbc }]).collect(),
+            Format::Q4x32 => (0..elems / 2).map(|i| (i * 37) as u8).collect(),
+            _ => (0..elems).map(|i| (i * 37) as u8).collect(),
+        };
+        let scales = vec![0.01f32; format.scale_count(elems as u64) as usize];
+        let w = ctx.upload(format, n, n, &data, &scales)?;
+        let mut rates = serde_json::Map::new();
+        for t in [1u32, 16, 128, 512] {
+            let x: Vec<f32> = (0..t as usize * n as usize).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
+            let runs = if t >= 128 { 2 } else { 4 };
+            let mut best = f64::INFINITY;
+            for _ in 0..runs {
+                let start = Instant::now();
+                ctx.matmul(&x, t, n, std::slice::from_ref(&w))?;
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            let gflops = 2.0 * t as f64 * elems as f64 / best / 1e9;
+            rates.insert(format!("t{t}"), serde_json::json!(gflops));
+        }
+        ctx.release(w);
+        formats.insert(format.name().to_string(), serde_json::Value::Object(rates));
+    }
+    let tiny = ctx.upload(Format::F32, 32, 32, &vec![0u8; 32 * 32 * 4], &[])?;
+    let mut latency = f64::INFINITY;
+    for _ in 0..20 {
+        let start = Instant::now();
+        ctx.matmul(&[0.5; 32], 1, 32, std::slice::from_ref(&tiny))?;
+        latency = latency.min(start.elapsed().as_secs_f64());
+    }
+    ctx.release(tiny);
+    Ok(Some(serde_json::json!({
+        "device": device.name, "backend": device.backend, "size": n,
+        "gflops": formats, "round_trip_us": latency * 1e6,
+    })))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -72,14 +122,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         last = Some(after);
     }
     let (p, d) = (median(prefill), median(decode));
-    let s = last.expect("at least one run");
+    let matmuls = if matches!(a.model.gpu, super::GpuArg::On) { device_matmuls(&a)? } else { None };
+    let Some(s) = last else { anyhow::bail!("no run") };
     if a.json {
         println!(
             "{}",
             serde_json::json!({
                 "model": l.path, "runs": a.runs.max(1), "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
                 "prefill_tok_s": p, "decode_tok_s": d, "load_s": l.load_s,
-                "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls,
+                "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "device_matmul": matmuls,
             })
         );
     } else {
@@ -87,6 +138,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("load:    {:.2} s", l.load_s);
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
+        println!("matmuls: {} on the CPU, {} device calls (last run)", s.cpu_matmuls, s.gpu_calls);
+        if let Some(m) = &matmuls {
+            println!("device matmul, [{n}, {n}] weight, GFLOP/s ({}, {}):", m["device"], m["backend"], n = a.matmul_size);
+            println!("  {:<6} {:>9} {:>9} {:>9} {:>9}", "format", "t=1", "t=16", "t=128", "t=512");
+            for (f, r) in m["gflops"].as_object().into_iter().flatten() {
+                let g = |k: &str| r[k].as_f64().unwrap_or(0.0);
+                println!("  {f:<6} {:>9.2} {:>9.2} {:>9.2} {:>9.2}", g("t1"), g("t16"), g("t128"), g("t512"));
+            }
+            println!("  round trip of a tiny matmul: {:.0} us", m["round_trip_us"].as_f64().unwrap_or(0.0));
+        }
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The `wisp` command line: argument parsing and the subcommands.
 
 mod bench;
+mod chat;
+mod conformance;
 mod eval;
 
 use anyhow::{Context, Result, bail};
@@ -9,7 +11,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use wisp::{EngineError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Wisp, fetch};
+use wisp::{Budget, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, WgpuBackend, Wisp, fetch};
 
 #[derive(Parser)]
 #[command(
@@ -48,8 +50,23 @@ enum Command {
     #[command(after_help = "Examples:\n  wisp info\n  wisp info --model ./my.gguf --json")]
     Info(InfoArgs),
     /// Fetch a known model into the cache and print its path.
-    #[command(after_help = "Examples:\n  wisp fetch\n  wisp fetch gemma3-270m")]
+    #[command(after_help = "Examples:\n  wisp fetch\n  wisp fetch gemma3-270m\n  wisp fetch qwen2.5-coder-0.5b")]
     Fetch(FetchArgs),
+    /// Chat with a model: its own chat template, one reply per message.
+    #[command(after_help = "Examples:\n  wisp chat --model qwen2.5-coder-0.5b \"Write a binary search in Rust\"\n  \
+                            wisp chat --model ./my.gguf --system \"Answer briefly.\" -n 128 \"What is a mutex?\"\n  \
+                            wisp chat --model qwen2.5-coder-0.5b      (interactive: one message per line)\n  \
+                            echo \"Hello\" | wisp chat --model qwen2.5-coder-0.5b --temp 0.7 --seed 1")]
+    Chat(chat::ChatArgs),
+    /// Check a host's `gpu` interface with the conformance kit: every upload format, batches,
+    /// handles, budgets and hostile calls, held to the contract in wit/gpu.wit.
+    #[command(after_help = "Examples:\n  wisp conformance                       (the wgpu device)\n  \
+                            wisp conformance --device cpu --seed 7  (the CPU reference; repeat a run)\n  \
+                            WISP_ADAPTER=llvmpipe wisp conformance --json\n  \
+                            wisp conformance --write-component kit.wasm   (to run it in another host)\n\n\
+                            Exit codes: 0 every case passed or was skipped, 3 a case failed, 1 the kit \
+                            could not run.")]
+    Conformance(conformance::ConformanceArgs),
 }
 
 /// Where matrix products run.
@@ -74,14 +91,53 @@ impl From<GpuArg> for GpuMode {
     }
 }
 
+/// Which implementation of the `gpu` interface the host offers the guest.
+#[derive(Clone, Copy, ValueEnum, Default, Debug, PartialEq, Eq)]
+pub enum DeviceArg {
+    /// The GPU through wgpu (Vulkan, Metal, DX12 or GL); none if no adapter is found.
+    #[default]
+    Wgpu,
+    /// The host's CPU reference implementation (for testing the contract).
+    Cpu,
+    /// No device.
+    None,
+}
+
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file [default: Gemma 3 270M Q4_K_M, fetched if missing]
+    /// GGUF model file, or a known model's name (see `wisp fetch`) [default: Gemma 3 270M Q4_K_M, fetched if missing]
     #[arg(short, long)]
     pub model: Option<PathBuf>,
     /// Where matrix products run.
     #[arg(long, value_enum, default_value_t = GpuArg::Auto)]
     pub gpu: GpuArg,
+    /// The device the host offers (WISP_ADAPTER=name picks a wgpu adapter).
+    #[arg(long, value_enum, default_value_t = DeviceArg::Wgpu)]
+    pub device: DeviceArg,
+    /// Largest guest memory, in MiB.
+    #[arg(long, default_value_t = 4096, value_name = "MIB")]
+    pub max_memory: usize,
+    /// Longest a single guest call may run, in seconds (0: no limit).
+    #[arg(long, default_value_t = 600, value_name = "SECONDS")]
+    pub timeout: u64,
+    /// Device memory the guest may fill with weights, in MiB.
+    #[arg(long, default_value_t = 8192, value_name = "MIB")]
+    pub gpu_budget: u64,
+}
+
+impl ModelArgs {
+    fn options(&self) -> Options {
+        Options {
+            max_memory: self.max_memory << 20,
+            call_timeout: (self.timeout > 0).then(|| std::time::Duration::from_secs(self.timeout)),
+            budget: self.budget(),
+            ..Options::default()
+        }
+    }
+
+    fn budget(&self) -> Budget {
+        Budget { bytes: self.gpu_budget << 20, ..Budget::default() }
+    }
 }
 
 #[derive(Args)]
@@ -146,7 +202,7 @@ struct InfoArgs {
 
 #[derive(Args)]
 struct FetchArgs {
-    /// A known model name.
+    /// A known model name: gemma3-270m, qwen2.5-coder-0.5b.
     #[arg(default_value = "gemma3-270m")]
     name: String,
 }
@@ -166,6 +222,10 @@ pub struct Loaded {
 }
 
 pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
+    // Not a file but the name of a known model: fetched if missing.
+    if let Some(r) = arg.filter(|p| !p.exists()).and_then(Path::to_str).and_then(fetch::recipe) {
+        return fetch::ensure(r, true);
+    }
     match arg {
         Some(p) => {
             let meta = std::fs::metadata(p).with_context(|| format!("cannot open model {}", p.display()))?;
@@ -178,18 +238,43 @@ pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
     }
 }
 
-pub fn gpu_ctx(_mode: GpuArg) -> GpuCtx {
-    GpuCtx::none()
+/// The device the host offers: none at all with `--gpu off`, so that no adapter is opened.
+pub fn gpu_ctx(args: &ModelArgs) -> Result<GpuCtx> {
+    if matches!(args.gpu, GpuArg::Off) {
+        return Ok(GpuCtx::none());
+    }
+    Ok(match args.device {
+        DeviceArg::None => GpuCtx::none(),
+        DeviceArg::Cpu => GpuCtx::new(Box::new(CpuBackend::new()), args.budget()),
+        DeviceArg::Wgpu => match WgpuBackend::new()? {
+            Some(b) => GpuCtx::new(Box::new(b), args.budget()),
+            None => {
+                if matches!(args.gpu, GpuArg::On) {
+                    eprintln!("wisp: no GPU adapter found; running on the CPU");
+                }
+                GpuCtx::none()
+            }
+        },
+    })
 }
 
 pub fn load(args: &ModelArgs) -> Result<Loaded> {
     let path = model_path(args.model.as_deref())?;
     let start = Instant::now();
-    let wisp = Wisp::new(Options::default())?;
-    let mut inst = wisp.instantiate(gpu_ctx(args.gpu), path.parent())?;
-    let model = engine(inst.open_model(&path, args.gpu.into())?)
-        .with_context(|| format!("cannot load {}", path.display()))?;
-    Ok(Loaded { inst, model, path, load_s: start.elapsed().as_secs_f64() })
+    let spinner = indicatif::ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(120));
+    spinner.set_message("compiling the guest component");
+    let wisp = Wisp::new(args.options())?;
+    let gpu = gpu_ctx(args)?;
+    tracing::info!(device = ?gpu.device().map(|d| &d.name), "host device");
+    let mut inst = wisp.instantiate(gpu, path.parent())?;
+    spinner.set_message(format!("loading {}", path.display()));
+    let model = engine(inst.open_model(&path, args.gpu.into())?);
+    spinner.finish_and_clear();
+    let model = model.with_context(|| format!("cannot load {}", path.display()))?;
+    let load_s = start.elapsed().as_secs_f64();
+    tracing::info!(load_s, path = %path.display(), "model loaded");
+    Ok(Loaded { inst, model, path, load_s })
 }
 
 /// Writes the longest valid UTF-8 prefix of `pending` and keeps the rest for later.
@@ -228,7 +313,19 @@ fn run(a: RunArgs) -> Result<()> {
     out.flush()?;
     let mut pending = Vec::new();
     let budget = a.n_predict.min(n_ctx.saturating_sub(prompt.len() as u32));
+    // Ctrl-C stops the generation after the current token; what was printed stays.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    let _ = ctrlc::set_handler(move || {
+        if flag.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            std::process::exit(130);
+        }
+    });
     for _ in 0..budget {
+        if stop.load(std::sync::atomic::Ordering::SeqCst) {
+            eprintln!("\n[interrupted]");
+            break;
+        }
         let step = engine(inst.next(session, &sampling)?)?;
         if step.end_of_generation {
             break;
@@ -266,7 +363,7 @@ fn run(a: RunArgs) -> Result<()> {
 }
 
 fn tokenize(a: TokenizeArgs) -> Result<()> {
-    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off };
+    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, max_memory: 4096, timeout: 600, gpu_budget: 0 };
     let Loaded { mut inst, model, .. } = load(&args)?;
     let ids = engine(inst.tokenize(model, &a.text, !a.no_bos, a.parse_special)?)?;
     if a.json {
@@ -348,7 +445,20 @@ fn fetch_cmd(a: FetchArgs) -> Result<()> {
 }
 
 pub fn main() -> ExitCode {
+    // Mesa's Vulkan loader prints an error line when XDG_RUNTIME_DIR is unset (as it is in
+    // containers and CI), which would break one-line diagnostics; give it a harmless value.
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+        // SAFETY: the process has a single thread at this point.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", std::env::temp_dir()) };
+    }
     let cli = Cli::parse();
+    // Diagnostics on stderr, at RUST_LOG's level (default: warnings).
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .init();
     let result = match cli.command {
         Command::Run(a) => run(a),
         Command::Eval(a) => eval::eval(a),
@@ -356,15 +466,23 @@ pub fn main() -> ExitCode {
         Command::Tokenize(a) => tokenize(a),
         Command::Info(a) => info(a),
         Command::Fetch(a) => fetch_cmd(a),
+        Command::Chat(a) => chat::chat(a),
+        Command::Conformance(a) => conformance::conformance(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            if e.downcast_ref::<eval::Failed>().is_some() {
+            if e.downcast_ref::<eval::Failed>().is_some() || e.downcast_ref::<conformance::Failed>().is_some() {
                 eprintln!("wisp: {e}");
                 return ExitCode::from(3);
             }
-            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            tracing::debug!("{e:?}");
+            let msg = match e.chain().find_map(|c| c.downcast_ref::<wasmtime::Trap>()) {
+                Some(wasmtime::Trap::Interrupt) => "the guest call ran past its time limit (see --timeout)".to_string(),
+                Some(trap) => format!("the guest trapped: {trap} (RUST_LOG=debug shows where)"),
+                // Each cause on one line: the first line of each.
+                None => e.chain().map(|c| c.to_string().lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": "),
+            };
             eprintln!("wisp: error: {msg}");
             if e.chain().any(|c| c.downcast_ref::<EngineError>().is_some()) {
                 ExitCode::from(2)

@@ -7,11 +7,15 @@
 //! the device's limits or the instance's budget. Nothing a guest sends can trap or panic the host.
 
 mod cpu;
+mod wgpu;
 
+pub use self::wgpu::WgpuBackend;
 pub use cpu::CpuBackend;
 
 use crate::bindings::wisp::llm::gpu as wit;
-use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use wasmtime::component::{HasData, Linker, Resource};
 
 /// A weight layout of the WIT `weight-format` (see `wit/gpu.wit` for the exact bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -199,11 +203,17 @@ pub struct WeightHandle {
     bytes: u64,
 }
 
+/// The rep of the next weight handle. Unique across every `GpuCtx` of the process (until it
+/// wraps after 2^32 handles), so that a released handle, or one of another instance, never
+/// names a live weight: it is an `invalid-argument`, not someone else's weight.
+static NEXT_REP: AtomicU32 = AtomicU32::new(1);
+
 /// Owned GPU context of one guest instance: the backend, its handles and budget.
 pub struct GpuCtx {
     backend: Box<dyn Backend>,
     device: Option<Device>,
-    table: ResourceTable,
+    /// Live weights by the rep of their handle.
+    weights: HashMap<u32, WeightHandle>,
     budget: Budget,
     used_bytes: u64,
     used_handles: u32,
@@ -217,7 +227,7 @@ fn invalid<T>(m: impl Into<String>) -> Result<T, GpuError> {
 impl GpuCtx {
     pub fn new(backend: Box<dyn Backend>, budget: Budget) -> GpuCtx {
         let device = backend.device();
-        GpuCtx { backend, device, table: ResourceTable::new(), budget, used_bytes: 0, used_handles: 0, lost: None }
+        GpuCtx { backend, device, weights: HashMap::new(), budget, used_bytes: 0, used_handles: 0, lost: None }
     }
 
     /// A context with no device.
@@ -232,6 +242,11 @@ impl GpuCtx {
     /// Bytes and handles currently held on the device.
     pub fn usage(&self) -> (u64, u32) {
         (self.used_bytes, self.used_handles)
+    }
+
+    /// The weight a guest's handle names, if it is a live weight of this instance.
+    fn weight(&self, w: &Resource<WeightHandle>) -> Option<&WeightHandle> {
+        self.weights.get(&w.rep())
     }
 
     fn ready(&self) -> Result<&Device, GpuError> {
@@ -259,7 +274,9 @@ impl GpuCtx {
         }
         let n = n_out as u64 * n_in as u64;
         let data = format.data_bytes(n).ok_or_else(|| GpuError::InvalidArgument("weight size overflows".into()))?;
-        let bytes = data + 4 * format.scale_count(n);
+        let bytes = data
+            .checked_add(4 * format.scale_count(n))
+            .ok_or_else(|| GpuError::InvalidArgument("weight size overflows".into()))?;
         if data > device.max_weight_bytes {
             return Err(GpuError::OutOfMemory(format!(
                 "a weight of {data} bytes exceeds the device's limit of {}",
@@ -269,7 +286,7 @@ impl GpuCtx {
         if self.used_handles >= self.budget.handles {
             return Err(GpuError::OutOfMemory(format!("this instance holds its budget of {} handles", self.budget.handles)));
         }
-        if self.used_bytes + bytes > self.budget.bytes {
+        if self.used_bytes.saturating_add(bytes) > self.budget.bytes {
             return Err(GpuError::OutOfMemory(format!(
                 "{bytes} more bytes exceed this instance's budget ({} of {} used)",
                 self.used_bytes, self.budget.bytes
@@ -277,23 +294,21 @@ impl GpuCtx {
         }
         let r = self.backend.create(format, n_out, n_in);
         let id = self.track(r)?;
-        let handle = WeightHandle { id, format, rows: n_out, cols: n_in, bytes };
-        match self.table.push(handle) {
-            Ok(res) => {
-                self.used_bytes += bytes;
-                self.used_handles += 1;
-                Ok(res)
-            }
-            Err(e) => {
-                self.backend.free(id);
-                Err(GpuError::OutOfMemory(format!("handle table: {e}")))
-            }
-        }
+        // A rep still in use here (the counter wrapped) is skipped.
+        let Some(rep) = (0..64).map(|_| NEXT_REP.fetch_add(1, Ordering::Relaxed)).find(|r| *r != 0 && !self.weights.contains_key(r))
+        else {
+            self.backend.free(id);
+            return Err(GpuError::OutOfMemory("no free handle".into()));
+        };
+        self.weights.insert(rep, WeightHandle { id, format, rows: n_out, cols: n_in, bytes });
+        self.used_bytes += bytes;
+        self.used_handles += 1;
+        Ok(Resource::new_own(rep))
     }
 
     pub fn write_rows(&mut self, w: &Resource<WeightHandle>, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
         self.ready()?;
-        let h = self.table.get(w).map_err(|e| GpuError::InvalidArgument(format!("weight handle: {e}")))?;
+        let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument("not a live weight handle of this instance".into()))?;
         let row_data = h.format.data_bytes(h.cols as u64).unwrap_or(u64::MAX);
         let row_scales = h.format.scale_count(h.cols as u64);
         if data.is_empty() || data.len() as u64 % row_data != 0 {
@@ -353,7 +368,9 @@ impl GpuCtx {
         }
         let mut ids = Vec::with_capacity(jobs.len());
         for (i, j) in jobs.iter().enumerate() {
-            let h = self.table.get(j).map_err(|e| GpuError::InvalidArgument(format!("job {i}: weight handle: {e}")))?;
+            let h = self
+                .weight(j)
+                .ok_or_else(|| GpuError::InvalidArgument(format!("job {i}: not a live weight handle of this instance")))?;
             if h.cols != n_in {
                 return invalid(format!("job {i}: the weight has {} columns, n-in is {n_in}", h.cols));
             }
@@ -371,7 +388,7 @@ impl GpuCtx {
 
     /// Frees a handle's device memory.
     pub fn release(&mut self, w: Resource<WeightHandle>) {
-        if let Ok(h) = self.table.delete(w) {
+        if let Some(h) = self.weights.remove(&w.rep()) {
             self.backend.free(h.id);
             self.used_bytes -= h.bytes;
             self.used_handles -= 1;
@@ -435,15 +452,15 @@ impl wit::HostWeight for GpuCtx {
     }
 
     fn rows(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
-        Ok(self.table.get(&w).map(|h| h.rows).unwrap_or(0))
+        Ok(self.weight(&w).map(|h| h.rows).unwrap_or(0))
     }
 
     fn cols(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
-        Ok(self.table.get(&w).map(|h| h.cols).unwrap_or(0))
+        Ok(self.weight(&w).map(|h| h.cols).unwrap_or(0))
     }
 
     fn format(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<wit::WeightFormat> {
-        Ok(self.table.get(&w).map(|h| h.format).unwrap_or(Format::F32).into())
+        Ok(self.weight(&w).map(|h| h.format).unwrap_or(Format::F32).into())
     }
 
     fn drop(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<()> {

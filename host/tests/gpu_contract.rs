@@ -1,0 +1,301 @@
+//! The host's side of the `gpu` contract against a hostile guest (RELIABILITY 17-20): `GpuCtx`
+//! called as the component ABI calls it, with handles a guest could forge (any rep), keep after
+//! releasing, or bring from another instance; lengths and shapes that do not match or
+//! overflow; sizes past the device's limits; and uploads until the budget is spent. Every
+//! answer is a typed error; nothing panics, and the backend never sees a refused request.
+
+use std::sync::{Arc, Mutex};
+use wasmtime::component::Resource;
+use wisp::gpu::WeightHandle;
+use wisp::{Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+
+fn cpu(budget: Budget) -> GpuCtx {
+    GpuCtx::new(Box::new(CpuBackend::new()), budget)
+}
+
+/// An upload of `[n_out, n_in]` f32 ones.
+fn ones(ctx: &mut GpuCtx, n_out: u32, n_in: u32) -> Resource<WeightHandle> {
+    let data: Vec<u8> = (0..n_out * n_in).flat_map(|_| 1f32.to_le_bytes()).collect();
+    ctx.upload(Format::F32, n_out, n_in, &data, &[]).unwrap()
+}
+
+/// What the ABI hands the host for a guest's `borrow<weight>` of this rep.
+fn borrow(rep: u32) -> Resource<WeightHandle> {
+    Resource::new_borrow(rep)
+}
+
+#[track_caller]
+fn invalid<T: std::fmt::Debug>(r: Result<T, GpuError>, what: &str) {
+    match r {
+        Err(GpuError::InvalidArgument(_)) => {}
+        other => panic!("{what}: want invalid-argument, got {other:?}"),
+    }
+}
+
+#[track_caller]
+fn out_of_memory<T: std::fmt::Debug>(r: Result<T, GpuError>, what: &str) {
+    match r {
+        Err(GpuError::OutOfMemory(_)) => {}
+        other => panic!("{what}: want out-of-memory, got {other:?}"),
+    }
+}
+
+#[test]
+fn forged_handles_are_invalid_arguments() {
+    let mut ctx = cpu(Budget::default());
+    let w = ones(&mut ctx, 2, 4);
+    for rep in [12345, u32::MAX, w.rep() + 1, w.rep().wrapping_sub(1)] {
+        invalid(ctx.write_rows(&Resource::new_own(rep), 0, &[0; 16], &[]), &format!("write-rows of forged rep {rep}"));
+        invalid(ctx.matmul(&[1.0; 4], 1, 4, &[borrow(rep)]), &format!("matmul of forged rep {rep}"));
+        invalid(
+            ctx.matmul(&[1.0; 4], 1, 4, &[borrow(w.rep()), borrow(rep)]),
+            &format!("forged rep {rep} beside a real one"),
+        );
+        ctx.release(Resource::new_own(rep));
+    }
+    // Releasing forged reps freed nothing; the real weight still computes.
+    assert_eq!(ctx.usage(), (32, 1));
+    assert_eq!(ctx.matmul(&[1.0; 4], 1, 4, &[borrow(w.rep())]).unwrap(), vec![vec![4.0, 4.0]]);
+}
+
+#[test]
+fn released_and_stale_handles_are_invalid_arguments() {
+    let mut ctx = cpu(Budget::default());
+    let w = ones(&mut ctx, 2, 4);
+    let rep = w.rep();
+    ctx.release(w);
+    assert_eq!(ctx.usage(), (0, 0));
+    invalid(ctx.write_rows(&Resource::new_own(rep), 0, &[0; 16], &[]), "write-rows of a released handle");
+    invalid(ctx.matmul(&[1.0; 4], 1, 4, &[borrow(rep)]), "matmul of a released handle");
+    // A second release (a double drop) changes nothing and does not underflow the budget.
+    ctx.release(Resource::new_own(rep));
+    assert_eq!(ctx.usage(), (0, 0));
+    // New weights never take the released handle's place: the stale handle stays invalid.
+    let newer: Vec<_> = (0..4).map(|_| ones(&mut ctx, 3, 4)).collect();
+    assert!(newer.iter().all(|n| n.rep() != rep), "a released rep was handed out again");
+    invalid(ctx.matmul(&[1.0; 4], 1, 4, &[borrow(rep)]), "matmul of a stale handle after new uploads");
+    invalid(
+        ctx.write_rows(&Resource::new_own(rep), 0, &[0; 16], &[]),
+        "write-rows of a stale handle after new uploads",
+    );
+    ctx.release(Resource::new_own(rep));
+    assert_eq!(ctx.usage(), (4 * 48, 4), "releasing the stale handle freed a newer weight");
+}
+
+#[test]
+fn handles_of_another_instance_are_invalid_arguments() {
+    let mut a = cpu(Budget::default());
+    let mut b = cpu(Budget::default());
+    let wa = ones(&mut a, 2, 4);
+    let wb = ones(&mut b, 5, 4);
+    invalid(b.matmul(&[1.0; 4], 1, 4, &[borrow(wa.rep())]), "matmul in b of a's handle");
+    invalid(b.write_rows(&Resource::new_own(wa.rep()), 0, &[0; 16], &[]), "write-rows in b of a's handle");
+    b.release(Resource::new_own(wa.rep()));
+    assert_eq!(b.usage(), (80, 1), "releasing a's handle in b freed b's weight");
+    assert_eq!(a.matmul(&[1.0; 4], 1, 4, &[borrow(wa.rep())]).unwrap(), vec![vec![4.0; 2]]);
+    assert_eq!(b.matmul(&[1.0; 4], 1, 4, &[borrow(wb.rep())]).unwrap(), vec![vec![4.0; 5]]);
+}
+
+#[test]
+fn lengths_and_shapes_that_break_the_contract_are_invalid_arguments() {
+    let mut ctx = cpu(Budget::default());
+    for f in Format::ALL {
+        let (n_out, n_in) = (3u32, 64u32);
+        let n = (n_out * n_in) as u64;
+        let d = f.data_bytes(n).unwrap() as usize;
+        let s = f.scale_count(n) as usize;
+        for (dl, sl) in [(d - 1, s), (d + 1, s), (0, s), (d, s + 1)].into_iter().chain((s > 0).then_some((d, s - 1))) {
+            invalid(
+                ctx.upload(f, n_out, n_in, &vec![1; dl], &vec![0.5; sl]),
+                &format!("{} with {dl} bytes, {sl} scales", f.name()),
+            );
+        }
+        // Zero and overflowing shapes.
+        invalid(ctx.allocate(f, 0, 64), &format!("{} [0, 64]", f.name()));
+        invalid(ctx.allocate(f, 3, 0), &format!("{} [3, 0]", f.name()));
+        invalid(ctx.upload(f, 0, 0, &[], &[]), &format!("{} [0, 0]", f.name()));
+        invalid(ctx.allocate(f, u32::MAX, u32::MAX), &format!("{} [u32::MAX, u32::MAX]", f.name()));
+        invalid(
+            ctx.upload(f, u32::MAX, u32::MAX, &[0; 16], &[1.0]),
+            &format!("upload {} [u32::MAX, u32::MAX]", f.name()),
+        );
+        // 2^32 elements: the element count wraps to 0 in 32-bit arithmetic.
+        assert!(ctx.upload(f, 65536, 65536, &[], &[]).is_err());
+    }
+    // A huge block-aligned weight whose data and scales together pass 2^64 bytes.
+    assert!(matches!(
+        ctx.allocate(Format::Q8x32, u32::MAX, u32::MAX - 31),
+        Err(GpuError::InvalidArgument(_) | GpuError::OutOfMemory(_))
+    ));
+    for (f, n_in) in
+        [(Format::Q8x32, 16), (Format::Q8x32, 33), (Format::Q8x16, 8), (Format::Q4x32, 48), (Format::Q4x32, 1)]
+    {
+        invalid(ctx.allocate(f, 2, n_in), &format!("{} with n-in {n_in}", f.name()));
+    }
+    assert_eq!(ctx.usage(), (0, 0), "a refused call reserved something");
+
+    let w = ones(&mut ctx, 4, 32);
+    let other = ones(&mut ctx, 4, 64);
+    let x = vec![1.0f32; 96];
+    invalid(ctx.matmul(&x[..95], 3, 32, &[borrow(w.rep())]), "x of 95 for t 3, n-in 32");
+    invalid(ctx.matmul(&x[..33], 1, 32, &[borrow(w.rep())]), "x of 33 for t 1, n-in 32");
+    invalid(ctx.matmul(&[], 0, 32, &[borrow(w.rep())]), "t 0");
+    invalid(ctx.matmul(&[], 1 << 31, 2, &[borrow(w.rep())]), "t * n-in wrapping 32 bits");
+    invalid(ctx.matmul(&x[..32], 1, 32, &[]), "no jobs");
+    invalid(ctx.matmul(&x[..32], 1, 32, &[borrow(w.rep()), borrow(other.rep())]), "a job with cols != n-in");
+    let huge: Vec<_> = (0..100_000).map(|_| borrow(w.rep())).collect();
+    invalid(ctx.matmul(&x[..32], 1, 32, &huge), "100000 jobs");
+
+    // write-rows: past the end, wrapping, partial rows, wrong scales.
+    let q = ctx.allocate(Format::Q8x32, 5, 64).unwrap();
+    let row = [1u8; 64];
+    invalid(ctx.write_rows(&q, 5, &row, &[1.0; 2]), "rows 5..6 of 5");
+    invalid(ctx.write_rows(&q, u32::MAX - 1, &[1; 192], &[1.0; 6]), "first-row u32::MAX - 1 and 3 rows");
+    invalid(ctx.write_rows(&q, u32::MAX, &row, &[1.0; 2]), "first-row u32::MAX");
+    invalid(ctx.write_rows(&q, 0, &row[..63], &[1.0; 2]), "63 bytes");
+    invalid(ctx.write_rows(&q, 0, &row, &[1.0; 3]), "3 scales for one row");
+    invalid(ctx.write_rows(&q, 0, &[], &[]), "no rows");
+    // None of it reached the weight: it still reads as zero.
+    assert_eq!(ctx.matmul(&[1.0; 64], 1, 64, &[borrow(q.rep())]).unwrap(), vec![vec![0.0; 5]]);
+}
+
+/// Records what reaches the backend, with small device limits.
+struct Recording {
+    inner: CpuBackend,
+    seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl Backend for Recording {
+    fn device(&self) -> Option<Device> {
+        Some(Device { max_weight_bytes: 4096, max_activation_elements: 1024, ..self.inner.device()? })
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.seen.lock().unwrap().push(format!("create {} [{n_out}, {n_in}]", f.name()));
+        self.inner.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.inner.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.seen.lock().unwrap().push(format!("matmul t {t}, n-in {n_in}"));
+        self.inner.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.inner.free(id)
+    }
+}
+
+#[test]
+fn sizes_past_the_device_limits_are_refused_before_the_backend() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut ctx = GpuCtx::new(Box::new(Recording { inner: CpuBackend::new(), seen: seen.clone() }), Budget::default());
+    out_of_memory(ctx.allocate(Format::F32, 1025, 1), "f32 [1025, 1]: 4100 bytes past 4096");
+    out_of_memory(ctx.allocate(Format::Q8x32, 129, 32), "q8x32 [129, 32]: 4128 bytes past 4096");
+    out_of_memory(ctx.allocate(Format::Q8x32, 1 << 20, 1 << 20), "q8x32 [2^20, 2^20]");
+    assert!(seen.lock().unwrap().is_empty(), "the backend saw {:?}", seen.lock().unwrap());
+    let w = ctx.allocate(Format::F32, 1024, 1).unwrap();
+    let small = ctx.allocate(Format::F32, 1, 1).unwrap();
+    out_of_memory(ctx.matmul(&[1.0; 1025], 1025, 1, &[borrow(small.rep())]), "an input of 1025 values");
+    out_of_memory(ctx.matmul(&[1.0; 2], 2, 1, &[borrow(w.rep())]), "an output of 2048 values");
+    assert_eq!(*seen.lock().unwrap(), ["create f32 [1024, 1]", "create f32 [1, 1]"]);
+    assert_eq!(ctx.matmul(&[2.0], 1, 1, &[borrow(w.rep())]).unwrap()[0].len(), 1024);
+}
+
+#[test]
+fn uploads_past_the_budget_are_out_of_memory_and_release_gives_it_back() {
+    // 4000 bytes a weight: two fit in 10000 bytes, the third does not.
+    let mut ctx = cpu(Budget { bytes: 10_000, handles: 3, jobs: 4 });
+    let a = ones(&mut ctx, 10, 100);
+    let b = ones(&mut ctx, 10, 100);
+    let data = vec![0u8; 4000];
+    out_of_memory(ctx.upload(Format::F32, 10, 100, &data, &[]), "a third weight past 10000 bytes");
+    assert_eq!(ctx.usage(), (8000, 2));
+    ctx.release(a);
+    let c = ctx.upload(Format::F32, 10, 100, &data, &[]).unwrap();
+    // Handles: three at most.
+    let d = ctx.allocate(Format::F32, 1, 1).unwrap();
+    out_of_memory(ctx.allocate(Format::F32, 1, 1), "a fourth handle");
+    assert_eq!(ctx.usage(), (8004, 3));
+    // The job cap.
+    let jobs: Vec<_> = (0..5).map(|_| borrow(d.rep())).collect();
+    invalid(ctx.matmul(&[1.0], 1, 1, &jobs), "5 jobs past a cap of 4");
+    ctx.release(c);
+    ctx.release(d);
+    ctx.release(b);
+    assert_eq!(ctx.usage(), (0, 0));
+}
+
+/// SplitMix64, for the hostile call generator.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[(self.next() % xs.len() as u64) as usize]
+    }
+}
+
+#[test]
+fn random_hostile_calls_never_panic_and_keep_the_books() {
+    let seed = std::env::var("WISP_TEST_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(0x5eed);
+    println!("seed {seed}");
+    let mut rng = Rng(seed);
+    let mut ctx = cpu(Budget { bytes: 1 << 20, handles: 16, jobs: 8 });
+    let dims = [0, 1, 2, 15, 16, 31, 32, 33, 64, 100, 1000, 65536, u32::MAX - 31, u32::MAX];
+    let mut live: Vec<u32> = Vec::new();
+    let mut dead: Vec<u32> = vec![12345];
+    for _ in 0..20_000 {
+        let f = rng.pick(&Format::ALL);
+        let (n_out, n_in) = (rng.pick(&dims), rng.pick(&dims));
+        let rep = match rng.next() % 3 {
+            0 if !live.is_empty() => rng.pick(&live),
+            1 => rng.pick(&dead),
+            _ => rng.next() as u32,
+        };
+        let len = rng.pick(&[0usize, 1, 3, 4, 16, 31, 32, 64, 128, 4096]);
+        match rng.next() % 5 {
+            0 => {
+                let data = vec![1u8; len * 4];
+                let scales = vec![0.5f32; len / 8];
+                if let Ok(w) = ctx.upload(f, n_out % 70, n_in % 70, &data, &scales) {
+                    live.push(w.rep());
+                }
+            }
+            1 => {
+                if let Ok(w) = ctx.allocate(f, n_out, n_in) {
+                    live.push(w.rep());
+                }
+            }
+            2 => {
+                let _ = ctx.write_rows(&Resource::new_own(rep), n_out, &vec![1u8; len * 4], &vec![0.5f32; len / 8]);
+            }
+            3 => {
+                let jobs: Vec<_> = (0..rng.pick(&[0, 1, 2, 9])).map(|_| borrow(rep)).collect();
+                let t = rng.pick(&[0, 1, 2, 3]);
+                let _ = ctx.matmul(&vec![0.5f32; len], t, n_in % 70, &jobs);
+            }
+            _ => {
+                ctx.release(Resource::new_own(rep));
+                if let Some(i) = live.iter().position(|&r| r == rep) {
+                    dead.push(live.swap_remove(i));
+                }
+            }
+        }
+        let (bytes, handles) = ctx.usage();
+        assert!(
+            bytes <= 1 << 20 && handles <= 16 && handles as usize == live.len(),
+            "books: {bytes} bytes, {handles} handles, {} live",
+            live.len()
+        );
+    }
+    for rep in live {
+        ctx.release(Resource::new_own(rep));
+    }
+    assert_eq!(ctx.usage(), (0, 0));
+}
