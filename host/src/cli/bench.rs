@@ -92,8 +92,9 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog. A journey of a 
 pub fn bench(a: BenchArgs) -> Result<()> {
     let mut l = load(&a.model)?;
     let (inst, model) = (&mut l.inst, l.model);
+    // The model's special prefix (BOS, if it adds one), then the text repeated.
     let mut prompt = engine(inst.tokenize(model, TEXT, true, false)?)?;
-    let body = prompt[1..].to_vec();
+    let body = engine(inst.tokenize(model, TEXT, false, false)?)?;
     while prompt.len() < a.prompt_tokens {
         prompt.extend_from_slice(&body);
     }
