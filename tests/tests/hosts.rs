@@ -2,16 +2,8 @@
 //! there is no GPU), held to the same golden thresholds and producing the same tokens.
 
 use wisp::golden::{self, Case};
-use wisp::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model, Options, Sampling, Wisp};
-use wisp_tests::{golden_cases, model, wgpu_backend};
-
-fn open(gpu: GpuCtx, mode: GpuMode) -> (Instance, Model) {
-    let wisp = Wisp::new(Options::default()).unwrap();
-    let path = model();
-    let mut inst = wisp.instantiate(gpu, path.parent()).unwrap();
-    let m = inst.open_model(path, mode).unwrap().unwrap();
-    (inst, m)
-}
+use wisp::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model, Sampling};
+use wisp_tests::{open, golden_cases, model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
     for case in cases {
@@ -33,7 +25,7 @@ fn greedy(inst: &mut Instance, m: Model, prompt: &[u32], n: usize) -> Vec<u32> {
 
 #[test]
 fn every_golden_case_passes_through_the_cpu_reference_device() {
-    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
@@ -43,7 +35,7 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
 #[test]
 fn every_golden_case_passes_on_wgpu() {
     let Some(backend) = wgpu_backend() else { return };
-    let (mut inst, m) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
@@ -57,8 +49,8 @@ fn every_golden_case_passes_on_wgpu() {
 #[test]
 fn greedy_tokens_are_the_same_with_the_gpu_on_and_off() {
     let Some(backend) = wgpu_backend() else { return };
-    let (mut on, m_on) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
-    let (mut off, m_off) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut on, m_on) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
     for case in golden_cases().iter().filter(|c| c.name != "long-gpl") {
         let a = greedy(&mut on, m_on, &case.prompt_tokens, 8);
         let b = greedy(&mut off, m_off, &case.prompt_tokens, 8);
@@ -101,11 +93,11 @@ impl Backend for Failing {
 #[test]
 fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
     let prompt = golden_cases()[0].prompt_tokens.clone();
-    let (mut off, m_off) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
     let want = greedy(&mut off, m_off, &prompt, 12);
     // 18 layers x 4 batches per token: lost during the third generated token.
     let failing = Failing { inner: CpuBackend::new(), healthy: 4 * 18 * 3 + 5, lost: false };
-    let (mut inst, m) = open(GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
     let s = inst.new_session(m, 64).unwrap().unwrap();
     inst.feed(s, &prompt).unwrap().unwrap();
     let greedy_s = Sampling { temperature: 0.0, ..Sampling::default() };
@@ -124,7 +116,7 @@ fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
 #[test]
 fn auto_mode_on_a_slow_device_keeps_work_on_the_cpu() {
     // The CPU reference device is far slower than the guest's kernels: auto must notice.
-    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::Auto);
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::Auto);
     let s = inst.new_session(m, 32).unwrap().unwrap();
     inst.feed(s, &golden_cases()[0].prompt_tokens).unwrap().unwrap();
     let stats = inst.stats(s).unwrap();

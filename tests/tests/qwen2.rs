@@ -3,16 +3,8 @@
 //! the devices, and the model's chat template.
 
 use wisp::golden::{self, Case};
-use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Wisp};
-use wisp_tests::{qwen_golden_cases, qwen_model, wgpu_backend};
-
-fn open(gpu: GpuCtx, mode: GpuMode) -> (Instance, Model) {
-    let wisp = Wisp::new(Options::default()).unwrap();
-    let path = qwen_model();
-    let mut inst = wisp.instantiate(gpu, path.parent()).unwrap();
-    let m = inst.open_model(path, mode).unwrap().unwrap();
-    (inst, m)
-}
+use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, Model, Sampling};
+use wisp_tests::{open, qwen_golden_cases, qwen_model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
     for case in cases {
@@ -55,7 +47,7 @@ fn chatml_messages(text: &str) -> (Vec<(String, String)>, bool) {
 
 #[test]
 fn the_model_is_qwen2_with_a_gpt2_tokenizer() {
-    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::none(), GpuMode::Off);
     let info = inst.model_info(m).unwrap();
     assert_eq!(info.architecture, "qwen2");
     assert_eq!(info.tokenizer, "gpt2");
@@ -69,7 +61,7 @@ fn the_model_is_qwen2_with_a_gpt2_tokenizer() {
 
 #[test]
 fn the_tokenizer_gives_llama_cpp_ids_for_every_golden_case() {
-    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::none(), GpuMode::Off);
     for case in qwen_golden_cases() {
         // No BOS (add_bos_token is false); `<|im_start|>` and the like are special tokens.
         let ids = inst.tokenize(m, &case.prompt, true, true).unwrap().unwrap();
@@ -84,13 +76,13 @@ fn the_tokenizer_gives_llama_cpp_ids_for_every_golden_case() {
 
 #[test]
 fn every_golden_case_passes_on_the_cpu() {
-    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::none(), GpuMode::Off);
     check(&mut inst, m, &qwen_golden_cases());
 }
 
 #[test]
 fn the_chat_template_renders_the_chat_case() {
-    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::none(), GpuMode::Off);
     let case = qwen_golden_cases().into_iter().find(|c| c.name == "chat").expect("a chat case");
     let (messages, generation_prompt) = chatml_messages(&case.prompt);
     assert_eq!(messages.len(), 2, "{messages:?}");
@@ -105,7 +97,7 @@ fn the_chat_template_renders_the_chat_case() {
 
 #[test]
 fn a_greedy_chat_reply_ends_at_end_of_turn() {
-    let (mut inst, m) = open(GpuCtx::none(), GpuMode::Off);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::none(), GpuMode::Off);
     let messages = [("user".to_string(), "Reply with the single word: yes".to_string())];
     let text = inst.apply_chat_template(m, &messages, true).unwrap().unwrap();
     let prompt = inst.tokenize(m, &text, true, true).unwrap().unwrap();
@@ -124,7 +116,7 @@ fn a_greedy_chat_reply_ends_at_end_of_turn() {
 
 #[test]
 fn golden_cases_pass_through_the_cpu_reference_device() {
-    let (mut inst, m) = open(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     // 24 layers x 7 weights and the output projection.
     assert_eq!(info.gpu_weights, 24 * 7 + 1, "weights resident");
@@ -138,7 +130,7 @@ fn golden_cases_pass_through_the_cpu_reference_device() {
 #[test]
 fn golden_cases_pass_on_wgpu() {
     let Some(backend) = wgpu_backend() else { return };
-    let (mut inst, m) = open(GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut inst, m) = open(qwen_model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
