@@ -4,7 +4,7 @@
 //! The session's KV cache carries over between turns: each turn renders the whole conversation,
 //! and only the tokens past what the cache already holds are fed.
 
-use super::{ModelArgs, engine, flush_utf8, load};
+use super::{ModelArgs, SamplingArgs, engine, flush_utf8, load};
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
@@ -25,24 +25,8 @@ pub struct ChatArgs {
     /// Context size in tokens, for the whole conversation (0: the model's training context).
     #[arg(long, default_value_t = 4096)]
     ctx: u32,
-    /// Temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep the K most likely tokens (0: all).
-    #[arg(long, default_value_t = 40)]
-    top_k: u32,
-    /// Keep the most likely tokens up to this probability mass.
-    #[arg(long, default_value_t = 0.95)]
-    top_p: f32,
-    /// Drop tokens below this fraction of the top probability.
-    #[arg(long, default_value_t = 0.05)]
-    min_p: f32,
-    /// Penalty on recently seen tokens (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repeat_penalty: f32,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print token counts and speeds on stderr after each reply.
     #[arg(long)]
     stats: bool,
@@ -202,15 +186,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let info = inst.model_info(model)?;
     let capacity = if a.ctx == 0 { info.n_ctx_train } else { a.ctx.min(info.n_ctx_train) };
     let session = engine(inst.new_session(model, capacity)?)?;
-    let sampling = Sampling {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        seed: a.seed,
-        ..Sampling::default()
-    };
+    let sampling = a.sampling.sampling();
     let mut chat = Chat {
         inst,
         model,

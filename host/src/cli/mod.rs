@@ -140,13 +140,9 @@ impl ModelArgs {
     }
 }
 
-#[derive(Args)]
-struct RunArgs {
-    #[command(flatten)]
-    model: ModelArgs,
-    /// Tokens to generate at most.
-    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
-    n_predict: u32,
+/// The sampling flags of `run` and `chat`.
+#[derive(Args, Clone)]
+pub struct SamplingArgs {
     /// Temperature; 0 is greedy.
     #[arg(long = "temp", default_value_t = 0.0)]
     temperature: f32,
@@ -165,6 +161,31 @@ struct RunArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+}
+
+impl SamplingArgs {
+    pub fn sampling(&self) -> Sampling {
+        Sampling {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            seed: self.seed,
+            ..Sampling::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Tokens to generate at most.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
+    n_predict: u32,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Print statistics as one JSON object on stderr at the end.
     #[arg(long)]
     json_stats: bool,
@@ -299,15 +320,7 @@ fn run(a: RunArgs) -> Result<()> {
     let n_ctx = (prompt.len() as u32 + a.n_predict).min(info.n_ctx_train);
     let session = engine(inst.new_session(model, n_ctx)?)?;
     engine(inst.feed(session, &prompt)?)?;
-    let sampling = Sampling {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repeat_penalty: a.repeat_penalty,
-        seed: a.seed,
-        ..Sampling::default()
-    };
+    let sampling = a.sampling.sampling();
     let mut out = std::io::stdout().lock();
     write!(out, "{}", a.prompt)?;
     out.flush()?;
