@@ -46,12 +46,14 @@ pub struct CaseResult {
     pub skipped: bool,
     /// Largest error of a compared product, as a fraction of the norm of its terms.
     pub max_error: f64,
+    /// Wall-clock time of the case, in microseconds.
     pub micros: u64,
     /// What was checked, or what went wrong.
     pub message: String,
 }
 
 impl CaseResult {
+    /// Whether the host broke the contract: neither passed nor skipped.
     pub fn failed(&self) -> bool {
         !self.passed && !self.skipped
     }

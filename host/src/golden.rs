@@ -6,26 +6,36 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-/// Where the reference's argmax must be ours.
+/// The smallest margin between the reference's first and second logit at which our argmax must
+/// be the reference's (below it, a near-tie may flip on harmless numeric differences).
 pub const MARGIN: f32 = 0.25;
-/// Largest difference allowed on each of the reference's top-5 logits.
+/// Largest absolute difference allowed on each of the reference's top-5 logits, at every step.
 pub const TOP5_TOLERANCE: f32 = 1.5;
-/// Largest root-mean-square difference over the full logits after the prompt.
+/// Largest root-mean-square difference over the full logits after the prompt alone.
 pub const RMSE_TOLERANCE: f64 = 0.6;
 
 /// The reference after one step: its top-5 `(id, logit)` and the margin of its first logit.
 #[derive(Debug, Clone)]
 pub struct RefStep {
+    /// The reference's five largest logits as `(token id, logit)`, largest first.
     pub top5: Vec<(u32, f32)>,
+    /// The reference's first logit minus its second; 0 when the file gives none. Our argmax is
+    /// only judged where this is at least [`MARGIN`].
     pub margin: f32,
 }
 
 /// One golden case.
 #[derive(Debug, Clone)]
 pub struct Case {
+    /// The case's name, e.g. "long-gpl"; also names its logits file.
     pub name: String,
+    /// The prompt's text (empty when the file omits it). Teacher forcing feeds `prompt_tokens`;
+    /// the text is for tokenizer tests.
     pub prompt: String,
+    /// The prompt's ids as the reference tokenizer (llama.cpp's) gives them, special tokens such
+    /// as BOS included.
     pub prompt_tokens: Vec<u32>,
+    /// The reference's greedy continuation, fed one token a step after the prompt.
     pub continuation: Vec<u32>,
     /// Empty when the file carries no reference steps.
     pub steps: Vec<RefStep>,
@@ -41,7 +51,9 @@ fn ids(v: &Value, what: &str) -> Result<Vec<u32>> {
         .collect()
 }
 
-/// Reads a golden file; reference logits are looked up in `logits/` beside it.
+/// Reads a golden file (JSON with a `cases` array); reference logits are looked up in `logits/`
+/// beside it. Errors when the file cannot be read or parsed, or a case lacks a name, holds ids
+/// that are not `u32`, or a malformed `top5` entry.
 pub fn load(path: &Path) -> Result<Vec<Case>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let golden: Value = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
@@ -79,6 +91,7 @@ fn read_logits(path: &Path) -> Result<Vec<f32>> {
 /// What teacher forcing measured on one case.
 #[derive(Debug, Clone)]
 pub struct Outcome {
+    /// The [`Case::name`] this outcome is of.
     pub name: String,
     /// Per step, the engine's top-k `(id, logit)`.
     pub top: Vec<Vec<(u32, f32)>>,
@@ -86,9 +99,15 @@ pub struct Outcome {
     pub prompt_logits: Vec<f32>,
     /// Whether the case had reference steps to judge by.
     pub judged: bool,
+    /// Steps whose reference margin reached [`MARGIN`], so that our argmax was compared.
     pub argmax_checked: usize,
+    /// The steps (indices into the continuation) whose argmax differed from the reference's.
     pub argmax_mismatches: Vec<usize>,
+    /// Largest absolute difference on any reference top-5 logit over all steps; infinite when
+    /// one of ours was NaN. Compared with [`TOP5_TOLERANCE`].
     pub max_top5_diff: f32,
+    /// Root-mean-square difference over the full logits after the prompt, when the case has a
+    /// reference logits file. Compared with [`RMSE_TOLERANCE`].
     pub rmse: Option<f64>,
 }
 

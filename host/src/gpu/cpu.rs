@@ -13,7 +13,9 @@ struct Weight {
     w: Vec<f32>,
 }
 
-/// The CPU reference backend.
+/// The CPU reference backend: every weight is decoded to f32 when written, and `matmul` is a
+/// plain loop of dot products. Slow; it is the plainest reading of the contract, and the wgpu
+/// backend's tests compare their products with its.
 #[derive(Default)]
 pub struct CpuBackend {
     weights: HashMap<BufferId, Weight>,
@@ -21,6 +23,8 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
+    /// A backend holding no weights. Its device, "wisp CPU reference", accepts weights of up to
+    /// 4 GiB and activations of up to 2^28 f32; its memory is the process's.
     pub fn new() -> Self {
         Self::default()
     }

@@ -20,10 +20,17 @@ use wasmtime::component::{HasData, Linker, Resource};
 /// A weight layout of the WIT `weight-format` (see `wit/gpu.wit` for the exact bytes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Format {
+    /// Plain little-endian f32, 4 bytes an element, no scales.
     F32,
+    /// bfloat16 (the high half of an f32), 2 bytes an element, no scales. Exact for GGUF BF16.
     Bf16,
+    /// A signed byte `q` an element and one f32 scale `d` per 32 elements of a row: `w = d * q`.
+    /// Exact for Q8_0 and Q5_0.
     Q8x32,
+    /// As [`Format::Q8x32`] with a scale per 16 elements. Exact for Q6_K.
     Q8x16,
+    /// Two unsigned 4-bit `q` a byte (low nibble first) and two f32 `[d, m]` per 32 elements of a
+    /// row: `w = d * q - m`. Exact for Q4_K and Q4_0.
     Q4x32,
 }
 
@@ -57,6 +64,8 @@ impl Format {
         }
     }
 
+    /// The format's WIT name (`"f32"`, `"q4x32"`, ...), as error messages and `wisp bench`
+    /// print it.
     pub fn name(self) -> &'static str {
         match self {
             Format::F32 => "f32",
@@ -67,6 +76,7 @@ impl Format {
         }
     }
 
+    /// Every format, in the order of the WIT `weight-format` enum.
     pub const ALL: [Format; 5] = [Format::F32, Format::Bf16, Format::Q8x32, Format::Q8x16, Format::Q4x32];
 }
 
@@ -96,10 +106,18 @@ impl From<Format> for wit::WeightFormat {
 
 /// A failure of a `gpu` call, as the guest sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+///
+/// Each variant carries a human-readable reason. None of them is a trap: the guest gets the
+/// matching WIT `error` and carries on with its own CPU kernels.
 pub enum GpuError {
+    /// There is no device, or the device refused the work for a reason other than memory.
     Unavailable(String),
+    /// The call breaks the contract: a forged or stale handle, a shape, a length or a format that
+    /// does not fit. Nothing was changed on the device.
     InvalidArgument(String),
+    /// The device's limits, its memory, or the instance's [`Budget`] would be exceeded.
     OutOfMemory(String),
+    /// The device was lost; every later call of this [`GpuCtx`] fails with this too.
     DeviceLost(String),
 }
 
@@ -130,8 +148,11 @@ impl From<GpuError> for wit::Error {
 /// What a backend's device is and what it accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Device {
+    /// The adapter's name, e.g. "NVIDIA H200" or "llvmpipe (LLVM 15.0.6, 256 bits)".
     pub name: String,
+    /// The graphics API under it: "vulkan", "metal", "dx12", "gl", "webgpu" or "cpu".
     pub backend: String,
+    /// "discrete-gpu", "integrated-gpu", "virtual-gpu", "cpu" or "other".
     pub device_type: String,
     /// Largest single weight buffer, in bytes of its format's data.
     pub max_weight_bytes: u64,
@@ -225,6 +246,8 @@ fn invalid<T>(m: impl Into<String>) -> Result<T, GpuError> {
 }
 
 impl GpuCtx {
+    /// A context doing its device work on `backend`, holding the guest to `budget`. The backend's
+    /// [`Device`] is read once, here.
     pub fn new(backend: Box<dyn Backend>, budget: Budget) -> GpuCtx {
         let device = backend.device();
         GpuCtx { backend, device, weights: HashMap::new(), budget, used_bytes: 0, used_handles: 0, lost: None }
@@ -235,6 +258,8 @@ impl GpuCtx {
         GpuCtx::new(Box::new(NoDevice), Budget::default())
     }
 
+    /// The backend's device, or `None` for a context without one. Still `Some` after the device
+    /// is lost (the guest's `available` says `none` then).
     pub fn device(&self) -> Option<&Device> {
         self.device.as_ref()
     }
@@ -264,6 +289,13 @@ impl GpuCtx {
         r
     }
 
+    /// Reserves a zeroed weight `W[n_out, n_in]` of `format`, to be filled by
+    /// [`write_rows`](GpuCtx::write_rows), and returns its handle.
+    ///
+    /// Errors: `InvalidArgument` for an empty shape, an `n_in` that is not a multiple of the
+    /// format's [block](Format::block) or a size that overflows `u64`; `OutOfMemory` past the
+    /// device's `max_weight_bytes` or the instance's [`Budget`] of bytes or handles, or when the
+    /// backend is out of memory; `Unavailable` or `DeviceLost` when there is no usable device.
     pub fn allocate(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<Resource<WeightHandle>, GpuError> {
         let device = self.ready()?;
         if n_out == 0 || n_in == 0 {
@@ -306,6 +338,13 @@ impl GpuCtx {
         Ok(Resource::new_own(rep))
     }
 
+    /// Fills rows `first_row..first_row + rows` of `w`, where `rows` follows from `data`'s length
+    /// (bytes in `w`'s format) and must match `scales`' length.
+    ///
+    /// Errors: `InvalidArgument` when `w` is not a live handle of this context, when `data` is
+    /// empty or not whole rows, when `scales` does not hold the scales of those rows, or when the
+    /// rows run past the weight's end; `Unavailable` or `DeviceLost` as for
+    /// [`allocate`](GpuCtx::allocate).
     pub fn write_rows(&mut self, w: &Resource<WeightHandle>, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
         self.ready()?;
         let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument("not a live weight handle of this instance".into()))?;
@@ -326,6 +365,12 @@ impl GpuCtx {
         self.track(r)
     }
 
+    /// Uploads a whole weight `W[n_out, n_in]`: [`allocate`](GpuCtx::allocate) and one
+    /// [`write_rows`](GpuCtx::write_rows) of every row. The lengths of `data` (bytes) and `scales`
+    /// (f32 values) are checked against the shape before anything is reserved; a weight whose
+    /// write fails is released, so that a failed upload holds nothing.
+    ///
+    /// Errors: those of `allocate` and `write_rows`.
     pub fn upload(&mut self, format: Format, n_out: u32, n_in: u32, data: &[u8], scales: &[f32]) -> Result<Resource<WeightHandle>, GpuError> {
         // Check the lengths before reserving anything.
         let n = n_out as u64 * n_in as u64;
@@ -348,6 +393,14 @@ impl GpuCtx {
         Ok(w)
     }
 
+    /// `y_j[t, n_out_j] = x[t, n_in] @ W_j^T` for each job `W_j`: one output per job, in order,
+    /// each `t * n_out_j` f32 values, row-major. `x` holds `t * n_in` f32 values, row-major.
+    ///
+    /// Errors: `InvalidArgument` for an empty input, an `x` of the wrong length, no jobs, more
+    /// jobs than the [`Budget`] allows, or a job that is not a live handle of this context or
+    /// does not have `n_in` columns; `OutOfMemory` when the input or an output exceeds the
+    /// device's `max_activation_elements`, or the backend runs out of memory; `Unavailable` or
+    /// `DeviceLost` when there is no usable device.
     pub fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[Resource<WeightHandle>]) -> Result<Vec<Vec<f32>>, GpuError> {
         let device = self.ready()?;
         let max_elems = device.max_activation_elements;
@@ -386,7 +439,8 @@ impl GpuCtx {
         self.track(r)
     }
 
-    /// Frees a handle's device memory.
+    /// Frees a handle's device memory and returns it to the budget. A handle that is not a live
+    /// weight of this context (already released, or another instance's) is ignored.
     pub fn release(&mut self, w: Resource<WeightHandle>) {
         if let Some(h) = self.weights.remove(&w.rep()) {
             self.backend.free(h.id);
