@@ -1,6 +1,8 @@
 //! Builds the guest component (wasm32-wasip2) so that `cargo build` at the top level yields a
 //! `wisp` binary that carries its guest: the CLI needs no path to find it. The conformance kit
-//! (`tests/conformance`, a second component) is built by the same invocation and embedded too.
+//! (`tests/conformance`, a second component) is built by the same invocation and embedded too. The
+//! runaway guest of the reliability tests (`tests/runaway`) is built with them but not embedded:
+//! only the tests read it.
 //!
 //! The guest is built by a nested cargo in its own target directory (`<target>/guest`), so it
 //! never contends for the outer build's lock; cargo's own incremental checks make a rebuild with
@@ -18,6 +20,8 @@ fn main() {
         "guest/Cargo.toml",
         "tests/conformance/src",
         "tests/conformance/Cargo.toml",
+        "tests/runaway/src",
+        "tests/runaway/Cargo.toml",
         "wit",
         ".cargo/config.toml",
         "Cargo.lock",
@@ -36,7 +40,7 @@ fn main() {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&root)
-        .args(["build", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "--target", "wasm32-wasip2"])
+        .args(["build", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "--target", "wasm32-wasip2"])
         .arg("--target-dir")
         .arg(&target_dir);
     // The outer build's flags are for the host target; the guest's come from .cargo/config.toml.
@@ -58,4 +62,7 @@ fn main() {
             .unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
         println!("cargo:rustc-env={var}={}", out.display());
     }
+    // The reliability tests' runaway guest (tests/runaway) is not embedded: the tests read it.
+    let runaway = target_dir.join("wasm32-wasip2/release/wisp_runaway.wasm");
+    println!("cargo:rustc-env=WISP_RUNAWAY_WASM={}", runaway.display());
 }

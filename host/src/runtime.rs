@@ -254,7 +254,14 @@ impl Wisp {
         }
         let api = Inference::instantiate(&mut store, &self.component, &self.linker)
             .map_err(|e| anyhow::Error::from(e).context("instantiating the guest"))?;
-        Ok(Instance { store, api, model_dir: model_dir.map(Path::to_path_buf), deadline })
+        Ok(Instance {
+            store,
+            api,
+            model_dir: model_dir.map(Path::to_path_buf),
+            deadline,
+            call_timeout: self.options.call_timeout,
+            max_stack: self.options.max_stack,
+        })
     }
 
     pub fn options(&self) -> &Options {
@@ -277,6 +284,9 @@ pub struct Instance {
     model_dir: Option<PathBuf>,
     /// Epoch ticks each guest call may run.
     deadline: Option<u64>,
+    /// The limits the calls run under, for the messages of the traps they cause.
+    call_timeout: Option<std::time::Duration>,
+    max_stack: usize,
 }
 
 /// Engine calls return `Ok(Err(e))` for a typed engine error and `Err` for a trap.
@@ -291,11 +301,27 @@ fn mode(m: GpuMode) -> wit::GpuMode {
 }
 
 impl Instance {
-    /// Restarts the time limit for the next guest call.
-    fn arm(&mut self) {
+    /// One guest call: restarts the time limit, runs `f`, and turns a trap into an error that
+    /// says which limit ended the call. The [`wasmtime::Trap`] stays in the error's chain.
+    fn call<T>(&mut self, f: impl FnOnce(&mut Store<HostState>, &Inference) -> wasmtime::Result<T>) -> Result<T> {
         if let Some(ticks) = self.deadline {
             self.store.set_epoch_deadline(ticks);
         }
+        f(&mut self.store, &self.api).map_err(|e| {
+            let e = anyhow::Error::from(e);
+            let Some(trap) = e.downcast_ref::<wasmtime::Trap>().copied() else { return e };
+            let why = match trap {
+                wasmtime::Trap::Interrupt => match self.call_timeout {
+                    Some(t) => format!("the guest call ran past its time limit of {t:?}"),
+                    None => "the guest call was interrupted".to_string(),
+                },
+                wasmtime::Trap::StackOverflow => {
+                    format!("the guest ran out of stack (its limit is {} KiB)", self.max_stack >> 10)
+                }
+                other => format!("the guest trapped: {other}"),
+            };
+            e.context(format!("{why}; this instance can no longer be used, instantiate a new one"))
+        })
     }
 
     /// Opens a model file inside the instance's model directory.
@@ -303,23 +329,20 @@ impl Instance {
         let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
         let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
         let guest_path = format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?);
-        self.arm();
-        let e = self.api.wisp_llm_engine().model();
-        let r = e.call_open(&mut self.store, &guest_path, wit::LoadOptions { gpu: mode(gpu) })?;
+        let options = wit::LoadOptions { gpu: mode(gpu) };
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_open(st, &guest_path, options))?;
         Ok(r.map(Model).map_err(Into::into))
     }
 
     /// Opens a model given as bytes.
     pub fn open_model_bytes(&mut self, bytes: &[u8], gpu: GpuMode) -> Outcome<Model> {
-        self.arm();
-        let e = self.api.wisp_llm_engine().model();
-        let r = e.call_from_bytes(&mut self.store, bytes, wit::LoadOptions { gpu: mode(gpu) })?;
+        let options = wit::LoadOptions { gpu: mode(gpu) };
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_from_bytes(st, bytes, options))?;
         Ok(r.map(Model).map_err(Into::into))
     }
 
     pub fn model_info(&mut self, m: Model) -> Result<ModelInfo> {
-        self.arm();
-        let i = self.api.wisp_llm_engine().model().call_info(&mut self.store, m.0)?;
+        let i = self.call(|st, api| api.wisp_llm_engine().model().call_info(st, m.0))?;
         Ok(ModelInfo {
             architecture: i.architecture,
             name: i.name,
@@ -340,48 +363,40 @@ impl Instance {
     }
 
     pub fn tokenize(&mut self, m: Model, text: &str, add_special: bool, parse_special: bool) -> Outcome<Vec<u32>> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().model().call_tokenize(&mut self.store, m.0, text, add_special, parse_special)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_tokenize(st, m.0, text, add_special, parse_special))?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn token_piece(&mut self, m: Model, token: u32, special: bool) -> Outcome<Vec<u8>> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().model().call_token_piece(&mut self.store, m.0, token, special)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_token_piece(st, m.0, token, special))?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn detokenize(&mut self, m: Model, tokens: &[u32], special: bool) -> Outcome<String> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().model().call_detokenize(&mut self.store, m.0, tokens, special)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_detokenize(st, m.0, tokens, special))?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn is_end_of_generation(&mut self, m: Model, token: u32) -> Result<bool> {
-        self.arm();
-        self.api.wisp_llm_engine().model().call_is_end_of_generation(&mut self.store, m.0, token).map_err(Into::into)
+        self.call(|st, api| api.wisp_llm_engine().model().call_is_end_of_generation(st, m.0, token))
     }
 
     /// Renders `(role, content)` messages with the model's chat template; with
     /// `add_generation_prompt`, the text ends where the assistant's reply begins. Tokenize it
     /// with `parse_special`.
     pub fn apply_chat_template(&mut self, m: Model, messages: &[(String, String)], add_generation_prompt: bool) -> Outcome<String> {
-        self.arm();
-        let e = self.api.wisp_llm_engine().model();
-        let r = e.call_apply_chat_template(&mut self.store, m.0, messages, add_generation_prompt)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_apply_chat_template(st, m.0, messages, add_generation_prompt))?;
         Ok(r.map_err(Into::into))
     }
 
     /// A new session with room for `n_ctx` tokens (0: the model's training context).
     pub fn new_session(&mut self, m: Model, n_ctx: u32) -> Outcome<Session> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().model().call_new_session(&mut self.store, m.0, n_ctx)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_new_session(st, m.0, n_ctx))?;
         Ok(r.map(Session).map_err(Into::into))
     }
 
     pub fn feed(&mut self, s: Session, tokens: &[u32]) -> Outcome<()> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().session().call_feed(&mut self.store, s.0, tokens)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_feed(st, s.0, tokens))?;
         Ok(r.map_err(Into::into))
     }
 
@@ -395,46 +410,40 @@ impl Instance {
             repeat_last_n: sampling.repeat_last_n,
             seed: sampling.seed,
         };
-        self.arm();
-        let r = self.api.wisp_llm_engine().session().call_next(&mut self.store, s.0, p)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_next(st, s.0, p))?;
         Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation }).map_err(Into::into))
     }
 
     pub fn logits(&mut self, s: Session) -> Outcome<Vec<f32>> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().session().call_logits(&mut self.store, s.0)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_logits(st, s.0))?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn top(&mut self, s: Session, k: u32) -> Outcome<Vec<(u32, f32)>> {
-        self.arm();
-        let r = self.api.wisp_llm_engine().session().call_top(&mut self.store, s.0, k)?;
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_top(st, s.0, k))?;
         Ok(r.map_err(Into::into))
     }
 
     pub fn position(&mut self, s: Session) -> Result<u32> {
-        self.arm();
-        self.api.wisp_llm_engine().session().call_position(&mut self.store, s.0).map_err(Into::into)
+        self.call(|st, api| api.wisp_llm_engine().session().call_position(st, s.0))
     }
 
     pub fn reset(&mut self, s: Session) -> Result<()> {
-        self.arm();
-        self.api.wisp_llm_engine().session().call_reset(&mut self.store, s.0).map_err(Into::into)
+        self.call(|st, api| api.wisp_llm_engine().session().call_reset(st, s.0))
     }
 
     pub fn stats(&mut self, s: Session) -> Result<Stats> {
-        self.arm();
-        self.api.wisp_llm_engine().session().call_stats(&mut self.store, s.0).map_err(Into::into)
+        self.call(|st, api| api.wisp_llm_engine().session().call_stats(st, s.0))
     }
 
     /// Frees a session's memory in the guest.
     pub fn drop_session(&mut self, s: Session) -> Result<()> {
-        s.0.resource_drop(&mut self.store).map_err(Into::into)
+        self.call(|store, _| s.0.resource_drop(store))
     }
 
     /// Frees a model's memory in the guest (its sessions keep it alive until they go).
     pub fn drop_model(&mut self, m: Model) -> Result<()> {
-        m.0.resource_drop(&mut self.store).map_err(Into::into)
+        self.call(|store, _| m.0.resource_drop(store))
     }
 
     /// The instance's GPU context (device usage, for statistics and tests).

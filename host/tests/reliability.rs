@@ -1,5 +1,6 @@
-//! The host survives what a guest or the user does: a runaway call, a guest out of memory, a
-//! component of another world, Ctrl-C. After each, the host keeps serving.
+//! The host survives what a guest or the user does: a runaway call (a guest that loops or
+//! recurses forever, `tests/runaway`), a guest out of memory, a component of another world,
+//! Ctrl-C. After each, the host keeps serving.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -33,6 +34,87 @@ fn a_guest_call_past_its_time_limit_is_interrupted() {
     assert_eq!(trap, Some(&wasmtime::Trap::Interrupt), "{err:?}");
     // A fresh instance on a runtime without the limit works.
     still_serves(&Wisp::new(Options::default()).unwrap(), &path);
+}
+
+/// The runaway guest (`tests/runaway`): `model.from-bytes` spins on `spin`, recurses without
+/// bound on `recurse`, and answers anything else with `unsupported`.
+fn runaway(options: Options) -> Wisp {
+    let bytes = std::fs::read(env!("WISP_RUNAWAY_WASM")).expect("the runaway guest is built with the host");
+    Wisp::with_component(&bytes, Options { cache_dir: None, ..options }).unwrap()
+}
+
+/// The trap in an error's chain, and the error's one-line message.
+fn trap_of(err: &anyhow::Error) -> (Option<wasmtime::Trap>, String) {
+    (err.chain().find_map(|c| c.downcast_ref::<wasmtime::Trap>()).copied(), err.to_string())
+}
+
+/// A fresh instance of the same runtime answers, and so does the real guest.
+fn runaway_runtime_still_serves(wisp: &Wisp) {
+    let mut inst = wisp.instantiate(GpuCtx::none(), None).unwrap();
+    match inst.open_model_bytes(b"hello", GpuMode::Off).unwrap() {
+        Err(EngineError::Unsupported(m)) => assert!(m.contains("only spins or recurses"), "{m}"),
+        other => panic!("expected the fixture's unsupported, got {other:?}"),
+    }
+    still_serves(&Wisp::new(Options::default()).unwrap(), &model());
+}
+
+#[test]
+fn a_guest_that_loops_forever_ends_at_the_time_limit() {
+    let wisp = runaway(Options { call_timeout: Some(Duration::from_millis(200)), ..Options::default() });
+    let mut inst = wisp.instantiate(GpuCtx::none(), None).unwrap();
+    let start = Instant::now();
+    let err = inst.open_model_bytes(b"spin", GpuMode::Off).expect_err("the guest never returns");
+    let elapsed = start.elapsed();
+    // The limit counts in epoch ticks of 10 ms: the call may end up to a tick early.
+    assert!(elapsed >= Duration::from_millis(180) && elapsed < Duration::from_secs(5), "ended after {elapsed:?}");
+    let (trap, msg) = trap_of(&err);
+    assert_eq!(trap, Some(wasmtime::Trap::Interrupt), "{err:?}");
+    assert!(msg.contains("ran past its time limit of 200ms"), "{msg}");
+    // The trapped instance refuses further calls with an error, not a crash.
+    assert!(inst.open_model_bytes(b"hello", GpuMode::Off).is_err());
+    runaway_runtime_still_serves(&wisp);
+}
+
+#[test]
+fn a_guest_that_recurses_forever_ends_at_the_stack_limit() {
+    let wisp = runaway(Options { max_stack: 256 << 10, ..Options::default() });
+    let mut inst = wisp.instantiate(GpuCtx::none(), None).unwrap();
+    let err = inst.open_model_bytes(b"recurse", GpuMode::Off).expect_err("the recursion has no end");
+    let (trap, msg) = trap_of(&err);
+    assert_eq!(trap, Some(wasmtime::Trap::StackOverflow), "{err:?}");
+    assert!(msg.contains("ran out of stack (its limit is 256 KiB)"), "{msg}");
+    assert!(inst.open_model_bytes(b"hello", GpuMode::Off).is_err());
+    runaway_runtime_still_serves(&wisp);
+}
+
+#[test]
+fn the_cli_names_the_limit_that_ended_a_runaway_guest() {
+    let dir = std::env::temp_dir().join(format!("wisp-runaway-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (file, flags, expected) in [
+        ("spin.gguf", ["--timeout", "1"], "the guest call ran past its time limit of 1s"),
+        ("recurse.gguf", ["--max-stack", "128"], "the guest ran out of stack (its limit is 128 KiB)"),
+    ] {
+        let path = dir.join(file);
+        std::fs::write(&path, b"GGUF").unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_wisp"))
+            .env("WISP_COMPONENT", env!("WISP_RUNAWAY_WASM"))
+            .args(["run", "--gpu", "off", "--device", "none"])
+            .args(flags)
+            .arg("--model")
+            .arg(&path)
+            .arg("hello")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        let lines: Vec<&str> = err.lines().filter(|l| l.starts_with("wisp: error:")).collect();
+        assert_eq!(lines.len(), 1, "one error line: {err}");
+        assert!(lines[0].contains(expected), "{err}");
+        assert!(lines[0].contains(flags[0]), "the message names the flag: {err}");
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(out.stdout.is_empty(), "nothing on stdout: {}", String::from_utf8_lossy(&out.stdout));
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

@@ -120,6 +120,9 @@ pub struct ModelArgs {
     /// Longest a single guest call may run, in seconds (0: no limit).
     #[arg(long, default_value_t = 600, value_name = "SECONDS")]
     pub timeout: u64,
+    /// Largest wasm stack of a guest call, in KiB.
+    #[arg(long, default_value_t = 2048, value_name = "KIB")]
+    pub max_stack: usize,
     /// Device memory the guest may fill with weights, in MiB.
     #[arg(long, default_value_t = 8192, value_name = "MIB")]
     pub gpu_budget: u64,
@@ -130,6 +133,7 @@ impl ModelArgs {
         Options {
             max_memory: self.max_memory << 20,
             call_timeout: (self.timeout > 0).then(|| std::time::Duration::from_secs(self.timeout)),
+            max_stack: self.max_stack << 10,
             budget: self.budget(),
             ..Options::default()
         }
@@ -376,7 +380,7 @@ fn run(a: RunArgs) -> Result<()> {
 }
 
 fn tokenize(a: TokenizeArgs) -> Result<()> {
-    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, max_memory: 4096, timeout: 600, gpu_budget: 0 };
+    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, max_memory: 4096, timeout: 600, max_stack: 2048, gpu_budget: 0 };
     let Loaded { mut inst, model, .. } = load(&args)?;
     let ids = engine(inst.tokenize(model, &a.text, !a.no_bos, a.parse_special)?)?;
     if a.json {
@@ -490,10 +494,12 @@ pub fn main() -> ExitCode {
                 return ExitCode::from(3);
             }
             tracing::debug!("{e:?}");
+            // A trap: the library's sentence says which limit ended the call; the flag that
+            // sets it follows. Otherwise each cause on one line (the first line of each).
             let msg = match e.chain().find_map(|c| c.downcast_ref::<wasmtime::Trap>()) {
-                Some(wasmtime::Trap::Interrupt) => "the guest call ran past its time limit (see --timeout)".to_string(),
-                Some(trap) => format!("the guest trapped: {trap} (RUST_LOG=debug shows where)"),
-                // Each cause on one line: the first line of each.
+                Some(wasmtime::Trap::Interrupt) => format!("{e} (see --timeout)"),
+                Some(wasmtime::Trap::StackOverflow) => format!("{e} (see --max-stack)"),
+                Some(_) => format!("{e} (RUST_LOG=debug shows where)"),
                 None => e.chain().map(|c| c.to_string().lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": "),
             };
             eprintln!("wisp: error: {msg}");
