@@ -22,11 +22,19 @@ const GUEST_MODEL_DIR: &str = "/model";
 /// A typed engine failure, as the guest reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EngineError {
+    /// The file is not a model the engine can read: a malformed or truncated GGUF, a missing
+    /// tensor or key, a shape that does not add up.
     InvalidModel(String),
+    /// A well-formed model the engine does not run: another architecture, a tensor type without
+    /// kernels.
     Unsupported(String),
+    /// The guest could not read the file (outside the preopened directory, missing, unreadable).
     Io(String),
+    /// A call's argument is out of range: an unknown token id, `k` of zero, a bad sampling value.
     InvalidArgument(String),
+    /// The session has no room for the tokens fed; `reset` it or open a larger one.
     ContextFull(String),
+    /// The guest's memory (see [`Options::max_memory`]) cannot hold what was asked.
     OutOfMemory(String),
 }
 
@@ -61,22 +69,32 @@ impl From<wit::Error> for EngineError {
 /// Where the guest runs its matrix products (the WIT `gpu-mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuMode {
+    /// Every product on the guest's CPU kernels.
     Off,
+    /// The guest measures the device at load and sends it the products it runs faster there.
     #[default]
     Auto,
+    /// Every product the device can hold goes to it (the rest stays on the CPU).
     On,
 }
 
 /// Sampling settings (the WIT `sampling` record). The default is greedy.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sampling {
-    /// 0 is greedy.
+    /// Divides the logits before sampling; 0 is greedy (the most likely token, no randomness).
     pub temperature: f32,
+    /// Keep the `top_k` most likely tokens; 0 keeps all.
     pub top_k: u32,
+    /// Keep the smallest set of tokens whose probability reaches `top_p`; 1 keeps all.
     pub top_p: f32,
+    /// Drop tokens below `min_p` times the top probability; 0 keeps all.
     pub min_p: f32,
+    /// Divides positive logits (multiplies negative ones) of recently seen tokens; 1 is off.
     pub repeat_penalty: f32,
+    /// How many recent tokens the penalty looks at.
     pub repeat_last_n: u32,
+    /// Seed of the session's random generator, applied on the first `next` and whenever it
+    /// changes: the same seed and settings give the same tokens.
     pub seed: u64,
 }
 
@@ -89,31 +107,46 @@ impl Default for Sampling {
 /// One generated token.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Step {
+    /// The sampled token's id.
     pub token: u32,
     /// The token's bytes (may end inside a UTF-8 sequence).
     pub piece: Vec<u8>,
+    /// The token ends generation (end of sequence, end of turn); its piece is empty.
     pub end_of_generation: bool,
 }
 
 /// What a model is (the WIT `model-info`).
 #[derive(Debug, Clone)]
 pub struct ModelInfo {
+    /// `general.architecture`, e.g. "gemma3" or "qwen2".
     pub architecture: String,
+    /// `general.name`, or empty.
     pub name: String,
+    /// Parameters, counted over all tensors.
     pub n_params: u64,
+    /// Transformer blocks.
     pub n_layers: u32,
+    /// Width of the residual stream.
     pub n_embd: u32,
+    /// Tokens in the vocabulary.
     pub n_vocab: u32,
+    /// The context length the model was trained for.
     pub n_ctx_train: u32,
+    /// Bytes of the GGUF file.
     pub file_bytes: u64,
+    /// The tokenizer model, e.g. "llama" (SentencePiece) or "gpt2" (byte-level BPE).
     pub tokenizer: String,
+    /// The beginning-of-sequence token, if the model has one.
     pub bos: Option<u32>,
+    /// The end-of-sequence token, if the model has one.
     pub eos: Option<u32>,
-    /// (name, type, shape, bytes)
+    /// Every tensor in file order, as (name, type, shape, bytes).
     pub tensors: Vec<(String, String, Vec<u64>, u64)>,
+    /// Metadata key/value pairs, values rendered as text; long arrays are summarised.
     pub metadata: Vec<(String, String)>,
-    /// (name, backend) of the device the guest saw.
+    /// (name, backend) of the device the guest saw at load, if any.
     pub device: Option<(String, String)>,
+    /// Weights resident on the device.
     pub gpu_weights: u32,
 }
 
@@ -264,6 +297,7 @@ impl Wisp {
         })
     }
 
+    /// The options this runtime was built with.
     pub fn options(&self) -> &Options {
         &self.options
     }
@@ -341,6 +375,7 @@ impl Instance {
         Ok(r.map(Model).map_err(Into::into))
     }
 
+    /// What the model is: architecture, sizes, tokenizer, tensors, metadata, device.
     pub fn model_info(&mut self, m: Model) -> Result<ModelInfo> {
         let i = self.call(|st, api| api.wisp_llm_engine().model().call_info(st, m.0))?;
         Ok(ModelInfo {
@@ -362,21 +397,27 @@ impl Instance {
         })
     }
 
+    /// The tokens of `text`. `add_special` prepends the model's BOS token (where it has one);
+    /// `parse_special` reads special tokens written as text (`<start_of_turn>`) as themselves.
     pub fn tokenize(&mut self, m: Model, text: &str, add_special: bool, parse_special: bool) -> Outcome<Vec<u32>> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_tokenize(st, m.0, text, add_special, parse_special))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// The bytes of one token (a piece may end inside a UTF-8 sequence); special tokens are
+    /// empty unless `special`. An unknown id is [`EngineError::InvalidArgument`].
     pub fn token_piece(&mut self, m: Model, token: u32, special: bool) -> Outcome<Vec<u8>> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_token_piece(st, m.0, token, special))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// The text of a token sequence (invalid UTF-8 replaced); special tokens only with `special`.
     pub fn detokenize(&mut self, m: Model, tokens: &[u32], special: bool) -> Outcome<String> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_detokenize(st, m.0, tokens, special))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// Whether `token` ends generation for this model (end of sequence, end of turn).
     pub fn is_end_of_generation(&mut self, m: Model, token: u32) -> Result<bool> {
         self.call(|st, api| api.wisp_llm_engine().model().call_is_end_of_generation(st, m.0, token))
     }
@@ -395,11 +436,15 @@ impl Instance {
         Ok(r.map(Session).map_err(Into::into))
     }
 
+    /// Appends tokens to the session's context and computes the logits after the last one.
+    /// Past the capacity, [`EngineError::ContextFull`] and nothing is appended.
     pub fn feed(&mut self, s: Session, tokens: &[u32]) -> Outcome<()> {
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_feed(st, s.0, tokens))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// Samples the next token from the current logits, appends it, and computes the logits
+    /// after it (lazily: a generation that stops costs nothing extra).
     pub fn next(&mut self, s: Session, sampling: &Sampling) -> Outcome<Step> {
         let p = wit::Sampling {
             temperature: sampling.temperature,
@@ -414,24 +459,30 @@ impl Instance {
         Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation }).map_err(Into::into))
     }
 
+    /// All logits after the last token (the vocabulary's size).
     pub fn logits(&mut self, s: Session) -> Outcome<Vec<f32>> {
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_logits(st, s.0))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// The `k` largest logits after the last token, as `(token, logit)`, largest first.
     pub fn top(&mut self, s: Session, k: u32) -> Outcome<Vec<(u32, f32)>> {
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_top(st, s.0, k))?;
         Ok(r.map_err(Into::into))
     }
 
+    /// Tokens in the session's context.
     pub fn position(&mut self, s: Session) -> Result<u32> {
         self.call(|st, api| api.wisp_llm_engine().session().call_position(st, s.0))
     }
 
+    /// Forgets every token of the session; its KV cache is kept for reuse.
     pub fn reset(&mut self, s: Session) -> Result<()> {
         self.call(|st, api| api.wisp_llm_engine().session().call_reset(st, s.0))
     }
 
+    /// The session's counters: tokens and time of prefill and decode, products on the CPU and
+    /// the device.
     pub fn stats(&mut self, s: Session) -> Result<Stats> {
         self.call(|st, api| api.wisp_llm_engine().session().call_stats(st, s.0))
     }
