@@ -17,7 +17,7 @@
 //! # Ok(()) }
 //! ```
 
-#![warn(missing_docs)]
+#![deny(missing_docs)]
 
 mod bindings;
 pub mod conformance;

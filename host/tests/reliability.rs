@@ -135,6 +135,30 @@ fn a_model_too_large_for_the_guest_memory_is_a_typed_error() {
 }
 
 #[test]
+fn a_model_file_larger_than_wasm32_memory_is_a_typed_error() {
+    // A sparse file of 5 GiB behind a GGUF magic: more than a wasm32 guest can address at all.
+    let dir = std::env::temp_dir().join(format!("wisp-huge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("huge.gguf");
+    let f = std::fs::File::create(&path).unwrap();
+    std::io::Write::write_all(&mut &f, b"GGUF\x03\x00\x00\x00").unwrap();
+    f.set_len(5 << 30).unwrap();
+    let wisp = Wisp::new(Options::default()).unwrap();
+    let mut inst = wisp.instantiate(GpuCtx::none(), Some(&dir)).unwrap();
+    let outcome = inst.open_model(&path, GpuMode::Off).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    match outcome {
+        Err(EngineError::OutOfMemory(m)) => assert!(m.contains("5368709120 bytes does not fit"), "{m}"),
+        other => panic!("expected out-of-memory, got {other:?}"),
+    }
+    // The same instance keeps serving.
+    match inst.open_model_bytes(b"GGUF\x03\x00\x00\x00", GpuMode::Off).unwrap() {
+        Err(EngineError::InvalidModel(m)) => assert!(m.contains("truncated"), "{m}"),
+        other => panic!("expected invalid-model, got {other:?}"),
+    }
+}
+
+#[test]
 fn a_component_of_another_world_is_refused_clearly() {
     // An empty component: it exports no `wisp:llm/engine`.
     let empty = b"\0asm\x0d\x00\x01\x00";
