@@ -45,14 +45,12 @@ impl QActs {
             .zip(self.q.chunks_exact_mut(32))
             .zip(self.s.iter_mut().zip(self.sum.iter_mut()))
         {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 32767.0;
-            let inv = if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 };
-            for (q, v) in qb.iter_mut().zip(xb) {
-                *q = (v * inv).round() as i16;
-            }
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            let (scale, total) = simd128::quantize_block(xb, qb);
+            #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+            let (scale, total) = scalar::quantize_block(xb, qb);
             *s = scale;
-            *sum = xb.iter().sum();
+            *sum = total;
         }
         let nb = n / 32;
         let groups = t / 4;
@@ -107,6 +105,35 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
     return simd128::axpy(a, x, y);
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     return scalar::axpy(a, x, y);
+}
+
+/// The activation of a gated feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (Gemma).
+    GeluTanh,
+    /// `x / (1 + e^-x)` (Qwen2, Llama).
+    Silu,
+}
+
+impl Act {
+    /// The activation of one value (the scalar definition).
+    #[inline]
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Act::GeluTanh => gelu_tanh(x),
+            Act::Silu => x / (1.0 + (-x).exp()),
+        }
+    }
+}
+
+/// `g[i] = act(g[i]) * u[i]`: the gate of a feed-forward block, in place.
+pub fn gate(act: Act, g: &mut [f32], u: &[f32]) {
+    debug_assert_eq!(g.len(), u.len());
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    simd128::gate(act, g, u);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::gate(act, g, u);
 }
 
 /// `x = x / sqrt(mean(x^2) + eps) * w`, in place.
@@ -223,6 +250,51 @@ mod tests {
             axpy(0.37, &a, &mut y1);
             scalar::axpy(0.37, &a, &mut y2);
             assert_eq!(y1, y2, "axpy n={n}");
+        }
+    }
+
+    #[test]
+    fn the_gates_match_their_scalar_definitions() {
+        let mut rng = Rng(seed());
+        // Ordinary values, the tails where e^x clamps, and the lengths with a scalar remainder.
+        for n in [0usize, 1, 5, 64, 1001] {
+            let g: Vec<f32> = (0..n).map(|i| rng.f32() * if i % 7 == 0 { 60.0 } else { 4.0 }).collect();
+            let u: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            for act in [Act::GeluTanh, Act::Silu] {
+                let mut y = g.clone();
+                gate(act, &mut y, &u);
+                for i in 0..n {
+                    let x = g[i] as f64;
+                    let exact = match act {
+                        Act::GeluTanh => 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh()),
+                        Act::Silu => x / (1.0 + (-x).exp()),
+                    } * u[i] as f64;
+                    let err = (y[i] as f64 - exact).abs();
+                    assert!(err <= 1e-6 * (1.0 + exact.abs()), "{act:?} g={} u={}: {} vs {exact}", g[i], u[i], y[i]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_matches_the_scalar_reference() {
+        let mut rng = Rng(seed());
+        let mut x = activations(&mut rng, 32 * 40);
+        // A zero block, a block with a NaN and one with an infinity.
+        x[..32].fill(0.0);
+        x[40] = f32::NAN;
+        x[70] = f32::INFINITY;
+        for b in 0..40 {
+            let xb = &x[32 * b..32 * b + 32];
+            let (mut q1, mut q2) = ([0i16; 32], [0i16; 32]);
+            let (s1, sum1) = scalar::quantize_block(xb, &mut q1);
+            let mut acts = QActs::default();
+            acts.quantize(xb, 1, 32);
+            q2.copy_from_slice(&acts.q);
+            assert_eq!(q1, q2, "block {b}");
+            assert_eq!(s1.to_bits(), acts.s[0].to_bits(), "block {b}");
+            let sum2 = acts.sum[0];
+            assert!(sum1 == sum2 || (sum1 - sum2).abs() <= 1e-5 * (1.0 + sum1.abs()) || (sum1.is_nan() && sum2.is_nan()), "block {b}: {sum1} vs {sum2}");
         }
     }
 

@@ -43,3 +43,22 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         *y += a * x;
     }
 }
+
+/// Quantizes one block of 32 activations into `q` (`x ≈ scale * q`, rounding half to even) and
+/// returns `(scale, sum of x)`. NaN elements are skipped by the maximum and quantize to 0.
+pub fn quantize_block(x: &[f32], q: &mut [i16]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 32767.0;
+    let inv = if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 };
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = (v * inv).round_ties_even() as i16;
+    }
+    (scale, x.iter().sum())
+}
+
+/// `g[i] = act(g[i]) * u[i]`, `act` the tanh GELU or SiLU.
+pub fn gate(act: super::Act, g: &mut [f32], u: &[f32]) {
+    for (g, u) in g.iter_mut().zip(u) {
+        *g = act.apply(*g) * u;
+    }
+}

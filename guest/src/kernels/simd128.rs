@@ -53,6 +53,20 @@ unsafe fn products(a: &[v128; 4], x: *const i16) -> (v128, v128) {
     }
 }
 
+/// The integer products of one block against 32 i16 activations, all 32 summed as i32x4
+/// partial sums.
+#[inline(always)]
+unsafe fn products32(a: &[v128; 4], x: *const i16) -> v128 {
+    unsafe {
+        let (lo, hi) = products(a, x);
+        i32x4_add(lo, hi)
+    }
+}
+
+// The kernels below are unrolled by hand, without arrays indexed in loops: LLVM leaves such
+// small loops rolled for wasm32, and their arrays then live in linear memory (a store and a
+// load per value, and an epoch check per iteration under wasmtime) instead of in registers.
+
 /// Row `r` of `w` against one token row `tok` of `x`. Blocks go four at a time: their integer
 /// sums are reduced together and scaled with one vector multiply.
 #[inline(always)]
@@ -63,18 +77,22 @@ unsafe fn dot_row(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
         let q = w.q.as_ptr().add(r * n);
         let xq = x.q.as_ptr().add(tok * n);
         let xs = x.s.as_ptr().add(tok * nb);
+        let block = |b: usize| (widen(q.add(QK * b)), xq.add(QK * b));
         let mut acc = f32x4_splat(0.0);
         let mut b = 0;
         match w.group {
             Group::G32 => {
                 let d = w.d.as_ptr().add(r * nb);
                 while b + 4 <= nb {
-                    let mut p = [i32x4_splat(0); 4];
-                    for (i, p) in p.iter_mut().enumerate() {
-                        let (lo, hi) = products(&widen(q.add(QK * (b + i))), xq.add(QK * (b + i)));
-                        *p = i32x4_add(lo, hi);
-                    }
-                    let sums = f32x4_convert_i32x4(hsum4_i32(p[0], p[1], p[2], p[3]));
+                    let (a0, x0) = block(b);
+                    let p0 = products32(&a0, x0);
+                    let (a1, x1) = block(b + 1);
+                    let p1 = products32(&a1, x1);
+                    let (a2, x2) = block(b + 2);
+                    let p2 = products32(&a2, x2);
+                    let (a3, x3) = block(b + 3);
+                    let p3 = products32(&a3, x3);
+                    let sums = f32x4_convert_i32x4(hsum4_i32(p0, p1, p2, p3));
                     let scale = f32x4_mul(v128_load(d.add(b) as *const v128), v128_load(xs.add(b) as *const v128));
                     acc = f32x4_add(acc, f32x4_mul(sums, scale));
                     b += 4;
@@ -83,13 +101,16 @@ unsafe fn dot_row(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
             Group::G16 => {
                 let d = w.d.as_ptr().add(2 * r * nb);
                 while b + 4 <= nb {
-                    let mut lo = [i32x4_splat(0); 4];
-                    let mut hi = [i32x4_splat(0); 4];
-                    for i in 0..4 {
-                        (lo[i], hi[i]) = products(&widen(q.add(QK * (b + i))), xq.add(QK * (b + i)));
-                    }
-                    let s_lo = f32x4_convert_i32x4(hsum4_i32(lo[0], lo[1], lo[2], lo[3]));
-                    let s_hi = f32x4_convert_i32x4(hsum4_i32(hi[0], hi[1], hi[2], hi[3]));
+                    let (a0, x0) = block(b);
+                    let (l0, h0) = products(&a0, x0);
+                    let (a1, x1) = block(b + 1);
+                    let (l1, h1) = products(&a1, x1);
+                    let (a2, x2) = block(b + 2);
+                    let (l2, h2) = products(&a2, x2);
+                    let (a3, x3) = block(b + 3);
+                    let (l3, h3) = products(&a3, x3);
+                    let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
+                    let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
                     let d0 = v128_load(d.add(2 * b) as *const v128);
                     let d1 = v128_load(d.add(2 * b + 4) as *const v128);
                     let d_lo = i32x4_shuffle::<0, 2, 4, 6>(d0, d1);
@@ -135,26 +156,26 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x
         let mut acc = f32x4_splat(0.0);
         for b in 0..nb {
             let a = widen(q.add(QK * b));
-            let mut lo = [i32x4_splat(0); 4];
-            let mut hi = [i32x4_splat(0); 4];
-            for i in 0..4 {
-                (lo[i], hi[i]) = products(&a, xq.add(i * n + QK * b));
-            }
+            let x0 = xq.add(QK * b);
             let xs4 = v128_load(s4.add(4 * b) as *const v128);
             match G16 {
                 false => {
                     let sums = hsum4_i32(
-                        i32x4_add(lo[0], hi[0]),
-                        i32x4_add(lo[1], hi[1]),
-                        i32x4_add(lo[2], hi[2]),
-                        i32x4_add(lo[3], hi[3]),
+                        products32(&a, x0),
+                        products32(&a, x0.add(n)),
+                        products32(&a, x0.add(2 * n)),
+                        products32(&a, x0.add(3 * n)),
                     );
                     let d = f32x4_splat(*w.d.get_unchecked(r * nb + b));
                     acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4)));
                 }
                 true => {
-                    let s_lo = f32x4_convert_i32x4(hsum4_i32(lo[0], lo[1], lo[2], lo[3]));
-                    let s_hi = f32x4_convert_i32x4(hsum4_i32(hi[0], hi[1], hi[2], hi[3]));
+                    let (l0, h0) = products(&a, x0);
+                    let (l1, h1) = products(&a, x0.add(n));
+                    let (l2, h2) = products(&a, x0.add(2 * n));
+                    let (l3, h3) = products(&a, x0.add(3 * n));
+                    let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
+                    let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
                     let d0 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b)));
                     let d1 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b) + 1));
                     let p = f32x4_add(f32x4_mul(s_lo, d0), f32x4_mul(s_hi, d1));
@@ -243,4 +264,75 @@ pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         y[i] += a * x[i];
         i += 1;
     }
+}
+
+/// See `scalar::quantize_block`; the same `q` and scale, the sum in another order.
+pub fn quantize_block(x: &[f32], q: &mut [i16]) -> (f32, f32) {
+    assert!(x.len() == 32 && q.len() == 32);
+    // SAFETY: eight loads of 4 floats from `x` and four stores of 8 i16 to `q`, both of 32.
+    unsafe {
+        let v: [v128; 8] = core::array::from_fn(|i| v128_load(x.as_ptr().add(4 * i) as *const v128));
+        // `pmax` keeps its first operand when the second is NaN, as `f32::max` does.
+        let mut m = f32x4_abs(v[0]);
+        let mut sum = v[0];
+        for &vi in &v[1..] {
+            m = f32x4_pmax(m, f32x4_abs(vi));
+            sum = f32x4_add(sum, vi);
+        }
+        let m = f32x4_pmax(m, i32x4_shuffle::<2, 3, 0, 1>(m, m));
+        let m = f32x4_pmax(m, i32x4_shuffle::<1, 0, 3, 2>(m, m));
+        let amax = f32x4_extract_lane::<0>(m);
+        let scale = amax / 32767.0;
+        let inv = f32x4_splat(if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 });
+        let quant = |v: v128| i32x4_trunc_sat_f32x4(f32x4_nearest(f32x4_mul(v, inv)));
+        for i in 0..4 {
+            let pair = i16x8_narrow_i32x4(quant(v[2 * i]), quant(v[2 * i + 1]));
+            v128_store(q.as_mut_ptr().add(8 * i) as *mut v128, pair);
+        }
+        (scale, hsum(sum))
+    }
+}
+
+/// `e^x` for four lanes: Cody-Waite reduction by ln 2 and a degree-7 polynomial (Cephes'
+/// `expf` coefficients), within 2 ulp of the exact value; inputs are clamped to
+/// [-87.3, 88.7], so the result is finite and normal.
+#[inline(always)]
+fn exp4(x: v128) -> v128 {
+    let x = f32x4_pmin(f32x4_pmax(x, f32x4_splat(-87.3)), f32x4_splat(88.7));
+    let n = f32x4_nearest(f32x4_mul(x, f32x4_splat(core::f32::consts::LOG2_E)));
+    let r = f32x4_sub(x, f32x4_mul(n, f32x4_splat(0.693_359_4)));
+    let r = f32x4_sub(r, f32x4_mul(n, f32x4_splat(-2.121_944_4e-4)));
+    let mut p = f32x4_splat(1.987_569_1e-4);
+    for c in [1.398_199_9e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+        p = f32x4_add(f32x4_mul(p, r), f32x4_splat(c));
+    }
+    let p = f32x4_add(f32x4_add(f32x4_mul(f32x4_mul(p, r), r), r), f32x4_splat(1.0));
+    let pow2 = i32x4_shl(i32x4_add(i32x4_trunc_sat_f32x4(n), i32x4_splat(127)), 23);
+    f32x4_mul(p, pow2)
+}
+
+/// See `scalar::gate`: `act(g) = g / (1 + e^(-a(g)))` with `a(g) = 2 sqrt(2/pi) (g + 0.044715
+/// g^3)` for the tanh GELU (`0.5 g (1 + tanh(a/2))` rewritten) and `a(g) = g` for SiLU.
+pub fn gate(act: super::Act, g: &mut [f32], u: &[f32]) {
+    let n = g.len().min(u.len());
+    let mut i = 0;
+    // SAFETY: every load and store is of 4 floats below `n`.
+    unsafe {
+        while i + 4 <= n {
+            let pg = g.as_mut_ptr().add(i) as *mut v128;
+            let x = v128_load(pg);
+            let a = match act {
+                super::Act::GeluTanh => {
+                    let x3 = f32x4_mul(f32x4_mul(x, x), x);
+                    let inner = f32x4_add(x, f32x4_mul(f32x4_splat(0.044715), x3));
+                    f32x4_mul(f32x4_splat(2.0 * 0.797_884_6), inner)
+                }
+                super::Act::Silu => x,
+            };
+            let act = f32x4_div(x, f32x4_add(f32x4_splat(1.0), exp4(f32x4_neg(a))));
+            v128_store(pg, f32x4_mul(act, v128_load(u.as_ptr().add(i) as *const v128)));
+            i += 4;
+        }
+    }
+    super::scalar::gate(act, &mut g[i..n], &u[i..n]);
 }

@@ -18,6 +18,7 @@ use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
+use crate::kernels::{Act, gate};
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,12 +193,6 @@ fn add_bias(y: &mut [f32], bias: Option<&[f32]>) {
     }
 }
 
-/// `x * sigmoid(x)`
-#[inline]
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
 /// keys and values to the cache; with `want_logits`, fills `s.buf.logits` for the last token.
 /// The caller checks that the tokens are in the vocabulary and fit in the context.
@@ -254,9 +249,7 @@ pub fn forward(
         // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
         norm_rows(&b.x, &layer.ffn_norm, h.eps, t, &mut b.xb);
         d.matmul(&b.xb, t, &mut [(&layer.gate, &mut b.gate), (&layer.up, &mut b.up)]);
-        for (g, u) in b.gate[..t * h.n_ff].iter_mut().zip(&b.up[..t * h.n_ff]) {
-            *g = silu(*g) * u;
-        }
+        gate(Act::Silu, &mut b.gate[..t * h.n_ff], &b.up[..t * h.n_ff]);
         d.matmul(&b.gate, t, &mut [(&layer.down, &mut b.xb)]);
         for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
             *x += o;
