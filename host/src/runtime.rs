@@ -249,6 +249,11 @@ impl Wisp {
         config.wasm_component_model(true);
         config.max_wasm_stack(options.max_stack);
         config.epoch_interruption(options.call_timeout.is_some());
+        // For profiling the guest with `perf`: WISP_PERFMAP=1 writes /tmp/perf-PID.map, which
+        // names the compiled guest functions in `perf report`.
+        if std::env::var_os("WISP_PERFMAP").is_some_and(|v| v == "1") {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         let engine = Engine::new(&config)?;
         if options.call_timeout.is_some() {
             // One tick every EPOCH_TICK; the thread ends with the engine.
