@@ -1,12 +1,15 @@
 // Transpiles the guest component for the browser with jco, from the very bytes the native host
 // runs (`target/guest/wasm32-wasip2/release/wisp_guest.wasm`, under $CARGO_TARGET_DIR when that is
-// set, or $WISP_GUEST_WASM).
+// set, or $WISP_GUEST_WASM), and the conformance kit of the `gpu` interface beside it
+// (`wisp_conformance.wasm` from the same build, or $WISP_CONFORMANCE_WASM).
 //
 // Output, in web/dist/ (not committed: it follows the guest):
 //   wisp_guest.wasm  the component, copied byte for byte; jco transpiles this copy
 //   jspi/            jco --async-mode jspi: the gpu imports suspend the guest (WebGPU is async)
 //   sync/            jco without async: for browsers without JSPI, where the guest gets no device
-//   guest.json       sha256 and size of the component, the jco flags, sha256 of every output
+//   conformance/     the kit: wisp_conformance.wasm (copied) and jspi/ (its JSPI transpilation,
+//                    `run-suite` async); absent, with the reason in guest.json, without the file
+//   guest.json       sha256 and size of the component(s), the jco flags, sha256 of every output
 //
 // `node build.mjs` builds; `import { build } from './build.mjs'` does the same from a test.
 
@@ -25,6 +28,10 @@ const TARGET = process.env.CARGO_TARGET_DIR ? resolve(ROOT, process.env.CARGO_TA
 export const GUEST_WASM = process.env.WISP_GUEST_WASM
   ? resolve(process.env.WISP_GUEST_WASM)
   : join(TARGET, 'guest/wasm32-wasip2/release/wisp_guest.wasm');
+// The conformance kit (world `conformance` of wit/conformance.wit), built by the same host/build.rs.
+export const KIT_WASM = process.env.WISP_CONFORMANCE_WASM
+  ? resolve(process.env.WISP_CONFORMANCE_WASM)
+  : join(TARGET, 'guest/wasm32-wasip2/release/wisp_conformance.wasm');
 
 const GPU = 'wisp:llm/gpu@0.1.0';
 const ENGINE = 'wisp:llm/engine@0.1.0';
@@ -51,6 +58,9 @@ export const ASYNC_EXPORTS = [
   `${ENGINE}#[method]session.logits`,
   `${ENGINE}#[method]session.top`,
 ];
+// The kit's one export: every case of the kit runs inside it, and most reach an async import.
+// The kit imports the same gpu functions as the guest, `upload` included: ASYNC_IMPORTS serve.
+export const KIT_ASYNC_EXPORTS = ['run-suite'];
 // The gpu functions that answer at once (the device is opened before the guest starts).
 const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format']);
 
@@ -80,10 +90,11 @@ function fixStaticAsyncExports(js) {
   return { js: out, fixed };
 }
 
-// The generated JS must wrap every gpu import the guest uses in WebAssembly.Suspending (jco marks
-// the host function `manuallyAsync`), except the synchronous ones, and every async export in
-// WebAssembly.promising. Returns what is wrong.
-export function checkJspi(js) {
+// The generated JS must wrap every gpu import the component uses in WebAssembly.Suspending (jco
+// marks the host function `manuallyAsync`) where gpu.js answers with a promise (ASYNC_IMPORTS,
+// whatever jco was asked for), and every export of `asyncExports` in WebAssembly.promising.
+// Returns what is wrong.
+export function checkJspi(js, { asyncExports = ASYNC_EXPORTS } = {}) {
   const problems = [];
   const imported = new Map();
   for (const m of js.matchAll(/^[ \t]*(_trampoline\d+)\.fnName = '([^']+)';(\n[ \t]*\1\.manuallyAsync = true;)?/gm)) {
@@ -99,7 +110,7 @@ export function checkJspi(js) {
     }
   }
   if (![...imported.keys()].some((n) => n === `${GPU}#matmul`)) problems.push(`no trampoline for ${GPU}#matmul was found`);
-  for (const name of ASYNC_EXPORTS) {
+  for (const name of asyncExports) {
     if (!js.includes(`= WebAssembly.promising(exports1['${name}'])`)) problems.push(`async export ${name} is not promising`);
   }
   if (fixStaticAsyncExports(js).fixed > 0) problems.push('a non-async function awaits');
@@ -107,21 +118,21 @@ export function checkJspi(js) {
 }
 
 /**
- * Runs jco on `wasm` into `out`: with `jspi`, in JSPI mode with the given async imports and
- * exports, the static exports made async and the output checked (a throw lists what is
- * missing). Returns how many static exports were fixed.
+ * Runs jco on `wasm` into `out` (`out/NAME.js` and its core modules): with `jspi`, in JSPI mode
+ * with the given async imports and exports, the static exports made async and the output
+ * checked (a throw lists what is missing). Returns how many static exports were fixed.
  */
-export function transpile(wasm, out, { jspi, asyncImports = ASYNC_IMPORTS, asyncExports = ASYNC_EXPORTS }) {
-  const args = ['transpile', wasm, '-o', out, '--name', 'wisp_guest', '--instantiation', 'async', '--no-typescript', '--quiet'];
+export function transpile(wasm, out, { jspi, name = 'wisp_guest', asyncImports = ASYNC_IMPORTS, asyncExports = ASYNC_EXPORTS }) {
+  const args = ['transpile', wasm, '-o', out, '--name', name, '--instantiation', 'async', '--no-typescript', '--quiet'];
   if (!jspi) {
     jco(args);
     return { fixed: 0 };
   }
   jco([...args, '--async-mode', 'jspi', '--async-imports', ...asyncImports, '--async-exports', ...asyncExports]);
-  const file = join(out, 'wisp_guest.js');
+  const file = join(out, `${name}.js`);
   const { js, fixed } = fixStaticAsyncExports(readFileSync(file, 'utf8'));
   writeFileSync(file, js);
-  const problems = checkJspi(js);
+  const problems = checkJspi(js, { asyncExports });
   if (problems.length) throw new Error(`jco's JSPI output is not what the browser host needs:\n  ${problems.join('\n  ')}`);
   return { fixed };
 }
@@ -136,8 +147,33 @@ function filesUnder(dir) {
   return out;
 }
 
-/** Transpiles the guest into web/dist and returns the manifest written to dist/guest.json. */
-export function build({ wasm = GUEST_WASM, quiet = false } = {}) {
+/**
+ * Copies the kit into dist/conformance and transpiles it for JSPI (a browser without JSPI cannot
+ * wait for WebGPU, so the kit has no other variant). Returns the kit's part of the manifest.
+ */
+function buildKit(kit) {
+  if (!existsSync(kit)) {
+    return { source: relative(ROOT, kit), missing: `${kit} is missing: build it first (cargo build --release -p wisp)` };
+  }
+  const bytes = readFileSync(kit);
+  const dir = join(DIST, 'conformance');
+  mkdirSync(dir, { recursive: true });
+  const copy = join(dir, 'wisp_conformance.wasm');
+  writeFileSync(copy, bytes);
+  transpile(copy, join(dir, 'jspi'), { jspi: true, name: 'wisp_conformance', asyncExports: KIT_ASYNC_EXPORTS });
+  return {
+    source: relative(ROOT, kit),
+    sha256: sha256(bytes),
+    bytes: bytes.length,
+    jspi: { asyncImports: ASYNC_IMPORTS, asyncExports: KIT_ASYNC_EXPORTS },
+  };
+}
+
+/**
+ * Transpiles the guest and the conformance kit into web/dist and returns the manifest written to
+ * dist/guest.json (`conformance.missing` says why the kit is not there, when it is not).
+ */
+export function build({ wasm = GUEST_WASM, kit = KIT_WASM, quiet = false } = {}) {
   if (!existsSync(wasm)) {
     throw new Error(`${wasm} is missing: build the guest first (cargo build --release -p wisp)`);
   }
@@ -149,6 +185,7 @@ export function build({ wasm = GUEST_WASM, quiet = false } = {}) {
 
   const { fixed } = transpile(copy, join(DIST, 'jspi'), { jspi: true });
   transpile(copy, join(DIST, 'sync'), { jspi: false });
+  const conformance = buildKit(kit);
 
   const outputs = {};
   for (const f of filesUnder(DIST).sort()) {
@@ -161,11 +198,14 @@ export function build({ wasm = GUEST_WASM, quiet = false } = {}) {
     bytes: bytes.length,
     jco: jcoVersion(),
     jspi: { asyncImports: ASYNC_IMPORTS, asyncExports: ASYNC_EXPORTS, staticExportsMadeAsync: fixed },
+    conformance,
     outputs,
   };
   writeFileSync(join(DIST, 'guest.json'), JSON.stringify(manifest, null, 2) + '\n');
   if (!quiet) {
     console.log(`transpiled ${manifest.source} (${bytes.length} bytes, sha256 ${manifest.sha256}) with jco ${manifest.jco} into ${relative(ROOT, DIST)}/{jspi,sync}`);
+    if (conformance.missing) console.log(`not transpiled: the conformance kit (${conformance.missing})`);
+    else console.log(`transpiled ${conformance.source} (${conformance.bytes} bytes, sha256 ${conformance.sha256}) into ${relative(ROOT, DIST)}/conformance/jspi`);
   }
   return manifest;
 }

@@ -6,14 +6,15 @@
 //
 // `createGpu(opened)` (opened by `openDevice`) gives the import object over WebGPU;
 // `createGpu(null, why)` the one of a host without a device (`available` is none, every call
-// `unavailable`), synchronous so that it also serves a guest transpiled without JSPI.
+// `unavailable`), synchronous so that it also serves a guest transpiled without JSPI. The
+// conformance kit (conformance.js) runs against the same import object.
 
 import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
 
 export { openDevice } from './webgpu.js';
 
 /** What one instance may hold and send, as the native host's `Budget::default()`. */
-const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
+export const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
 
 const ok = (val) => ({ tag: 'ok', val });
 const err = (tag, message) => ({ tag: 'err', val: { tag, val: message } });
@@ -22,10 +23,11 @@ const oom = (m) => err('out-of-memory', m);
 
 /**
  * The import object of `wisp:llm/gpu` for one guest instance, over the device `openDevice`
- * opened, or without a device when `opened` has none (`why` says why). Also returns the
+ * opened, or without a device when `opened` has none (`why` says why); `budget` replaces
+ * `BUDGET` (the conformance kit asks for a smaller one, that it can fill). Also returns the
  * instance's usage, the device's info, and a way to lose the device on purpose (for tests).
  */
-export function createGpu(opened, why = 'this host has no GPU') {
+export function createGpu(opened, why = 'this host has no GPU', { budget: limits = BUDGET } = {}) {
   if (!opened?.device) return noDevice(why);
   const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes);
   const state = { usedBytes: 0n, usedHandles: 0, lost: null };
@@ -117,8 +119,8 @@ export function createGpu(opened, why = 'this host has no GPU') {
       deviceType: i.deviceType,
       maxWeightBytes: BigInt(i.maxWeightBytes),
       maxActivationElements: BigInt(i.maxActivationElements),
-      budgetBytes: BUDGET.bytes - state.usedBytes,
-      budgetHandles: BUDGET.handles - state.usedHandles,
+      budgetBytes: limits.bytes - state.usedBytes,
+      budgetHandles: limits.handles - state.usedHandles,
     };
   }
 
@@ -136,9 +138,9 @@ export function createGpu(opened, why = 'this host has no GPU') {
     if (data > BigInt(backend.info.maxWeightBytes)) {
       return oom(`a weight of ${data} bytes exceeds the device's limit of ${backend.info.maxWeightBytes}`);
     }
-    if (state.usedHandles >= BUDGET.handles) return oom(`this instance holds its budget of ${BUDGET.handles} handles`);
-    if (state.usedBytes + bytes > BUDGET.bytes) {
-      return oom(`${bytes} more bytes exceed this instance's budget (${state.usedBytes} of ${BUDGET.bytes} used)`);
+    if (state.usedHandles >= limits.handles) return oom(`this instance holds its budget of ${limits.handles} handles`);
+    if (state.usedBytes + bytes > limits.bytes) {
+      return oom(`${bytes} more bytes exceed this instance's budget (${state.usedBytes} of ${limits.bytes} used)`);
     }
     try {
       const w = await backend.create(format, nOut, nIn);
@@ -177,7 +179,7 @@ export function createGpu(opened, why = 'this host has no GPU') {
     if (t === 0 || nIn === 0) return invalid(`empty input [${t}, ${nIn}]`);
     if (x.length !== t * nIn) return invalid(`x has ${x.length} values, t * n-in is ${t * nIn}`);
     if (jobs.length === 0) return invalid('no jobs');
-    if (jobs.length > BUDGET.jobs) return invalid(`${jobs.length} jobs exceed the limit of ${BUDGET.jobs} per call`);
+    if (jobs.length > limits.jobs) return invalid(`${jobs.length} jobs exceed the limit of ${limits.jobs} per call`);
     if (x.length > maxElems) return oom(`an input of ${x.length} values exceeds the device's limit of ${maxElems}`);
     const ws = [];
     for (let i = 0; i < jobs.length; i++) {

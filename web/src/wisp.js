@@ -49,24 +49,10 @@ export async function componentSha256() {
   return [...new Uint8Array(digest)].map((b) => b.toString(16).padStart(2, '0')).join('');
 }
 
-const modules = new Map();
-
-function coreModule(variant, name) {
-  const url = new URL(`${variant}/${name}`, DIST);
-  if (!modules.has(url.href)) modules.set(url.href, WebAssembly.compileStreaming(fetch(url)));
-  return modules.get(url.href);
-}
-
-/**
- * Instantiates the guest. Resolves to `{ engine, gpu, variant }`: `engine` is the component's
- * `wisp:llm/engine` export (Model, Session), `gpu` what `createGpu` made for it.
- */
-export async function instantiate(env) {
-  const variant = env.jspi ? 'jspi' : 'sync';
-  const { instantiate: inst } = await import(new URL(`${variant}/wisp_guest.js`, DIST).href);
-  const gpu = createGpu(env.gpu, env.gpuWhy ?? 'this host has no GPU');
+/** The WASI imports of a component, from @bytecodealliance/preview2-shim's browser build. */
+export function wasiImports() {
   const { cli, clocks, filesystem, io, random } = shim;
-  const imports = {
+  return {
     'wasi:cli/environment': cli.environment,
     'wasi:cli/exit': cli.exit,
     'wasi:cli/stderr': cli.stderr,
@@ -85,8 +71,27 @@ export async function instantiate(env) {
     'wasi:io/poll': io.poll,
     'wasi:io/streams': io.streams,
     'wasi:random/insecure-seed': random.insecureSeed,
-    'wisp:llm/gpu': gpu.imports,
   };
+}
+
+const modules = new Map();
+
+/** A core module of a transpilation in dist/ (`variant` is its folder), compiled once. */
+export function coreModule(variant, name) {
+  const url = new URL(`${variant}/${name}`, DIST);
+  if (!modules.has(url.href)) modules.set(url.href, WebAssembly.compileStreaming(fetch(url)));
+  return modules.get(url.href);
+}
+
+/**
+ * Instantiates the guest. Resolves to `{ engine, gpu, variant }`: `engine` is the component's
+ * `wisp:llm/engine` export (Model, Session), `gpu` what `createGpu` made for it.
+ */
+export async function instantiate(env) {
+  const variant = env.jspi ? 'jspi' : 'sync';
+  const { instantiate: inst } = await import(new URL(`${variant}/wisp_guest.js`, DIST).href);
+  const gpu = createGpu(env.gpu, env.gpuWhy ?? 'this host has no GPU');
+  const imports = { ...wasiImports(), 'wisp:llm/gpu': gpu.imports };
   const root = await inst((name) => coreModule(variant, name), imports);
   return { engine: root.engine, gpu, variant };
 }

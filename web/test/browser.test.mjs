@@ -23,25 +23,12 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { chromium } from 'playwright-core';
 import { ASYNC_IMPORTS, build, DIST, GUEST_WASM, sha256, transpile, WEB } from '../build.mjs';
+import { CHROMIUM, CI, FLAGS } from '../chromium.mjs';
 import { modelPath, serve } from '../server.mjs';
 
-const CI = ['true', '1'].includes(process.env.CI ?? '');
-const CHROMIUM = process.env.CHROMIUM || '/usr/bin/chromium';
 const CASES = ['capital', 'count', 'unicode'];
 const GPU_ON_STEPS = Number(process.env.GPU_ON_STEPS || 6);
 const OUT = join(WEB, 'test-output');
-// Playwright adds --headless (headless: true); these are the rest. SwiftShader's WebGPU adapter
-// needs --enable-unsafe-webgpu on Linux; JSPI ships enabled in Chromium 156 (the feature is
-// named anyway, for older builds).
-const FLAGS = [
-  '--no-sandbox',
-  '--enable-unsafe-webgpu',
-  '--enable-features=Vulkan,WebAssemblyJSPI',
-  '--disable-background-networking',
-  '--disable-component-update',
-  '--disable-sync',
-  '--no-first-run',
-];
 const MINUTE = 60_000;
 
 /** Skips locally; fails under CI=true. */
