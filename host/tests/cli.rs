@@ -240,12 +240,70 @@ fn chat_reads_a_conversation_from_stdin() {
 
 #[test]
 fn conformance_passes_on_the_cpu_reference_and_skips_without_a_device() {
-    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json"]);
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json", "--no-golden"]);
     assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
     let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!((v["failed"].as_u64(), v["skipped"].as_u64()), (Some(0), Some(0)), "{v}");
     assert!(v["passed"].as_u64().unwrap() > 25, "{v}");
-    let o = wisp(&["conformance", "--device", "none"]);
+    assert_eq!((&v["golden"], &v["pass"]), (&Value::Null, &Value::Bool(true)), "--no-golden: {v}");
+    let o = wisp(&["conformance", "--device", "none", "--no-golden"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("skip matmul-q4x32: no device"), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("golden check"), "{}", stdout(&o));
+}
+
+#[test]
+fn conformance_runs_the_golden_check_after_the_kit_on_the_same_device() {
+    model();
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--golden-cases", "capital,unicode"]);
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    // The kit's table, then the golden check's, through the CPU reference device.
+    let kit = out.find("host-usage-after-kit").expect("the kit's table");
+    let golden = out.find("golden check: ").expect("the golden table");
+    assert!(kit < golden, "{out}");
+    assert!(out.contains("device: wisp CPU reference (cpu, cpu), "), "{out}");
+    for case in ["capital", "unicode"] {
+        let line = out.lines().find(|l| l.starts_with(case)).unwrap_or_else(|| panic!("no line for {case}: {out}"));
+        assert!(line.contains(" pass "), "{line}");
+    }
+    assert!(out.trim_end().ends_with("2 passed, 0 failed"), "{out}");
+
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json", "--golden-cases", "unicode"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let g = &v["golden"];
+    assert_eq!((g["passed"].as_u64(), g["failed"].as_u64(), &v["pass"]), (Some(1), Some(0), &Value::Bool(true)), "{v}");
+    assert!(g["gpu_weights"].as_u64().unwrap() > 0, "the guest put no weight on the device: {g}");
+    assert!(g["device"].as_str().unwrap().starts_with("wisp CPU reference"), "{g}");
+    let case = &g["cases"][0];
+    assert_eq!((case["name"].as_str(), case["pass"].as_bool(), case["steps"].as_u64()), (Some("unicode"), Some(true), Some(16)), "{case}");
+    assert!(case["rmse"].as_f64().unwrap() <= 0.6 && case["max_top5_diff"].as_f64().unwrap() <= 1.5, "{case}");
+}
+
+#[test]
+fn conformance_fails_with_exit_code_3_when_a_golden_case_fails() {
+    model();
+    // The `unicode` case with every reference top-5 logit moved by 5: the engine is right, the
+    // reference is not, and the check must say so.
+    let mut g = golden();
+    let cases = g["cases"].as_array_mut().unwrap();
+    cases.retain(|c| c["name"] == "unicode");
+    for step in cases[0]["steps"].as_array_mut().unwrap() {
+        for pair in step["top5"].as_array_mut().unwrap() {
+            pair[1] = Value::from(pair[1].as_f64().unwrap() + 5.0);
+        }
+    }
+    let dir = tempdir("golden-off");
+    let file = dir.join("off.json");
+    std::fs::write(&file, serde_json::to_string(&g).unwrap()).unwrap();
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--golden", file.to_str().unwrap()]);
+    assert_eq!(o.status.code(), Some(3), "{}{}", stdout(&o), stderr(&o));
+    assert!(stdout(&o).lines().any(|l| l.starts_with("unicode") && l.contains(" FAIL ")), "{}", stdout(&o));
+    assert!(stderr(&o).contains("conformance failed: golden unicode"), "{}", stderr(&o));
+    // The kit itself passed: 28 cases, none failed.
+    assert!(stdout(&o).contains(" passed, 0 failed, 0 skipped"), "{}", stdout(&o));
+    let o = wisp(&["conformance", "--device", "cpu", "--golden-cases", "no-such-case"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("has no case \"no-such-case\"; its cases: capital, story"), "{}", stderr(&o));
 }

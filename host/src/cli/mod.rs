@@ -58,14 +58,17 @@ enum Command {
                             wisp chat --model qwen2.5-coder-0.5b      (interactive: one message per line)\n  \
                             echo \"Hello\" | wisp chat --model qwen2.5-coder-0.5b --temp 0.7 --seed 1")]
     Chat(chat::ChatArgs),
-    /// Check a host's `gpu` interface with the conformance kit: every upload format, batches,
-    /// handles, budgets and hostile calls, held to the contract in wit/gpu.wit.
-    #[command(after_help = "Examples:\n  wisp conformance                       (the wgpu device)\n  \
+    /// Check a host's `gpu` interface with the conformance kit (every upload format, batches,
+    /// handles, budgets and hostile calls, held to the contract in wit/gpu.wit), then the engine
+    /// on that device against the golden references (teacher forcing, tests/golden/).
+    #[command(after_help = "Examples:\n  wisp conformance                       (the wgpu device: the kit, then the golden check)\n  \
                             wisp conformance --device cpu --seed 7  (the CPU reference; repeat a run)\n  \
+                            wisp conformance --no-golden            (the kit only)\n  \
+                            wisp conformance --golden-cases capital,unicode --model ./my.gguf\n  \
                             WISP_ADAPTER=llvmpipe wisp conformance --json\n  \
                             wisp conformance --write-component kit.wasm   (to run it in another host)\n\n\
-                            Exit codes: 0 every case passed or was skipped, 3 a case failed, 1 the kit \
-                            could not run.")]
+                            Exit codes: 0 every case passed or was skipped, 3 a kit case or a golden case \
+                            failed, 1 the kit or the golden check could not run.")]
     Conformance(conformance::ConformanceArgs),
 }
 
