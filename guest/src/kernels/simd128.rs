@@ -36,19 +36,21 @@ unsafe fn widen(q: *const i8) -> [v128; 4] {
     }
 }
 
+/// A load that stays where it is written. LLVM otherwise hoists every load of an unrolled
+/// block to its top; Cranelift keeps the order of loads, so all of them would be live at once
+/// and spill. In source order each is used right after it is made.
+#[inline(always)]
+unsafe fn load_here(p: *const i16) -> v128 {
+    unsafe { core::ptr::read_volatile(p as *const v128) }
+}
+
 /// Integer products of one block against 32 i16 activations: the sums of elements 0..16 and
 /// 16..32, each as i32x4 partial sums.
 #[inline(always)]
 unsafe fn products(a: &[v128; 4], x: *const i16) -> (v128, v128) {
     unsafe {
-        let lo = i32x4_add(
-            i32x4_dot_i16x8(a[0], v128_load(x as *const v128)),
-            i32x4_dot_i16x8(a[1], v128_load(x.add(8) as *const v128)),
-        );
-        let hi = i32x4_add(
-            i32x4_dot_i16x8(a[2], v128_load(x.add(16) as *const v128)),
-            i32x4_dot_i16x8(a[3], v128_load(x.add(24) as *const v128)),
-        );
+        let lo = i32x4_add(i32x4_dot_i16x8(a[0], load_here(x)), i32x4_dot_i16x8(a[1], load_here(x.add(8))));
+        let hi = i32x4_add(i32x4_dot_i16x8(a[2], load_here(x.add(16))), i32x4_dot_i16x8(a[3], load_here(x.add(24))));
         (lo, hi)
     }
 }
