@@ -275,6 +275,10 @@ impl wit::GuestSession for SessionRes {
             gpu_flops: d.gpu_flops,
             gpu_ns: d.gpu_ns,
             gpu_fallbacks: d.gpu_fallbacks,
+            cpu_ns: d.cpu_ns,
+            cpu_bytes: d.cpu_bytes,
+            attention_ns: d.attention_ns,
+            output_ns: d.output_ns,
         }
     }
 }

@@ -23,6 +23,12 @@ pub struct Counters {
     pub gpu_flops: u64,
     pub gpu_ns: u64,
     pub gpu_fallbacks: u64,
+    /// Time in CPU products and the weight bytes they read.
+    pub cpu_ns: u64,
+    pub cpu_bytes: u64,
+    /// Time in attention, and in the output projection (counted by the models).
+    pub attention_ns: u64,
+    pub output_ns: u64,
 }
 
 /// The `gpu-mode` of the WIT.
@@ -242,6 +248,7 @@ impl Dispatch {
     }
 
     fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) {
+        let start = Instant::now();
         if jobs.iter().any(|(w, _)| matches!(w.w, WeightData::Q(_))) {
             self.acts.quantize(x, t, n_in);
         }
@@ -253,7 +260,9 @@ impl Dispatch {
             }
             self.counters.cpu_matmuls += 1;
             self.counters.cpu_flops += w.flops(t);
+            self.counters.cpu_bytes += w.bytes() as u64;
         }
+        self.counters.cpu_ns += start.elapsed().as_nanos() as u64;
     }
 }
 

@@ -154,16 +154,10 @@ pub fn gelu_tanh(x: f32) -> f32 {
 
 /// `x[i] = exp(x[i] - max) / sum`, in place.
 pub fn softmax(x: &mut [f32]) {
-    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    let mut sum = 0.0;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    for v in x.iter_mut() {
-        *v *= inv;
-    }
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    return simd128::softmax(x);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::softmax(x)
 }
 
 #[cfg(test)]
@@ -273,6 +267,21 @@ mod tests {
                     assert!(err <= 1e-6 * (1.0 + exact.abs()), "{act:?} g={} u={}: {} vs {exact}", g[i], u[i], y[i]);
                 }
             }
+        }
+    }
+
+    #[test]
+    fn softmax_matches_the_scalar_reference() {
+        let mut rng = Rng(seed());
+        for n in [1usize, 3, 4, 17, 512] {
+            let x: Vec<f32> = (0..n).map(|_| rng.f32() * 30.0).collect();
+            let (mut a, mut b) = (x.clone(), x.clone());
+            softmax(&mut a);
+            scalar::softmax(&mut b);
+            for (a, b) in a.iter().zip(&b) {
+                assert!((a - b).abs() <= 1e-6 * (b.abs() + 1e-30) + 1e-7, "n={n}: {a} vs {b}");
+            }
+            assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-5, "n={n}");
         }
     }
 

@@ -62,3 +62,17 @@ pub fn gate(act: super::Act, g: &mut [f32], u: &[f32]) {
         *g = act.apply(*g) * u;
     }
 }
+
+/// `x[i] = exp(x[i] - max) / sum`, in place.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}

@@ -338,3 +338,41 @@ pub fn gate(act: super::Act, g: &mut [f32], u: &[f32]) {
     }
     super::scalar::gate(act, &mut g[i..n], &u[i..n]);
 }
+
+/// See `scalar::softmax`: the same maximum, `e^x` four lanes at a time (`exp4`).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let n = x.len();
+    let vmax = f32x4_splat(max);
+    let mut vsum = f32x4_splat(0.0);
+    let mut i = 0;
+    // SAFETY: every load and store is of 4 floats below `n`.
+    unsafe {
+        while i + 4 <= n {
+            let p = x.as_mut_ptr().add(i) as *mut v128;
+            let e = exp4(f32x4_sub(v128_load(p), vmax));
+            v128_store(p, e);
+            vsum = f32x4_add(vsum, e);
+            i += 4;
+        }
+    }
+    let mut sum = hsum(vsum);
+    for v in &mut x[i..] {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = f32x4_splat(1.0 / sum);
+    let mut i = 0;
+    // SAFETY: as above.
+    unsafe {
+        while i + 4 <= n {
+            let p = x.as_mut_ptr().add(i) as *mut v128;
+            v128_store(p, f32x4_mul(v128_load(p), inv));
+            i += 4;
+        }
+    }
+    let inv = 1.0 / sum;
+    for v in &mut x[i..] {
+        *v *= inv;
+    }
+}

@@ -49,7 +49,10 @@ pub struct Heads {
 /// `out[i] = softmax(q[i] . K^T * scale) @ V` for the `t` queries `q: [t, n_head * head_dim]` at
 /// positions `pos..pos + t`, each over the keys at positions `..=its own` in `cache` (the last
 /// `window` of them on sliding layers). The cache holds every one of those positions already.
-/// `scores` is scratch of at least `pos + t` elements.
+/// `scores` is scratch of at least `n_head / n_head_kv * (pos + t)` elements.
+///
+/// The query heads that share a key/value head are done together: each key and value row is
+/// read once for all of them.
 pub fn attend(cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, scores: &mut [f32], out: &mut [f32]) {
     let hd = h.head_dim;
     let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -59,20 +62,30 @@ pub fn attend(cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, sco
         // Keys at positions first..=p: all of them, or the last `window` for sliding layers.
         let first = cache.window.map_or(0, |win| (p + 1).saturating_sub(win));
         let n_keys = p + 1 - first;
-        for head in 0..h.n_head {
-            let kvh = head / group;
-            let q = &q[i * nq + head * hd..i * nq + (head + 1) * hd];
-            let scores = &mut scores[..n_keys];
-            for (j, sc) in scores.iter_mut().enumerate() {
-                let slot = (first + j) % cache.cap;
-                *sc = dot(q, &cache.k[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd]) * h.scale;
+        let scores = &mut scores[..group * n_keys];
+        for kvh in 0..h.n_head_kv {
+            // `[group, hd]` queries and outputs of the heads of this key/value head.
+            let qs = &q[i * nq + kvh * group * hd..i * nq + (kvh + 1) * group * hd];
+            let outs = &mut out[i * nq + kvh * group * hd..i * nq + (kvh + 1) * group * hd];
+            let mut slot = first % cache.cap;
+            for j in 0..n_keys {
+                let k = &cache.k[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd];
+                for (g, qh) in qs.chunks_exact(hd).enumerate() {
+                    scores[g * n_keys + j] = dot(qh, k) * h.scale;
+                }
+                slot = if slot + 1 == cache.cap { 0 } else { slot + 1 };
             }
-            softmax(scores);
-            let out = &mut out[i * nq + head * hd..i * nq + (head + 1) * hd];
-            out.fill(0.0);
-            for (j, &p) in scores.iter().enumerate() {
-                let slot = (first + j) % cache.cap;
-                axpy(p, &cache.v[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd], out);
+            for s in scores.chunks_exact_mut(n_keys) {
+                softmax(s);
+            }
+            outs.fill(0.0);
+            let mut slot = first % cache.cap;
+            for j in 0..n_keys {
+                let v = &cache.v[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd];
+                for (g, o) in outs.chunks_exact_mut(hd).enumerate() {
+                    axpy(scores[g * n_keys + j], v, o);
+                }
+                slot = if slot + 1 == cache.cap { 0 } else { slot + 1 };
             }
         }
     }

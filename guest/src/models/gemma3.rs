@@ -18,6 +18,7 @@ use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, nor
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
 use crate::kernels::{Act, gate, rms_norm};
+use std::time::Instant;
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -225,7 +226,9 @@ pub fn forward(
             }
             cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
         }
+        let start = Instant::now();
         attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
+        d.counters.attention_ns += start.elapsed().as_nanos() as u64;
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_attn_norm, c.eps);

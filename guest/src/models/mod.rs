@@ -144,6 +144,14 @@ impl Linear {
     pub fn flops(&self, t: usize) -> u64 {
         2 * (t * self.n_out * self.n_in) as u64
     }
+
+    /// Bytes of the weight as the CPU kernels read it.
+    pub fn bytes(&self) -> usize {
+        match &self.w {
+            WeightData::Q(q) => q.bytes(),
+            WeightData::F32(w) => 4 * w.len(),
+        }
+    }
 }
 
 /// A 1-D tensor as f32, or `None` when the file does not have it.
@@ -288,7 +296,7 @@ pub struct Scratch {
     pub gate: Vec<f32>,
     /// `[batch, n_ff]`
     pub up: Vec<f32>,
-    /// `[n_ctx]`: attention scores of one head.
+    /// `[n_head / n_head_kv, n_ctx]`: attention scores of the query heads of one key/value head.
     pub scores: Vec<f32>,
     /// `[n_vocab]`: logits after the last token.
     pub logits: Vec<f32>,
@@ -306,7 +314,7 @@ impl Scratch {
             att: vec![0.0; batch * nq],
             gate: vec![0.0; batch * h.n_ff],
             up: vec![0.0; batch * h.n_ff],
-            scores: vec![0.0; n_ctx],
+            scores: vec![0.0; h.n_head / h.n_head_kv.max(1) * n_ctx],
             logits: vec![0.0; h.n_vocab],
         }
     }
@@ -337,9 +345,11 @@ pub fn norm_rows(x: &[f32], w: &[f32], eps: f32, t: usize, out: &mut [f32]) {
 
 /// `logits = output(rms_norm(x[t - 1, :]) * norm)`: the head, on the batch's last token only.
 pub fn project_logits(s: &mut Scratch, output: &Linear, norm: &[f32], eps: f32, t: usize, d: &mut Dispatch) {
+    let start = std::time::Instant::now();
     let e = norm.len();
     let last = &mut s.xb[..e];
     last.copy_from_slice(&s.x[(t - 1) * e..t * e]);
     rms_norm(last, norm, eps);
     d.matmul(&s.xb[..e], 1, &mut [(output, &mut s.logits)]);
+    d.counters.output_ns += start.elapsed().as_nanos() as u64;
 }

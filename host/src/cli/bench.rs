@@ -4,7 +4,7 @@ use super::{ModelArgs, engine, load};
 use anyhow::Result;
 use clap::Args;
 use std::time::Instant;
-use wisp::{Format, Sampling};
+use wisp::{Format, Sampling, Stats};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -86,6 +86,72 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
+/// Where the time of one phase (prefill or decode) went, per token, from the session's stats
+/// before and after it, summed over the runs.
+#[derive(Default)]
+struct Stages {
+    tokens: f64,
+    wall_ns: f64,
+    cpu_ns: f64,
+    cpu_flops: f64,
+    cpu_bytes: f64,
+    gpu_ns: f64,
+    attention_ns: f64,
+    output_ns: f64,
+}
+
+impl Stages {
+    fn add(&mut self, tokens: usize, wall_ns: f64, before: &Stats, after: &Stats) {
+        self.tokens += tokens as f64;
+        self.wall_ns += wall_ns;
+        self.cpu_ns += (after.cpu_ns - before.cpu_ns) as f64;
+        self.cpu_flops += (after.cpu_flops - before.cpu_flops) as f64;
+        self.cpu_bytes += (after.cpu_bytes - before.cpu_bytes) as f64;
+        self.gpu_ns += (after.gpu_ns - before.gpu_ns) as f64;
+        self.attention_ns += (after.attention_ns - before.attention_ns) as f64;
+        self.output_ns += (after.output_ns - before.output_ns) as f64;
+    }
+
+    /// Milliseconds per token of a total in nanoseconds.
+    fn ms(&self, ns: f64) -> f64 {
+        ns / self.tokens.max(1.0) / 1e6
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "ms_per_token": self.ms(self.wall_ns),
+            "cpu_matmul_ms": self.ms(self.cpu_ns),
+            "device_matmul_ms": self.ms(self.gpu_ns),
+            "attention_ms": self.ms(self.attention_ns),
+            "output_projection_ms": self.ms(self.output_ns),
+            "cpu_matmul_gflop_s": self.cpu_flops / self.cpu_ns.max(1.0),
+            "cpu_weight_gb_s": self.cpu_bytes / self.cpu_ns.max(1.0),
+        })
+    }
+
+    /// One line: the phase's time per token and where it went.
+    fn line(&self, phase: &str) -> String {
+        let other = self.wall_ns - self.cpu_ns - self.gpu_ns - self.attention_ns;
+        let mut s = format!(
+            "{phase:<8} {:6.2} ms/token: CPU matmul {:.2} ({:.1} GFLOP/s, weights at {:.2} GB/s)",
+            self.ms(self.wall_ns),
+            self.ms(self.cpu_ns),
+            self.cpu_flops / self.cpu_ns.max(1.0),
+            self.cpu_bytes / self.cpu_ns.max(1.0),
+        );
+        if self.gpu_ns > 0.0 {
+            s += &format!(", device matmul {:.2}", self.ms(self.gpu_ns));
+        }
+        s += &format!(
+            ", attention {:.2}, other {:.2}; output projection {:.2} of these",
+            self.ms(self.attention_ns),
+            self.ms(other.max(0.0)),
+            self.ms(self.output_ns)
+        );
+        s
+    }
+}
+
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins \
                     with a single step. To be or not to be, that is the question. ";
 
@@ -102,12 +168,17 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let n_ctx = (prompt.len() + a.decode_tokens as usize + 1) as u32;
     let session = engine(inst.new_session(model, n_ctx)?)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
+    let (mut prefill_stages, mut decode_stages) = (Stages::default(), Stages::default());
     let mut last = None;
     for run in 0..a.runs.max(1) {
         inst.reset(session)?;
+        let before = inst.stats(session)?;
         let start = Instant::now();
         engine(inst.feed(session, &prompt)?)?;
-        prefill.push(prompt.len() as f64 / start.elapsed().as_secs_f64());
+        let wall = start.elapsed();
+        prefill.push(prompt.len() as f64 / wall.as_secs_f64());
+        let fed = inst.stats(session)?;
+        prefill_stages.add(prompt.len(), wall.as_nanos() as f64, &before, &fed);
         // Each `next` samples and runs the previous token's forward pass; the last token's
         // pass runs when its logits are asked for: `decode_tokens` passes and samples in all.
         let start = Instant::now();
@@ -115,8 +186,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             engine(inst.next(session, &Sampling::default())?)?;
         }
         engine(inst.top(session, 1)?)?;
-        decode.push(a.decode_tokens as f64 / start.elapsed().as_secs_f64());
+        let wall = start.elapsed();
+        decode.push(a.decode_tokens as f64 / wall.as_secs_f64());
         let after = inst.stats(session)?;
+        decode_stages.add(a.decode_tokens as usize, wall.as_nanos() as f64, &fed, &after);
         if !a.json {
             eprintln!("run {}: prefill {:.1} tok/s, decode {:.1} tok/s", run + 1, prefill[run], decode[run]);
         }
@@ -132,6 +205,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "model": l.path, "runs": a.runs.max(1), "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
                 "prefill_tok_s": p, "decode_tok_s": d, "load_s": l.load_s,
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "device_matmul": matmuls,
+                "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
             })
         );
     } else {
@@ -140,6 +214,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
         println!("matmuls: {} on the CPU, {} device calls (last run)", s.cpu_matmuls, s.gpu_calls);
+        println!("where the time goes (all runs):");
+        println!("  {}", prefill_stages.line("prefill"));
+        println!("  {}", decode_stages.line("decode"));
         if let Some(m) = &matmuls {
             println!("device matmul, [{n}, {n}] weight, GFLOP/s ({}, {}):", m["device"], m["backend"], n = a.matmul_size);
             println!("  {:<6} {:>9} {:>9} {:>9} {:>9}", "format", "t=1", "t=16", "t=128", "t=512");
