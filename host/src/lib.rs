@@ -28,6 +28,6 @@ mod runtime;
 
 pub use gpu::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, NoDevice, WgpuBackend, add_to_linker};
 pub use runtime::{
-    EngineError, GUEST_WASM, GpuMode, HostState, Instance, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,
 };

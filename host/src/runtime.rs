@@ -7,7 +7,7 @@ use anyhow::{Context, Result};
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use wasmtime::component::{Component, Linker, ResourceAny};
-use wasmtime::{Config, Engine, Store, StoreLimits, StoreLimitsBuilder};
+use wasmtime::{Config, Engine, ResourceLimiter, Store};
 use wasmtime_wasi::{FsPerms, ResourceTable, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 /// The guest component built with this crate (the same bytes the browser host runs).
@@ -15,6 +15,9 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 
 /// The resolution of the per-call time limit.
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
+const WIT_VERSION: &str = "0.1.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -181,12 +184,63 @@ impl Default for Options {
     }
 }
 
+/// The limit of [`Options`] that ended a guest call. It is in the error chain of the trap
+/// (`err.downcast_ref::<Limit>()`), and its sentence is in the error's message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limit {
+    /// [`Options::call_timeout`]: the call ran past it.
+    Time(std::time::Duration),
+    /// [`Options::max_stack`], in bytes: the guest overflowed its stack.
+    Stack(usize),
+    /// [`Options::max_memory`], in bytes: the guest's memory could not grow past it, and the
+    /// guest trapped (a Rust guest aborts when an allocation fails).
+    Memory(usize),
+}
+
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limit::Time(t) => write!(f, "the guest call ran past its time limit of {t:?}"),
+            Limit::Stack(b) => write!(f, "the guest ran out of stack (its limit is {} KiB)", b >> 10),
+            Limit::Memory(b) => write!(f, "the guest ran out of memory (its limit is {} MiB)", b >> 20),
+        }
+    }
+}
+
+/// The store's memory limit, which remembers when it refused a guest's growth (so that the trap
+/// that usually follows can say why).
+struct MemoryLimit {
+    max: usize,
+    /// The size a refused growth asked for, since the current call began.
+    refused: Option<usize>,
+}
+
+impl ResourceLimiter for MemoryLimit {
+    fn memory_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let allow = desired <= self.max && maximum.is_none_or(|m| desired <= m);
+        if !allow {
+            self.refused = Some(desired);
+        }
+        Ok(allow)
+    }
+
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        // The host could not map the memory: to the guest, the same as a refusal.
+        self.refused.get_or_insert(self.max);
+        Ok(())
+    }
+
+    fn table_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        Ok(maximum.is_none_or(|m| desired <= m))
+    }
+}
+
 /// Store data of one guest instance.
 pub struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
     gpu: GpuCtx,
-    limits: StoreLimits,
+    limits: MemoryLimit,
 }
 
 impl WasiView for HostState {
@@ -282,7 +336,7 @@ impl Wisp {
             wasi.preopened_dir(dir, GUEST_MODEL_DIR, FsPerms::ReadOnly)
                 .map_err(|e| anyhow::Error::from(e).context(format!("opening {}", dir.display())))?;
         }
-        let limits = StoreLimitsBuilder::new().memory_size(self.options.max_memory).build();
+        let limits = MemoryLimit { max: self.options.max_memory, refused: None };
         let state = HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
@@ -290,8 +344,16 @@ impl Wisp {
         if let Some(ticks) = deadline {
             store.set_epoch_deadline(ticks);
         }
-        let api = Inference::instantiate(&mut store, &self.component, &self.linker)
-            .map_err(|e| anyhow::Error::from(e).context("instantiating the guest"))?;
+        let api = Inference::instantiate(&mut store, &self.component, &self.linker).map_err(|e| {
+            let what = match self.other_wit_version() {
+                Some(v) => format!(
+                    "instantiating the guest: the component was built for wisp:llm@{v}, and this host implements \
+                     wisp:llm@{WIT_VERSION}"
+                ),
+                None => "instantiating the guest".to_string(),
+            };
+            anyhow::Error::from(e).context(what)
+        })?;
         Ok(Instance {
             store,
             api,
@@ -299,7 +361,18 @@ impl Wisp {
             deadline,
             call_timeout: self.options.call_timeout,
             max_stack: self.options.max_stack,
+            max_memory: self.options.max_memory,
         })
+    }
+
+    /// The version of the `wisp:llm` package that the component imports or exports, when it is
+    /// not the one this host implements.
+    fn other_wit_version(&self) -> Option<String> {
+        let ty = self.component.component_type();
+        let names = ty.imports(&self.engine).map(|(n, _)| n).chain(ty.exports(&self.engine).map(|(n, _)| n));
+        names
+            .filter_map(|n| n.strip_prefix("wisp:llm/")?.split_once('@').map(|(_, v)| v.to_string()))
+            .find(|v| v != WIT_VERSION)
     }
 
     /// The options this runtime was built with.
@@ -326,6 +399,7 @@ pub struct Instance {
     /// The limits the calls run under, for the messages of the traps they cause.
     call_timeout: Option<std::time::Duration>,
     max_stack: usize,
+    max_memory: usize,
 }
 
 /// Engine calls return `Ok(Err(e))` for a typed engine error and `Err` for a trap.
@@ -341,32 +415,47 @@ fn mode(m: GpuMode) -> wit::GpuMode {
 
 impl Instance {
     /// One guest call: restarts the time limit, runs `f`, and turns a trap into an error that
-    /// says which limit ended the call. The [`wasmtime::Trap`] stays in the error's chain.
+    /// says which limit ended the call (a [`Limit`] in its chain, when one did). The
+    /// [`wasmtime::Trap`] stays in the error's chain.
     fn call<T>(&mut self, f: impl FnOnce(&mut Store<HostState>, &Inference) -> wasmtime::Result<T>) -> Result<T> {
         if let Some(ticks) = self.deadline {
             self.store.set_epoch_deadline(ticks);
         }
-        f(&mut self.store, &self.api).map_err(|e| {
+        self.store.data_mut().limits.refused = None;
+        let r = f(&mut self.store, &self.api);
+        let memory_refused = self.store.data().limits.refused.is_some();
+        r.map_err(|e| {
             let e = anyhow::Error::from(e);
             let Some(trap) = e.downcast_ref::<wasmtime::Trap>().copied() else { return e };
-            let why = match trap {
-                wasmtime::Trap::Interrupt => match self.call_timeout {
-                    Some(t) => format!("the guest call ran past its time limit of {t:?}"),
-                    None => "the guest call was interrupted".to_string(),
-                },
-                wasmtime::Trap::StackOverflow => {
-                    format!("the guest ran out of stack (its limit is {} KiB)", self.max_stack >> 10)
-                }
-                other => format!("the guest trapped: {other}"),
+            let limit = match trap {
+                wasmtime::Trap::Interrupt => self.call_timeout.map(Limit::Time),
+                wasmtime::Trap::StackOverflow => Some(Limit::Stack(self.max_stack)),
+                _ if memory_refused => Some(Limit::Memory(self.max_memory)),
+                _ => None,
+            };
+            let why = match (limit, trap) {
+                (Some(l), wasmtime::Trap::Interrupt | wasmtime::Trap::StackOverflow) => l.to_string(),
+                (Some(l), other) => format!("{l}, and trapped: {other}"),
+                (None, wasmtime::Trap::Interrupt) => "the guest call was interrupted".to_string(),
+                (None, other) => format!("the guest trapped: {other}"),
+            };
+            let e = match limit {
+                Some(l) => e.context(l),
+                None => e,
             };
             e.context(format!("{why}; this instance can no longer be used, instantiate a new one"))
         })
     }
 
-    /// Opens a model file inside the instance's model directory.
+    /// Opens a model file inside the instance's model directory. A path that is there but is
+    /// not a regular file (a directory, a pipe, a device) is [`EngineError::Io`]: the guest's
+    /// read of a pipe would block, and of a device might never end.
     pub fn open_model(&mut self, path: &Path, gpu: GpuMode) -> Outcome<Model> {
         let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
         let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
+        if std::fs::metadata(dir.join(rel)).is_ok_and(|m| !m.is_file()) {
+            return Ok(Err(EngineError::Io(format!("{} is not a regular file", path.display()))));
+        }
         let guest_path = format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?);
         let options = wit::LoadOptions { gpu: mode(gpu) };
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_open(st, &guest_path, options))?;

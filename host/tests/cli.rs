@@ -162,18 +162,40 @@ fn bad_model_paths_fail_with_one_line() {
     let dir = tempdir("bad");
     let not_gguf = dir.join("notes.gguf");
     std::fs::write(&not_gguf, b"this is not a model file at all").unwrap();
+    let empty = dir.join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
     let missing = dir.join("missing.gguf");
-    for (path, code, needle) in [
-        (missing.as_path(), 1, "cannot open model"),
-        (dir.as_path(), 1, "is a directory"),
-        (not_gguf.as_path(), 2, "bad magic"),
-    ] {
-        let o = wisp(&["run", "--model", path.to_str().unwrap(), "hi"]);
-        assert_eq!(o.status.code(), Some(code), "{}", stderr(&o));
-        let err = stderr(&o);
-        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
-        assert!(err.contains(needle), "{err}");
+    // A pipe: reading it would block until someone writes.
+    let fifo = dir.join("pipe.gguf");
+    let _ = std::fs::remove_file(&fifo);
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let mut cases = vec![
+        (missing.clone(), 1, format!("cannot open model {}", missing.display())),
+        (dir.clone(), 1, format!("{} is a directory, not a GGUF file", dir.display())),
+        (fifo.clone(), 1, format!("{} is not a regular file", fifo.display())),
+        // A device: reading it would never end.
+        (PathBuf::from("/dev/zero"), 1, "/dev/zero is not a regular file".to_string()),
+        (not_gguf.clone(), 2, "bad magic".to_string()),
+        (empty.clone(), 2, "file of 0 bytes is too short to be GGUF".to_string()),
+    ];
+    // A file without read permission (root reads it anyway: then there is nothing to test).
+    let unreadable = dir.join("secret.gguf");
+    std::fs::write(&unreadable, b"GGUF").unwrap();
+    std::fs::set_permissions(&unreadable, std::os::unix::fs::PermissionsExt::from_mode(0o000)).unwrap();
+    if std::fs::File::open(&unreadable).is_err() {
+        cases.push((unreadable.clone(), 1, format!("cannot open model {}", unreadable.display())));
     }
+    for (path, code, needle) in cases {
+        let start = std::time::Instant::now();
+        let o = wisp(&["run", "--gpu", "off", "--model", path.to_str().unwrap(), "hi"]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(code), "{}: {err}", path.display());
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.starts_with("wisp: error: ") && err.contains(&needle), "{}: want {needle:?}: {err}", path.display());
+        assert!(stdout(&o).is_empty(), "{}: {}", path.display(), stdout(&o));
+        assert!(start.elapsed() < std::time::Duration::from_secs(60), "{}: took {:?}", path.display(), start.elapsed());
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 #[test]

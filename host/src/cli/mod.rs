@@ -260,6 +260,11 @@ pub fn model_path(arg: Option<&Path>) -> Result<PathBuf> {
             if meta.is_dir() {
                 bail!("{} is a directory, not a GGUF file", p.display());
             }
+            // A pipe or a device would block the guest's read, or never end it.
+            if !meta.is_file() {
+                bail!("{} is not a regular file", p.display());
+            }
+            std::fs::File::open(p).with_context(|| format!("cannot open model {}", p.display()))?;
             std::fs::canonicalize(p).with_context(|| format!("cannot open model {}", p.display()))
         }
         None => fetch::ensure(&fetch::GEMMA3_270M, true),
@@ -502,6 +507,9 @@ pub fn main() -> ExitCode {
             let msg = match e.chain().find_map(|c| c.downcast_ref::<wasmtime::Trap>()) {
                 Some(wasmtime::Trap::Interrupt) => format!("{e} (see --timeout)"),
                 Some(wasmtime::Trap::StackOverflow) => format!("{e} (see --max-stack)"),
+                Some(_) if matches!(e.downcast_ref::<wisp::Limit>(), Some(wisp::Limit::Memory(_))) => {
+                    format!("{e} (see --max-memory)")
+                }
                 Some(_) => format!("{e} (RUST_LOG=debug shows where)"),
                 None => e.chain().map(|c| c.to_string().lines().next().unwrap_or_default().to_string()).collect::<Vec<_>>().join(": "),
             };

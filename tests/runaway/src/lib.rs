@@ -4,6 +4,8 @@
 //!
 //! - `spin`: loops forever (the host's per-call time limit must end it);
 //! - `recurse`: recurses without bound (the host's stack limit must end it);
+//! - `grow`: allocates without bound, 1 MiB at a time, as a leak would (the host's memory limit
+//!   refuses the growth; the allocator then aborts, a trap);
 //! - anything else: the typed error `unsupported`, so a caller can tell the fixture is alive.
 //!
 //! No model ever opens, so the model and session resources are uninhabited types: their
@@ -55,16 +57,28 @@ fn recurse(depth: u64) -> u64 {
     black_box(recurse(black_box(depth - 1))) + 1
 }
 
+/// Allocates (and touches) 1 MiB after 1 MiB and keeps it all; never returns.
+fn grow() -> ! {
+    let mut held: Vec<Vec<u8>> = Vec::new();
+    loop {
+        held.push(vec![1u8; 1 << 20]);
+        black_box(&mut held);
+    }
+}
+
 fn run(what: &[u8]) -> Result<bindings::exports::wisp::llm::engine::Model, Error> {
     let has = |needle: &[u8]| what.windows(needle.len()).any(|w| w == needle);
     if has(b"spin") {
         spin()
     }
+    if has(b"grow") {
+        grow()
+    }
     if has(b"recurse") {
         let depth = recurse(black_box(u64::MAX));
         return Err(Error::Unsupported(format!("recursed {depth} times without running out of stack")));
     }
-    Err(Error::Unsupported("the runaway fixture only spins or recurses".into()))
+    Err(Error::Unsupported("the runaway fixture only spins, recurses or grows".into()))
 }
 
 impl GuestModel for Model {
