@@ -705,13 +705,23 @@ impl Backend for WgpuBackend {
         // bytes), a multiple of 16 bytes already for the block formats.
         let step = if format == Format::F32 { 32 } else { 16 };
         let row_quads = row_bytes.div_ceil(step) * step / 16;
-        let data_bytes = row_quads * 16 * n_out as u64;
         let scale_row = format.scale_count(n_in as u64);
-        let scale_bytes = scale_row * 4 * n_out as u64;
+        // Checked: [2^30, u32::MAX] f32 values are 2^64 bytes, which would wrap to an empty buffer.
+        let data_bytes = (row_quads * 16).checked_mul(n_out as u64);
+        let scale_bytes = (scale_row * 4).checked_mul(n_out as u64);
         let max = self.info.max_weight_bytes;
-        if data_bytes > max || scale_bytes > max || row_quads > u32::MAX as u64 || scale_row > u32::MAX as u64 {
+        let (Some(data_bytes), Some(scale_bytes)) = (data_bytes.filter(|&b| b <= max), scale_bytes.filter(|&b| b <= max))
+        else {
+            let needs = data_bytes.map_or("more than 2^64".to_string(), |b| b.to_string());
             return Err(GpuError::OutOfMemory(format!(
-                "a {} weight [{n_out}, {n_in}] needs a buffer of {data_bytes} bytes; the device's limit is {max}",
+                "a {} weight [{n_out}, {n_in}] needs a buffer of {needs} bytes; the device's limit is {max}",
+                format.name()
+            )));
+        };
+        if row_quads > u32::MAX as u64 || scale_row > u32::MAX as u64 {
+            return Err(GpuError::OutOfMemory(format!(
+                "a {} weight [{n_out}, {n_in}] has rows longer than the device can address; the device's limit is \
+                 {max} bytes",
                 format.name()
             )));
         }
@@ -888,5 +898,95 @@ impl Backend for WgpuBackend {
     fn free(&mut self, id: BufferId) {
         // Dropping the buffers frees them once no submitted work uses them.
         self.weights.remove(&id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backend on the preferred adapter; `None` (a skip) without one, except under `CI=true`.
+    fn backend(test: &str) -> Option<WgpuBackend> {
+        match WgpuBackend::new() {
+            Ok(Some(b)) => {
+                println!("{test}: adapter {}", b.describe());
+                Some(b)
+            }
+            Ok(None) if std::env::var("CI").is_ok_and(|v| v == "true") => panic!("{test}: no wgpu adapter, and CI=true"),
+            Ok(None) => {
+                println!("{test}: skipped: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
+                None
+            }
+            Err(e) => panic!("{test}: opening the adapter failed: {e:#}"),
+        }
+    }
+
+    /// RELIABILITY 23: every product is split into dispatches of at most `DISPATCH_MACS`
+    /// multiply-adds (or one workgroup, when a single one is larger), within the device's
+    /// workgroup counts, that together cover every (row, t) tile of the output exactly once.
+    #[test]
+    fn no_dispatch_runs_longer_than_its_budget() {
+        let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
+        let max_dim = b.limits.max_compute_workgroups_per_dimension as u64;
+        for lanes in [1, 32] {
+            b.set_gemv_lanes(lanes).unwrap();
+            for (format, n_out, n_in, t, min_dispatches) in [
+                (Format::Q4x32, 262_144, 640, 1, 1),
+                (Format::Q4x32, 262_144, 640, 64, 40),
+                (Format::Q8x32, 4173, 16_384, 5, 2),
+                (Format::Q8x32, 2048, 2048, 512, 8),
+                (Format::F32, 700, 2048, 301, 2),
+                (Format::F32, 3, 8, 2, 1),
+                (Format::Q8x16, 1, 1 << 20, 64, 1),
+            ] {
+                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes}", format.name());
+                let id = b.create(format, n_out, n_in).unwrap();
+                let mut plan = Vec::new();
+                let w = &b.weights[&id];
+                b.plan(0, w, t, n_in.div_ceil(8) * 2, &mut plan);
+                let (rows_per_group, t_per_group) =
+                    if t < GEMM_MIN_T { (GEMV_ROWS * WORKGROUP / lanes, 1) } else { (GEMM_ROWS * WORKGROUP, 4) };
+                let macs_per_group = rows_per_group as u64 * t_per_group as u64 * n_in as u64;
+                let (gx, gy) = ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
+                let mut covered = vec![0u8; (gx * gy) as usize];
+                for d in &plan {
+                    let (nx, ny) = (d.groups.0 as u64, d.groups.1 as u64);
+                    assert!(nx >= 1 && ny >= 1 && nx <= max_dim && ny <= max_dim, "{what}: groups {:?}", d.groups);
+                    let macs = nx * ny * macs_per_group;
+                    assert!(macs <= DISPATCH_MACS.max(macs_per_group), "{what}: a dispatch of {macs} multiply-adds");
+                    let (x0, y0) = (d.params.row_base / rows_per_group, d.params.t_base / t_per_group);
+                    for x in x0 as u64..x0 as u64 + nx {
+                        for y in y0 as u64..y0 as u64 + ny {
+                            covered[(y * gx + x) as usize] += 1;
+                        }
+                    }
+                }
+                assert!(covered.iter().all(|&c| c == 1), "{what}: tiles not covered exactly once");
+                assert!(plan.len() >= min_dispatches, "{what}: {} dispatches", plan.len());
+                b.free(id);
+            }
+        }
+    }
+
+    /// RELIABILITY 19: wgpu's default uncaptured-error handler panics; the backend's turns an
+    /// error outside any scope into the next call's `unavailable`, and the backend keeps working.
+    #[test]
+    fn an_uncaptured_wgpu_error_is_an_error_not_a_panic() {
+        let Some(mut b) = backend("an_uncaptured_wgpu_error_is_an_error_not_a_panic") else { return };
+        // A buffer past the device's limit, created outside any error scope: a validation error.
+        let _ = b.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("too large"),
+            size: b.limits.max_buffer_size.saturating_add(1 << 20),
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        match b.finish(push_scopes(&b.device)) {
+            Err(GpuError::Unavailable(m)) => assert!(m.contains("the device refused the work"), "{m}"),
+            other => panic!("want unavailable, got {other:?}"),
+        }
+        // Reported once; then the backend works.
+        let id = b.create(Format::F32, 2, 8).unwrap();
+        b.write_rows(id, 0, bytemuck::cast_slice(&[1f32; 16]), &[]).unwrap();
+        assert_eq!(b.matmul(&[1.0; 8], 1, 8, &[id]).unwrap(), vec![vec![8.0, 8.0]]);
     }
 }
