@@ -3,6 +3,8 @@
 
 use wisp::golden::{self, Case};
 use wisp::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model, Sampling};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use wisp_tests::{open, golden_cases, model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
@@ -23,11 +25,65 @@ fn greedy(inst: &mut Instance, m: Model, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
+/// Every weight created, as (format, rows, columns), and the writes to it as (first row, bytes).
+type WriteLog = Arc<Mutex<HashMap<BufferId, ((Format, u32, u32), Vec<(u32, usize)>)>>>;
+
+/// The CPU reference device, recording how each weight was written.
+struct Slices {
+    inner: CpuBackend,
+    log: WriteLog,
+}
+
+impl Backend for Slices {
+    fn device(&self) -> Option<Device> {
+        self.inner.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        let id = self.inner.create(f, n_out, n_in)?;
+        self.log.lock().unwrap().insert(id, ((f, n_out, n_in), Vec::new()));
+        Ok(id)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        if let Some((_, writes)) = self.log.lock().unwrap().get_mut(&id) {
+            writes.push((first_row, data.len()));
+        }
+        self.inner.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.inner.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.inner.free(id)
+    }
+}
+
+/// Largest `write-rows` the guest sends (its `UPLOAD_SLICE_BYTES`).
+const SLICE: usize = 8 << 20;
+
 #[test]
 fn every_golden_case_passes_through_the_cpu_reference_device() {
-    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+    let log = WriteLog::default();
+    let backend = Slices { inner: CpuBackend::new(), log: log.clone() };
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
+    // RELIABILITY 21: a weight larger than one list the guest sends goes up in slices of whole
+    // rows (the tied embedding: 262144 x 640 bytes), each row written once, in order.
+    let mut sliced = 0;
+    for ((f, n_out, n_in), writes) in log.lock().unwrap().values() {
+        let row = f.data_bytes(*n_in as u64).unwrap() as usize;
+        let mut next = 0u32;
+        for &(first, bytes) in writes {
+            assert!(first == next && bytes % row == 0 && bytes <= SLICE.max(row), "{} [{n_out}, {n_in}]: {writes:?}", f.name());
+            next += (bytes / row) as u32;
+        }
+        assert_eq!(next, *n_out, "{} [{n_out}, {n_in}]: rows written {writes:?}", f.name());
+        if row * *n_out as usize > SLICE {
+            assert!(writes.len() > 1);
+            sliced += 1;
+        }
+    }
+    assert!(sliced > 0, "no weight was larger than one slice");
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
     check(&mut inst, m, &cases);
 }
