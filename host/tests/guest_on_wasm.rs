@@ -61,7 +61,9 @@ fn guest_unit_tests_pass_on_wasm32_with_simd128() {
     let wasi = WasiCtxBuilder::new()
         .inherit_stdout()
         .inherit_stderr()
-        .args(&["guest-tests", "--test-threads=1"])
+        // Uncaptured: a failing guest test aborts (wasm has no unwinding), which would lose
+        // captured output, its panic message and the seed it printed among it.
+        .args(&["guest-tests", "--test-threads=1", "--nocapture"])
         .build();
     let mut store = Store::new(&engine, State { wasi, table: ResourceTable::new(), gpu: wisp::GpuCtx::none() });
     let command = wasmtime_wasi::p2::bindings::sync::Command::instantiate(&mut store, &component, &linker).unwrap();

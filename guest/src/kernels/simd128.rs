@@ -38,9 +38,11 @@ unsafe fn widen(q: *const i8) -> [v128; 4] {
 
 /// A load that stays where it is written. LLVM otherwise hoists every load of an unrolled
 /// block to its top; Cranelift keeps the order of loads, so all of them would be live at once
-/// and spill. In source order each is used right after it is made.
+/// and spill. In source order each is used right after it is made. `p` must be 16-byte aligned
+/// (activations live in `AlignedI16`, and the kernels read them from multiples of 8 values).
 #[inline(always)]
 unsafe fn load_here(p: *const i16) -> v128 {
+    debug_assert!((p as usize).is_multiple_of(16));
     unsafe { core::ptr::read_volatile(p as *const v128) }
 }
 
