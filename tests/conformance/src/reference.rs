@@ -191,12 +191,22 @@ pub struct Comparison {
     pub worst: Option<(usize, usize, f32, f64, f64)>,
 }
 
+/// A product out of tolerance: what is wrong, and the largest finite error seen in it.
+#[derive(Debug)]
+pub struct Mismatch {
+    /// The length, or the first output out of tolerance.
+    pub message: String,
+    /// As [`Comparison::max_error`], over the outputs compared.
+    pub max_error: f64,
+}
+
 /// Compares `y[t, n_out]` from a host with `x[t, n_in] @ W^T` computed exactly. `Err` says what
 /// is wrong: the length, or the first output out of tolerance.
-pub fn compare(y: &[f32], x: &[f32], t: usize, w: &Decoded) -> Result<Comparison, String> {
+pub fn compare(y: &[f32], x: &[f32], t: usize, w: &Decoded) -> Result<Comparison, Mismatch> {
     let (n_out, n_in) = (w.n_out, w.n_in);
     if y.len() != t * n_out {
-        return Err(format!("the output has {} values; t * n-out is {}", y.len(), t * n_out));
+        let message = format!("the output has {} values; t * n-out is {}", y.len(), t * n_out);
+        return Err(Mismatch { message, max_error: 0.0 });
     }
     let tol = tolerance(n_in);
     let mut c = Comparison::default();
@@ -238,9 +248,12 @@ pub fn compare(y: &[f32], x: &[f32], t: usize, w: &Decoded) -> Result<Comparison
         }
     }
     match c.worst {
-        Some((ti, n, got, want, err)) => Err(format!(
-            "y[{ti}, {n}] is {got:e} where the reference is {want:.7e} (error {err:.2e} of the terms' norm, tolerance {tol:.1e})"
-        )),
+        Some((ti, n, got, want, err)) => Err(Mismatch {
+            message: format!(
+                "y[{ti}, {n}] is {got:e} where the reference is {want:.7e} (error {err:.2e} of the terms' norm, tolerance {tol:.1e})"
+            ),
+            max_error: c.max_error,
+        }),
         None => Ok(c),
     }
 }
@@ -270,7 +283,7 @@ mod tests {
             let d = w.decode();
             let x = rng.vector(3 * 512);
             let y = host_f32(&x, 3, &d);
-            let c = compare(&y, &x, 3, &d).unwrap_or_else(|e| panic!("{}: {e}", f.name()));
+            let c = compare(&y, &x, 3, &d).unwrap_or_else(|e| panic!("{}: {}", f.name(), e.message));
             assert!(c.max_error < tolerance(512) / 4.0, "{}: {c:?}", f.name());
             // Rounding every product to f16 precision (11 bits) must be caught.
             let y16: Vec<f32> = (0..3)
@@ -286,7 +299,9 @@ mod tests {
                     })
                 })
                 .collect();
-            assert!(compare(&y16, &x, 3, &d).is_err(), "{}", f.name());
+            let m = compare(&y16, &x, 3, &d).expect_err(f.name());
+            // The failure says how far off the products were.
+            assert!(m.max_error > tolerance(512), "{}: {}", f.name(), m.max_error);
         }
     }
 
@@ -297,7 +312,7 @@ mod tests {
         let d = w.decode();
         let mut x = rng.vector(8);
         let y = host_f32(&x, 1, &d);
-        assert!(compare(&y[..3], &x, 1, &d).unwrap_err().contains("3 values"));
+        assert!(compare(&y[..3], &x, 1, &d).unwrap_err().message.contains("3 values"));
         x[2] = f32::NAN;
         assert!(compare(&y, &x, 1, &d).is_err(), "finite outputs for a NaN input");
         assert!(compare(&host_f32(&x, 1, &d), &x, 1, &d).is_ok());

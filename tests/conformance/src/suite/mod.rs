@@ -277,7 +277,10 @@ impl Ctx {
                 self.max_error = self.max_error.max(c.max_error);
                 Ok(())
             }
-            Err(e) => fail(format!("{what}: {e}")),
+            Err(m) => {
+                self.max_error = self.max_error.max(m.max_error);
+                fail(format!("{what}: {}", m.message))
+            }
         }
     }
 }
