@@ -640,12 +640,10 @@ impl Gguf {
         let header_end = r.pos as u64;
         let data_offset = header_end.div_ceil(alignment) * alignment;
         let file_len = bytes.len() as u64;
-        // Tensor data must lie inside the file and must not overlap: check in offset order.
-        let mut order: Vec<usize> = (0..tensors.len()).collect();
-        order.sort_by_key(|&i| tensors[i].offset);
+        // Tensor data must lie inside the file, in the order of the tensor infos, without
+        // overlap (llama.cpp refuses any other layout too, so no real file has one).
         let mut previous: Option<&TensorInfo> = None;
-        for &i in &order {
-            let t = &tensors[i];
+        for t in &tensors {
             let end = data_offset.checked_add(t.offset).and_then(|s| s.checked_add(t.n_bytes));
             if end.is_none_or(|end| end > file_len) {
                 return Err(GgufError {
@@ -657,16 +655,24 @@ impl Gguf {
                     ),
                 });
             }
+            if let Some(p) = previous.filter(|p| t.offset < p.offset) {
+                return Err(GgufError {
+                    offset: header_end,
+                    message: format!(
+                        "tensor {:?} at offset {} comes before tensor {:?} at offset {}: tensor data \
+                         must follow the order of the tensor infos",
+                        t.name, t.offset, p.name, p.offset
+                    ),
+                });
+            }
+            // `p` passed the check above, so its end does not overflow.
             if let Some(p) = previous.filter(|p| t.offset < p.offset + p.n_bytes) {
                 return Err(GgufError {
                     offset: header_end,
                     message: format!("tensor {:?} overlaps tensor {:?}", t.name, p.name),
                 });
             }
-            // Keep the tensor that reaches furthest: a later one must start after it.
-            if previous.is_none_or(|p| t.offset + t.n_bytes > p.offset + p.n_bytes) {
-                previous = Some(t);
-            }
+            previous = Some(t);
         }
         for t in &mut tensors {
             t.offset += data_offset;

@@ -357,6 +357,11 @@ fn hostile_model_files_are_typed_errors_and_the_instance_keeps_serving() {
             invalid("tensor \"b\" overlaps tensor \"a\""),
         ),
         (
+            "13: tensor data out of order",
+            gguf(3, 2, 0, &[tensor(b"a", 1, &[16], 0, 64), tensor(b"b", 1, &[16], 0, 0), vec![0; 160]]),
+            invalid("tensor \"b\" at offset 0 comes before tensor \"a\" at offset 64"),
+        ),
+        (
             "14: block_count above the cap",
             with_value(&real, "gemma3.block_count", U32, &le32(100_000)),
             invalid("gemma3.block_count = 100000 exceeds the cap"),
