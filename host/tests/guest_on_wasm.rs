@@ -64,6 +64,8 @@ fn guest_unit_tests_pass_on_wasm32_with_simd128() {
         // Uncaptured: a failing guest test aborts (wasm has no unwinding), which would lose
         // captured output, its panic message and the seed it printed among it.
         .args(&["guest-tests", "--test-threads=1", "--nocapture"])
+        // More arguments for the guest's test harness, e.g. `--ignored kernel_bench`.
+        .args(&std::env::var("WISP_GUEST_TEST_ARGS").unwrap_or_default().split_whitespace().collect::<Vec<_>>())
         .build();
     let mut store = Store::new(&engine, State { wasi, table: ResourceTable::new(), gpu: wisp::GpuCtx::none() });
     let command = wasmtime_wasi::p2::bindings::sync::Command::instantiate(&mut store, &component, &linker).unwrap();

@@ -377,3 +377,64 @@ mod tests {
         assert_eq!(a.sum4[(0 * 2 + 1) * 4 + 3], a.sum[3 * 2 + 1]);
     }
 }
+
+/// Kernel benchmarks, run inside the guest on wasm32 under wasmtime (ignored by default):
+/// `WISP_GUEST_TEST_ARGS="--ignored kernel_bench" cargo test --release -p wisp --test guest_on_wasm`
+/// (see BENCHMARKS.md). The shapes are Gemma 3 270M's.
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use crate::quant::{Group, QMatrix};
+    use std::time::Instant;
+
+    /// A `[n_out, n_in]` weight of the given layout with arbitrary values.
+    fn weight(n_out: usize, n_in: usize, group: Group, mins: bool) -> QMatrix {
+        let g = group as usize;
+        QMatrix {
+            n_out,
+            n_in,
+            group,
+            q: (0..n_out * n_in).map(|i| (i * 7 % 31) as i8 - 15).collect(),
+            d: (0..n_out * n_in / g).map(|i| 0.01 + (i % 5) as f32 * 1e-3).collect(),
+            m: if mins { vec![0.002; n_out * n_in / 32] } else { Vec::new() },
+        }
+    }
+
+    #[test]
+    #[ignore]
+    fn kernel_bench() {
+        println!("{:<28} {:>5} {:>10} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s", "weight GB/s");
+        let shapes = [("ffn_up [2048, 640]", 2048, 640), ("ffn_down [640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
+        let layouts = [("G32", Group::G32, false), ("G32+mins", Group::G32, true), ("G16", Group::G16, false)];
+        for (shape, n_out, n_in) in shapes {
+            for (layout, group, mins) in layouts {
+                if n_out > 100_000 && layout != "G32" {
+                    continue;
+                }
+                let w = weight(n_out, n_in, group, mins);
+                for t in [1usize, 64] {
+                    if n_out > 100_000 && t > 1 {
+                        continue;
+                    }
+                    let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+                    let mut acts = QActs::default();
+                    acts.quantize(&x, t, n_in);
+                    let mut y = vec![0f32; t * n_out];
+                    matmul_q(&w, &acts, &mut y);
+                    let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
+                    let mut best = f64::INFINITY;
+                    for _ in 0..3 {
+                        let start = Instant::now();
+                        for _ in 0..reps {
+                            matmul_q(&w, &acts, &mut y);
+                        }
+                        best = best.min(start.elapsed().as_secs_f64() / reps as f64);
+                    }
+                    let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
+                    let gbs = w.bytes() as f64 / best / 1e9;
+                    println!("{:<28} {t:>5} {:>10.3} {gflops:>10.1} {gbs:>10.2}", format!("{shape} {layout}"), best * 1e3);
+                }
+            }
+        }
+    }
+}
