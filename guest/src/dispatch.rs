@@ -12,7 +12,7 @@ use crate::models::{Linear, WeightData};
 use crate::quant::{Group, QMatrix};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Counters of what ran where.
 #[derive(Debug, Default, Clone, Copy)]
@@ -239,15 +239,15 @@ impl Dispatch {
                 }
                 self.counters.gpu_fallbacks += 1;
             }
-            let start = Instant::now();
-            self.cpu(x, t, n_in, jobs);
-            gpu.observe_cpu(t, flops, start.elapsed().as_secs_f64());
+            let took = self.cpu(x, t, n_in, jobs);
+            gpu.observe_cpu(t, flops, took.as_secs_f64());
             return;
         }
         self.cpu(x, t, n_in, jobs);
     }
 
-    fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) {
+    /// The products on the guest's CPU kernels; returns the time they took.
+    fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
         let start = Instant::now();
         if jobs.iter().any(|(w, _)| matches!(w.w, WeightData::Q(_))) {
             self.acts.quantize(x, t, n_in);
@@ -262,7 +262,9 @@ impl Dispatch {
             self.counters.cpu_flops += w.flops(t);
             self.counters.cpu_bytes += w.bytes() as u64;
         }
-        self.counters.cpu_ns += start.elapsed().as_nanos() as u64;
+        let took = start.elapsed();
+        self.counters.cpu_ns += took.as_nanos() as u64;
+        took
     }
 }
 
