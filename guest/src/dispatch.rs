@@ -7,9 +7,9 @@
 //! running average of what actually ran). A device error falls back to the CPU for that batch;
 //! a lost device is never asked again. Either way the tokens are the same.
 
-use crate::kernels::{self, QActs};
+use crate::kernels::{self, QActs, RowScratch};
 use crate::models::{Linear, WeightData};
-use crate::quant::{Group, QMatrix};
+use crate::quant::{Group, QMatrix, Values};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -97,17 +97,20 @@ fn encode_rows(w: &Linear, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f
 fn encode_q(q: &QMatrix, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32>) {
     let n = q.n_in;
     let g = q.group as usize;
-    let values = &q.q[first * n..(first + rows) * n];
+    let mut values = vec![0i8; rows * n];
+    let mut scales = vec![0f32; rows * n / g];
+    for (i, r) in (first..first + rows).enumerate() {
+        q.row_values(r, &mut values[i * n..(i + 1) * n]);
+        q.row_scales(r, &mut scales[i * n / g..(i + 1) * n / g]);
+    }
     if q.m.is_empty() {
         let format = if q.group == Group::G16 { Format::Q8x16 } else { Format::Q8x32 };
-        let data = values.iter().map(|&v| v as u8).collect();
-        (format, data, q.d[first * n / g..(first + rows) * n / g].to_vec())
+        (format, values.iter().map(|&v| v as u8).collect(), scales)
     } else {
         // Formats with mins have 4-bit values 0..=15 (Q4_K): pack two a byte, low nibble first.
         let data = values.chunks_exact(2).map(|p| (p[0] as u8 & 0xF) | ((p[1] as u8 & 0xF) << 4)).collect();
-        let blocks = first * n / 32..(first + rows) * n / 32;
-        let scales = blocks.flat_map(|b| [q.d[b], q.m[b]]).collect();
-        (Format::Q4x32, data, scales)
+        let mins = &q.m[first * n / 32..(first + rows) * n / 32];
+        (Format::Q4x32, data, scales.iter().zip(mins).flat_map(|(&d, &m)| [d, m]).collect())
     }
 }
 
@@ -115,7 +118,12 @@ fn encode_q(q: &QMatrix, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32
 fn uploadable(w: &Linear) -> bool {
     match &w.w {
         WeightData::F32(_) => true,
-        WeightData::Q(q) => q.m.is_empty() || (q.group == Group::G32 && q.q.iter().all(|&v| (0..16).contains(&v))),
+        WeightData::Q(q) => match &q.values {
+            _ if q.m.is_empty() => true,
+            // Q4_K: 4-bit values with no offset, 0..=15 by construction.
+            Values::Nibbles { fifth, offset: 0, .. } => q.group == Group::G32 && fifth.is_empty(),
+            _ => q.group == Group::G32 && (0..q.n_out).all(|r| (0..q.n_in).all(|c| (0..16).contains(&q.value(r, c)))),
+        },
     }
 }
 
@@ -198,6 +206,7 @@ impl Gpu {
 #[derive(Default)]
 pub struct Dispatch {
     acts: QActs,
+    rows: RowScratch,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
 }
@@ -255,7 +264,7 @@ impl Dispatch {
         for (w, y) in jobs.iter_mut() {
             let y = &mut y[..t * w.n_out];
             match &w.w {
-                WeightData::Q(q) => kernels::matmul_q(q, &self.acts, y),
+                WeightData::Q(q) => kernels::matmul_q(q, &self.acts, &mut self.rows, y),
                 WeightData::F32(f) => kernels::matmul_f32(f, w.n_out, w.n_in, x, t, y),
             }
             self.counters.cpu_matmuls += 1;

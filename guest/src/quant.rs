@@ -1,6 +1,8 @@
 //! GGUF block formats: their layouts, a scalar dequantization for each, and the lossless
-//! conversion to the engine's own weight layout (`QMatrix`: signed 8-bit values with one f32 scale
-//! per group of 16 or 32 and, for formats with mins, one f32 min per 32).
+//! conversion to the engine's own weight layout (`QMatrix`: small integer values with one scale
+//! per group of 16 or 32 and, for formats with mins, one f32 min per 32). The values keep the
+//! file's width (8 bits, or 4 bits plus a bit plane for the fifth bit) and the file's f16
+//! scales stay f16: decode reads every weight from memory once per token.
 //!
 //! Every format the engine reads converts to `QMatrix` exactly: the CPU kernels and the GPU
 //! upload formats (see `wit/gpu.wit`) then compute with the very values the scalar
@@ -161,16 +163,46 @@ pub enum Group {
     G32 = 32,
 }
 
-/// A weight matrix `W[n_out, n_in]` as signed 8-bit values with scales:
+/// How a `QMatrix` stores its integer values. Decode reads every weight once per token from
+/// memory, so the values keep the file's own width where the kernels can unpack it cheaply.
+pub enum Values {
+    /// One i8 per value, `[n_out, n_in]`.
+    I8(Vec<i8>),
+    /// Four bits per value (`[n_out, n_in / 2]` bytes): in each block of 32, byte `j` holds
+    /// element `j` in its low nibble and element `16 + j` in its high nibble. The value is
+    /// `nibble + 16 * fifth - offset`, with the fifth bits in `fifth` (empty for 4-bit formats).
+    /// `fifth` has [`fifth_bytes_per_row`] bytes per row: the blocks of a row in fours, 16 bytes
+    /// for each four, where bit `2k` of byte `j` is the fifth bit of element `j` of block `k`
+    /// of the four and bit `2k + 1` that of element `16 + j`.
+    Nibbles { nib: Vec<u8>, fifth: Vec<u8>, offset: i8 },
+}
+
+/// Scales of a `QMatrix`, one per group: f32, or the file's own f16 where every one is finite.
+pub enum Scales {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+}
+
+/// Bytes of fifth bits per row of `n_in` elements in `Values::Nibbles`.
+pub fn fifth_bytes_per_row(n_in: usize) -> usize {
+    (n_in / QK).div_ceil(4) * 16
+}
+
+/// An f16 as f32 (exact for every f16).
+pub fn f16_to_f32(h: u16) -> f32 {
+    f16::from_bits(h).to_f32()
+}
+
+/// A weight matrix `W[n_out, n_in]` as small integers with scales:
 /// `w[r, c] = d[r, c / group] * q[r, c] - m[r, c / 32]` (`m` only for formats with mins).
 pub struct QMatrix {
     pub n_out: usize,
     pub n_in: usize,
     pub group: Group,
-    /// `[n_out, n_in]`
-    pub q: Vec<i8>,
-    /// `[n_out, n_in / group]`
-    pub d: Vec<f32>,
+    /// `q`, `[n_out, n_in]`
+    pub values: Values,
+    /// `d`, `[n_out, n_in / group]`
+    pub d: Scales,
     /// `[n_out, n_in / 32]`, empty when the format has no mins.
     pub m: Vec<f32>,
 }
@@ -185,6 +217,16 @@ pub fn qmatrix_layout(kind: TensorType) -> Option<(Group, bool)> {
     }
 }
 
+/// The file's f16 scales, kept as f16 where every one is finite (the kernels widen them
+/// exactly), else widened to f32 here.
+fn file_scales(raw: Vec<u16>) -> Scales {
+    if raw.iter().all(|h| h & 0x7C00 != 0x7C00) {
+        Scales::F16(raw)
+    } else {
+        Scales::F32(raw.into_iter().map(f16_to_f32).collect())
+    }
+}
+
 impl QMatrix {
     /// Converts the blocks of a `[n_out, n_in]` tensor, losslessly. `None` for types without a
     /// block layout here (float types).
@@ -192,32 +234,134 @@ impl QMatrix {
         let (group, has_min) = qmatrix_layout(kind)?;
         let (block, bytes) = kind.block();
         let (block, bytes) = (block as usize, bytes as usize);
-        let g = group as usize;
         let n = n_out * n_in;
-        let mut q = vec![0i8; n];
-        let mut d = vec![0f32; n / g];
-        let mut m = if has_min { vec![0f32; n / QK] } else { Vec::new() };
-        for (bi, b) in data.chunks_exact(bytes).enumerate().take(n / block) {
-            let base = bi * block;
-            for_each_in_block(kind, b, |i, qv, s, mv| {
-                let e = base + i;
-                q[e] = qv;
-                d[e / g] = s;
-                if has_min {
-                    m[e / QK] = mv;
+        let blocks = data.chunks_exact(bytes).take(n / block);
+        let d16 = |b: &[u8]| u16::from_le_bytes([b[0], b[1]]);
+        let (values, d, m) = match kind {
+            TensorType::Q8_0 => {
+                let mut q = Vec::with_capacity(n);
+                let mut d = Vec::with_capacity(n / QK);
+                for b in blocks {
+                    d.push(d16(b));
+                    q.extend(b[2..].iter().map(|&v| v as i8));
                 }
-            });
+                (Values::I8(q), file_scales(d), Vec::new())
+            }
+            // The file's nibble order is the engine's: byte `j` holds elements `j` and `16 + j`.
+            TensorType::Q4_0 => {
+                let mut nib = Vec::with_capacity(n / 2);
+                let mut d = Vec::with_capacity(n / QK);
+                for b in blocks {
+                    d.push(d16(b));
+                    nib.extend_from_slice(&b[2..]);
+                }
+                (Values::Nibbles { nib, fifth: Vec::new(), offset: 8 }, file_scales(d), Vec::new())
+            }
+            TensorType::Q5_0 => {
+                let (nb, fifth_row) = (n_in / QK, fifth_bytes_per_row(n_in));
+                let mut nib = Vec::with_capacity(n / 2);
+                let mut fifth = vec![0u8; n_out * fifth_row];
+                let mut d = Vec::with_capacity(n / QK);
+                for (i, b) in blocks.enumerate() {
+                    d.push(d16(b));
+                    nib.extend_from_slice(&b[6..]);
+                    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                    let (r, k) = (i / nb, i % nb);
+                    let plane = &mut fifth[r * fifth_row + k / 4 * 16..][..16];
+                    let shift = 2 * (k % 4);
+                    for (j, byte) in plane.iter_mut().enumerate() {
+                        *byte |= ((((qh >> j) & 1) | (((qh >> (16 + j)) & 1) << 1)) as u8) << shift;
+                    }
+                }
+                (Values::Nibbles { nib, fifth, offset: 16 }, file_scales(d), Vec::new())
+            }
+            TensorType::Q4K => {
+                let mut nib = Vec::with_capacity(n / 2);
+                let mut d = Vec::with_capacity(n / QK);
+                let mut m = Vec::with_capacity(n / QK);
+                for b in blocks {
+                    let (scale, min) = (f16_at(b, 0), f16_at(b, 2));
+                    for chunk in 0..4 {
+                        // Low nibbles: the chunk's first 32 elements; high nibbles: the next 32.
+                        let q = &b[16 + 32 * chunk..][..32];
+                        nib.extend((0..16).map(|j| (q[j] & 0xF) | (q[16 + j] << 4)));
+                        nib.extend((0..16).map(|j| (q[j] >> 4) | (q[16 + j] & 0xF0)));
+                        for sub in [2 * chunk, 2 * chunk + 1] {
+                            let (sc, mn) = scale_min_k4(sub, &b[4..16]);
+                            d.push(scale * sc as f32);
+                            m.push(min * mn as f32);
+                        }
+                    }
+                }
+                (Values::Nibbles { nib, fifth: Vec::new(), offset: 0 }, Scales::F32(d), m)
+            }
+            _ => {
+                let g = group as usize;
+                let mut q = vec![0i8; n];
+                let mut d = vec![0f32; n / g];
+                let mut m = if has_min { vec![0f32; n / QK] } else { Vec::new() };
+                for (bi, b) in blocks.enumerate() {
+                    let base = bi * block;
+                    for_each_in_block(kind, b, |i, qv, s, mv| {
+                        q[base + i] = qv;
+                        d[(base + i) / g] = s;
+                        if has_min {
+                            m[(base + i) / QK] = mv;
+                        }
+                    });
+                }
+                (Values::I8(q), Scales::F32(d), m)
+            }
+        };
+        Some(QMatrix { n_out, n_in, group, values, d, m })
+    }
+
+    /// The integer value at row `r`, column `c`.
+    pub fn value(&self, r: usize, c: usize) -> i8 {
+        let n = self.n_in;
+        match &self.values {
+            Values::I8(q) => q[r * n + c],
+            Values::Nibbles { nib, fifth, offset } => {
+                let (b, j) = (c / QK, c % QK);
+                let byte = nib[(r * n + c) / QK * 16 + j % 16];
+                let mut u = (byte >> (4 * (j / 16))) & 0xF;
+                if !fifth.is_empty() {
+                    let bits = fifth[r * fifth_bytes_per_row(n) + b / 4 * 16 + j % 16];
+                    u |= ((bits >> (2 * (b % 4) + j / 16)) & 1) << 4;
+                }
+                (u as i16 - *offset as i16) as i8
+            }
         }
-        Some(QMatrix { n_out, n_in, group, q, d, m })
+    }
+
+    /// Scale `i` of the whole matrix (`d` flattened: row `r`, group `k` is `r * n_in / group + k`).
+    pub fn scale(&self, i: usize) -> f32 {
+        match &self.d {
+            Scales::F32(d) => d[i],
+            Scales::F16(d) => f16_to_f32(d[i]),
+        }
+    }
+
+    /// The integer values of row `r` (`out` of `n_in`).
+    pub fn row_values(&self, r: usize, out: &mut [i8]) {
+        for (c, o) in out.iter_mut().enumerate().take(self.n_in) {
+            *o = self.value(r, c);
+        }
+    }
+
+    /// The scales of row `r` (`out` of `n_in / group`).
+    pub fn row_scales(&self, r: usize, out: &mut [f32]) {
+        let k = self.n_in / self.group as usize;
+        for (i, o) in out.iter_mut().enumerate().take(k) {
+            *o = self.scale(r * k + i);
+        }
     }
 
     /// Row `r` as f32 (for tests and the embedding lookup).
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
         let g = self.group as usize;
-        let q = &self.q[r * self.n_in..(r + 1) * self.n_in];
-        let d = &self.d[r * self.n_in / g..(r + 1) * self.n_in / g];
         for (c, o) in out.iter_mut().enumerate().take(self.n_in) {
-            let mut w = d[c / g] * q[c] as f32;
+            let mut w = self.scale((r * self.n_in + c) / g) * self.value(r, c) as f32;
             if !self.m.is_empty() {
                 w -= self.m[(r * self.n_in + c) / QK];
             }
@@ -225,8 +369,17 @@ impl QMatrix {
         }
     }
 
+    /// Bytes the kernels read for the whole matrix.
     pub fn bytes(&self) -> usize {
-        self.q.len() + 4 * (self.d.len() + self.m.len())
+        let values = match &self.values {
+            Values::I8(q) => q.len(),
+            Values::Nibbles { nib, fifth, .. } => nib.len() + fifth.len(),
+        };
+        let scales = match &self.d {
+            Scales::F32(d) => 4 * d.len(),
+            Scales::F16(d) => 2 * d.len(),
+        };
+        values + scales + 4 * self.m.len()
     }
 }
 
@@ -305,6 +458,45 @@ pub(crate) mod tests {
             for r in 0..n_out {
                 qm.row_f32(r, &mut row);
                 assert_eq!(&row[..], &want[r * n_in..(r + 1) * n_in], "{kind:?} row {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn storage_keeps_the_file_widths() {
+        let mut rng = Rng(0x51);
+        let (n_out, n_in) = (5, 768);
+        let mut storage = |kind| {
+            let qm = QMatrix::from_blocks(kind, &random_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap();
+            let values = match &qm.values {
+                Values::I8(_) => "i8".to_string(),
+                Values::Nibbles { fifth, offset, .. } => format!("nibbles{} -{offset}", if fifth.is_empty() { "" } else { "+fifth" }),
+            };
+            (values, matches!(qm.d, Scales::F16(_)), qm.bytes())
+        };
+        // Bytes: values, fifth bits (16 per four blocks of a row), scales, mins.
+        let (n, blocks) = (n_out * n_in, n_out * n_in / 32);
+        assert_eq!(storage(TensorType::Q8_0), ("i8".into(), true, n + 2 * blocks));
+        assert_eq!(storage(TensorType::Q5_0), ("nibbles+fifth -16".into(), true, n / 2 + n_out * 96 + 2 * blocks));
+        assert_eq!(storage(TensorType::Q4_0), ("nibbles -8".into(), true, n / 2 + 2 * blocks));
+        assert_eq!(storage(TensorType::Q4K), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
+        assert_eq!(storage(TensorType::Q6K), ("i8".into(), false, n + 8 * blocks));
+    }
+
+    #[test]
+    fn a_non_finite_scale_keeps_f32_scales() {
+        let mut rng = Rng(0x77);
+        let mut data = random_blocks(TensorType::Q5_0, 2 * 64, &mut rng);
+        data[22..24].copy_from_slice(&f16::INFINITY.to_bits().to_le_bytes());
+        let qm = QMatrix::from_blocks(TensorType::Q5_0, &data, 2, 64).unwrap();
+        assert!(matches!(qm.d, Scales::F32(_)));
+        let mut want = vec![0f32; 128];
+        dequantize(TensorType::Q5_0, &data, &mut want);
+        let mut row = vec![0f32; 64];
+        for r in 0..2 {
+            qm.row_f32(r, &mut row);
+            for (a, b) in row.iter().zip(&want[64 * r..64 * r + 64]) {
+                assert!(a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()), "row {r}: {a} vs {b}");
             }
         }
     }

@@ -3,8 +3,9 @@
 //!
 //! Matrix products use integer dot products: the activations of each row are quantized to i16
 //! with one f32 scale per block of 32 (`QActs`, relative error below 2^-15 per element), the
-//! weights are `QMatrix` i8 values, and `i32x4.dot_i16x8_s` sums exact integer products before
-//! one f32 multiply per group. This keeps every golden logit within ~1e-3 of f32 math.
+//! weights are `QMatrix` values widened to i16 in registers, and `i32x4.dot_i16x8_s` sums exact
+//! integer products before one f32 multiply per group. This keeps every golden logit within
+//! ~1e-3 of f32 math.
 
 pub mod scalar;
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -104,14 +105,22 @@ impl QActs {
     }
 }
 
+/// One weight row unpacked to i8 values and f32 scales: the kernels that reuse a row across
+/// several tokens unpack packed rows (4-bit values, f16 scales) here once.
+#[derive(Default)]
+pub struct RowScratch {
+    pub q: Vec<i8>,
+    pub d: Vec<f32>,
+}
+
 /// `y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T` for a quantized weight; `x` given as `QActs`.
-pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
+pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
     debug_assert_eq!(x.n, w.n_in);
     debug_assert_eq!(y.len(), x.t * w.n_out);
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    simd128::matmul_q(w, x, y);
+    simd128::matmul_q(w, x, scratch, y);
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    scalar::matmul_q(w, x, y);
+    scalar::matmul_q(w, x, scratch, y);
 }
 
 /// `y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T` for an f32 weight.
@@ -236,7 +245,7 @@ mod tests {
                 let mut acts = QActs::default();
                 acts.quantize(&x, t, n_in);
                 let mut y = vec![0f32; t * n_out];
-                matmul_q(&q, &acts, &mut y);
+                matmul_q(&q, &acts, &mut RowScratch::default(), &mut y);
                 for tok in 0..t {
                     let xr = &x[tok * n_in..(tok + 1) * n_in];
                     for r in 0..n_out {
@@ -258,11 +267,20 @@ mod tests {
                         );
                     }
                 }
+                // The file's f16 scales widened in the kernels give the very products of the
+                // same scales stored as f32.
+                if let quant::Scales::F16(d) = &q.d {
+                    let mut wide = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                    wide.d = quant::Scales::F32(d.iter().map(|&h| quant::f16_to_f32(h)).collect());
+                    let mut y32 = vec![0f32; t * n_out];
+                    matmul_q(&wide, &acts, &mut RowScratch::default(), &mut y32);
+                    assert!(y.iter().zip(&y32).all(|(a, b)| a.to_bits() == b.to_bits()), "{kind:?} t={t}: f16 vs f32 scales");
+                }
                 // The dispatched kernel (SIMD on wasm32) agrees with the scalar reference up to
                 // f32 rounding, which both make in their own order: relative to the sum of the
                 // magnitudes of the terms (an output can be far smaller than its terms).
                 let mut reference = vec![0f32; t * n_out];
-                scalar::matmul_q(&q, &acts, &mut reference);
+                scalar::matmul_q(&q, &acts, &mut RowScratch::default(), &mut reference);
                 for tok in 0..t {
                     for r in 0..n_out {
                         let magnitude: f64 = (0..n_in)
@@ -384,34 +402,28 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
-    use crate::quant::{Group, QMatrix};
+    use crate::gguf::TensorType;
+    use crate::quant::QMatrix;
+    use crate::quant::tests::{Rng, random_blocks};
     use std::time::Instant;
-
-    /// A `[n_out, n_in]` weight of the given layout with arbitrary values.
-    fn weight(n_out: usize, n_in: usize, group: Group, mins: bool) -> QMatrix {
-        let g = group as usize;
-        QMatrix {
-            n_out,
-            n_in,
-            group,
-            q: (0..n_out * n_in).map(|i| (i * 7 % 31) as i8 - 15).collect(),
-            d: (0..n_out * n_in / g).map(|i| 0.01 + (i % 5) as f32 * 1e-3).collect(),
-            m: if mins { vec![0.002; n_out * n_in / 32] } else { Vec::new() },
-        }
-    }
 
     #[test]
     #[ignore]
     fn kernel_bench() {
         println!("{:<28} {:>5} {:>10} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s", "weight GB/s");
-        let shapes = [("ffn_up [2048, 640]", 2048, 640), ("ffn_down [640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
-        let layouts = [("G32", Group::G32, false), ("G32+mins", Group::G32, true), ("G16", Group::G16, false)];
+        let shapes = [("[2048, 640]", 2048, 640), ("[640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
+        let kinds = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
+        let mut rng = Rng(0x2545F4914F6CDD1D);
+        let mut scratch = RowScratch::default();
         for (shape, n_out, n_in) in shapes {
-            for (layout, group, mins) in layouts {
-                if n_out > 100_000 && layout != "G32" {
+            for kind in kinds {
+                let (block, _) = kind.block();
+                if (n_out > 100_000 && kind != TensorType::Q8_0) || n_in % block as usize != 0 {
                     continue;
                 }
-                let w = weight(n_out, n_in, group, mins);
+                let data = random_blocks(kind, n_out * n_in, &mut rng);
+                let w = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                drop(data);
                 for t in [1usize, 64] {
                     if n_out > 100_000 && t > 1 {
                         continue;
@@ -420,21 +432,73 @@ mod bench {
                     let mut acts = QActs::default();
                     acts.quantize(&x, t, n_in);
                     let mut y = vec![0f32; t * n_out];
-                    matmul_q(&w, &acts, &mut y);
+                    matmul_q(&w, &acts, &mut scratch, &mut y);
                     let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
                     let mut best = f64::INFINITY;
                     for _ in 0..3 {
                         let start = Instant::now();
                         for _ in 0..reps {
-                            matmul_q(&w, &acts, &mut y);
+                            matmul_q(&w, &acts, &mut scratch, &mut y);
                         }
                         best = best.min(start.elapsed().as_secs_f64() / reps as f64);
                     }
                     let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
                     let gbs = w.bytes() as f64 / best / 1e9;
-                    println!("{:<28} {t:>5} {:>10.3} {gflops:>10.1} {gbs:>10.2}", format!("{shape} {layout}"), best * 1e3);
+                    let name = format!("{shape} {}", kind.name());
+                    println!("{name:<28} {t:>5} {:>10.3} {gflops:>10.1} {gbs:>10.2}", best * 1e3);
                 }
             }
+        }
+        // The memory's own rate here: a plain read of 256 MB, 64 bytes a step.
+        #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+        {
+            use core::arch::wasm32::*;
+            let buf = vec![1u8; 256 << 20];
+            let mut best = f64::INFINITY;
+            let mut total = i32x4_splat(0);
+            for _ in 0..3 {
+                let start = Instant::now();
+                let (mut a, mut b, mut c, mut d) = (i32x4_splat(0), i32x4_splat(0), i32x4_splat(0), i32x4_splat(0));
+                for chunk in buf.chunks_exact(64) {
+                    // SAFETY: four 16-byte loads inside a 64-byte chunk.
+                    unsafe {
+                        let p = chunk.as_ptr() as *const v128;
+                        a = i32x4_add(a, v128_load(p));
+                        b = i32x4_add(b, v128_load(p.add(1)));
+                        c = i32x4_add(c, v128_load(p.add(2)));
+                        d = i32x4_add(d, v128_load(p.add(3)));
+                    }
+                }
+                total = i32x4_add(total, i32x4_add(i32x4_add(a, b), i32x4_add(c, d)));
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            println!("plain read of 256 MB: {:.2} GB/s ({})", buf.len() as f64 / best / 1e9, i32x4_extract_lane::<0>(total));
+        }
+        // As decode reads them: many weights in turn, each read once from memory (64 MB of
+        // file-format weights per kind, far beyond the L2 cache).
+        for kind in kinds {
+            let (n_out, n_in) = (2048, 640);
+            let (block, bytes) = kind.block();
+            let count = (64 << 20) / (n_out * n_in / block as usize * bytes as usize);
+            let ws: Vec<QMatrix> = (0..count)
+                .map(|_| QMatrix::from_blocks(kind, &random_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap())
+                .collect();
+            let x: Vec<f32> = (0..n_in).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+            let mut acts = QActs::default();
+            acts.quantize(&x, 1, n_in);
+            let mut y = vec![0f32; n_out];
+            let mut best = f64::INFINITY;
+            for _ in 0..5 {
+                let start = Instant::now();
+                for w in &ws {
+                    matmul_q(w, &acts, &mut scratch, &mut y);
+                }
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            let bytes: usize = ws.iter().map(QMatrix::bytes).sum();
+            let gflops = 2.0 * (count * n_out * n_in) as f64 / best / 1e9;
+            let name = format!("{count} x [2048, 640] {}", kind.name());
+            println!("{name:<28} {:>5} {:>10.3} {gflops:>10.1} {:>10.2}", 1, best * 1e3, bytes as f64 / best / 1e9);
         }
     }
 }

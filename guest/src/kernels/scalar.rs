@@ -1,15 +1,14 @@
 //! Scalar reference kernels: the definition the SIMD versions are tested against, and the
 //! kernels of targets without simd128.
 
-use super::QActs;
+use super::{QActs, RowScratch};
 use crate::quant::{QK, QMatrix};
 
-/// One output of `matmul_q`: row `r` of `w` against row `tok` of `x`.
-pub fn dot_q(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
+/// One output of `matmul_q`: row `r` of `w`, given as its values `q` and scales `d`
+/// (`QMatrix::row_values`, `row_scales`), against row `tok` of `x`.
+pub fn dot_q(w: &QMatrix, r: usize, q: &[i8], d: &[f32], x: &QActs, tok: usize) -> f32 {
     let n = w.n_in;
     let g = w.group as usize;
-    let q = &w.q[r * n..(r + 1) * n];
-    let d = &w.d[r * n / g..(r + 1) * n / g];
     let xq = &x.q[tok * n..(tok + 1) * n];
     let xs = &x.s[tok * n / QK..(tok + 1) * n / QK];
     let mut acc = 0f32;
@@ -26,10 +25,14 @@ pub fn dot_q(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
 }
 
 /// `y[t, n_out] = x[t, n_in] @ W^T`
-pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
-    for (tok, yr) in y.chunks_exact_mut(w.n_out).enumerate() {
-        for (r, o) in yr.iter_mut().enumerate() {
-            *o = dot_q(w, r, x, tok);
+pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
+    scratch.q.resize(w.n_in, 0);
+    scratch.d.resize(w.n_in / w.group as usize, 0.0);
+    for r in 0..w.n_out {
+        w.row_values(r, &mut scratch.q);
+        w.row_scales(r, &mut scratch.d);
+        for tok in 0..x.t {
+            y[tok * w.n_out + r] = dot_q(w, r, &scratch.q, &scratch.d, x, tok);
         }
     }
 }

@@ -1,8 +1,8 @@
 //! wasm simd128 kernels (standard SIMD only: results are the same on every host).
 //! Each mirrors a function of `scalar.rs` and is tested against it.
 
-use super::QActs;
-use crate::quant::{Group, QK, QMatrix};
+use super::{QActs, RowScratch};
+use crate::quant::{Group, QK, QMatrix, Scales, Values, f16_to_f32, fifth_bytes_per_row};
 use core::arch::wasm32::*;
 
 #[inline(always)]
@@ -21,21 +21,6 @@ fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
     i32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd))
 }
 
-/// The 32 weights of one block widened to i16.
-#[inline(always)]
-unsafe fn widen(q: *const i8) -> [v128; 4] {
-    unsafe {
-        let w0 = v128_load(q as *const v128);
-        let w1 = v128_load(q.add(16) as *const v128);
-        [
-            i16x8_extend_low_i8x16(w0),
-            i16x8_extend_high_i8x16(w0),
-            i16x8_extend_low_i8x16(w1),
-            i16x8_extend_high_i8x16(w1),
-        ]
-    }
-}
-
 /// A load that stays where it is written. LLVM otherwise hoists every load of an unrolled
 /// block to its top; Cranelift keeps the order of loads, so all of them would be live at once
 /// and spill. In source order each is used right after it is made. `p` must be 16-byte aligned
@@ -44,6 +29,15 @@ unsafe fn widen(q: *const i8) -> [v128; 4] {
 unsafe fn load_here(p: *const i16) -> v128 {
     debug_assert!((p as usize).is_multiple_of(16));
     unsafe { core::ptr::read_volatile(p as *const v128) }
+}
+
+/// 16 bytes from any address, loaded where written (see `load_here`): the weights' loads.
+#[inline(always)]
+unsafe fn load_weights(p: *const u8) -> v128 {
+    #[derive(Clone, Copy)]
+    #[repr(C, packed)]
+    struct Unaligned(v128);
+    unsafe { core::ptr::read_volatile(p as *const Unaligned).0 }
 }
 
 /// Integer products of one block against 32 i16 activations: the sums of elements 0..16 and
@@ -67,99 +61,249 @@ unsafe fn products32(a: &[v128; 4], x: *const i16) -> v128 {
     }
 }
 
+/// The weights of one row as the kernels read them: pointers into a `QMatrix` (or into a
+/// `RowScratch` holding the row unpacked), already offset to the row.
+#[derive(Clone, Copy)]
+struct Row {
+    /// `Values::I8`: `[n_in]`
+    q: *const i8,
+    /// `Values::Nibbles`: `[n_in / 2]`, and the row's fifth bits (null without)
+    nib: *const u8,
+    fifth: *const u8,
+    /// splat of the nibble offset
+    offset: v128,
+    /// `Scales::F32` / `Scales::F16`: `[n_in / group]`
+    d32: *const f32,
+    d16: *const u16,
+    /// `[n_in / 32]`, null without mins
+    m: *const f32,
+}
+
+/// Value storage of a `Row`, as a const parameter of the kernels.
+const I8: u8 = 0;
+const NIB: u8 = 1;
+const NIB5: u8 = 2;
+
+impl Row {
+    /// Row `r` of `w`, in place. Its value storage is `storage(w)`.
+    fn of(w: &QMatrix, r: usize) -> Row {
+        let (n, g) = (w.n_in, w.group as usize);
+        use core::ptr::null;
+        let mut row = Row { q: null(), nib: null(), fifth: null(), offset: i8x16_splat(0), d32: null(), d16: null(), m: null() };
+        match &w.values {
+            Values::I8(q) => row.q = q[r * n..].as_ptr(),
+            Values::Nibbles { nib, fifth, offset } => {
+                row.nib = nib[r * n / 2..].as_ptr();
+                if !fifth.is_empty() {
+                    row.fifth = fifth[r * fifth_bytes_per_row(n)..].as_ptr();
+                }
+                row.offset = i8x16_splat(*offset);
+            }
+        }
+        match &w.d {
+            Scales::F32(d) => row.d32 = d[r * n / g..].as_ptr(),
+            Scales::F16(d) => row.d16 = d[r * n / g..].as_ptr(),
+        }
+        if !w.m.is_empty() {
+            row.m = w.m[r * n / QK..].as_ptr();
+        }
+        row
+    }
+
+    /// Row `r` of the matrix whose row 0 is `self` (`n` columns, scales in groups of `g`).
+    #[inline(always)]
+    fn at(self, r: usize, n: usize, g: usize) -> Row {
+        Row {
+            q: self.q.wrapping_add(r * n),
+            nib: self.nib.wrapping_add(r * n / 2),
+            fifth: self.fifth.wrapping_add(r * fifth_bytes_per_row(n)),
+            d32: self.d32.wrapping_add(r * n / g),
+            d16: self.d16.wrapping_add(r * n / g),
+            m: self.m.wrapping_add(r * n / QK),
+            ..self
+        }
+    }
+
+    /// The row unpacked into `s` (i8 values, f32 scales), with its mins in place.
+    fn unpacked(s: &RowScratch, packed: Row) -> Row {
+        Row { q: s.q.as_ptr(), d32: s.d.as_ptr(), d16: core::ptr::null(), ..packed }
+    }
+}
+
+fn storage(w: &QMatrix) -> u8 {
+    match &w.values {
+        Values::I8(_) => I8,
+        Values::Nibbles { fifth, .. } if fifth.is_empty() => NIB,
+        Values::Nibbles { .. } => NIB5,
+    }
+}
+
+/// Bit `i` (0..8) of every byte of `v` moved to bit 4; other bits arbitrary.
+#[inline(always)]
+fn bit_to_4(v: v128, i: u32) -> v128 {
+    // 16-bit shifts move each byte's bits within the byte for the bits kept (bit 4 of each
+    // byte comes from bit `i` of the same byte for every `i` in 0..8).
+    if i <= 4 { i16x8_shl(v, 4 - i) } else { u16x8_shr(v, i - 4) }
+}
+
+/// The i8 values of block `b` of `row` as `(elements 0..16, elements 16..32)`. For `NIB5`,
+/// `plane` is the row's 16 bytes of fifth bits for blocks `b / 4 * 4..`, and `k = b % 4`.
+#[inline(always)]
+unsafe fn block_i8<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
+    unsafe {
+        if V == I8 {
+            let q = row.q.add(QK * b) as *const u8;
+            return (load_weights(q), load_weights(q.add(16)));
+        }
+        let v = load_weights(row.nib.add(16 * b));
+        let low4 = u8x16_splat(0x0F);
+        let mut lo = v128_and(v, low4);
+        let mut hi = v128_and(u16x8_shr(v, 4), low4);
+        if V == NIB5 {
+            let bit4 = u8x16_splat(0x10);
+            lo = v128_or(lo, v128_and(bit_to_4(plane, 2 * k), bit4));
+            hi = v128_or(hi, v128_and(bit_to_4(plane, 2 * k + 1), bit4));
+        }
+        (i8x16_sub(lo, row.offset), i8x16_sub(hi, row.offset))
+    }
+}
+
+/// The fifth-bit plane for blocks `b / 4 * 4..` of `row` (zero unless `NIB5`).
+#[inline(always)]
+unsafe fn plane<const V: u8>(row: Row, b: usize) -> v128 {
+    unsafe { if V == NIB5 { v128_load(row.fifth.add(b / 4 * 16) as *const v128) } else { i8x16_splat(0) } }
+}
+
+/// An i8 block `(lo, hi)` widened to four i16x8.
+#[inline(always)]
+fn widen((lo, hi): (v128, v128)) -> [v128; 4] {
+    [i16x8_extend_low_i8x16(lo), i16x8_extend_high_i8x16(lo), i16x8_extend_low_i8x16(hi), i16x8_extend_high_i8x16(hi)]
+}
+
+/// Four f16 (the low 64 bits of `h`) as f32x4, exactly, for finite values: the exponent and
+/// mantissa moved into f32 position and rescaled by 2^(127 - 15), which also makes f16
+/// subnormals normal.
+#[inline(always)]
+fn f16x4_to_f32(h: v128) -> v128 {
+    let h = u32x4_extend_low_u16x8(h);
+    let sign = i32x4_shl(v128_and(h, u32x4_splat(0x8000)), 16);
+    let magnitude = i32x4_shl(v128_and(h, u32x4_splat(0x7FFF)), 13);
+    v128_or(f32x4_mul(magnitude, f32x4_splat(f32::from_bits((127 + 112) << 23))), sign)
+}
+
+/// Scales `i..i + 4` of a G32 row.
+#[inline(always)]
+unsafe fn scales4<const F16: bool>(row: Row, i: usize) -> v128 {
+    unsafe {
+        if F16 { f16x4_to_f32(v128_load64_zero(row.d16.add(i) as *const u64)) } else { v128_load(row.d32.add(i) as *const v128) }
+    }
+}
+
+/// Scale `i` of a row.
+#[inline(always)]
+unsafe fn scale<const F16: bool>(row: Row, i: usize) -> f32 {
+    unsafe { if F16 { f16_to_f32(*row.d16.add(i)) } else { *row.d32.add(i) } }
+}
+
 // The kernels below are unrolled by hand, without arrays indexed in loops: LLVM leaves such
 // small loops rolled for wasm32, and their arrays then live in linear memory (a store and a
 // load per value, and an epoch check per iteration under wasmtime) instead of in registers.
 
-/// Row `r` of `w` against one token row `tok` of `x`. Blocks go four at a time: their integer
-/// sums are reduced together and scaled with one vector multiply.
+/// `row` (G32, any storage) against one token row `tok` of `x`, reading the packed weights
+/// directly (the decode kernel: its time is the time to read the row from memory). Blocks go
+/// four at a time: their integer sums are reduced together and scaled with one vector
+/// multiply.
 #[inline(always)]
-unsafe fn dot_row(w: &QMatrix, r: usize, x: &QActs, tok: usize) -> f32 {
-    let n = w.n_in;
+unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usize) -> f32 {
     let nb = n / QK;
     unsafe {
-        let q = w.q.as_ptr().add(r * n);
         let xq = x.q.as_ptr().add(tok * n);
         let xs = x.s.as_ptr().add(tok * nb);
-        let block = |b: usize| (widen(q.add(QK * b)), xq.add(QK * b));
         let mut acc = f32x4_splat(0.0);
         let mut b = 0;
-        match w.group {
-            Group::G32 => {
-                let d = w.d.as_ptr().add(r * nb);
-                while b + 4 <= nb {
-                    let (a0, x0) = block(b);
-                    let p0 = products32(&a0, x0);
-                    let (a1, x1) = block(b + 1);
-                    let p1 = products32(&a1, x1);
-                    let (a2, x2) = block(b + 2);
-                    let p2 = products32(&a2, x2);
-                    let (a3, x3) = block(b + 3);
-                    let p3 = products32(&a3, x3);
-                    let sums = f32x4_convert_i32x4(hsum4_i32(p0, p1, p2, p3));
-                    let scale = f32x4_mul(v128_load(d.add(b) as *const v128), v128_load(xs.add(b) as *const v128));
-                    acc = f32x4_add(acc, f32x4_mul(sums, scale));
-                    b += 4;
-                }
-            }
-            Group::G16 => {
-                let d = w.d.as_ptr().add(2 * r * nb);
-                while b + 4 <= nb {
-                    let (a0, x0) = block(b);
-                    let (l0, h0) = products(&a0, x0);
-                    let (a1, x1) = block(b + 1);
-                    let (l1, h1) = products(&a1, x1);
-                    let (a2, x2) = block(b + 2);
-                    let (l2, h2) = products(&a2, x2);
-                    let (a3, x3) = block(b + 3);
-                    let (l3, h3) = products(&a3, x3);
-                    let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
-                    let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
-                    let d0 = v128_load(d.add(2 * b) as *const v128);
-                    let d1 = v128_load(d.add(2 * b + 4) as *const v128);
-                    let d_lo = i32x4_shuffle::<0, 2, 4, 6>(d0, d1);
-                    let d_hi = i32x4_shuffle::<1, 3, 5, 7>(d0, d1);
-                    let xs4 = v128_load(xs.add(b) as *const v128);
-                    let p = f32x4_add(f32x4_mul(s_lo, d_lo), f32x4_mul(s_hi, d_hi));
-                    acc = f32x4_add(acc, f32x4_mul(p, xs4));
-                    b += 4;
-                }
-            }
+        while b + 4 <= nb {
+            let bits = plane::<V>(row, b);
+            let p0 = products32(&widen(block_i8::<V>(row, b, bits, 0)), xq.add(QK * b));
+            let p1 = products32(&widen(block_i8::<V>(row, b + 1, bits, 1)), xq.add(QK * (b + 1)));
+            let p2 = products32(&widen(block_i8::<V>(row, b + 2, bits, 2)), xq.add(QK * (b + 2)));
+            let p3 = products32(&widen(block_i8::<V>(row, b + 3, bits, 3)), xq.add(QK * (b + 3)));
+            let sums = f32x4_convert_i32x4(hsum4_i32(p0, p1, p2, p3));
+            let scale = f32x4_mul(scales4::<F16>(row, b), v128_load(xs.add(b) as *const v128));
+            acc = f32x4_add(acc, f32x4_mul(sums, scale));
+            b += 4;
         }
         let mut out = hsum(acc);
         // The last blocks of a row whose block count is not a multiple of 4.
-        let g = w.group as usize;
         while b < nb {
-            let (lo, hi) = products(&widen(q.add(QK * b)), xq.add(QK * b));
-            let (lo, hi) = (hsum(f32x4_convert_i32x4(lo)), hsum(f32x4_convert_i32x4(hi)));
-            let xs = *xs.add(b);
-            out += match g {
-                32 => (lo + hi) * *w.d.get_unchecked(r * nb + b) * xs,
-                _ => (lo * *w.d.get_unchecked(2 * (r * nb + b)) + hi * *w.d.get_unchecked(2 * (r * nb + b) + 1)) * xs,
-            };
+            let p = products32(&widen(block_i8::<V>(row, b, plane::<V>(row, b), (b % 4) as u32)), xq.add(QK * b));
+            out += hsum(f32x4_convert_i32x4(p)) * scale::<F16>(row, b) * *xs.add(b);
             b += 1;
         }
-        if !w.m.is_empty() {
-            out -= super::scalar::dot(&w.m[r * nb..(r + 1) * nb], &x.sum[tok * nb..(tok + 1) * nb]);
+        if MINS {
+            out -= super::scalar::dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
         }
         out
     }
 }
 
-/// Row `r` of `w` against the 4 token rows of group `g` of `x` (tokens `4g..4g + 4`): each
-/// block is widened once for the four tokens, and the four tokens' block sums are reduced and
-/// scaled together. Returns the four outputs.
+/// `row` (G16: i8 values, f32 scales) against one token row `tok` of `x`.
 #[inline(always)]
-unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x: &QActs, g: usize) -> v128 {
-    let n = w.n_in;
+unsafe fn dot_row_g16<const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usize) -> f32 {
     let nb = n / QK;
     unsafe {
-        let q = w.q.as_ptr().add(r * n);
+        let xq = x.q.as_ptr().add(tok * n);
+        let xs = x.s.as_ptr().add(tok * nb);
+        let block = |b: usize| (widen(block_i8::<I8>(row, b, i8x16_splat(0), 0)), xq.add(QK * b));
+        let d = row.d32;
+        let mut acc = f32x4_splat(0.0);
+        let mut b = 0;
+        while b + 4 <= nb {
+            let (a0, x0) = block(b);
+            let (l0, h0) = products(&a0, x0);
+            let (a1, x1) = block(b + 1);
+            let (l1, h1) = products(&a1, x1);
+            let (a2, x2) = block(b + 2);
+            let (l2, h2) = products(&a2, x2);
+            let (a3, x3) = block(b + 3);
+            let (l3, h3) = products(&a3, x3);
+            let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
+            let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
+            let d0 = v128_load(d.add(2 * b) as *const v128);
+            let d1 = v128_load(d.add(2 * b + 4) as *const v128);
+            let d_lo = i32x4_shuffle::<0, 2, 4, 6>(d0, d1);
+            let d_hi = i32x4_shuffle::<1, 3, 5, 7>(d0, d1);
+            let xs4 = v128_load(xs.add(b) as *const v128);
+            let p = f32x4_add(f32x4_mul(s_lo, d_lo), f32x4_mul(s_hi, d_hi));
+            acc = f32x4_add(acc, f32x4_mul(p, xs4));
+            b += 4;
+        }
+        let mut out = hsum(acc);
+        while b < nb {
+            let (a, x0) = block(b);
+            let (lo, hi) = products(&a, x0);
+            let (lo, hi) = (hsum(f32x4_convert_i32x4(lo)), hsum(f32x4_convert_i32x4(hi)));
+            out += (lo * *d.add(2 * b) + hi * *d.add(2 * b + 1)) * *xs.add(b);
+            b += 1;
+        }
+        if MINS {
+            out -= super::scalar::dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
+        }
+        out
+    }
+}
+
+/// `row` (i8 values, f32 scales) against the 4 token rows of group `g` of `x` (tokens
+/// `4g..4g + 4`): each block is widened once for the four tokens, and the four tokens' block
+/// sums are reduced and scaled together. Returns the four outputs.
+#[inline(always)]
+unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &QActs, g: usize) -> v128 {
+    let nb = n / QK;
+    unsafe {
         let xq = x.q.as_ptr().add(4 * g * n);
         let s4 = x.s4.as_ptr().add(g * nb * 4);
         let mut acc = f32x4_splat(0.0);
         for b in 0..nb {
-            let a = widen(q.add(QK * b));
+            let a = widen(block_i8::<I8>(row, b, i8x16_splat(0), 0));
             let x0 = xq.add(QK * b);
             let xs4 = v128_load(s4.add(4 * b) as *const v128);
             match G16 {
@@ -170,7 +314,7 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x
                         products32(&a, x0.add(2 * n)),
                         products32(&a, x0.add(3 * n)),
                     );
-                    let d = f32x4_splat(*w.d.get_unchecked(r * nb + b));
+                    let d = f32x4_splat(*row.d32.add(b));
                     acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4)));
                 }
                 true => {
@@ -180,14 +324,14 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x
                     let (l3, h3) = products(&a, x0.add(3 * n));
                     let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
                     let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
-                    let d0 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b)));
-                    let d1 = f32x4_splat(*w.d.get_unchecked(2 * (r * nb + b) + 1));
+                    let d0 = f32x4_splat(*row.d32.add(2 * b));
+                    let d1 = f32x4_splat(*row.d32.add(2 * b + 1));
                     let p = f32x4_add(f32x4_mul(s_lo, d0), f32x4_mul(s_hi, d1));
                     acc = f32x4_add(acc, f32x4_mul(p, xs4));
                 }
             }
             if MINS {
-                let m = f32x4_splat(*w.m.get_unchecked(r * nb + b));
+                let m = f32x4_splat(*row.m.add(b));
                 acc = f32x4_sub(acc, f32x4_mul(m, v128_load(x.sum4.as_ptr().add((g * nb + b) * 4) as *const v128)));
             }
         }
@@ -195,35 +339,146 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(w: &QMatrix, r: usize, x
     }
 }
 
-/// `y[t, n_out] = x[t, n_in] @ W^T`. Rows outermost, so each weight row is read once from
-/// memory while the (smaller) activations stay in cache; tokens in groups of 4.
-pub fn matmul_q(w: &QMatrix, x: &QActs, y: &mut [f32]) {
-    let nb = w.n_in / QK;
-    assert!(x.n == w.n_in && w.n_in % QK == 0 && y.len() == x.t * w.n_out);
-    assert!(w.q.len() == w.n_out * w.n_in && w.d.len() == w.n_out * w.n_in / w.group as usize);
-    assert!(w.m.is_empty() || w.m.len() == w.n_out * nb);
-    assert!(x.q.len() >= x.t * x.n && x.s.len() >= x.t * nb && x.sum.len() >= x.t * nb);
-    assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.sum4.len() >= x.t / 4 * nb * 4);
-    let n_out = w.n_out;
+/// Unpacks a G32 `row` into `s`: i8 values and f32 scales, the layout the 4-token kernel
+/// reads (once per row, for all the token groups).
+#[inline(always)]
+unsafe fn unpack_row<const V: u8, const F16: bool>(row: Row, n: usize, s: &mut RowScratch) {
+    let nb = n / QK;
+    s.q.resize(n, 0);
+    s.d.resize(nb, 0.0);
+    unsafe {
+        let q = s.q.as_mut_ptr();
+        let store = |b: usize, (lo, hi): (v128, v128)| {
+            v128_store(q.add(QK * b) as *mut v128, lo);
+            v128_store(q.add(QK * b + 16) as *mut v128, hi);
+        };
+        let mut b = 0;
+        while b + 4 <= nb {
+            let bits = plane::<V>(row, b);
+            store(b, block_i8::<V>(row, b, bits, 0));
+            store(b + 1, block_i8::<V>(row, b + 1, bits, 1));
+            store(b + 2, block_i8::<V>(row, b + 2, bits, 2));
+            store(b + 3, block_i8::<V>(row, b + 3, bits, 3));
+            v128_store(s.d.as_mut_ptr().add(b) as *mut v128, scales4::<F16>(row, b));
+            b += 4;
+        }
+        while b < nb {
+            store(b, block_i8::<V>(row, b, plane::<V>(row, b), (b % 4) as u32));
+            s.d[b] = scale::<F16>(row, b);
+            b += 1;
+        }
+    }
+}
+
+/// `matmul_q` for one storage of the weight.
+#[inline(always)]
+unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(
+    w: &QMatrix,
+    x: &QActs,
+    scratch: &mut RowScratch,
+    y: &mut [f32],
+) {
+    let (n, n_out) = (w.n_in, w.n_out);
     let groups = x.t / 4;
-    for r in 0..n_out {
-        // SAFETY: the asserts above bound every row, block and token index the kernels read.
-        unsafe {
-            for g in 0..groups {
-                let v = match (w.group, w.m.is_empty()) {
-                    (Group::G32, true) => dot_row_x4::<false, false>(w, r, x, g),
-                    (Group::G32, false) => dot_row_x4::<false, true>(w, r, x, g),
-                    (Group::G16, true) => dot_row_x4::<true, false>(w, r, x, g),
-                    (Group::G16, false) => dot_row_x4::<true, true>(w, r, x, g),
+    let first = Row::of(w, 0);
+    let group = w.group as usize;
+    if groups == 0 {
+        // Decode: every weight byte is read once, from memory. Rows go from `STREAMS` parts
+        // of the matrix in turn, so that the hardware prefetcher follows that many sequential
+        // streams at once: with one stream it keeps too few bytes in flight (the output
+        // projection took 1.6x as long here).
+        const STREAMS: usize = 4;
+        let part = n_out / STREAMS;
+        let one = |r: usize, y: &mut [f32]| {
+            let row = first.at(r, n, group);
+            for tok in 0..x.t {
+                // SAFETY: row `r` and token `tok` are in bounds (see `matmul_q`).
+                y[tok * n_out + r] = unsafe {
+                    match G16 {
+                        true => dot_row_g16::<MINS>(row, n, x, tok),
+                        false => dot_row_g32::<V, F16, MINS>(row, n, x, tok),
+                    }
                 };
+            }
+        };
+        for i in 0..part {
+            for c in 0..STREAMS {
+                one(c * part + i, y);
+            }
+        }
+        for r in STREAMS * part..n_out {
+            one(r, y);
+        }
+        return;
+    }
+    // The 4-token kernel reads i8 values and f32 scales: packed rows are unpacked once for
+    // all the token groups.
+    let unpack = V != I8 || F16;
+    for r in 0..n_out {
+        unsafe {
+            let packed = first.at(r, n, group);
+            let row = if unpack {
+                unpack_row::<V, F16>(packed, n, scratch);
+                Row::unpacked(scratch, packed)
+            } else {
+                packed
+            };
+            for g in 0..groups {
+                let v = dot_row_x4::<G16, MINS>(row, n, x, g);
                 y[(4 * g) * n_out + r] = f32x4_extract_lane::<0>(v);
                 y[(4 * g + 1) * n_out + r] = f32x4_extract_lane::<1>(v);
                 y[(4 * g + 2) * n_out + r] = f32x4_extract_lane::<2>(v);
                 y[(4 * g + 3) * n_out + r] = f32x4_extract_lane::<3>(v);
             }
             for tok in 4 * groups..x.t {
-                y[tok * n_out + r] = dot_row(w, r, x, tok);
+                y[tok * n_out + r] = match (G16, unpack) {
+                    (true, _) => dot_row_g16::<MINS>(row, n, x, tok),
+                    (false, true) => dot_row_g32::<I8, false, MINS>(row, n, x, tok),
+                    (false, false) => dot_row_g32::<V, F16, MINS>(row, n, x, tok),
+                };
             }
+        }
+    }
+}
+
+/// `y[t, n_out] = x[t, n_in] @ W^T`. Rows outermost, so each weight row is read once from
+/// memory while the (smaller) activations stay in cache; tokens in groups of 4.
+pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
+    let (n, nb, g) = (w.n_in, w.n_in / QK, w.group as usize);
+    assert!(x.n == n && n % QK == 0 && y.len() == x.t * w.n_out);
+    let values = match &w.values {
+        Values::I8(q) => q.len() == w.n_out * n,
+        Values::Nibbles { nib, fifth, .. } => {
+            nib.len() == w.n_out * n / 2 && (fifth.is_empty() || fifth.len() == w.n_out * fifth_bytes_per_row(n))
+        }
+    };
+    let scales = match &w.d {
+        Scales::F32(d) => d.len() == w.n_out * n / g,
+        Scales::F16(d) => d.len() == w.n_out * n / g,
+    };
+    assert!(values && scales && (w.m.is_empty() || w.m.len() == w.n_out * nb));
+    assert!(x.q.len() >= x.t * x.n && x.s.len() >= x.t * nb && x.sum.len() >= x.t * nb);
+    assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.sum4.len() >= x.t / 4 * nb * 4);
+    let f16 = matches!(w.d, Scales::F16(_));
+    let mins = !w.m.is_empty();
+    // SAFETY: the asserts above bound every row, block and token index the kernels read.
+    unsafe {
+        match (w.group, storage(w), f16, mins) {
+            (Group::G16, I8, false, false) => matmul_rows::<I8, false, true, false>(w, x, scratch, y),
+            (Group::G16, I8, false, true) => matmul_rows::<I8, false, true, true>(w, x, scratch, y),
+            (Group::G16, ..) => panic!("G16 weights are stored as i8 values with f32 scales"),
+            (Group::G32, I8, false, false) => matmul_rows::<I8, false, false, false>(w, x, scratch, y),
+            (Group::G32, I8, false, true) => matmul_rows::<I8, false, false, true>(w, x, scratch, y),
+            (Group::G32, I8, true, false) => matmul_rows::<I8, true, false, false>(w, x, scratch, y),
+            (Group::G32, I8, true, true) => matmul_rows::<I8, true, false, true>(w, x, scratch, y),
+            (Group::G32, NIB, false, false) => matmul_rows::<NIB, false, false, false>(w, x, scratch, y),
+            (Group::G32, NIB, false, true) => matmul_rows::<NIB, false, false, true>(w, x, scratch, y),
+            (Group::G32, NIB, true, false) => matmul_rows::<NIB, true, false, false>(w, x, scratch, y),
+            (Group::G32, NIB, true, true) => matmul_rows::<NIB, true, false, true>(w, x, scratch, y),
+            (Group::G32, _, false, false) => matmul_rows::<NIB5, false, false, false>(w, x, scratch, y),
+            (Group::G32, _, false, true) => matmul_rows::<NIB5, false, false, true>(w, x, scratch, y),
+            (Group::G32, _, true, false) => matmul_rows::<NIB5, true, false, false>(w, x, scratch, y),
+            (Group::G32, _, true, true) => matmul_rows::<NIB5, true, false, true>(w, x, scratch, y),
         }
     }
 }
@@ -378,3 +633,4 @@ pub fn softmax(x: &mut [f32]) {
         *v *= inv;
     }
 }
+
