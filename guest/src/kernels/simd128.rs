@@ -466,7 +466,7 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
         match (w.group, storage(w), f16, mins) {
             (Group::G16, I8, false, false) => matmul_rows::<I8, false, true, false>(w, x, scratch, y),
             (Group::G16, I8, false, true) => matmul_rows::<I8, false, true, true>(w, x, scratch, y),
-            (Group::G16, ..) => panic!("G16 weights are stored as i8 values with f32 scales"),
+            (Group::G16, ..) => unreachable!("G16 weights are stored as i8 values with f32 scales (`QMatrix::from_blocks`)"),
             (Group::G32, I8, false, false) => matmul_rows::<I8, false, false, false>(w, x, scratch, y),
             (Group::G32, I8, false, true) => matmul_rows::<I8, false, false, true>(w, x, scratch, y),
             (Group::G32, I8, true, false) => matmul_rows::<I8, true, false, false>(w, x, scratch, y),
