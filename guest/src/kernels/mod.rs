@@ -144,13 +144,24 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     return scalar::dot(a, b);
 }
 
-/// `y[i] += a * x[i]`
-#[inline]
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+/// `out[j] = scale * (q . rows[j])` for `out.len()` rows of `q.len()` elements that start
+/// `stride` apart in `rows` (one head's keys in a KV cache).
+pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    assert!(out.is_empty() || rows.len() >= (out.len() - 1) * stride + q.len());
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    return simd128::axpy(a, x, y);
+    simd128::dot_rows(q, rows, stride, scale, out);
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    return scalar::axpy(a, x, y);
+    scalar::dot_rows(q, rows, stride, scale, out);
+}
+
+/// `out += sum_j w[j] * rows[j]` for `w.len()` rows of `out.len()` elements that start `stride`
+/// apart in `rows` (one head's values in a KV cache, weighted by its attention).
+pub fn weighted_sum(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    assert!(w.is_empty() || rows.len() >= (w.len() - 1) * stride + out.len());
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    simd128::weighted_sum(w, rows, stride, out);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::weighted_sum(w, rows, stride, out);
 }
 
 /// The activation of a gated feed-forward block.
@@ -302,18 +313,37 @@ mod tests {
     }
 
     #[test]
-    fn dot_and_axpy_match_scalar() {
+    fn dot_matches_the_exact_sum() {
         let mut rng = Rng(seed());
-        for n in [0usize, 1, 3, 4, 7, 8, 9, 31, 256, 1000] {
+        for n in [0usize, 1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 256, 1000] {
             let a: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             let b: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!((dot(&a, &b) as f64 - exact).abs() <= 1e-5 * (1.0 + n as f64), "dot n={n}");
-            let mut y1 = b.clone();
-            let mut y2 = b.clone();
-            axpy(0.37, &a, &mut y1);
-            scalar::axpy(0.37, &a, &mut y2);
-            assert_eq!(y1, y2, "axpy n={n}");
+        }
+    }
+
+    /// The attention kernels against their definitions in f64, on strided rows (a KV cache's
+    /// rows hold every key/value head).
+    #[test]
+    fn dot_rows_and_weighted_sum_match_their_definitions() {
+        let mut rng = Rng(seed());
+        for (n, rows, stride) in [(256usize, 7usize, 512usize), (64, 1, 64), (36, 5, 40), (3, 4, 3), (256, 0, 256)] {
+            let data: Vec<f32> = (0..rows.max(1) * stride + n).map(|_| rng.f32()).collect();
+            let q: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            let mut scores = vec![0f32; rows];
+            dot_rows(&q, &data, stride, 0.5, &mut scores);
+            for (j, s) in scores.iter().enumerate() {
+                let exact: f64 = (0..n).map(|i| q[i] as f64 * data[j * stride + i] as f64).sum::<f64>() * 0.5;
+                assert!((*s as f64 - exact).abs() <= 1e-5 * (1.0 + n as f64), "dot_rows n={n} row {j}");
+            }
+            let start: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            let mut out = start.clone();
+            weighted_sum(&scores, &data, stride, &mut out);
+            for i in 0..n {
+                let exact = start[i] as f64 + (0..rows).map(|j| scores[j] as f64 * data[j * stride + i] as f64).sum::<f64>();
+                assert!((out[i] as f64 - exact).abs() <= 1e-5 * (1.0 + rows as f64), "weighted_sum n={n} element {i}");
+            }
         }
     }
 

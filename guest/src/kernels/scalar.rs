@@ -41,9 +41,17 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(a, b)| a * b).sum()
 }
 
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
+pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = scale * dot(q, &rows[j * stride..j * stride + q.len()]);
+    }
+}
+
+pub fn weighted_sum(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    for (j, &wj) in w.iter().enumerate() {
+        for (o, r) in out.iter_mut().zip(&rows[j * stride..]) {
+            *o += wj * r;
+        }
     }
 }
 

@@ -485,20 +485,26 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
-    let mut acc0 = f32x4_splat(0.0);
-    let mut acc1 = f32x4_splat(0.0);
+    let mut acc = [f32x4_splat(0.0); 4];
     let mut i = 0;
     // SAFETY: every load is of 4 floats below `n`.
     unsafe {
-        while i + 8 <= n {
-            let pa = a.as_ptr().add(i) as *const v128;
-            let pb = b.as_ptr().add(i) as *const v128;
-            acc0 = f32x4_add(acc0, f32x4_mul(v128_load(pa), v128_load(pb)));
-            acc1 = f32x4_add(acc1, f32x4_mul(v128_load(pa.add(1)), v128_load(pb.add(1))));
-            i += 8;
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let load = |p: *const f32, i: usize| v128_load(p.add(i) as *const v128);
+        // Four independent sums, so that the adds' latency is not the bound.
+        while i + 16 <= n {
+            acc[0] = f32x4_add(acc[0], f32x4_mul(load(pa, i), load(pb, i)));
+            acc[1] = f32x4_add(acc[1], f32x4_mul(load(pa, i + 4), load(pb, i + 4)));
+            acc[2] = f32x4_add(acc[2], f32x4_mul(load(pa, i + 8), load(pb, i + 8)));
+            acc[3] = f32x4_add(acc[3], f32x4_mul(load(pa, i + 12), load(pb, i + 12)));
+            i += 16;
+        }
+        while i + 4 <= n {
+            acc[0] = f32x4_add(acc[0], f32x4_mul(load(pa, i), load(pb, i)));
+            i += 4;
         }
     }
-    let mut s = hsum(f32x4_add(acc0, acc1));
+    let mut s = hsum(f32x4_add(f32x4_add(acc[0], acc[1]), f32x4_add(acc[2], acc[3])));
     while i < n {
         s += a[i] * b[i];
         i += 1;
@@ -506,22 +512,47 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-    let n = x.len().min(y.len());
-    let va = f32x4_splat(a);
-    let mut i = 0;
-    // SAFETY: every load and store is of 4 floats below `n`.
-    unsafe {
-        while i + 4 <= n {
-            let px = x.as_ptr().add(i) as *const v128;
-            let py = y.as_mut_ptr().add(i) as *mut v128;
-            v128_store(py, f32x4_add(v128_load(py), f32x4_mul(va, v128_load(px))));
-            i += 4;
+/// See `kernels::dot_rows` (which checks the bounds).
+pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
+    for (j, o) in out.iter_mut().enumerate() {
+        *o = scale * dot(q, &rows[j * stride..j * stride + q.len()]);
+    }
+}
+
+/// See `kernels::weighted_sum`. Sixteen outputs at a time are accumulated in registers over
+/// all the rows, then stored once.
+pub fn weighted_sum(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    let mut c = 0;
+    if !w.is_empty() {
+        assert!(rows.len() >= (w.len() - 1) * stride + n);
+        // SAFETY: the loads read `rows[j * stride + c..][..16]` for `j < w.len()` and
+        // `c + 16 <= n`, inside `rows` by the assert; the stores are of `out[c..c + 16]`.
+        unsafe {
+            while c + 16 <= n {
+                let o = out.as_mut_ptr().add(c) as *mut v128;
+                let mut acc = [v128_load(o), v128_load(o.add(1)), v128_load(o.add(2)), v128_load(o.add(3))];
+                let mut p = rows.as_ptr().add(c);
+                for &wj in w {
+                    let s = f32x4_splat(wj);
+                    let r = p as *const v128;
+                    acc[0] = f32x4_add(acc[0], f32x4_mul(s, v128_load(r)));
+                    acc[1] = f32x4_add(acc[1], f32x4_mul(s, v128_load(r.add(1))));
+                    acc[2] = f32x4_add(acc[2], f32x4_mul(s, v128_load(r.add(2))));
+                    acc[3] = f32x4_add(acc[3], f32x4_mul(s, v128_load(r.add(3))));
+                    p = p.wrapping_add(stride);
+                }
+                for (k, a) in acc.into_iter().enumerate() {
+                    v128_store(o.add(k), a);
+                }
+                c += 16;
+            }
         }
     }
-    while i < n {
-        y[i] += a * x[i];
-        i += 1;
+    for (j, &wj) in w.iter().enumerate() {
+        for (o, r) in out[c..].iter_mut().zip(&rows[j * stride + c..]) {
+            *o += wj * r;
+        }
     }
 }
 

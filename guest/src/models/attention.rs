@@ -1,6 +1,6 @@
 //! Causal grouped-query attention over a per-layer KV cache, shared by every architecture.
 
-use crate::kernels::{axpy, dot, softmax};
+use crate::kernels::{dot_rows, softmax, weighted_sum};
 
 /// Keys and values of one layer: a ring of `cap` positions. Global layers have room for the
 /// whole context; sliding-window layers for the window plus one batch, so that a batch's own
@@ -49,10 +49,11 @@ pub struct Heads {
 /// `out[i] = softmax(q[i] . K^T * scale) @ V` for the `t` queries `q: [t, n_head * head_dim]` at
 /// positions `pos..pos + t`, each over the keys at positions `..=its own` in `cache` (the last
 /// `window` of them on sliding layers). The cache holds every one of those positions already.
-/// `scores` is scratch of at least `n_head / n_head_kv * (pos + t)` elements.
+/// `scores` is scratch of at least `pos + t` elements.
 ///
-/// The query heads that share a key/value head are done together: each key and value row is
-/// read once for all of them.
+/// Each head's keys and values are read as rows of the cache (at most two runs of slots, the
+/// ring wrapping once): scores by `dot_rows`, outputs accumulated in registers by
+/// `weighted_sum`. The query heads that share a key/value head read it while it is in cache.
 pub fn attend(cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, scores: &mut [f32], out: &mut [f32]) {
     let hd = h.head_dim;
     let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -62,30 +63,21 @@ pub fn attend(cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, sco
         // Keys at positions first..=p: all of them, or the last `window` for sliding layers.
         let first = cache.window.map_or(0, |win| (p + 1).saturating_sub(win));
         let n_keys = p + 1 - first;
-        let scores = &mut scores[..group * n_keys];
-        for kvh in 0..h.n_head_kv {
-            // `[group, hd]` queries and outputs of the heads of this key/value head.
-            let qs = &q[i * nq + kvh * group * hd..i * nq + (kvh + 1) * group * hd];
-            let outs = &mut out[i * nq + kvh * group * hd..i * nq + (kvh + 1) * group * hd];
-            let mut slot = first % cache.cap;
-            for j in 0..n_keys {
-                let k = &cache.k[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd];
-                for (g, qh) in qs.chunks_exact(hd).enumerate() {
-                    scores[g * n_keys + j] = dot(qh, k) * h.scale;
-                }
-                slot = if slot + 1 == cache.cap { 0 } else { slot + 1 };
+        let scores = &mut scores[..n_keys];
+        // The slots of those positions: `start..` up to the end of the ring, then `0..`.
+        let start = first % cache.cap;
+        let runs = [(start, 0, n_keys.min(cache.cap - start)), (0, cache.cap - start, n_keys.saturating_sub(cache.cap - start))];
+        for head in 0..h.n_head {
+            let kv = head / group * hd;
+            let qh = &q[i * nq + head * hd..i * nq + (head + 1) * hd];
+            for &(slot, j, n) in runs.iter().filter(|r| r.2 > 0) {
+                dot_rows(qh, &cache.k[slot * nkv + kv..], nkv, h.scale, &mut scores[j..j + n]);
             }
-            for s in scores.chunks_exact_mut(n_keys) {
-                softmax(s);
-            }
-            outs.fill(0.0);
-            let mut slot = first % cache.cap;
-            for j in 0..n_keys {
-                let v = &cache.v[slot * nkv + kvh * hd..slot * nkv + (kvh + 1) * hd];
-                for (g, o) in outs.chunks_exact_mut(hd).enumerate() {
-                    axpy(scores[g * n_keys + j], v, o);
-                }
-                slot = if slot + 1 == cache.cap { 0 } else { slot + 1 };
+            softmax(scores);
+            let o = &mut out[i * nq + head * hd..i * nq + (head + 1) * hd];
+            o.fill(0.0);
+            for &(slot, j, n) in runs.iter().filter(|r| r.2 > 0) {
+                weighted_sum(&scores[j..j + n], &cache.v[slot * nkv + kv..], nkv, o);
             }
         }
     }

@@ -296,7 +296,7 @@ pub struct Scratch {
     pub gate: Vec<f32>,
     /// `[batch, n_ff]`
     pub up: Vec<f32>,
-    /// `[n_head / n_head_kv, n_ctx]`: attention scores of the query heads of one key/value head.
+    /// `[n_ctx]`: attention scores of one query head.
     pub scores: Vec<f32>,
     /// `[n_vocab]`: logits after the last token.
     pub logits: Vec<f32>,
@@ -314,7 +314,7 @@ impl Scratch {
             att: vec![0.0; batch * nq],
             gate: vec![0.0; batch * h.n_ff],
             up: vec![0.0; batch * h.n_ff],
-            scores: vec![0.0; h.n_head / h.n_head_kv.max(1) * n_ctx],
+            scores: vec![0.0; n_ctx],
             logits: vec![0.0; h.n_vocab],
         }
     }
