@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU benchmark of issue #11, in one run on the GPU machine (see BENCHMARKS.md, "GPU path:
+# NVIDIA H200"). Run from the repository root there:
+#
+#   bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]
+#
+# WISP is a `wisp` binary built here (`cargo build --release`, then `strip`); the machine has no
+# network, so the binary and the models travel with it (the device README says how: the models
+# in pieces of at most ~50 MiB over consecutive calls). If `.gl/` holds the Vulkan loader debs
+# (the device README's recipe), they are unpacked first.
+#
+# What it runs, each part's output also in OUT_DIR (default $OUT, else /tmp/wisp-gpu):
+#   1. the device wgpu finds;
+#   2. per model: `wisp bench` with --gpu on, auto and off (128-token prompt) and --gpu on with
+#      a 512-token prompt; the golden check with --gpu on;
+#   3. wisp's matmul per upload format, whole calls (x uploaded, y read back), [2048, 2048] and
+#      [4096, 4096] weights, t = 1, 16, 128, 512;
+#   4. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
+#      shapes, and the device-to-device copy rate (bench/torch_ref.py).
+# Not yet here (issue #11): kernel-only timings (timestamp queries) of wisp's own kernels.
+set -uo pipefail
+[ $# -ge 3 ] || { echo "usage: bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]" >&2; exit 2; }
+wisp=$1 gemma=$2 qwen=$3
+out=${4:-${OUT:-/tmp/wisp-gpu}}
+mkdir -p "$out"
+if [ -d .gl ] && ! ldconfig -p | grep -q libvulkan.so.1; then
+    for f in .gl/*.deb; do dpkg -x "$f" /; done
+    ldconfig
+fi
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
+status=0
+step() { # name, command...
+    local name=$1
+    shift
+    echo "== $name: $*"
+    "$@" 2>&1 | tee "$out/$name.txt" || status=1
+}
+step device "$wisp" info --model "$gemma"
+for m in gemma qwen; do
+    path=${!m}
+    golden=tests/golden/gemma3-270m.json
+    [ "$m" = qwen ] && golden=tests/golden/qwen2.5-coder-0.5b/qwen2.5-coder-0.5b.json
+    for mode in on auto off; do
+        step "$m-bench-$mode" "$wisp" bench --model "$path" --gpu "$mode" --runs 3
+    done
+    step "$m-bench-on-512" "$wisp" bench --model "$path" --gpu on --runs 3 --prompt-tokens 512
+    step "$m-golden-on" "$wisp" eval --model "$path" --golden "$golden" --gpu on
+done
+step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
+step torch python3 bench/torch_ref.py
+exit $status
