@@ -176,6 +176,11 @@ pub trait Backend: Send {
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
+    /// The device time of the last `matmul`'s dispatches alone, in nanoseconds (timestamp
+    /// queries around its compute pass), where the device can tell; `None` otherwise.
+    fn last_kernel_ns(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A backend with no device: `available` is `none`, every call is `unavailable`.
@@ -437,6 +442,12 @@ impl GpuCtx {
         }
         let r = self.backend.matmul(x, t, n_in, &ids);
         self.track(r)
+    }
+
+    /// The device time of the last successful `matmul`'s kernels alone, in nanoseconds, where
+    /// the backend can measure it (wgpu with timestamp queries); for benchmarks.
+    pub fn last_kernel_ns(&self) -> Option<u64> {
+        self.backend.last_kernel_ns()
     }
 
     /// Frees a handle's device memory and returns it to the budget. A handle that is not a live

@@ -154,6 +154,16 @@ pub struct WgpuBackend {
     weights: HashMap<BufferId, Weight>,
     next: BufferId,
     scratch: Scratch,
+    /// Where the adapter offers timestamp queries: two timestamps around each call's compute
+    /// pass, resolved into `resolve`, and nanoseconds per tick.
+    timer: Option<Timer>,
+    last_kernel_ns: Option<u64>,
+}
+
+struct Timer {
+    queries: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    period_ns: f32,
 }
 
 fn backend_name(b: wgpu::Backend) -> &'static str {
@@ -253,7 +263,7 @@ impl WgpuBackend {
         let limits = adapter.limits();
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("wisp"),
-            required_features: wgpu::Features::empty(),
+            required_features: adapter.features() & wgpu::Features::TIMESTAMP_QUERY,
             required_limits: limits.clone(),
             ..Default::default()
         }))
@@ -323,6 +333,20 @@ impl WgpuBackend {
         // A CPU device runs an invocation per SIMD lane: one row each is best there, and keeps
         // the barrier out. A GPU shares a row among a warp's worth, for coalesced reads.
         let lanes_k = if ainfo.device_type == wgpu::DeviceType::Cpu { 1 } else { 32 };
+        let timer = device.features().contains(wgpu::Features::TIMESTAMP_QUERY).then(|| Timer {
+            queries: device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("matmul pass"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2,
+            }),
+            resolve: device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("timestamps"),
+                size: 16,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            }),
+            period_ns: queue.get_timestamp_period(),
+        });
         Ok(WgpuBackend {
             device,
             queue,
@@ -338,6 +362,8 @@ impl WgpuBackend {
             weights: HashMap::new(),
             next: 0,
             scratch: Scratch::default(),
+            timer,
+            last_kernel_ns: None,
         })
     }
 
@@ -561,10 +587,13 @@ impl WgpuBackend {
             wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
             "output",
         );
+        // The staging buffer takes the outputs, then the two timestamps (8-byte aligned).
+        let stamps_at = align_up(out_bytes, 8);
+        let staging_bytes = if self.timer.is_some() { stamps_at + 16 } else { out_bytes };
         let staging = Self::ensure(
             device,
             &mut s.staging,
-            out_bytes,
+            staging_bytes,
             cap,
             wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             "staging",
@@ -608,8 +637,13 @@ impl WgpuBackend {
 
         let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("matmul") });
         {
-            let mut pass = encoder
-                .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes: None });
+            let timestamp_writes = self.timer.as_ref().map(|t| wgpu::ComputePassTimestampWrites {
+                query_set: &t.queries,
+                beginning_of_pass_write_index: Some(0),
+                end_of_pass_write_index: Some(1),
+            });
+            let mut pass =
+                encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes });
             for (i, d) in dispatches.iter().enumerate() {
                 let Some(pipeline) = pipelines.get(&(d.kernel, kernels[d.job])) else {
                     return Err(GpuError::Unavailable(format!(
@@ -624,10 +658,14 @@ impl WgpuBackend {
             }
         }
         encoder.copy_buffer_to_buffer(&output, 0, &staging, 0, out_bytes);
+        if let Some(t) = &self.timer {
+            encoder.resolve_query_set(&t.queries, 0..2, &t.resolve, 0);
+            encoder.copy_buffer_to_buffer(&t.resolve, 0, &staging, stamps_at, 16);
+        }
         self.queue.submit([encoder.finish()]);
 
         let (tx, rx) = mpsc::channel();
-        let slice = staging.slice(0..out_bytes);
+        let slice = staging.slice(0..staging_bytes);
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
@@ -645,12 +683,20 @@ impl WgpuBackend {
                 .zip(&lens)
                 .map(|(&o, &n)| bytemuck::pod_collect_to_vec::<u8, f32>(&view[o as usize..(o + n * 4) as usize]))
                 .collect::<Vec<_>>();
-            Ok(outs)
+            let stamps = self.timer.as_ref().map(|t| {
+                let at = stamps_at as usize;
+                let tick = |i: usize| u64::from_le_bytes(view[at + 8 * i..at + 8 * i + 8].try_into().unwrap_or([0; 8]));
+                (tick(1).saturating_sub(tick(0)) as f64 * t.period_ns as f64) as u64
+            });
+            Ok((outs, stamps))
         });
         staging.unmap();
         let finished = self.finish(scopes);
         match (finished, result) {
-            (Ok(()), Ok(outs)) => Ok(outs),
+            (Ok(()), Ok((outs, kernel_ns))) => {
+                self.last_kernel_ns = kernel_ns;
+                Ok(outs)
+            }
             (Err(e), _) | (Ok(()), Err(e)) => {
                 // Start the next call from fresh buffers: these may be left mapped or invalid.
                 self.scratch = Scratch::default();
@@ -689,6 +735,10 @@ fn pop_scopes(mut scopes: Scopes) -> Result<(), GpuError> {
 }
 
 impl Backend for WgpuBackend {
+    fn last_kernel_ns(&self) -> Option<u64> {
+        self.last_kernel_ns
+    }
+
     fn device(&self) -> Option<Device> {
         match self.events.lost() {
             Some(_) => None,
@@ -822,6 +872,7 @@ impl Backend for WgpuBackend {
     }
 
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.last_kernel_ns = None;
         self.live()?;
         if t == 0 || n_in == 0 || x.len() as u64 != t as u64 * n_in as u64 || jobs.is_empty() {
             return Err(GpuError::InvalidArgument(format!("x of {} values is not [{t}, {n_in}], or no jobs", x.len())));
@@ -889,9 +940,12 @@ impl Backend for WgpuBackend {
             return Err(e);
         }
         let mut outs = Vec::with_capacity(jobs.len());
+        let mut kernel_ns = Some(0);
         for batch in batches {
             outs.extend(self.run_batch(x_bytes, x_quads, t, batch)?);
+            kernel_ns = kernel_ns.zip(self.last_kernel_ns).map(|(a, b)| a + b);
         }
+        self.last_kernel_ns = kernel_ns;
         Ok(outs)
     }
 
@@ -919,6 +973,28 @@ mod tests {
             }
             Err(e) => panic!("{test}: opening the adapter failed: {e:#}"),
         }
+    }
+
+    /// Where the adapter offers timestamp queries, a product reports the device time of its
+    /// kernels: more than nothing, less than the whole call; a failed call reports none.
+    #[test]
+    fn kernel_time_is_measured_where_the_device_can_tell() {
+        let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else { return };
+        let (n_out, n_in, t) = (256u32, 512u32, 8u32);
+        let id = b.create(Format::F32, n_out, n_in).unwrap();
+        let data: Vec<u8> = (0..n_out * n_in).flat_map(|i| ((i % 7) as f32 * 0.1).to_le_bytes()).collect();
+        b.write_rows(id, 0, &data, &[]).unwrap();
+        let x = vec![0.5f32; (t * n_in) as usize];
+        let start = std::time::Instant::now();
+        b.matmul(&x, t, n_in, &[id]).unwrap();
+        let wall = start.elapsed().as_nanos() as u64;
+        match (b.timer.is_some(), b.last_kernel_ns()) {
+            (true, Some(ns)) => assert!(ns > 0 && ns <= wall, "kernel {ns} ns, whole call {wall} ns"),
+            (false, None) => println!("the adapter offers no timestamp queries"),
+            (offered, got) => panic!("timestamp queries offered: {offered}, kernel time: {got:?}"),
+        }
+        assert!(b.matmul(&x, t, n_in + 32, &[id]).is_err());
+        assert_eq!(b.last_kernel_ns(), None);
     }
 
     /// RELIABILITY 23: every product is split into dispatches of at most `DISPATCH_MACS`
