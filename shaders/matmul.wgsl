@@ -433,3 +433,158 @@ fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         store4(row0 + 7u * WG, t0, acc.h);
     }
 }
+
+// ---- gemm_tiled ---------------------------------------------------------------------------
+
+// t >= 4 on GPUs. A workgroup of 256 computes a 64 x 64 tile of y (64 rows of W, 64 rows of
+// x), 4 x 4 outputs an invocation, over the columns in steps of 32 staged in workgroup memory:
+// each invocation decodes 8 weights and loads 8 x values a step, so every weight is read from
+// memory once per 64 rows of x (not once per 4, as in `gemm`) and neighbouring invocations
+// read neighbouring words. Reads past a row's data or x's padded row give zeros.
+
+const TILE: u32 = 64u;
+const TK: u32 = 32u;
+
+// ws[k * 16 + r / 4][r % 4] = W[row0 + r, k0 + k]; xs likewise for the rows of x.
+var<workgroup> ws: array<vec4<f32>, 512>;
+var<workgroup> xs: array<vec4<f32>, 512>;
+
+// Elements of a row in one quad of W's data.
+fn quad_elements() -> u32 {
+    switch FORMAT {
+        case F32: {
+            return 4u;
+        }
+        case BF16: {
+            return 8u;
+        }
+        case Q8X32, Q8X16: {
+            return 16u;
+        }
+        default: {
+            return 32u;
+        }
+    }
+}
+
+// The eight weights of row `row` from element k (a multiple of 8), zeros past the row's data.
+fn w8_at(row: u32, k: u32) -> W8 {
+    let zero = vec4<f32>(0.0);
+    if (k >= params.row_quads * quad_elements()) {
+        return W8(zero, zero);
+    }
+    let base = row * params.row_quads;
+    switch FORMAT {
+        case F32: {
+            let i = base + k / 4u;
+            return W8(bitcast<vec4<f32>>(weights[i]), bitcast<vec4<f32>>(weights[i + 1u]));
+        }
+        case BF16: {
+            return bf16_group(weights[base + k / 8u]);
+        }
+        case Q8X32, Q8X16: {
+            let s = k / 16u;
+            let w = weights[base + s];
+            let d = scales[row * params.scale_row + select(s / 2u, s, FORMAT == Q8X16)];
+            if ((k & 8u) == 0u) {
+                return q8_group(w.x, w.y, d);
+            }
+            return q8_group(w.z, w.w, d);
+        }
+        default: {
+            let s = k / 32u;
+            let w = weights[base + s];
+            let si = row * params.scale_row + 2u * s;
+            return q4_group(w[(k % 32u) / 8u], scales[si], scales[si + 1u]);
+        }
+    }
+}
+
+// Stores eight values of tile row r (0..64) at columns k..k+8 of a staged step.
+fn stage_w(r: u32, k: u32, v: W8) {
+    let i = k * 16u + r / 4u;
+    let c = r % 4u;
+    ws[i][c] = v.lo.x;
+    ws[i + 16u][c] = v.lo.y;
+    ws[i + 32u][c] = v.lo.z;
+    ws[i + 48u][c] = v.lo.w;
+    ws[i + 64u][c] = v.hi.x;
+    ws[i + 80u][c] = v.hi.y;
+    ws[i + 96u][c] = v.hi.z;
+    ws[i + 112u][c] = v.hi.w;
+}
+
+fn stage_x(r: u32, k: u32, a: vec4<f32>, b: vec4<f32>) {
+    let i = k * 16u + r / 4u;
+    let c = r % 4u;
+    xs[i][c] = a.x;
+    xs[i + 16u][c] = a.y;
+    xs[i + 32u][c] = a.z;
+    xs[i + 48u][c] = a.w;
+    xs[i + 64u][c] = b.x;
+    xs[i + 80u][c] = b.y;
+    xs[i + 96u][c] = b.z;
+    xs[i + 112u][c] = b.w;
+}
+
+// y[t, row] for the rows of W r..r+4 (the lanes of acc) that exist, t < params.t.
+fn store_tile(t: u32, r: u32, acc: vec4<f32>) {
+    if (t >= params.t) {
+        return;
+    }
+    let n_out = params.n_out;
+    let i = t * n_out + r;
+    if (r < n_out) { y[i] = acc.x; }
+    if (r + 1u < n_out) { y[i + 1u] = acc.y; }
+    if (r + 2u < n_out) { y[i + 2u] = acc.z; }
+    if (r + 3u < n_out) { y[i + 3u] = acc.w; }
+}
+
+@compute @workgroup_size(256)
+fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let row0 = params.row_base + wid.x * TILE;
+    let t0 = params.t_base + wid.y * TILE;
+    // Staging: tile row li / 4 of W and of x, columns (li % 4) * 8 .. + 8 of the step.
+    let lr = li / 4u;
+    let lk = (li % 4u) * 8u;
+    let wrow = min(row0 + lr, params.n_out - 1u);
+    let xo = min(t0 + lr, params.t - 1u) * 4u * params.x_stride;
+    let x_elems = 4u * params.x_stride;
+    // Computing: rows 4 * (li % 16) .. + 4 of W's tile against rows 4 * (li / 16) .. + 4 of x's.
+    let cr = li % 16u;
+    let ct = li / 16u;
+
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let steps = (params.n_in + TK - 1u) / TK;
+    for (var s = 0u; s < steps; s++) {
+        let k = s * TK + lk;
+        stage_w(lr, lk, w8_at(wrow, k));
+        var xa = vec4<f32>(0.0);
+        var xb = vec4<f32>(0.0);
+        if (k < x_elems) {
+            xa = x_quad(xo + k);
+            xb = x_quad(xo + k + 4u);
+        }
+        stage_x(lr, lk, xa, xb);
+        workgroupBarrier();
+        for (var kk = 0u; kk < TK; kk++) {
+            let w = ws[kk * 16u + cr];
+            let v = xs[kk * 16u + ct];
+            acc0 += w * v.x;
+            acc1 += w * v.y;
+            acc2 += w * v.z;
+            acc3 += w * v.w;
+        }
+        workgroupBarrier();
+    }
+
+    let r = row0 + 4u * cr;
+    let t = t0 + 4u * ct;
+    store_tile(t, r, acc0);
+    store_tile(t + 1u, r, acc1);
+    store_tile(t + 2u, r, acc2);
+    store_tile(t + 3u, r, acc3);
+}

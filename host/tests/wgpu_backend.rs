@@ -457,3 +457,30 @@ fn gemv_row_sharing_matches_the_cpu() {
         }
     }
 }
+
+/// The tiled kernel (the GPU's path for t >= 4) gives the CPU's results for every format, with
+/// ragged tiles in rows, in t and in the columns, and when a call is split into dispatches.
+#[test]
+fn tiled_gemm_matches_the_cpu() {
+    let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else { return };
+    let mut rng = Rng::new("tiled_gemm_matches_the_cpu");
+    gpu.set_tiled_gemm(true);
+    for format in Format::ALL {
+        let n_in = random_n_in(&mut rng, format, 12);
+        let n_out = rng_rows(&mut rng) + 64;
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let id = upload(&mut gpu, &w);
+        for t in [4, 5, 67] {
+            let x = random_x(&mut rng, t, n_in);
+            let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+            check(&format!("tiled {} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+        }
+        gpu.free(id);
+    }
+    let (n_out, n_in, t) = (300, 4096, 260);
+    let w = Weight::random(&mut rng, Format::Q8x32, n_out, n_in);
+    let id = upload(&mut gpu, &w);
+    let x = random_x(&mut rng, t, n_in);
+    let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+    check(&format!("tiled q8x32 [{n_out}, {n_in}] t={t}, split"), &[&w], &x, t, &got);
+}

@@ -26,9 +26,13 @@ const GEMM_MIN_T: u32 = 4;
 /// Weight rows an invocation of `gemm` computes (8 in the shader), and of `gemv` (4).
 const GEMM_ROWS: u32 = 8;
 const GEMV_ROWS: u32 = 4;
+/// Rows of W, and rows of x, of one workgroup's output tile in `gemm_tiled` (TILE).
+const TILE: u32 = 64;
 /// Multiply-adds one dispatch may cover, so that no single dispatch runs for long on a slow
-/// device (a watchdog may take a device that does).
+/// device (a watchdog may take a device that does): on CPU devices (~1-10 GFLOP/s, so ~0.1 s),
+/// and on GPUs, where a small dispatch leaves most of the chip idle (~0.2 s at 100 GFLOP/s).
 const DISPATCH_MACS: u64 = 1 << 28;
+const GPU_DISPATCH_MACS: u64 = 1 << 33;
 /// Bytes of one `queue.write_buffer` of weights: bounds wgpu's staging memory during uploads.
 const WRITE_CHUNK: usize = 64 << 20;
 /// Size of `Params` in the shader.
@@ -39,6 +43,7 @@ const PARAMS_BYTES: u64 = 32;
 enum Kernel {
     Gemv,
     Gemm,
+    GemmTiled,
 }
 
 impl Kernel {
@@ -46,6 +51,7 @@ impl Kernel {
         match self {
             Kernel::Gemv => "gemv",
             Kernel::Gemm => "gemm",
+            Kernel::GemmTiled => "gemm_tiled",
         }
     }
 }
@@ -146,6 +152,11 @@ pub struct WgpuBackend {
     events: Arc<Events>,
     /// Invocations sharing a row in `gemv` (LANES_K in the shader).
     lanes_k: u32,
+    /// Multiply-adds a dispatch may cover on this device.
+    dispatch_macs: u64,
+    /// Whether t >= 4 runs `gemm_tiled` (GPUs: workgroup memory and barriers are cheap there)
+    /// or `gemm` (CPU devices).
+    tiled: bool,
     module: Option<wgpu::ShaderModule>,
     bind_layout: wgpu::BindGroupLayout,
     pipeline_layout: wgpu::PipelineLayout,
@@ -354,6 +365,8 @@ impl WgpuBackend {
             limits,
             events,
             lanes_k,
+            tiled: ainfo.device_type != wgpu::DeviceType::Cpu,
+            dispatch_macs: if ainfo.device_type == wgpu::DeviceType::Cpu { DISPATCH_MACS } else { GPU_DISPATCH_MACS },
             module: None,
             bind_layout,
             pipeline_layout,
@@ -386,6 +399,13 @@ impl WgpuBackend {
             self.pipelines.retain(|(kernel, _), _| *kernel != Kernel::Gemv);
         }
         Ok(())
+    }
+
+    /// Whether products of t >= 4 run the tiled kernel (workgroup memory, barriers) or the
+    /// register-blocked one. `new` picks the tiled one on GPUs; this overrides it, so that
+    /// either path can be tested (or measured) on any device.
+    pub fn set_tiled_gemm(&mut self, tiled: bool) {
+        self.tiled = tiled;
     }
 
     /// Makes the device lost, as a driver reset would: the device is destroyed and every later
@@ -495,10 +515,12 @@ impl WgpuBackend {
     }
 
     /// The dispatches of one job: `gemv` for small `t`, `gemm` otherwise; split so that no
-    /// dispatch exceeds the device's workgroups per dimension or `DISPATCH_MACS`.
+    /// dispatch exceeds the device's workgroups per dimension or its multiply-add budget.
     fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, out: &mut Vec<Dispatch>) {
         let (kernel, rows_per_group, t_per_group) = if t < GEMM_MIN_T {
             (Kernel::Gemv, GEMV_ROWS * WORKGROUP / self.lanes_k, 1)
+        } else if self.tiled {
+            (Kernel::GemmTiled, TILE, TILE)
         } else {
             (Kernel::Gemm, GEMM_ROWS * WORKGROUP, 4)
         };
@@ -506,7 +528,7 @@ impl WgpuBackend {
         let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
         let gy_total = (t as u64).div_ceil(t_per_group as u64);
         let macs_per_group = rows_per_group as u64 * t_per_group as u64 * w.n_in as u64;
-        let groups_budget = (DISPATCH_MACS / macs_per_group).max(1);
+        let groups_budget = (self.dispatch_macs / macs_per_group).max(1);
         let gx = gx_total.min(max_dim).min(groups_budget).max(1);
         let gy = gy_total.min(max_dim).min((groups_budget / gx).max(1));
         let base = Params {
@@ -997,15 +1019,16 @@ mod tests {
         assert_eq!(b.last_kernel_ns(), None);
     }
 
-    /// RELIABILITY 23: every product is split into dispatches of at most `DISPATCH_MACS`
+    /// RELIABILITY 23: every product is split into dispatches of at most the device's budget
     /// multiply-adds (or one workgroup, when a single one is larger), within the device's
     /// workgroup counts, that together cover every (row, t) tile of the output exactly once.
     #[test]
     fn no_dispatch_runs_longer_than_its_budget() {
         let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
         let max_dim = b.limits.max_compute_workgroups_per_dimension as u64;
-        for lanes in [1, 32] {
+        for (lanes, tiled) in [(1, false), (32, false), (1, true)] {
             b.set_gemv_lanes(lanes).unwrap();
+            b.set_tiled_gemm(tiled);
             for (format, n_out, n_in, t, min_dispatches) in [
                 (Format::Q4x32, 262_144, 640, 1, 1),
                 (Format::Q4x32, 262_144, 640, 64, 40),
@@ -1015,13 +1038,16 @@ mod tests {
                 (Format::F32, 3, 8, 2, 1),
                 (Format::Q8x16, 1, 1 << 20, 64, 1),
             ] {
-                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes}", format.name());
+                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} tiled={tiled}", format.name());
                 let id = b.create(format, n_out, n_in).unwrap();
                 let mut plan = Vec::new();
                 let w = &b.weights[&id];
                 b.plan(0, w, t, n_in.div_ceil(8) * 2, &mut plan);
-                let (rows_per_group, t_per_group) =
-                    if t < GEMM_MIN_T { (GEMV_ROWS * WORKGROUP / lanes, 1) } else { (GEMM_ROWS * WORKGROUP, 4) };
+                let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, tiled) {
+                    (true, _) => (GEMV_ROWS * WORKGROUP / lanes, 1),
+                    (false, true) => (TILE, TILE),
+                    (false, false) => (GEMM_ROWS * WORKGROUP, 4),
+                };
                 let macs_per_group = rows_per_group as u64 * t_per_group as u64 * n_in as u64;
                 let (gx, gy) = ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
                 let mut covered = vec![0u8; (gx * gy) as usize];
@@ -1029,7 +1055,7 @@ mod tests {
                     let (nx, ny) = (d.groups.0 as u64, d.groups.1 as u64);
                     assert!(nx >= 1 && ny >= 1 && nx <= max_dim && ny <= max_dim, "{what}: groups {:?}", d.groups);
                     let macs = nx * ny * macs_per_group;
-                    assert!(macs <= DISPATCH_MACS.max(macs_per_group), "{what}: a dispatch of {macs} multiply-adds");
+                    assert!(macs <= b.dispatch_macs.max(macs_per_group), "{what}: a dispatch of {macs} multiply-adds");
                     let (x0, y0) = (d.params.row_base / rows_per_group, d.params.t_base / t_per_group);
                     for x in x0 as u64..x0 as u64 + nx {
                         for y in y0 as u64..y0 as u64 + ny {
