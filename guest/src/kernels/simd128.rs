@@ -85,27 +85,26 @@ const NIB: u8 = 1;
 const NIB5: u8 = 2;
 
 impl Row {
-    /// Row `r` of `w`, in place. Its value storage is `storage(w)`.
-    fn of(w: &QMatrix, r: usize) -> Row {
-        let (n, g) = (w.n_in, w.group as usize);
+    /// Row 0 of `w`, in place (`at` steps to the others). Its value storage is `storage(w)`.
+    fn first(w: &QMatrix) -> Row {
         use core::ptr::null;
         let mut row = Row { q: null(), nib: null(), fifth: null(), offset: i8x16_splat(0), d32: null(), d16: null(), m: null() };
         match &w.values {
-            Values::I8(q) => row.q = q[r * n..].as_ptr(),
+            Values::I8(q) => row.q = q.as_ptr(),
             Values::Nibbles { nib, fifth, offset } => {
-                row.nib = nib[r * n / 2..].as_ptr();
+                row.nib = nib.as_ptr();
                 if !fifth.is_empty() {
-                    row.fifth = fifth[r * fifth_bytes_per_row(n)..].as_ptr();
+                    row.fifth = fifth.as_ptr();
                 }
                 row.offset = i8x16_splat(*offset);
             }
         }
         match &w.d {
-            Scales::F32(d) => row.d32 = d[r * n / g..].as_ptr(),
-            Scales::F16(d) => row.d16 = d[r * n / g..].as_ptr(),
+            Scales::F32(d) => row.d32 = d.as_ptr(),
+            Scales::F16(d) => row.d16 = d.as_ptr(),
         }
         if !w.m.is_empty() {
-            row.m = w.m[r * n / QK..].as_ptr();
+            row.m = w.m.as_ptr();
         }
         row
     }
@@ -380,7 +379,7 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
 ) {
     let (n, n_out) = (w.n_in, w.n_out);
     let groups = x.t / 4;
-    let first = Row::of(w, 0);
+    let first = Row::first(w);
     let group = w.group as usize;
     if groups == 0 {
         // Decode: every weight byte is read once, from memory. Rows go from `STREAMS` parts
