@@ -97,23 +97,36 @@ fn bf16_group(q: vec4<u32>) -> W8 {
     return W8(vec4<f32>(even.x, odd.x, even.y, odd.y), vec4<f32>(even.z, odd.z, even.w, odd.w));
 }
 
-// The four signed bytes of a word, byte 0 first.
-fn q8_quad(word: u32) -> vec4<f32> {
-    let s = bitcast<vec4<i32>>(vec4<u32>(word) << vec4<u32>(24u, 16u, 8u, 0u)) >> vec4<u32>(24u);
-    return vec4<f32>(s);
-}
-
 // Two words of signed bytes, times their block's scale: w = d * q.
 fn q8_group(w0: u32, w1: u32, d: f32) -> W8 {
-    return W8(d * q8_quad(w0), d * q8_quad(w1));
+    return W8(d * q8_exact(w0), d * q8_exact(w1));
 }
 
 // The eight nibbles of a word: element 2i in the low nibble of byte i, so nibble n is element n.
 // w = d * q - m.
 fn q4_group(word: u32, d: f32, m: f32) -> W8 {
-    let lo = (vec4<u32>(word) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(0xfu);
-    let hi = (vec4<u32>(word) >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(0xfu);
-    return W8(d * vec4<f32>(lo) - m, d * vec4<f32>(hi) - m);
+    let q = q4_exact(word);
+    return W8(d * q.lo - m, d * q.hi - m);
+}
+
+// Exact decoders without an int-to-float conversion (which runs at a quarter of the FMA rate on
+// GPUs): a byte or nibble b placed in the mantissa of 2^23 is the float 2^23 + b exactly, and
+// one subtraction gives b.
+
+// The four signed bytes of a word, byte 0 first, exactly.
+fn q8_exact(word: u32) -> vec4<f32> {
+    let u = word ^ 0x80808080u;
+    let b = vec4<u32>(u, u >> 8u, u >> 16u, u >> 24u) & vec4<u32>(0xffu);
+    return bitcast<vec4<f32>>(b | vec4<u32>(0x4b000000u)) - vec4<f32>(8388736.0);
+}
+
+// The eight nibbles of a word (element 2i in the low nibble of byte i), exactly.
+fn q4_exact(word: u32) -> W8 {
+    let lo = vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xfu);
+    let hi = vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xfu);
+    let magic = vec4<u32>(0x4b000000u);
+    let bias = vec4<f32>(8388608.0);
+    return W8(bitcast<vec4<f32>>(lo | magic) - bias, bitcast<vec4<f32>>(hi | magic) - bias);
 }
 
 // x[i .. i + 4], i a multiple of 4.
@@ -206,6 +219,30 @@ fn gemv_step(acc: vec4<f32>, r: vec4<u32>, s: u32, xo: u32) -> vec4<f32> {
 
 var<workgroup> partial: array<vec4<f32>, WG>;
 
+// Sums the LANES_K lanes' parts of the four rows' outputs and writes y[tr, rows] for the rows
+// that exist. Called from uniform control flow (it has a barrier).
+fn gemv_store(li: u32, part: vec4<f32>, rows: vec4<u32>, tr: u32) {
+    let lane = li % LANES_K;
+    var acc = part;
+    if (LANES_K > 1u) {
+        partial[li] = acc;
+        workgroupBarrier();
+        if (lane == 0u) {
+            for (var i = 1u; i < LANES_K; i++) {
+                acc += partial[li + i];
+            }
+        }
+    }
+    if (lane == 0u && tr < params.t) {
+        let i = tr * params.n_out;
+        let n_out = params.n_out;
+        if (rows.x < n_out) { y[i + rows.x] = acc.x; }
+        if (rows.y < n_out) { y[i + rows.y] = acc.y; }
+        if (rows.z < n_out) { y[i + rows.z] = acc.z; }
+        if (rows.w < n_out) { y[i + rows.w] = acc.w; }
+    }
+}
+
 @compute @workgroup_size(64)
 fn gemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let lane = lid.x % LANES_K;
@@ -226,23 +263,7 @@ fn gemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         }
     }
 
-    if (LANES_K > 1u) {
-        partial[lid.x] = acc;
-        workgroupBarrier();
-        if (lane == 0u) {
-            for (var i = 1u; i < LANES_K; i++) {
-                acc += partial[lid.x + i];
-            }
-        }
-    }
-    if (lane == 0u && tr < params.t) {
-        let i = tr * params.n_out;
-        let n_out = params.n_out;
-        if (rows.x < n_out) { y[i + rows.x] = acc.x; }
-        if (rows.y < n_out) { y[i + rows.y] = acc.y; }
-        if (rows.z < n_out) { y[i + rows.z] = acc.z; }
-        if (rows.w < n_out) { y[i + rows.w] = acc.w; }
-    }
+    gemv_store(lid.x, acc, rows, tr);
 }
 
 // ---- gemm ---------------------------------------------------------------------------------
@@ -587,4 +608,141 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     store_tile(t + 1u, r, acc1);
     store_tile(t + 2u, r, acc2);
     store_tile(t + 3u, r, acc3);
+}
+
+// ---- gemm_wide ------------------------------------------------------------------------------
+
+// Large t on GPUs. A workgroup of 256 computes a 128 x 128 tile of y (128 rows of W, 128 rows
+// of x), 8 x 8 outputs an invocation: rows 4 * tx .. + 4 and 64 + 4 * tx .. + 4 of W's tile,
+// likewise of x's with ty, so that a step of one column loads four vec4 from workgroup memory
+// for 64 FMAs. The columns go in steps of 16 through two buffers: while a step is computed
+// from one, the next step's weights (decoded) and x values are already loaded into registers
+// (a step of FMAs, ~2000 cycles, hides their latency), and are stored into the other after it;
+// one barrier a step. Each invocation stages eight values of one row of W and of x a step; a
+// warp's 32 stores go to 32 consecutive rows (distinct banks).
+
+const WT: u32 = 128u;
+const WK: u32 = 16u;
+// vec4 of one buffer: WK columns of 128 rows.
+const WBUF: u32 = 512u;
+
+// wb[b * WBUF + k * 32 + r / 4][r % 4] = W[row0 + r, k0 + k] in buffer b; xb likewise.
+var<workgroup> wb: array<vec4<f32>, 1024>;
+var<workgroup> xb: array<vec4<f32>, 1024>;
+
+// Outputs of 4 rows of W (the lanes) against 4 rows of x (t0 .. t3).
+struct Quad4 {
+    t0: vec4<f32>,
+    t1: vec4<f32>,
+    t2: vec4<f32>,
+    t3: vec4<f32>,
+}
+
+fn outer4(q: Quad4, w: vec4<f32>, v: vec4<f32>) -> Quad4 {
+    return Quad4(
+        fma(w, vec4<f32>(v.x), q.t0), fma(w, vec4<f32>(v.y), q.t1),
+        fma(w, vec4<f32>(v.z), q.t2), fma(w, vec4<f32>(v.w), q.t3),
+    );
+}
+
+// y[t .. t + 4, r .. r + 4] from a Quad4, for the rows of each that exist.
+fn store_quad(t: u32, r: u32, q: Quad4) {
+    store_tile(t, r, q.t0);
+    store_tile(t + 1u, r, q.t1);
+    store_tile(t + 2u, r, q.t2);
+    store_tile(t + 3u, r, q.t3);
+}
+
+// Stores eight values of columns k .. k + 8 of tile row `r` into buffer `b`.
+fn stage8_w(b: u32, r: u32, k: u32, v: W8) {
+    let i = b * WBUF + k * 32u + r / 4u;
+    let c = r % 4u;
+    wb[i][c] = v.lo.x;
+    wb[i + 32u][c] = v.lo.y;
+    wb[i + 64u][c] = v.lo.z;
+    wb[i + 96u][c] = v.lo.w;
+    wb[i + 128u][c] = v.hi.x;
+    wb[i + 160u][c] = v.hi.y;
+    wb[i + 192u][c] = v.hi.z;
+    wb[i + 224u][c] = v.hi.w;
+}
+
+fn stage8_x(b: u32, r: u32, k: u32, v: W8) {
+    let i = b * WBUF + k * 32u + r / 4u;
+    let c = r % 4u;
+    xb[i][c] = v.lo.x;
+    xb[i + 32u][c] = v.lo.y;
+    xb[i + 64u][c] = v.lo.z;
+    xb[i + 96u][c] = v.lo.w;
+    xb[i + 128u][c] = v.hi.x;
+    xb[i + 160u][c] = v.hi.y;
+    xb[i + 192u][c] = v.hi.z;
+    xb[i + 224u][c] = v.hi.w;
+}
+
+// x[row at element offset xo, k .. k + 8] (k a multiple of 8), zeros past the row's padding.
+fn x8_at(xo: u32, k: u32) -> W8 {
+    let zero = vec4<f32>(0.0);
+    if (k >= 4u * params.x_stride) {
+        return W8(zero, zero);
+    }
+    return W8(x_quad(xo + k), x_quad(xo + k + 4u));
+}
+
+@compute @workgroup_size(256)
+fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let row0 = params.row_base + wid.x * WT;
+    let t0 = params.t_base + wid.y * WT;
+    // Staging: tile row li % 128 of W and of x, columns (li / 128) * 8 .. + 8 of the step.
+    let lr = li % WT;
+    let lk = (li / WT) * 8u;
+    let wrow = min(row0 + lr, params.n_out - 1u);
+    let xo = min(t0 + lr, params.t - 1u) * 4u * params.x_stride;
+    let tx = li % 16u;
+    let ty = li / 16u;
+
+    let zero = vec4<f32>(0.0);
+    var aa = Quad4(zero, zero, zero, zero);
+    var ab = Quad4(zero, zero, zero, zero);
+    var ba = Quad4(zero, zero, zero, zero);
+    var bb = Quad4(zero, zero, zero, zero);
+
+    let steps = (params.n_in + WK - 1u) / WK;
+    var wv = w8_at(wrow, lk);
+    var xv = x8_at(xo, lk);
+    stage8_w(0u, lr, lk, wv);
+    stage8_x(0u, lr, lk, xv);
+    workgroupBarrier();
+    for (var s = 0u; s < steps; s++) {
+        let cur = (s % 2u) * WBUF;
+        let more = s + 1u < steps;
+        if (more) {
+            let k = (s + 1u) * WK + lk;
+            wv = w8_at(wrow, k);
+            xv = x8_at(xo, k);
+        }
+        for (var kk = 0u; kk < WK; kk++) {
+            let i = cur + kk * 32u;
+            let w0 = wb[i + tx];
+            let w1 = wb[i + 16u + tx];
+            let v0 = xb[i + ty];
+            let v1 = xb[i + 16u + ty];
+            aa = outer4(aa, w0, v0);
+            ab = outer4(ab, w1, v0);
+            ba = outer4(ba, w0, v1);
+            bb = outer4(bb, w1, v1);
+        }
+        if (more) {
+            stage8_w(1u - s % 2u, lr, lk, wv);
+            stage8_x(1u - s % 2u, lr, lk, xv);
+        }
+        workgroupBarrier();
+    }
+
+    let r = row0 + 4u * tx;
+    let t = t0 + 4u * ty;
+    store_quad(t, r, aa);
+    store_quad(t, r + 64u, ab);
+    store_quad(t + 64u, r, ba);
+    store_quad(t + 64u, r + 64u, bb);
 }

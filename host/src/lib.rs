@@ -26,7 +26,9 @@ pub mod golden;
 pub mod gpu;
 mod runtime;
 
-pub use gpu::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, NoDevice, WgpuBackend, add_to_linker};
+pub use gpu::{
+    Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, NoDevice, WgpuBackend, add_to_linker,
+};
 pub use runtime::{
     EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,

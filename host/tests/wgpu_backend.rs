@@ -6,7 +6,7 @@
 //! a run; every test prints its seed.
 
 use std::time::Instant;
-use wisp::{Backend, Budget, CpuBackend, Format, GpuCtx, GpuError, WgpuBackend};
+use wisp::{Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -139,6 +139,11 @@ fn upload(b: &mut dyn Backend, w: &Weight) -> u64 {
 
 /// Checks `got` (outputs of `weights` over `x`) against the CPU reference and the tolerance.
 fn check(what: &str, weights: &[&Weight], x: &[f32], t: u32, got: &[Vec<f32>]) {
+    check_within(TOLERANCE, what, weights, x, t, got);
+}
+
+/// As [`check`], with `tolerance` in place of TOLERANCE.
+fn check_within(tolerance: f32, what: &str, weights: &[&Weight], x: &[f32], t: u32, got: &[Vec<f32>]) {
     let mut cpu = CpuBackend::new();
     let ids: Vec<u64> = weights.iter().map(|w| upload(&mut cpu, w)).collect();
     let n_in = weights[0].n_in;
@@ -155,7 +160,7 @@ fn check(what: &str, weights: &[&Weight], x: &[f32], t: u32, got: &[Vec<f32>]) {
                 let i = ti * w.n_out as usize + n;
                 let (g, c) = (got[j][i], want[j][i]);
                 assert!(
-                    (g - c).abs() <= TOLERANCE * magnitude + f32::MIN_POSITIVE,
+                    (g - c).abs() <= tolerance * magnitude + f32::MIN_POSITIVE,
                     "{what}: job {j} ({} [{}, {}]): y[{ti}, {n}] = {g}, the CPU has {c} (sum |w x| = {magnitude})",
                     w.format.name(),
                     w.n_out,
@@ -168,7 +173,9 @@ fn check(what: &str, weights: &[&Weight], x: &[f32], t: u32, got: &[Vec<f32>]) {
 
 #[test]
 fn every_format_matches_the_cpu() {
-    let Some(mut gpu) = backend("every_format_matches_the_cpu") else { return };
+    let Some(mut gpu) = backend("every_format_matches_the_cpu") else {
+        return;
+    };
     let mut rng = Rng::new("every_format_matches_the_cpu");
     for format in Format::ALL {
         for t in [1, 2, 7, 64] {
@@ -203,7 +210,9 @@ fn rng_rows(rng: &mut Rng) -> u32 {
 
 #[test]
 fn mixed_formats_in_one_call() {
-    let Some(mut gpu) = backend("mixed_formats_in_one_call") else { return };
+    let Some(mut gpu) = backend("mixed_formats_in_one_call") else {
+        return;
+    };
     let mut rng = Rng::new("mixed_formats_in_one_call");
     let n_in = 32 * rng.range(1, 12);
     for t in [1, 7, 64] {
@@ -223,7 +232,9 @@ fn mixed_formats_in_one_call() {
 
 #[test]
 fn rows_written_in_chunks_equal_one_write() {
-    let Some(mut gpu) = backend("rows_written_in_chunks_equal_one_write") else { return };
+    let Some(mut gpu) = backend("rows_written_in_chunks_equal_one_write") else {
+        return;
+    };
     let mut rng = Rng::new("rows_written_in_chunks_equal_one_write");
     for format in Format::ALL {
         let n_in = random_n_in(&mut rng, format, 8);
@@ -251,7 +262,9 @@ fn rows_written_in_chunks_equal_one_write() {
 
 #[test]
 fn rows_never_written_read_as_zero() {
-    let Some(mut gpu) = backend("rows_never_written_read_as_zero") else { return };
+    let Some(mut gpu) = backend("rows_never_written_read_as_zero") else {
+        return;
+    };
     let mut rng = Rng::new("rows_never_written_read_as_zero");
     for format in Format::ALL {
         let n_in = random_n_in(&mut rng, format, 4);
@@ -277,7 +290,9 @@ fn rows_never_written_read_as_zero() {
 
 #[test]
 fn device_loss_is_an_error_not_a_panic() {
-    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else {
+        return;
+    };
     let mut rng = Rng::new("device_loss_is_an_error_not_a_panic");
     let w = Weight::random(&mut rng, Format::Q8x32, 40, 64);
     let id = upload(&mut gpu, &w);
@@ -297,7 +312,9 @@ fn device_loss_is_an_error_not_a_panic() {
     gpu.free(id);
 
     // A GpuCtx over a backend lost before it was made offers no device, and says so.
-    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else {
+        return;
+    };
     gpu.simulate_device_loss();
     let mut ctx = GpuCtx::new(Box::new(gpu), Budget::default());
     assert!(ctx.device().is_none());
@@ -311,7 +328,9 @@ fn device_loss_is_an_error_not_a_panic() {
 /// buffer whose size wrapped; afterwards the backend still computes.
 #[test]
 fn the_backend_alone_refuses_what_it_cannot_hold() {
-    let Some(mut gpu) = backend("the_backend_alone_refuses_what_it_cannot_hold") else { return };
+    let Some(mut gpu) = backend("the_backend_alone_refuses_what_it_cannot_hold") else {
+        return;
+    };
     let max = gpu.device().expect("a device").max_weight_bytes;
     let oom = |r: Result<u64, GpuError>, what: &str| match r {
         Err(GpuError::OutOfMemory(m)) if m.contains("the device's limit is") => {}
@@ -344,7 +363,9 @@ fn the_backend_alone_refuses_what_it_cannot_hold() {
 
 #[test]
 fn requests_past_the_limits_are_refused_by_gpuctx() {
-    let Some(gpu) = backend("requests_past_the_limits_are_refused_by_gpuctx") else { return };
+    let Some(gpu) = backend("requests_past_the_limits_are_refused_by_gpuctx") else {
+        return;
+    };
     let device = gpu.device().expect("a device");
     println!(
         "limits: max_weight_bytes {}, max_activation_elements {}",
@@ -357,7 +378,9 @@ fn requests_past_the_limits_are_refused_by_gpuctx() {
     let n_in = 4096u32;
     let n_out = (device.max_weight_bytes / n_in as u64 + 1).min(u32::MAX as u64) as u32;
     match ctx.allocate(Format::Q8x32, n_out, n_in) {
-        Err(GpuError::OutOfMemory(m)) if m.contains(&format!("exceeds the device's limit of {}", device.max_weight_bytes)) => {
+        Err(GpuError::OutOfMemory(m))
+            if m.contains(&format!("exceeds the device's limit of {}", device.max_weight_bytes)) =>
+        {
             println!("refused as it should be: {m}")
         }
         Err(e) => panic!("a weight past the limit: {e}, not out-of-memory"),
@@ -389,7 +412,9 @@ fn requests_past_the_limits_are_refused_by_gpuctx() {
 /// several dispatches), checked against the CPU and reported in GFLOP/s.
 #[test]
 fn mid_size_throughput() {
-    let Some(mut gpu) = backend("mid_size_throughput") else { return };
+    let Some(mut gpu) = backend("mid_size_throughput") else {
+        return;
+    };
     let mut rng = Rng::new("mid_size_throughput");
     for format in [Format::Q4x32, Format::Q8x32, Format::F32] {
         let (n_out, n_in) = (2048u32, 2048u32);
@@ -422,7 +447,9 @@ fn mid_size_throughput() {
 /// edges at the splits.
 #[test]
 fn large_calls_split_into_dispatches() {
-    let Some(mut gpu) = backend("large_calls_split_into_dispatches") else { return };
+    let Some(mut gpu) = backend("large_calls_split_into_dispatches") else {
+        return;
+    };
     let mut rng = Rng::new("large_calls_split_into_dispatches");
     for (format, n_out, n_in, t) in [(Format::Q4x32, 4173, 16384, 5), (Format::Q8x32, 700, 2048, 301)] {
         let w = Weight::random(&mut rng, format, n_out, n_in);
@@ -438,7 +465,9 @@ fn large_calls_split_into_dispatches() {
 /// workgroup memory) and by one (the CPU layout) gives the CPU's results either way.
 #[test]
 fn gemv_row_sharing_matches_the_cpu() {
-    let Some(mut gpu) = backend("gemv_row_sharing_matches_the_cpu") else { return };
+    let Some(mut gpu) = backend("gemv_row_sharing_matches_the_cpu") else {
+        return;
+    };
     let mut rng = Rng::new("gemv_row_sharing_matches_the_cpu");
     assert!(gpu.set_gemv_lanes(3).is_err() && gpu.set_gemv_lanes(128).is_err());
     for lanes in [1, 4, 32, 64] {
@@ -458,29 +487,136 @@ fn gemv_row_sharing_matches_the_cpu() {
     }
 }
 
-/// The tiled kernel (the GPU's path for t >= 4) gives the CPU's results for every format, with
-/// ragged tiles in rows, in t and in the columns, and when a call is split into dispatches.
+/// The tiled kernels (the GPU's paths for t >= 4: 64 x 64 tiles, and 128 x 128 double-buffered)
+/// give the CPU's results for every format, with ragged tiles in rows, in t and in the columns,
+/// and when a call is split into dispatches.
 #[test]
 fn tiled_gemm_matches_the_cpu() {
-    let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else { return };
+    let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else {
+        return;
+    };
     let mut rng = Rng::new("tiled_gemm_matches_the_cpu");
-    gpu.set_tiled_gemm(true);
-    for format in Format::ALL {
-        let n_in = random_n_in(&mut rng, format, 12);
-        let n_out = rng_rows(&mut rng) + 64;
+    for gemm in [Gemm::Tiled, Gemm::Wide] {
+        gpu.set_gemm(gemm).expect("gemm");
+        for format in Format::ALL {
+            let n_in = random_n_in(&mut rng, format, 12);
+            let n_out = rng_rows(&mut rng) + 64;
+            let w = Weight::random(&mut rng, format, n_out, n_in);
+            let id = upload(&mut gpu, &w);
+            for t in [4, 5, 67, 131] {
+                let x = random_x(&mut rng, t, n_in);
+                let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+                check(&format!("{gemm:?} {} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+            }
+            gpu.free(id);
+        }
+        let (n_out, n_in, t) = (300, 4096, 260);
+        let w = Weight::random(&mut rng, Format::Q8x32, n_out, n_in);
+        let id = upload(&mut gpu, &w);
+        let x = random_x(&mut rng, t, n_in);
+        let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+        check(&format!("{gemm:?} q8x32 [{n_out}, {n_in}] t={t}, split"), &[&w], &x, t, &got);
+        gpu.free(id);
+    }
+}
+
+/// The cooperative-matrix kernel (t >= 128 where the adapter offers 16x16x16 f16 matrices) gives
+/// the CPU's results within f16 rounding of both inputs (2e-3 of sum |w x|), for every format,
+/// on whole tiles (stored straight from the matrices) and ragged ones (through workgroup
+/// memory). Adapters without cooperative matrices (lavapipe, CI) skip it, saying so;
+/// `WISP_REQUIRE_COOP=1` (bench/gpu.sh on the GPU machine) makes that a failure.
+#[test]
+fn coop_gemm_matches_the_cpu() {
+    let Some(mut gpu) = backend("coop_gemm_matches_the_cpu") else {
+        return;
+    };
+    if !gpu.has_coop() {
+        let required = std::env::var("WISP_REQUIRE_COOP").is_ok_and(|v| v == "1");
+        assert!(!required, "coop_gemm_matches_the_cpu: no cooperative matrices, and WISP_REQUIRE_COOP=1");
+        println!("coop_gemm_matches_the_cpu: skipped: the adapter offers no cooperative matrices");
+        return;
+    }
+    let mut rng = Rng::new("coop_gemm_matches_the_cpu");
+    gpu.set_gemm(Gemm::Coop).expect("gemm");
+    let mut shapes: Vec<(Format, u32, u32, u32)> = Format::ALL
+        .iter()
+        .map(|&f| (f, rng_rows(&mut rng) + 64, random_n_in(&mut rng, f, 12), 128 + rng.range(0, 200)))
+        .collect();
+    shapes.extend([(Format::Q8x32, 256, 512, 256), (Format::F32, 384, 4096, 128), (Format::Q4x32, 300, 4096, 260)]);
+    for (format, n_out, n_in, t) in shapes {
         let w = Weight::random(&mut rng, format, n_out, n_in);
         let id = upload(&mut gpu, &w);
-        for t in [4, 5, 67] {
-            let x = random_x(&mut rng, t, n_in);
-            let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
-            check(&format!("tiled {} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+        let x = random_x(&mut rng, t, n_in);
+        let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+        check_within(2e-3, &format!("coop {} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+        gpu.free(id);
+    }
+}
+
+/// Kernel-only rates of every kernel variant on the preferred adapter (timestamp queries): a
+/// tuning aid for real GPUs, not a check. `cargo test --release -p wisp --test wgpu_backend --
+/// --ignored --nocapture kernel_sweep`; WISP_SWEEP_N sets the GEMV size (default 8192),
+/// WISP_SWEEP_M the GEMM size (default 4096), WISP_SWEEP_REPS the calls each rate is the best of
+/// (default 10).
+#[test]
+#[ignore = "a benchmark: run by hand on a GPU"]
+fn kernel_sweep() {
+    let Some(mut gpu) = backend("kernel_sweep") else {
+        return;
+    };
+    let n: u32 = std::env::var("WISP_SWEEP_N").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
+    let reps: u32 = std::env::var("WISP_SWEEP_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
+    let mut rng = Rng::new("kernel_sweep");
+    let best_ns = |gpu: &mut WgpuBackend, x: &[f32], t: u32, n_in: u32, id: u64| {
+        // GPUs idle at low clocks and take a while of steady work to raise them.
+        gpu.set_kernel_repeats(10);
+        let warm = Instant::now();
+        while warm.elapsed().as_secs_f64() < 0.3 {
+            gpu.matmul(x, t, n_in, &[id]).expect("matmul");
+        }
+        let mut best = u64::MAX;
+        for _ in 0..reps {
+            gpu.matmul(x, t, n_in, &[id]).expect("matmul");
+            best = best.min(gpu.last_kernel_ns().unwrap_or(u64::MAX));
+        }
+        best as f64
+    };
+    for format in Format::ALL {
+        let w = Weight::random(&mut rng, format, n, n);
+        let bytes = (w.data.len() + 4 * w.scales.len()) as f64;
+        let id = upload(&mut gpu, &w);
+        let x = random_x(&mut rng, 1, n);
+        for lanes in [16, 32, 64] {
+            gpu.set_gemv_lanes(lanes).expect("lanes");
+            let ns = best_ns(&mut gpu, &x, 1, n, id);
+            println!(
+                "sweep gemv {} [{n}, {n}] lanes={lanes}: {:.1} us, {:.0} GB/s",
+                format.name(),
+                ns / 1e3,
+                bytes / ns
+            );
         }
         gpu.free(id);
     }
-    let (n_out, n_in, t) = (300, 4096, 260);
-    let w = Weight::random(&mut rng, Format::Q8x32, n_out, n_in);
-    let id = upload(&mut gpu, &w);
-    let x = random_x(&mut rng, t, n_in);
-    let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
-    check(&format!("tiled q8x32 [{n_out}, {n_in}] t={t}, split"), &[&w], &x, t, &got);
+    gpu.set_gemv_lanes(32).expect("lanes");
+    let m: u32 = std::env::var("WISP_SWEEP_M").ok().and_then(|v| v.parse().ok()).unwrap_or(4096);
+    for format in [Format::F32, Format::Bf16, Format::Q8x32, Format::Q4x32] {
+        let w = Weight::random(&mut rng, format, m, m);
+        let id = upload(&mut gpu, &w);
+        for t in [512, m] {
+            let x = random_x(&mut rng, t, m);
+            let coop = gpu.has_coop().then_some(Gemm::Coop);
+            for gemm in [Some(Gemm::Tiled), Some(Gemm::Wide), coop].into_iter().flatten() {
+                gpu.set_gemm(gemm).expect("gemm");
+                let ns = best_ns(&mut gpu, &x, t, m, id);
+                let tflops = 2.0 * t as f64 * m as f64 * m as f64 / ns / 1e3;
+                println!(
+                    "sweep gemm {} [{m}, {m}] t={t} {gemm:?}: {:.1} us, {tflops:.1} TFLOP/s",
+                    format.name(),
+                    ns / 1e3
+                );
+            }
+        }
+        gpu.free(id);
+    }
 }

@@ -31,39 +31,64 @@ pub struct BenchArgs {
 /// tiny call: what the guest's dispatch policy weighs.
 fn device_matmuls(a: &BenchArgs) -> Result<Option<serde_json::Value>> {
     let mut ctx = super::gpu_ctx(&a.model)?;
-    let Some(device) = ctx.device().cloned() else { return Ok(None) };
+    let Some(device) = ctx.device().cloned() else {
+        return Ok(None);
+    };
     let n = a.matmul_size;
     let elems = n as usize * n as usize;
     let mut formats = serde_json::Map::new();
     // The same products timed on the device alone (timestamp queries), where it can tell.
     let mut kernel = serde_json::Map::new();
+
+    // Bytes of weights (and scales) a t = 1 product reads, per second of kernel time.
+    let mut gemv_bandwidth = serde_json::Map::new();
     for format in Format::ALL {
+        // Values from a hash, not a short pattern: GPUs compress regular data in memory, which
+        // would flatter every rate that memory bounds.
         let data: Vec<u8> = match format {
-            Format::F32 => (0..elems).flat_map(|i| (((i % 17) as f32 - 8.0) * 0.01).to_le_bytes()).collect(),
-            Format::Bf16 => (0..elems).flat_map(|i| [0u8, if i % 2 == 0 { 0x3c } else { 0xbc }]).collect(),
-            Format::Q4x32 => (0..elems / 2).map(|i| (i * 37) as u8).collect(),
-            _ => (0..elems).map(|i| (i * 37) as u8).collect(),
+            Format::F32 => (0..elems).flat_map(|i| unit(i as u64).to_le_bytes()).collect(),
+            Format::Bf16 => (0..elems).flat_map(|i| ((unit(i as u64).to_bits() >> 16) as u16).to_le_bytes()).collect(),
+            Format::Q4x32 => (0..elems / 2).map(|i| hash(i as u64) as u8).collect(),
+            _ => (0..elems).map(|i| hash(i as u64) as u8).collect(),
         };
         let scales = vec![0.01f32; format.scale_count(elems as u64) as usize];
         let w = ctx.upload(format, n, n, &data, &scales)?;
         let mut rates = serde_json::Map::new();
         let mut kernel_rates = serde_json::Map::new();
-        for t in [1u32, 16, 128, 512] {
-            let x: Vec<f32> = (0..t as usize * n as usize).map(|i| ((i % 13) as f32 - 6.0) * 0.1).collect();
-            let runs = if t >= 128 { 3 } else { 5 };
+        let weight_bytes = (data.len() + 4 * scales.len()) as f64;
+        for t in bench_ts(n) {
+            let x: Vec<f32> = (0..t as u64 * n as u64).map(|i| unit(i ^ 0x5eed)).collect();
+            let runs = if t >= 512 { 5 } else { 10 };
             let (mut best, mut best_kernel) = (f64::INFINITY, f64::INFINITY);
+            // A GPU idles at low clocks and takes a while of steady work to raise them: the
+            // same product for 0.3 s first.
+            let warm = Instant::now();
+            while warm.elapsed().as_secs_f64() < 0.3 {
+                ctx.matmul(&x, t, n, std::slice::from_ref(&w))?;
+            }
             for _ in 0..runs {
                 let start = Instant::now();
                 ctx.matmul(&x, t, n, std::slice::from_ref(&w))?;
                 best = best.min(start.elapsed().as_secs_f64());
+            }
+            // Kernels alone: ten back-to-back runs of the product's kernels a call, after one
+            // that waits for the input's upload.
+            ctx.set_kernel_repeats(10);
+            for _ in 0..runs {
+                ctx.matmul(&x, t, n, std::slice::from_ref(&w))?;
                 if let Some(ns) = ctx.last_kernel_ns().filter(|&ns| ns > 0) {
                     best_kernel = best_kernel.min(ns as f64 / 1e9);
                 }
             }
+            ctx.set_kernel_repeats(1);
             let flops = 2.0 * t as f64 * elems as f64;
             rates.insert(format!("t{t}"), serde_json::json!(flops / best / 1e9));
             if best_kernel.is_finite() {
                 kernel_rates.insert(format!("t{t}"), serde_json::json!(flops / best_kernel / 1e9));
+                if t == 1 {
+                    gemv_bandwidth
+                        .insert(format.name().to_string(), serde_json::json!(weight_bytes / best_kernel / 1e9));
+                }
             }
         }
         ctx.release(w);
@@ -82,8 +107,28 @@ fn device_matmuls(a: &BenchArgs) -> Result<Option<serde_json::Value>> {
     ctx.release(tiny);
     Ok(Some(serde_json::json!({
         "device": device.name, "backend": device.backend, "size": n,
-        "gflops": formats, "kernel_gflops": kernel, "round_trip_us": latency * 1e6,
+        "gflops": formats, "kernel_gflops": kernel, "kernel_gemv_gbytes_s": gemv_bandwidth,
+        "round_trip_us": latency * 1e6,
     })))
+}
+
+/// SplitMix64's finalizer: a well-mixed hash of `i`.
+fn hash(i: u64) -> u64 {
+    let mut z = i.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A value in [-1, 1) from the hash of `i`.
+fn unit(i: u64) -> f32 {
+    (hash(i) >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+}
+
+/// The rows of x the device matmuls are timed at: the models' usual ones, and n (an n^3 product)
+/// where n is larger, up to 8192 (x is n^2 floats, sent with every call).
+fn bench_ts(n: u32) -> Vec<u32> {
+    [1, 16, 128, 512].into_iter().chain((512 < n && n <= 8192).then_some(n)).collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -231,18 +276,28 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("  {}", decode_stages.line("decode"));
         if let Some(m) = &matmuls {
             for (key, what) in [("gflops", "whole calls"), ("kernel_gflops", "kernels alone, timestamp queries")] {
-                let Some(rates) = m[key].as_object().filter(|r| !r.is_empty()) else { continue };
+                let Some(rates) = m[key].as_object().filter(|r| !r.is_empty()) else {
+                    continue;
+                };
                 println!(
                     "device matmul, [{n}, {n}] weight, GFLOP/s, {what} ({}, {}):",
                     m["device"],
                     m["backend"],
                     n = a.matmul_size
                 );
-                println!("  {:<6} {:>9} {:>9} {:>9} {:>9}", "format", "t=1", "t=16", "t=128", "t=512");
+                let ts = bench_ts(a.matmul_size);
+                let head: String = ts.iter().map(|t| format!(" {:>9}", format!("t={t}"))).collect();
+                println!("  {:<6}{head}", "format");
                 for (f, r) in rates {
-                    let g = |k: &str| r[k].as_f64().unwrap_or(0.0);
-                    println!("  {f:<6} {:>9.2} {:>9.2} {:>9.2} {:>9.2}", g("t1"), g("t16"), g("t128"), g("t512"));
+                    let row: String =
+                        ts.iter().map(|t| format!(" {:>9.2}", r[format!("t{t}")].as_f64().unwrap_or(0.0))).collect();
+                    println!("  {f:<6}{row}");
                 }
+            }
+            if let Some(bw) = m["kernel_gemv_gbytes_s"].as_object().filter(|r| !r.is_empty()) {
+                let row: Vec<String> =
+                    bw.iter().map(|(f, v)| format!("{f} {:.0}", v.as_f64().unwrap_or(0.0))).collect();
+                println!("  t=1, weights read by the kernel alone, GB/s: {}", row.join(", "));
             }
             println!("  round trip of a tiny matmul: {:.0} us", m["round_trip_us"].as_f64().unwrap_or(0.0));
         }

@@ -9,7 +9,7 @@
 mod cpu;
 mod wgpu;
 
-pub use self::wgpu::WgpuBackend;
+pub use self::wgpu::{Gemm, WgpuBackend};
 pub use cpu::CpuBackend;
 
 use crate::bindings::wisp::llm::gpu as wit;
@@ -181,6 +181,11 @@ pub trait Backend: Send {
     fn last_kernel_ns(&self) -> Option<u64> {
         None
     }
+    /// For benchmarks: run each `matmul`'s dispatches `n` times over (the same outputs each
+    /// time), so that [`Backend::last_kernel_ns`], the time of one run, is the steady rate of
+    /// back-to-back kernels and not the first one's wait for its input. Ignored where nothing
+    /// measures kernels.
+    fn set_kernel_repeats(&mut self, _n: u32) {}
 }
 
 /// A backend with no device: `available` is `none`, every call is `unavailable`.
@@ -448,6 +453,11 @@ impl GpuCtx {
     /// the backend can measure it (wgpu with timestamp queries); for benchmarks.
     pub fn last_kernel_ns(&self) -> Option<u64> {
         self.backend.last_kernel_ns()
+    }
+
+    /// See [`Backend::set_kernel_repeats`]; for benchmarks.
+    pub fn set_kernel_repeats(&mut self, n: u32) {
+        self.backend.set_kernel_repeats(n)
     }
 
     /// Frees a handle's device memory and returns it to the budget. A handle that is not a live

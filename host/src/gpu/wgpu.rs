@@ -18,6 +18,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, mpsc};
 
 const SHADER: &str = include_str!("../../../shaders/matmul.wgsl");
+/// `gemm_coop`, built after matmul.wgsl (whose bindings and decoders it uses) on adapters that
+/// offer cooperative matrices (see [`offers_coop`]).
+const COOP_SHADER: &str = include_str!("../../../shaders/matmul_coop.wgsl");
+/// Workgroup memory of `gemm_coop`: two buffers of 128 x 40 f16 for x and for W, and
+/// 8 x 16 x 16 f32.
+const COOP_WORKGROUP_BYTES: u32 = 4 * 10240 + 4 * 2048;
 
 /// Invocations in a workgroup (`WG` in the shader).
 const WORKGROUP: u32 = 64;
@@ -26,17 +32,46 @@ const GEMM_MIN_T: u32 = 4;
 /// Weight rows an invocation of `gemm` computes (8 in the shader), and of `gemv` (4).
 const GEMM_ROWS: u32 = 8;
 const GEMV_ROWS: u32 = 4;
-/// Rows of W, and rows of x, of one workgroup's output tile in `gemm_tiled` (TILE).
+/// Rows of W, and rows of x, of one workgroup's output tile in `gemm_tiled` (TILE) and in
+/// `gemm_wide` (WT).
 const TILE: u32 = 64;
+const WIDE_TILE: u32 = 128;
+/// Rows of x from which GPUs run `gemm_wide`: below, most of its 128-row tiles would be empty.
+const WIDE_MIN_T: u32 = 128;
 /// Multiply-adds one dispatch may cover, so that no single dispatch runs for long on a slow
 /// device (a watchdog may take a device that does): on CPU devices (~1-10 GFLOP/s, so ~0.1 s),
-/// and on GPUs, where a small dispatch leaves most of the chip idle (~0.2 s at 100 GFLOP/s).
+/// and on GPUs, where a small dispatch leaves most of the chip idle and each dispatch waits for
+/// the last to drain (~1.4 s at 100 GFLOP/s; a 4096^3 product is one dispatch).
 const DISPATCH_MACS: u64 = 1 << 28;
-const GPU_DISPATCH_MACS: u64 = 1 << 33;
+const GPU_DISPATCH_MACS: u64 = 1 << 36;
 /// Bytes of one `queue.write_buffer` of weights: bounds wgpu's staging memory during uploads.
 const WRITE_CHUNK: usize = 64 << 20;
 /// Size of `Params` in the shader.
 const PARAMS_BYTES: u64 = 32;
+
+/// The kernel of products of t >= 4 (t < 4 runs `gemv`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Gemm {
+    /// `gemm`: register-blocked, no workgroup memory, no barrier (CPU devices).
+    Blocked,
+    /// `gemm_tiled`: 64 x 64 tiles through workgroup memory.
+    Tiled,
+    /// `gemm_wide`: 128 x 128 tiles, 8 x 8 an invocation, double-buffered.
+    Wide,
+    /// `gemm_coop`: 128 x 128 tiles on cooperative matrices (f16 inputs, f32 sums), where the
+    /// adapter offers them.
+    Coop,
+    /// `gemm_tiled` below WIDE_MIN_T rows of x, from there `gemm_coop` where the adapter
+    /// offers cooperative matrices and `gemm_wide` elsewhere (GPUs).
+    BySize,
+}
+
+impl Gemm {
+    /// CPU devices: lane-by-lane loads and barriers are what cost there.
+    pub const CPU: Gemm = Gemm::Blocked;
+    /// GPUs: workgroup memory and barriers are cheap, arithmetic per load is what counts.
+    pub const GPU: Gemm = Gemm::BySize;
+}
 
 /// The shader's entry points.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -44,6 +79,8 @@ enum Kernel {
     Gemv,
     Gemm,
     GemmTiled,
+    GemmWide,
+    GemmCoop,
 }
 
 impl Kernel {
@@ -52,6 +89,8 @@ impl Kernel {
             Kernel::Gemv => "gemv",
             Kernel::Gemm => "gemm",
             Kernel::GemmTiled => "gemm_tiled",
+            Kernel::GemmWide => "gemm_wide",
+            Kernel::GemmCoop => "gemm_coop",
         }
     }
 }
@@ -154,9 +193,12 @@ pub struct WgpuBackend {
     lanes_k: u32,
     /// Multiply-adds a dispatch may cover on this device.
     dispatch_macs: u64,
-    /// Whether t >= 4 runs `gemm_tiled` (GPUs: workgroup memory and barriers are cheap there)
-    /// or `gemm` (CPU devices).
-    tiled: bool,
+    /// The kernel of t >= 4.
+    gemm: Gemm,
+    /// Whether the device has cooperative matrices on (`gemm_coop` can run).
+    coop: bool,
+    /// matmul.wgsl with `gemm_coop`, where `coop`.
+    coop_module: Option<wgpu::ShaderModule>,
     module: Option<wgpu::ShaderModule>,
     bind_layout: wgpu::BindGroupLayout,
     pipeline_layout: wgpu::PipelineLayout,
@@ -169,12 +211,31 @@ pub struct WgpuBackend {
     /// pass, resolved into `resolve`, and nanoseconds per tick.
     timer: Option<Timer>,
     last_kernel_ns: Option<u64>,
+    /// Times each call's dispatches are recorded (see [`Backend::set_kernel_repeats`]).
+    repeats: u32,
 }
 
 struct Timer {
     queries: wgpu::QuerySet,
     resolve: wgpu::Buffer,
     period_ns: f32,
+}
+
+/// Whether `gemm_coop` can run on the adapter: cooperative matrices of 16 x 16 x 16 with f16
+/// inputs and f32 sums, f16 in shaders, subgroups of exactly 32 (the kernel gives each 32
+/// invocations their own matrices) and its workgroup memory.
+fn offers_coop(adapter: &wgpu::Adapter) -> bool {
+    let wanted = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+    let info = adapter.get_info();
+    adapter.features().contains(wanted)
+        && info.subgroup_min_size == 32
+        && info.subgroup_max_size == 32
+        && adapter.limits().max_compute_workgroup_storage_size >= COOP_WORKGROUP_BYTES
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16)
+                && p.ab_type == wgpu::CooperativeScalarType::F16
+                && p.cr_type == wgpu::CooperativeScalarType::F32
+        })
 }
 
 fn backend_name(b: wgpu::Backend) -> &'static str {
@@ -272,10 +333,23 @@ impl WgpuBackend {
         let ainfo = adapter.get_info();
         // The adapter's own limits: the defaults would cap a storage binding at 128 MiB.
         let limits = adapter.limits();
+        let coop = offers_coop(&adapter) && std::env::var("WISP_COOP").map_or(true, |v| v != "0");
+        let mut required_features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        let mut experimental_features = wgpu::ExperimentalFeatures::disabled();
+        if coop {
+            required_features |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX | wgpu::Features::SHADER_F16;
+            // SAFETY: the only experimental feature asked for is cooperative matrices, used by
+            // `gemm_coop` alone, with the one configuration `offers_coop` found on the adapter
+            // (wgpu does not check a shader's matrices against the adapter's), subgroups of
+            // the size it assumes, in uniform control flow, and with indices bound by `let`
+            // (naga 30 panics on inline ones).
+            experimental_features = unsafe { wgpu::ExperimentalFeatures::enabled() };
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("wisp"),
-            required_features: adapter.features() & wgpu::Features::TIMESTAMP_QUERY,
+            required_features,
             required_limits: limits.clone(),
+            experimental_features,
             ..Default::default()
         }))
         .with_context(|| format!("opening {} ({})", ainfo.name, backend_name(ainfo.backend)))?;
@@ -365,7 +439,9 @@ impl WgpuBackend {
             limits,
             events,
             lanes_k,
-            tiled: ainfo.device_type != wgpu::DeviceType::Cpu,
+            gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
+            coop,
+            coop_module: None,
             dispatch_macs: if ainfo.device_type == wgpu::DeviceType::Cpu { DISPATCH_MACS } else { GPU_DISPATCH_MACS },
             module: None,
             bind_layout,
@@ -377,6 +453,7 @@ impl WgpuBackend {
             scratch: Scratch::default(),
             timer,
             last_kernel_ns: None,
+            repeats: 1,
         })
     }
 
@@ -401,11 +478,37 @@ impl WgpuBackend {
         Ok(())
     }
 
-    /// Whether products of t >= 4 run the tiled kernel (workgroup memory, barriers) or the
-    /// register-blocked one. `new` picks the tiled one on GPUs; this overrides it, so that
-    /// either path can be tested (or measured) on any device.
-    pub fn set_tiled_gemm(&mut self, tiled: bool) {
-        self.tiled = tiled;
+    /// The kernel of products of t >= 4. `new` picks [`Gemm::CPU`] on CPU devices and
+    /// [`Gemm::GPU`] elsewhere; this overrides it, so that every path can be tested (or
+    /// measured) on any device. [`Gemm::Coop`] is refused where the adapter offers no
+    /// cooperative matrices.
+    pub fn set_gemm(&mut self, gemm: Gemm) -> Result<(), GpuError> {
+        if gemm == Gemm::Coop && !self.coop {
+            return Err(GpuError::InvalidArgument(format!("{} offers no cooperative matrices", self.info.name)));
+        }
+        self.gemm = gemm;
+        Ok(())
+    }
+
+    /// Whether products of t >= 128 run on cooperative matrices here (f16 inputs, f32 sums).
+    pub fn has_coop(&self) -> bool {
+        self.coop
+    }
+
+    /// The kernel of a product of `t` rows of x, and the rows of W and of x one workgroup of
+    /// it covers.
+    fn kernel_for(&self, t: u32) -> (Kernel, u32, u32) {
+        if t < GEMM_MIN_T {
+            return (Kernel::Gemv, GEMV_ROWS * WORKGROUP / self.lanes_k, 1);
+        }
+        match self.gemm {
+            Gemm::Coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
+            Gemm::BySize if t >= WIDE_MIN_T && self.coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
+            Gemm::Wide => (Kernel::GemmWide, WIDE_TILE, WIDE_TILE),
+            Gemm::BySize if t >= WIDE_MIN_T => (Kernel::GemmWide, WIDE_TILE, WIDE_TILE),
+            Gemm::Tiled | Gemm::BySize => (Kernel::GemmTiled, TILE, TILE),
+            Gemm::Blocked => (Kernel::Gemm, GEMM_ROWS * WORKGROUP, 4),
+        }
     }
 
     /// Makes the device lost, as a driver reset would: the device is destroyed and every later
@@ -455,14 +558,22 @@ impl WgpuBackend {
             return Ok(p.clone());
         }
         let scopes = push_scopes(&self.device);
-        let module = match &self.module {
+        let (slot, label, source) = match kernel {
+            Kernel::GemmCoop => (
+                &mut self.coop_module,
+                "matmul_coop.wgsl",
+                format!("enable f16;\nenable wgpu_cooperative_matrix;\n{SHADER}\n{COOP_SHADER}").into(),
+            ),
+            _ => (&mut self.module, "matmul.wgsl", SHADER.into()),
+        };
+        let module = match slot {
             Some(m) => m.clone(),
             None => {
                 let m = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-                    label: Some("matmul.wgsl"),
-                    source: wgpu::ShaderSource::Wgsl(SHADER.into()),
+                    label: Some(label),
+                    source: wgpu::ShaderSource::Wgsl(source),
                 });
-                self.module = Some(m.clone());
+                *slot = Some(m.clone());
                 m
             }
         };
@@ -481,7 +592,10 @@ impl WgpuBackend {
         });
         if let Err(e) = self.finish(scopes) {
             // A module that failed to build is not kept either.
-            self.module = None;
+            match kernel {
+                Kernel::GemmCoop => self.coop_module = None,
+                _ => self.module = None,
+            }
             return Err(e);
         }
         self.pipelines.insert((kernel, format), pipeline.clone());
@@ -514,16 +628,10 @@ impl WgpuBackend {
         b
     }
 
-    /// The dispatches of one job: `gemv` for small `t`, `gemm` otherwise; split so that no
+    /// The dispatches of one job (its kernel from [`Self::kernel_for`]), split so that no
     /// dispatch exceeds the device's workgroups per dimension or its multiply-add budget.
     fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, out: &mut Vec<Dispatch>) {
-        let (kernel, rows_per_group, t_per_group) = if t < GEMM_MIN_T {
-            (Kernel::Gemv, GEMV_ROWS * WORKGROUP / self.lanes_k, 1)
-        } else if self.tiled {
-            (Kernel::GemmTiled, TILE, TILE)
-        } else {
-            (Kernel::Gemm, GEMM_ROWS * WORKGROUP, 4)
-        };
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t);
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
         let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
         let gy_total = (t as u64).div_ceil(t_per_group as u64);
@@ -658,25 +766,31 @@ impl WgpuBackend {
         }
 
         let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("matmul") });
-        {
-            let timestamp_writes = self.timer.as_ref().map(|t| wgpu::ComputePassTimestampWrites {
+        // With repeats (benchmarks), an untimed pass first, so that the timed one does not
+        // start by waiting for the input's upload.
+        let (untimed, timed) = ([(1, false), (self.repeats, true)], [(1, true)]);
+        let passes: &[(u32, bool)] = if self.repeats > 1 { &untimed } else { &timed };
+        for &(times, timed) in passes {
+            let timestamp_writes = self.timer.as_ref().filter(|_| timed).map(|t| wgpu::ComputePassTimestampWrites {
                 query_set: &t.queries,
                 beginning_of_pass_write_index: Some(0),
                 end_of_pass_write_index: Some(1),
             });
             let mut pass =
                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes });
-            for (i, d) in dispatches.iter().enumerate() {
-                let Some(pipeline) = pipelines.get(&(d.kernel, kernels[d.job])) else {
-                    return Err(GpuError::Unavailable(format!(
-                        "no pipeline for {:?} {}",
-                        d.kernel,
-                        kernels[d.job].name()
-                    )));
-                };
-                pass.set_pipeline(pipeline);
-                pass.set_bind_group(0, &groups[d.job], &[(i as u64 * params_stride) as u32]);
-                pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+            for _ in 0..times {
+                for (i, d) in dispatches.iter().enumerate() {
+                    let Some(pipeline) = pipelines.get(&(d.kernel, kernels[d.job])) else {
+                        return Err(GpuError::Unavailable(format!(
+                            "no pipeline for {:?} {}",
+                            d.kernel,
+                            kernels[d.job].name()
+                        )));
+                    };
+                    pass.set_pipeline(pipeline);
+                    pass.set_bind_group(0, &groups[d.job], &[(i as u64 * params_stride) as u32]);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                }
             }
         }
         encoder.copy_buffer_to_buffer(&output, 0, &staging, 0, out_bytes);
@@ -708,7 +822,7 @@ impl WgpuBackend {
             let stamps = self.timer.as_ref().map(|t| {
                 let at = stamps_at as usize;
                 let tick = |i: usize| u64::from_le_bytes(view[at + 8 * i..at + 8 * i + 8].try_into().unwrap_or([0; 8]));
-                (tick(1).saturating_sub(tick(0)) as f64 * t.period_ns as f64) as u64
+                (tick(1).saturating_sub(tick(0)) as f64 * t.period_ns as f64 / self.repeats as f64) as u64
             });
             Ok((outs, stamps))
         });
@@ -761,6 +875,10 @@ impl Backend for WgpuBackend {
         self.last_kernel_ns
     }
 
+    fn set_kernel_repeats(&mut self, n: u32) {
+        self.repeats = n.max(1);
+    }
+
     fn device(&self) -> Option<Device> {
         match self.events.lost() {
             Some(_) => None,
@@ -782,7 +900,8 @@ impl Backend for WgpuBackend {
         let data_bytes = (row_quads * 16).checked_mul(n_out as u64);
         let scale_bytes = (scale_row * 4).checked_mul(n_out as u64);
         let max = self.info.max_weight_bytes;
-        let (Some(data_bytes), Some(scale_bytes)) = (data_bytes.filter(|&b| b <= max), scale_bytes.filter(|&b| b <= max))
+        let (Some(data_bytes), Some(scale_bytes)) =
+            (data_bytes.filter(|&b| b <= max), scale_bytes.filter(|&b| b <= max))
         else {
             let needs = data_bytes.map_or("more than 2^64".to_string(), |b| b.to_string());
             return Err(GpuError::OutOfMemory(format!(
@@ -988,7 +1107,9 @@ mod tests {
                 println!("{test}: adapter {}", b.describe());
                 Some(b)
             }
-            Ok(None) if std::env::var("CI").is_ok_and(|v| v == "true") => panic!("{test}: no wgpu adapter, and CI=true"),
+            Ok(None) if std::env::var("CI").is_ok_and(|v| v == "true") => {
+                panic!("{test}: no wgpu adapter, and CI=true")
+            }
             Ok(None) => {
                 println!("{test}: skipped: no wgpu adapter (install mesa-vulkan-drivers for lavapipe)");
                 None
@@ -1001,7 +1122,9 @@ mod tests {
     /// kernels: more than nothing, less than the whole call; a failed call reports none.
     #[test]
     fn kernel_time_is_measured_where_the_device_can_tell() {
-        let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else { return };
+        let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else {
+            return;
+        };
         let (n_out, n_in, t) = (256u32, 512u32, 8u32);
         let id = b.create(Format::F32, n_out, n_in).unwrap();
         let data: Vec<u8> = (0..n_out * n_in).flat_map(|i| ((i % 7) as f32 * 0.1).to_le_bytes()).collect();
@@ -1011,7 +1134,9 @@ mod tests {
         b.matmul(&x, t, n_in, &[id]).unwrap();
         let wall = start.elapsed().as_nanos() as u64;
         match (b.timer.is_some(), b.last_kernel_ns()) {
-            (true, Some(ns)) => assert!(ns > 0 && ns <= wall, "kernel {ns} ns, whole call {wall} ns"),
+            (true, Some(ns)) => {
+                assert!(ns > 0 && ns <= wall, "kernel {ns} ns, whole call {wall} ns")
+            }
             (false, None) => println!("the adapter offers no timestamp queries"),
             (offered, got) => panic!("timestamp queries offered: {offered}, kernel time: {got:?}"),
         }
@@ -1024,11 +1149,13 @@ mod tests {
     /// workgroup counts, that together cover every (row, t) tile of the output exactly once.
     #[test]
     fn no_dispatch_runs_longer_than_its_budget() {
-        let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
+        let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else {
+            return;
+        };
         let max_dim = b.limits.max_compute_workgroups_per_dimension as u64;
-        for (lanes, tiled) in [(1, false), (32, false), (1, true)] {
+        for (lanes, gemm) in [(1, Gemm::CPU), (32, Gemm::CPU), (1, Gemm::GPU), (32, Gemm::Tiled), (4, Gemm::Wide)] {
             b.set_gemv_lanes(lanes).unwrap();
-            b.set_tiled_gemm(tiled);
+            b.set_gemm(gemm).unwrap();
             for (format, n_out, n_in, t, min_dispatches) in [
                 (Format::Q4x32, 262_144, 640, 1, 1),
                 (Format::Q4x32, 262_144, 640, 64, 40),
@@ -1038,18 +1165,22 @@ mod tests {
                 (Format::F32, 3, 8, 2, 1),
                 (Format::Q8x16, 1, 1 << 20, 64, 1),
             ] {
-                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} tiled={tiled}", format.name());
+                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} {gemm:?}", format.name());
                 let id = b.create(format, n_out, n_in).unwrap();
                 let mut plan = Vec::new();
                 let w = &b.weights[&id];
                 b.plan(0, w, t, n_in.div_ceil(8) * 2, &mut plan);
-                let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, tiled) {
+                let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
                     (true, _) => (GEMV_ROWS * WORKGROUP / lanes, 1),
-                    (false, true) => (TILE, TILE),
-                    (false, false) => (GEMM_ROWS * WORKGROUP, 4),
+                    (false, Gemm::BySize) if t >= WIDE_MIN_T => (WIDE_TILE, WIDE_TILE),
+                    (false, Gemm::Tiled | Gemm::BySize) => (TILE, TILE),
+                    (false, Gemm::Wide | Gemm::Coop) => (WIDE_TILE, WIDE_TILE),
+                    (false, Gemm::Blocked) => (GEMM_ROWS * WORKGROUP, 4),
                 };
+                assert!(plan.iter().all(|d| d.kernel == b.kernel_for(t).0), "{what}: one kernel a job");
                 let macs_per_group = rows_per_group as u64 * t_per_group as u64 * n_in as u64;
-                let (gx, gy) = ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
+                let (gx, gy) =
+                    ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
                 let mut covered = vec![0u8; (gx * gy) as usize];
                 for d in &plan {
                     let (nx, ny) = (d.groups.0 as u64, d.groups.1 as u64);
@@ -1074,7 +1205,9 @@ mod tests {
     /// error outside any scope into the next call's `unavailable`, and the backend keeps working.
     #[test]
     fn an_uncaptured_wgpu_error_is_an_error_not_a_panic() {
-        let Some(mut b) = backend("an_uncaptured_wgpu_error_is_an_error_not_a_panic") else { return };
+        let Some(mut b) = backend("an_uncaptured_wgpu_error_is_an_error_not_a_panic") else {
+            return;
+        };
         // A buffer past the device's limit, created outside any error scope: a validation error.
         let _ = b.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("too large"),
@@ -1083,7 +1216,9 @@ mod tests {
             mapped_at_creation: false,
         });
         match b.finish(push_scopes(&b.device)) {
-            Err(GpuError::Unavailable(m)) => assert!(m.contains("the device refused the work"), "{m}"),
+            Err(GpuError::Unavailable(m)) => {
+                assert!(m.contains("the device refused the work"), "{m}")
+            }
             other => panic!("want unavailable, got {other:?}"),
         }
         // Reported once; then the backend works.
