@@ -13,11 +13,14 @@
 #   1. the device wgpu finds;
 #   2. per model: `wisp bench` with --gpu on, auto and off (128-token prompt) and --gpu on with
 #      a 512-token prompt; the golden check with --gpu on;
-#   3. wisp's matmul per upload format, whole calls (x uploaded, y read back), [2048, 2048] and
-#      [4096, 4096] weights, t = 1, 16, 128, 512;
-#   4. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
+#   3. wisp's matmul per upload format at [4096, 4096] for t = 1, 16, 128, 512 and 4096 (4096^3)
+#      and at [16384, 16384] for t = 1 (GEMV bandwidth), whole calls (x uploaded, y read back)
+#      and kernels alone (timestamp queries around ten back-to-back runs);
+#   4. if WISP_TESTS names the wgpu_backend test binary (`cargo test --release -p wisp --test
+#      wgpu_backend --no-run` prints it), the backend's tests on this GPU (cooperative matrices
+#      required) and its kernel sweep (every kernel variant, kernel-only);
+#   5. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
 #      shapes, and the device-to-device copy rate (bench/torch_ref.py).
-# Not yet here (issue #11): kernel-only timings (timestamp queries) of wisp's own kernels.
 set -uo pipefail
 [ $# -ge 3 ] || { echo "usage: bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]" >&2; exit 2; }
 wisp=$1 gemma=$2 qwen=$3
@@ -47,5 +50,10 @@ for m in gemma qwen; do
     step "$m-golden-on" "$wisp" eval --model "$path" --golden "$golden" --gpu on
 done
 step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
+step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
+if [ -n "${WISP_TESTS:-}" ]; then
+    step wgpu-tests env WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1
+    step kernel-sweep env WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
+fi
 step torch python3 bench/torch_ref.py
 exit $status
