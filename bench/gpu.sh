@@ -13,9 +13,10 @@
 #   1. the device wgpu finds;
 #   2. per model: `wisp bench` with --gpu on, auto and off (128-token prompt) and --gpu on with
 #      a 512-token prompt; the golden check with --gpu on;
-#   3. wisp's matmul per upload format at [4096, 4096] for t = 1, 16, 128, 512 and 4096 (4096^3)
-#      and at [16384, 16384] for t = 1 (GEMV bandwidth), whole calls (x uploaded, y read back)
-#      and kernels alone (timestamp queries around ten back-to-back runs);
+#   3. wisp's matmul per upload format at [4096, 4096] for t = 1, 16, 128, 512 and 4096 (4096^3),
+#      also with WISP_COOP=1 (cooperative matrices), and at [16384, 16384] (GEMV bandwidth),
+#      whole calls (x uploaded, y read back) and kernels alone (timestamp queries around ten
+#      back-to-back runs); the conformance kit against this GPU;
 #   4. if WISP_TESTS names the wgpu_backend test binary (`cargo test --release -p wisp --test
 #      wgpu_backend --no-run` prints it), the backend's tests on this GPU (cooperative matrices
 #      required) and its kernel sweep (every kernel variant, kernel-only);
@@ -50,10 +51,12 @@ for m in gemma qwen; do
     step "$m-golden-on" "$wisp" eval --model "$path" --golden "$golden" --gpu on
 done
 step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
+step matmul-4096-coop env WISP_COOP=1 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
+step conformance "$wisp" conformance
 step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
 if [ -n "${WISP_TESTS:-}" ]; then
-    step wgpu-tests env WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1
-    step kernel-sweep env WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
+    step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1
+    step kernel-sweep env WISP_COOP=1 WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
 fi
 step torch python3 bench/torch_ref.py
 exit $status

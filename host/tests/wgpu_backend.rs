@@ -523,8 +523,9 @@ fn tiled_gemm_matches_the_cpu() {
 /// The cooperative-matrix kernel (t >= 128 where the adapter offers 16x16x16 f16 matrices) gives
 /// the CPU's results within f16 rounding of both inputs (2e-3 of sum |w x|), for every format,
 /// on whole tiles (stored straight from the matrices) and ragged ones (through workgroup
-/// memory). Adapters without cooperative matrices (lavapipe, CI) skip it, saying so;
-/// `WISP_REQUIRE_COOP=1` (bench/gpu.sh on the GPU machine) makes that a failure.
+/// memory). It runs where the adapter offers cooperative matrices and WISP_COOP=1 turns them on;
+/// elsewhere (lavapipe, CI) it is skipped, saying so, and `WISP_REQUIRE_COOP=1` (bench/gpu.sh on
+/// the GPU machine) makes that a failure.
 #[test]
 fn coop_gemm_matches_the_cpu() {
     let Some(mut gpu) = backend("coop_gemm_matches_the_cpu") else {
@@ -533,7 +534,7 @@ fn coop_gemm_matches_the_cpu() {
     if !gpu.has_coop() {
         let required = std::env::var("WISP_REQUIRE_COOP").is_ok_and(|v| v == "1");
         assert!(!required, "coop_gemm_matches_the_cpu: no cooperative matrices, and WISP_REQUIRE_COOP=1");
-        println!("coop_gemm_matches_the_cpu: skipped: the adapter offers no cooperative matrices");
+        println!("coop_gemm_matches_the_cpu: skipped: no cooperative matrices (none offered, or WISP_COOP is not 1)");
         return;
     }
     let mut rng = Rng::new("coop_gemm_matches_the_cpu");

@@ -11,14 +11,17 @@ fn n_in(f: Format, rng: &mut Rng, lo: u32, hi: u32) -> u32 {
     b * rng.range(lo.div_ceil(b).max(1), (hi / b).max(1))
 }
 
-/// `(t, n_out, n_in)`: one decode step (t = 1), a few rows, a prefill-sized batch, and more rows
-/// than a typical workgroup covers. Drawn fresh, so that they are multiples of no tile.
-fn shapes(f: Format, rng: &mut Rng) -> [(u32, u32, u32); 4] {
+/// `(t, n_out, n_in)`: one decode step (t = 1), a few rows, a prefill-sized batch, more rows
+/// than a typical workgroup covers, and a batch past 128 rows of x (where a host may switch to
+/// kernels for large products, and must keep their accuracy). Drawn fresh, so that they are
+/// multiples of no tile.
+fn shapes(f: Format, rng: &mut Rng) -> [(u32, u32, u32); 5] {
     [
         (1, rng.range(1, 70), n_in(f, rng, 1, 256)),
         (rng.range(2, 3), rng.range(65, 300), n_in(f, rng, 64, 700)),
         (rng.range(4, 37), rng.range(300, 700), n_in(f, rng, 256, 1100)),
         (rng.range(38, 50), rng.range(513, 800), n_in(f, rng, 700, 1300)),
+        (rng.range(129, 160), rng.range(129, 300), n_in(f, rng, 256, 700)),
     ]
 }
 
