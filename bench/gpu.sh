@@ -52,7 +52,7 @@ for m in gemma qwen; do
 done
 step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
 step matmul-4096-coop env WISP_COOP=1 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
-step conformance "$wisp" conformance
+step conformance "$wisp" conformance --model "$gemma"
 step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
 if [ -n "${WISP_TESTS:-}" ]; then
     step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1
