@@ -466,9 +466,25 @@ fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
 const TILE: u32 = 64u;
 const TK: u32 = 32u;
 
-// ws[k * 16 + r / 4][r % 4] = W[row0 + r, k0 + k]; xs likewise for the rows of x.
-var<workgroup> ws: array<vec4<f32>, 512>;
-var<workgroup> xs: array<vec4<f32>, 512>;
+// A step of W's tile and of x's, transposed: a vec4 holds 4 consecutive rows of one column,
+// W's at 0 and x's at 512, small[base + k * 16 + r / 4][r % 4] = row r, column k. (`gemm_wide`
+// has its own, larger array: sharing one would cost this kernel half its occupancy; and WGSL
+// cannot pass a workgroup array to a function, hence a staging function for each.)
+var<workgroup> small: array<vec4<f32>, 1024>;
+
+// Stores eight values of tile row `r`, columns k .. k + 8, into `small` at `base`.
+fn stage8_small(base: u32, r: u32, k: u32, v: W8) {
+    let i = base + k * 16u + r / 4u;
+    let c = r % 4u;
+    small[i][c] = v.lo.x;
+    small[i + 16u][c] = v.lo.y;
+    small[i + 32u][c] = v.lo.z;
+    small[i + 48u][c] = v.lo.w;
+    small[i + 64u][c] = v.hi.x;
+    small[i + 80u][c] = v.hi.y;
+    small[i + 96u][c] = v.hi.z;
+    small[i + 112u][c] = v.hi.w;
+}
 
 // Elements of a row in one quad of W's data.
 fn quad_elements() -> u32 {
@@ -521,33 +537,6 @@ fn w8_at(row: u32, k: u32) -> W8 {
     }
 }
 
-// Stores eight values of tile row r (0..64) at columns k..k+8 of a staged step.
-fn stage_w(r: u32, k: u32, v: W8) {
-    let i = k * 16u + r / 4u;
-    let c = r % 4u;
-    ws[i][c] = v.lo.x;
-    ws[i + 16u][c] = v.lo.y;
-    ws[i + 32u][c] = v.lo.z;
-    ws[i + 48u][c] = v.lo.w;
-    ws[i + 64u][c] = v.hi.x;
-    ws[i + 80u][c] = v.hi.y;
-    ws[i + 96u][c] = v.hi.z;
-    ws[i + 112u][c] = v.hi.w;
-}
-
-fn stage_x(r: u32, k: u32, a: vec4<f32>, b: vec4<f32>) {
-    let i = k * 16u + r / 4u;
-    let c = r % 4u;
-    xs[i][c] = a.x;
-    xs[i + 16u][c] = a.y;
-    xs[i + 32u][c] = a.z;
-    xs[i + 48u][c] = a.w;
-    xs[i + 64u][c] = b.x;
-    xs[i + 80u][c] = b.y;
-    xs[i + 96u][c] = b.z;
-    xs[i + 112u][c] = b.w;
-}
-
 // y[t, row] for the rows of W r..r+4 (the lanes of acc) that exist, t < params.t.
 fn store_tile(t: u32, r: u32, acc: vec4<f32>) {
     if (t >= params.t) {
@@ -582,18 +571,18 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     let steps = (params.n_in + TK - 1u) / TK;
     for (var s = 0u; s < steps; s++) {
         let k = s * TK + lk;
-        stage_w(lr, lk, w8_at(wrow, k));
+        stage8_small(0u, lr, lk, w8_at(wrow, k));
         var xa = vec4<f32>(0.0);
         var xb = vec4<f32>(0.0);
         if (k < x_elems) {
             xa = x_quad(xo + k);
             xb = x_quad(xo + k + 4u);
         }
-        stage_x(lr, lk, xa, xb);
+        stage8_small(512u, lr, lk, W8(xa, xb));
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
-            let w = ws[kk * 16u + cr];
-            let v = xs[kk * 16u + ct];
+            let w = small[kk * 16u + cr];
+            let v = small[512u + kk * 16u + ct];
             acc0 += w * v.x;
             acc1 += w * v.y;
             acc2 += w * v.z;
@@ -625,10 +614,26 @@ const WT: u32 = 128u;
 const WK: u32 = 16u;
 // vec4 of one buffer: WK columns of 128 rows.
 const WBUF: u32 = 512u;
+// Where x's buffers start in `tiles`.
+const WX: u32 = 1024u;
 
-// wb[b * WBUF + k * 32 + r / 4][r % 4] = W[row0 + r, k0 + k] in buffer b; xb likewise.
-var<workgroup> wb: array<vec4<f32>, 1024>;
-var<workgroup> xb: array<vec4<f32>, 1024>;
+// The steps of W's tile and of x's, transposed: W's buffer b at b * WBUF, x's at WX + b * WBUF,
+// each tiles[at + k * 32 + r / 4][r % 4] = row r, column k of the step.
+var<workgroup> tiles: array<vec4<f32>, 2048>;
+
+// Stores eight values of tile row `r`, columns k .. k + 8, into `tiles` at `at`.
+fn stage8(at: u32, r: u32, k: u32, v: W8) {
+    let i = at + k * 32u + r / 4u;
+    let c = r % 4u;
+    tiles[i][c] = v.lo.x;
+    tiles[i + 32u][c] = v.lo.y;
+    tiles[i + 64u][c] = v.lo.z;
+    tiles[i + 96u][c] = v.lo.w;
+    tiles[i + 128u][c] = v.hi.x;
+    tiles[i + 160u][c] = v.hi.y;
+    tiles[i + 192u][c] = v.hi.z;
+    tiles[i + 224u][c] = v.hi.w;
+}
 
 // Outputs of 4 rows of W (the lanes) against 4 rows of x (t0 .. t3).
 struct Quad4 {
@@ -651,33 +656,6 @@ fn store_quad(t: u32, r: u32, q: Quad4) {
     store_tile(t + 1u, r, q.t1);
     store_tile(t + 2u, r, q.t2);
     store_tile(t + 3u, r, q.t3);
-}
-
-// Stores eight values of columns k .. k + 8 of tile row `r` into buffer `b`.
-fn stage8_w(b: u32, r: u32, k: u32, v: W8) {
-    let i = b * WBUF + k * 32u + r / 4u;
-    let c = r % 4u;
-    wb[i][c] = v.lo.x;
-    wb[i + 32u][c] = v.lo.y;
-    wb[i + 64u][c] = v.lo.z;
-    wb[i + 96u][c] = v.lo.w;
-    wb[i + 128u][c] = v.hi.x;
-    wb[i + 160u][c] = v.hi.y;
-    wb[i + 192u][c] = v.hi.z;
-    wb[i + 224u][c] = v.hi.w;
-}
-
-fn stage8_x(b: u32, r: u32, k: u32, v: W8) {
-    let i = b * WBUF + k * 32u + r / 4u;
-    let c = r % 4u;
-    xb[i][c] = v.lo.x;
-    xb[i + 32u][c] = v.lo.y;
-    xb[i + 64u][c] = v.lo.z;
-    xb[i + 96u][c] = v.lo.w;
-    xb[i + 128u][c] = v.hi.x;
-    xb[i + 160u][c] = v.hi.y;
-    xb[i + 192u][c] = v.hi.z;
-    xb[i + 224u][c] = v.hi.w;
 }
 
 // x[row at element offset xo, k .. k + 8] (k a multiple of 8), zeros past the row's padding.
@@ -710,8 +688,8 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     let steps = (params.n_in + WK - 1u) / WK;
     var wv = w8_at(wrow, lk);
     var xv = x8_at(xo, lk);
-    stage8_w(0u, lr, lk, wv);
-    stage8_x(0u, lr, lk, xv);
+    stage8(0u, lr, lk, wv);
+    stage8(WX, lr, lk, xv);
     workgroupBarrier();
     for (var s = 0u; s < steps; s++) {
         let cur = (s % 2u) * WBUF;
@@ -723,18 +701,19 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         }
         for (var kk = 0u; kk < WK; kk++) {
             let i = cur + kk * 32u;
-            let w0 = wb[i + tx];
-            let w1 = wb[i + 16u + tx];
-            let v0 = xb[i + ty];
-            let v1 = xb[i + 16u + ty];
+            let w0 = tiles[i + tx];
+            let w1 = tiles[i + 16u + tx];
+            let v0 = tiles[WX + i + ty];
+            let v1 = tiles[WX + i + 16u + ty];
             aa = outer4(aa, w0, v0);
             ab = outer4(ab, w1, v0);
             ba = outer4(ba, w0, v1);
             bb = outer4(bb, w1, v1);
         }
         if (more) {
-            stage8_w(1u - s % 2u, lr, lk, wv);
-            stage8_x(1u - s % 2u, lr, lk, xv);
+            let next = (1u - s % 2u) * WBUF;
+            stage8(next, lr, lk, wv);
+            stage8(WX + next, lr, lk, xv);
         }
         workgroupBarrier();
     }

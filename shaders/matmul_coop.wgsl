@@ -20,43 +20,35 @@ const CK: u32 = 32u;
 // banks (a stride of 64 bytes would put every other row in the same banks).
 const CS: u32 = 40u;
 const CBUF: u32 = 5120u;
+// Where x's buffers start in `halves`.
+const CX: u32 = 10240u;
 
-// xh[b * CBUF + t * CS + k] = x[t0 + t, k0 + k] in buffer b; wh likewise for the rows of W.
-var<workgroup> xh: array<f16, 10240>;
-var<workgroup> wh: array<f16, 10240>;
+// The staged steps: W's buffer b at b * CBUF, x's at CX + b * CBUF, each
+// halves[at + r * CS + k] = row r, column k of the step (rows of W, or of x).
+var<workgroup> halves: array<f16, 20480>;
 // One 16 x 16 matrix a subgroup, on its way to y at the edges.
 var<workgroup> ch: array<f32, 2048>;
 
-// Four f16 at xh[i .. i + 4] (wh likewise).
-fn put4_x(i: u32, h: vec4<f16>) {
-    xh[i] = h.x;
-    xh[i + 1u] = h.y;
-    xh[i + 2u] = h.z;
-    xh[i + 3u] = h.w;
-}
-
-fn put4_w(i: u32, h: vec4<f16>) {
-    wh[i] = h.x;
-    wh[i + 1u] = h.y;
-    wh[i + 2u] = h.z;
-    wh[i + 3u] = h.w;
-}
-
-// Stores 16 values of row r, columns k .. k + 16, into buffer b.
-fn stage16_x(b: u32, r: u32, k: u32, v0: W8, v1: W8) {
-    let i = b * CBUF + r * CS + k;
-    put4_x(i, vec4<f16>(v0.lo));
-    put4_x(i + 4u, vec4<f16>(v0.hi));
-    put4_x(i + 8u, vec4<f16>(v1.lo));
-    put4_x(i + 12u, vec4<f16>(v1.hi));
-}
-
-fn stage16_w(b: u32, r: u32, k: u32, v0: W8, v1: W8) {
-    let i = b * CBUF + r * CS + k;
-    put4_w(i, vec4<f16>(v0.lo));
-    put4_w(i + 4u, vec4<f16>(v0.hi));
-    put4_w(i + 8u, vec4<f16>(v1.lo));
-    put4_w(i + 12u, vec4<f16>(v1.hi));
+// Stores 16 values of row r, columns k .. k + 16, into `halves` at `at`.
+fn stage16(at: u32, r: u32, k: u32, v0: W8, v1: W8) {
+    let i = at + r * CS + k;
+    let h = array<vec4<f16>, 4>(vec4<f16>(v0.lo), vec4<f16>(v0.hi), vec4<f16>(v1.lo), vec4<f16>(v1.hi));
+    halves[i] = h[0].x;
+    halves[i + 1u] = h[0].y;
+    halves[i + 2u] = h[0].z;
+    halves[i + 3u] = h[0].w;
+    halves[i + 4u] = h[1].x;
+    halves[i + 5u] = h[1].y;
+    halves[i + 6u] = h[1].z;
+    halves[i + 7u] = h[1].w;
+    halves[i + 8u] = h[2].x;
+    halves[i + 9u] = h[2].y;
+    halves[i + 10u] = h[2].z;
+    halves[i + 11u] = h[2].w;
+    halves[i + 12u] = h[3].x;
+    halves[i + 13u] = h[3].y;
+    halves[i + 14u] = h[3].z;
+    halves[i + 15u] = h[3].w;
 }
 
 // Writes the 16 x 16 matrix m of y at rows t, columns n, the elements inside y only, through
@@ -105,8 +97,8 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     var w1 = w8_at(wrow, lk + 8u);
     var x0 = x8_at(xo, lk);
     var x1 = x8_at(xo, lk + 8u);
-    stage16_w(0u, lr, lk, w0, w1);
-    stage16_x(0u, lr, lk, x0, x1);
+    stage16(0u, lr, lk, w0, w1);
+    stage16(CX, lr, lk, x0, x1);
     workgroupBarrier();
     for (var s = 0u; s < steps; s++) {
         let cur = (s % 2u) * CBUF;
@@ -119,7 +111,7 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             x1 = x8_at(xo, k + 8u);
         }
         for (var kk = 0u; kk < CK; kk += 16u) {
-            let xa = cur + gt * CS + kk;
+            let xa = CX + cur + gt * CS + kk;
             let wa = cur + gn * CS + kk;
             // Indices bound with `let`: naga 30 panics on a cooperative load or store whose
             // index is computed inline.
@@ -127,12 +119,12 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             let xa2 = xa + 32u * CS;
             let xa3 = xa + 48u * CS;
             let wa1 = wa + 16u * CS;
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&xh[xa], CS);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&xh[xa1], CS);
-            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&xh[xa2], CS);
-            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&xh[xa3], CS);
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&wh[wa], CS);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&wh[wa1], CS);
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&halves[xa], CS);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&halves[xa1], CS);
+            let a2 = coopLoadT<coop_mat16x16<f16, A>>(&halves[xa2], CS);
+            let a3 = coopLoadT<coop_mat16x16<f16, A>>(&halves[xa3], CS);
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&halves[wa], CS);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&halves[wa1], CS);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c10 = coopMultiplyAdd(a1, b0, c10);
@@ -143,9 +135,9 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             c31 = coopMultiplyAdd(a3, b1, c31);
         }
         if (more) {
-            let nb = 1u - s % 2u;
-            stage16_w(nb, lr, lk, w0, w1);
-            stage16_x(nb, lr, lk, x0, x1);
+            let next = (1u - s % 2u) * CBUF;
+            stage16(next, lr, lk, w0, w1);
+            stage16(CX + next, lr, lk, x0, x1);
         }
         workgroupBarrier();
     }
