@@ -576,7 +576,8 @@ impl WgpuBackend {
         let module = match slot {
             Some(m) => m.clone(),
             None => {
-                let desc = wgpu::ShaderModuleDescriptor { label: Some(label), source: wgpu::ShaderSource::Wgsl(source) };
+                let desc =
+                    wgpu::ShaderModuleDescriptor { label: Some(label), source: wgpu::ShaderSource::Wgsl(source) };
                 let m = if self.native_bounds_checks {
                     // SAFETY: without naga's checks, the driver's own robust buffer access
                     // (Vulkan's robustBufferAccess, D3D12's bounds-checked views) still confines
@@ -1158,6 +1159,26 @@ mod tests {
         }
         assert!(b.matmul(&x, t, n_in + 32, &[id]).is_err());
         assert_eq!(b.last_kernel_ns(), None);
+    }
+
+    /// Kernel repeats (benchmarks) run the same dispatches again into the same outputs: the
+    /// results do not change, and the time is of one run.
+    #[test]
+    fn kernel_repeats_leave_the_outputs_alone() {
+        let Some(mut b) = backend("kernel_repeats_leave_the_outputs_alone") else { return };
+        let (n_out, n_in, t) = (300u32, 256u32, 5u32);
+        let id = b.create(Format::Q8x32, n_out, n_in).unwrap();
+        let data: Vec<u8> = (0..n_out * n_in).map(|i| (i * 37 % 251) as u8).collect();
+        let scales: Vec<f32> = (0..n_out * n_in / 32).map(|i| 0.01 + (i % 5) as f32 * 0.001).collect();
+        b.write_rows(id, 0, &data, &scales).unwrap();
+        let x: Vec<f32> = (0..t * n_in).map(|i| (i % 11) as f32 * 0.1 - 0.5).collect();
+        let once = b.matmul(&x, t, n_in, &[id]).unwrap();
+        b.set_kernel_repeats(4);
+        let again = b.matmul(&x, t, n_in, &[id]).unwrap();
+        assert_eq!(once, again);
+        assert_eq!(b.last_kernel_ns().is_some(), b.timer.is_some());
+        b.set_kernel_repeats(1);
+        assert_eq!(b.matmul(&x, t, n_in, &[id]).unwrap(), once);
     }
 
     /// RELIABILITY 23: every product is split into dispatches of at most the device's budget
