@@ -428,7 +428,7 @@ mod tests {
 
 /// Kernel benchmarks, run inside the guest on wasm32 under wasmtime (ignored by default):
 /// `WISP_GUEST_TEST_ARGS="--ignored kernel_bench" cargo test --release -p wisp --test guest_on_wasm`
-/// (see BENCHMARKS.md). The shapes are Gemma 3 270M's.
+/// (and `attention_bench` likewise; see BENCHMARKS.md). The shapes are Gemma 3 270M's.
 #[cfg(test)]
 mod bench {
     use super::*;
@@ -436,6 +436,52 @@ mod bench {
     use crate::quant::QMatrix;
     use crate::quant::tests::{Rng, random_blocks};
     use std::time::Instant;
+
+    /// The attention kernels of one layer's query token, where the time goes: 4 query heads over
+    /// one key/value head of 256 (Gemma 3 270M), `n` keys. By hand, like `kernel_bench`.
+    #[test]
+    #[ignore]
+    fn attention_bench() {
+        let hd = 256;
+        println!("{:>6} {:>12} {:>12} {:>12} {:>10}", "keys", "dot_rows us", "softmax us", "wsum us", "GFLOP/s");
+        let mut rng = Rng(0x9E3779B97F4A7C15);
+        for n in [128usize, 512, 2048] {
+            let k: Vec<f32> = (0..n * hd).map(|_| rng.f32()).collect();
+            let v: Vec<f32> = (0..n * hd).map(|_| rng.f32()).collect();
+            let q: Vec<f32> = (0..4 * hd).map(|_| rng.f32()).collect();
+            let mut scores = vec![0f32; n];
+            let mut out = vec![0f32; hd];
+            let reps = (4_000_000 / n).max(10);
+            let time = |f: &mut dyn FnMut()| {
+                let mut best = f64::INFINITY;
+                for _ in 0..3 {
+                    let start = Instant::now();
+                    for _ in 0..reps {
+                        f();
+                    }
+                    best = best.min(start.elapsed().as_secs_f64() / reps as f64);
+                }
+                best
+            };
+            let d = time(&mut || {
+                for h in 0..4 {
+                    dot_rows(&q[h * hd..(h + 1) * hd], &k, hd, 0.0625, &mut scores);
+                }
+            });
+            let s = time(&mut || {
+                for _ in 0..4 {
+                    softmax(&mut scores);
+                }
+            });
+            let w = time(&mut || {
+                for _ in 0..4 {
+                    weighted_sum(&scores, &v, hd, &mut out);
+                }
+            });
+            let gflops = 2.0 * 2.0 * 4.0 * (n * hd) as f64 / (d + s + w) / 1e9;
+            println!("{n:>6} {:>12.1} {:>12.1} {:>12.1} {gflops:>10.2}", d * 1e6, s * 1e6, w * 1e6);
+        }
+    }
 
     #[test]
     #[ignore]
