@@ -13,6 +13,15 @@ fn hsum(v: v128) -> f32 {
         + f32x4_extract_lane::<3>(v)
 }
 
+/// `[sum(a), sum(b), sum(c), sum(d)]` of f32 lanes, as `hsum4_i32` does for i32.
+#[inline(always)]
+fn hsum4_f32(a: v128, b: v128, c: v128, d: v128) -> [f32; 4] {
+    let ab = f32x4_add(i32x4_shuffle::<0, 4, 1, 5>(a, b), i32x4_shuffle::<2, 6, 3, 7>(a, b));
+    let cd = f32x4_add(i32x4_shuffle::<0, 4, 1, 5>(c, d), i32x4_shuffle::<2, 6, 3, 7>(c, d));
+    let s = f32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd));
+    [f32x4_extract_lane::<0>(s), f32x4_extract_lane::<1>(s), f32x4_extract_lane::<2>(s), f32x4_extract_lane::<3>(s)]
+}
+
 /// `[sum(a), sum(b), sum(c), sum(d)]`: four horizontal sums at once.
 #[inline(always)]
 fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
@@ -511,10 +520,40 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// See `kernels::dot_rows` (which checks the bounds).
+/// See `kernels::dot_rows` (which checks the bounds). Four rows at a time: each load of the query
+/// serves four rows, and the four sums come out of one transposition.
 pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
-    for (j, o) in out.iter_mut().enumerate() {
-        *o = scale * dot(q, &rows[j * stride..j * stride + q.len()]);
+    let n = q.len();
+    let n4 = n & !3;
+    let mut j = 0;
+    while j + 4 <= out.len() {
+        let mut acc = [f32x4_splat(0.0); 4];
+        // SAFETY: the loads read `q[i..i + 4]` and `rows[(j + r) * stride + i..][..4]` for
+        // `i + 4 <= n` and `j + r < out.len()`: inside `rows` by the caller's check that it holds
+        // `out.len()` rows of `n` elements, `stride` apart.
+        unsafe {
+            let (pq, pr) = (q.as_ptr(), rows.as_ptr().add(j * stride));
+            let mut i = 0;
+            while i < n4 {
+                let x = v128_load(pq.add(i) as *const v128);
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = f32x4_add(*a, f32x4_mul(x, v128_load(pr.add(r * stride + i) as *const v128)));
+                }
+                i += 4;
+            }
+        }
+        let [a, b, c, d] = acc;
+        let sums = hsum4_f32(a, b, c, d);
+        for (r, o) in out[j..j + 4].iter_mut().enumerate() {
+            let row = &rows[(j + r) * stride..(j + r) * stride + n];
+            let tail: f32 = q[n4..].iter().zip(&row[n4..]).map(|(x, y)| x * y).sum();
+            *o = scale * (sums[r] + tail);
+        }
+        j += 4;
+    }
+    for (k, o) in out[j..].iter_mut().enumerate() {
+        let at = (j + k) * stride;
+        *o = scale * dot(q, &rows[at..at + n]);
     }
 }
 
