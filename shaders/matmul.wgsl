@@ -537,6 +537,15 @@ fn w8_at(row: u32, k: u32) -> W8 {
     }
 }
 
+// x[row at element offset xo, k .. k + 8] (k a multiple of 8), zeros past the row's padding.
+fn x8_at(xo: u32, k: u32) -> W8 {
+    let zero = vec4<f32>(0.0);
+    if (k >= 4u * params.x_stride) {
+        return W8(zero, zero);
+    }
+    return W8(x_quad(xo + k), x_quad(xo + k + 4u));
+}
+
 // y[t, row] for the rows of W r..r+4 (the lanes of acc) that exist, t < params.t.
 fn store_tile(t: u32, r: u32, acc: vec4<f32>) {
     if (t >= params.t) {
@@ -559,7 +568,6 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     let lk = (li % 4u) * 8u;
     let wrow = min(row0 + lr, params.n_out - 1u);
     let xo = min(t0 + lr, params.t - 1u) * 4u * params.x_stride;
-    let x_elems = 4u * params.x_stride;
     // Computing: rows 4 * (li % 16) .. + 4 of W's tile against rows 4 * (li / 16) .. + 4 of x's.
     let cr = li % 16u;
     let ct = li / 16u;
@@ -572,13 +580,7 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
     for (var s = 0u; s < steps; s++) {
         let k = s * TK + lk;
         stage8_small(0u, lr, lk, w8_at(wrow, k));
-        var xa = vec4<f32>(0.0);
-        var xb = vec4<f32>(0.0);
-        if (k < x_elems) {
-            xa = x_quad(xo + k);
-            xb = x_quad(xo + k + 4u);
-        }
-        stage8_small(512u, lr, lk, W8(xa, xb));
+        stage8_small(512u, lr, lk, x8_at(xo, k));
         workgroupBarrier();
         for (var kk = 0u; kk < TK; kk++) {
             let w = small[kk * 16u + cr];
@@ -656,15 +658,6 @@ fn store_quad(t: u32, r: u32, q: Quad4) {
     store_tile(t + 1u, r, q.t1);
     store_tile(t + 2u, r, q.t2);
     store_tile(t + 3u, r, q.t3);
-}
-
-// x[row at element offset xo, k .. k + 8] (k a multiple of 8), zeros past the row's padding.
-fn x8_at(xo: u32, k: u32) -> W8 {
-    let zero = vec4<f32>(0.0);
-    if (k >= 4u * params.x_stride) {
-        return W8(zero, zero);
-    }
-    return W8(x_quad(xo + k), x_quad(xo + k + 4u));
 }
 
 @compute @workgroup_size(256)
