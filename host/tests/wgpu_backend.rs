@@ -173,9 +173,7 @@ fn check_within(tolerance: f32, what: &str, weights: &[&Weight], x: &[f32], t: u
 
 #[test]
 fn every_format_matches_the_cpu() {
-    let Some(mut gpu) = backend("every_format_matches_the_cpu") else {
-        return;
-    };
+    let Some(mut gpu) = backend("every_format_matches_the_cpu") else { return };
     let mut rng = Rng::new("every_format_matches_the_cpu");
     for format in Format::ALL {
         for t in [1, 2, 7, 64] {
@@ -210,9 +208,7 @@ fn rng_rows(rng: &mut Rng) -> u32 {
 
 #[test]
 fn mixed_formats_in_one_call() {
-    let Some(mut gpu) = backend("mixed_formats_in_one_call") else {
-        return;
-    };
+    let Some(mut gpu) = backend("mixed_formats_in_one_call") else { return };
     let mut rng = Rng::new("mixed_formats_in_one_call");
     let n_in = 32 * rng.range(1, 12);
     for t in [1, 7, 64] {
@@ -232,9 +228,7 @@ fn mixed_formats_in_one_call() {
 
 #[test]
 fn rows_written_in_chunks_equal_one_write() {
-    let Some(mut gpu) = backend("rows_written_in_chunks_equal_one_write") else {
-        return;
-    };
+    let Some(mut gpu) = backend("rows_written_in_chunks_equal_one_write") else { return };
     let mut rng = Rng::new("rows_written_in_chunks_equal_one_write");
     for format in Format::ALL {
         let n_in = random_n_in(&mut rng, format, 8);
@@ -262,9 +256,7 @@ fn rows_written_in_chunks_equal_one_write() {
 
 #[test]
 fn rows_never_written_read_as_zero() {
-    let Some(mut gpu) = backend("rows_never_written_read_as_zero") else {
-        return;
-    };
+    let Some(mut gpu) = backend("rows_never_written_read_as_zero") else { return };
     let mut rng = Rng::new("rows_never_written_read_as_zero");
     for format in Format::ALL {
         let n_in = random_n_in(&mut rng, format, 4);
@@ -290,9 +282,7 @@ fn rows_never_written_read_as_zero() {
 
 #[test]
 fn device_loss_is_an_error_not_a_panic() {
-    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else {
-        return;
-    };
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
     let mut rng = Rng::new("device_loss_is_an_error_not_a_panic");
     let w = Weight::random(&mut rng, Format::Q8x32, 40, 64);
     let id = upload(&mut gpu, &w);
@@ -312,9 +302,7 @@ fn device_loss_is_an_error_not_a_panic() {
     gpu.free(id);
 
     // A GpuCtx over a backend lost before it was made offers no device, and says so.
-    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else {
-        return;
-    };
+    let Some(mut gpu) = backend("device_loss_is_an_error_not_a_panic") else { return };
     gpu.simulate_device_loss();
     let mut ctx = GpuCtx::new(Box::new(gpu), Budget::default());
     assert!(ctx.device().is_none());
@@ -328,9 +316,7 @@ fn device_loss_is_an_error_not_a_panic() {
 /// buffer whose size wrapped; afterwards the backend still computes.
 #[test]
 fn the_backend_alone_refuses_what_it_cannot_hold() {
-    let Some(mut gpu) = backend("the_backend_alone_refuses_what_it_cannot_hold") else {
-        return;
-    };
+    let Some(mut gpu) = backend("the_backend_alone_refuses_what_it_cannot_hold") else { return };
     let max = gpu.device().expect("a device").max_weight_bytes;
     let oom = |r: Result<u64, GpuError>, what: &str| match r {
         Err(GpuError::OutOfMemory(m)) if m.contains("the device's limit is") => {}
@@ -363,9 +349,7 @@ fn the_backend_alone_refuses_what_it_cannot_hold() {
 
 #[test]
 fn requests_past_the_limits_are_refused_by_gpuctx() {
-    let Some(gpu) = backend("requests_past_the_limits_are_refused_by_gpuctx") else {
-        return;
-    };
+    let Some(gpu) = backend("requests_past_the_limits_are_refused_by_gpuctx") else { return };
     let device = gpu.device().expect("a device");
     println!(
         "limits: max_weight_bytes {}, max_activation_elements {}",
@@ -412,9 +396,7 @@ fn requests_past_the_limits_are_refused_by_gpuctx() {
 /// several dispatches), checked against the CPU and reported in GFLOP/s.
 #[test]
 fn mid_size_throughput() {
-    let Some(mut gpu) = backend("mid_size_throughput") else {
-        return;
-    };
+    let Some(mut gpu) = backend("mid_size_throughput") else { return };
     let mut rng = Rng::new("mid_size_throughput");
     for format in [Format::Q4x32, Format::Q8x32, Format::F32] {
         let (n_out, n_in) = (2048u32, 2048u32);
@@ -447,9 +429,7 @@ fn mid_size_throughput() {
 /// edges at the splits.
 #[test]
 fn large_calls_split_into_dispatches() {
-    let Some(mut gpu) = backend("large_calls_split_into_dispatches") else {
-        return;
-    };
+    let Some(mut gpu) = backend("large_calls_split_into_dispatches") else { return };
     let mut rng = Rng::new("large_calls_split_into_dispatches");
     for (format, n_out, n_in, t) in [(Format::Q4x32, 4173, 16384, 5), (Format::Q8x32, 700, 2048, 301)] {
         let w = Weight::random(&mut rng, format, n_out, n_in);
@@ -465,9 +445,7 @@ fn large_calls_split_into_dispatches() {
 /// workgroup memory) and by one (the CPU layout) gives the CPU's results either way.
 #[test]
 fn gemv_row_sharing_matches_the_cpu() {
-    let Some(mut gpu) = backend("gemv_row_sharing_matches_the_cpu") else {
-        return;
-    };
+    let Some(mut gpu) = backend("gemv_row_sharing_matches_the_cpu") else { return };
     let mut rng = Rng::new("gemv_row_sharing_matches_the_cpu");
     assert!(gpu.set_gemv_lanes(3).is_err() && gpu.set_gemv_lanes(128).is_err());
     for lanes in [1, 4, 32, 64] {
@@ -492,9 +470,7 @@ fn gemv_row_sharing_matches_the_cpu() {
 /// and when a call is split into dispatches.
 #[test]
 fn tiled_gemm_matches_the_cpu() {
-    let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else {
-        return;
-    };
+    let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else { return };
     let mut rng = Rng::new("tiled_gemm_matches_the_cpu");
     for gemm in [Gemm::Tiled, Gemm::Wide] {
         gpu.set_gemm(gemm).expect("gemm");
@@ -528,9 +504,7 @@ fn tiled_gemm_matches_the_cpu() {
 /// the GPU machine) makes that a failure.
 #[test]
 fn coop_gemm_matches_the_cpu() {
-    let Some(mut gpu) = backend("coop_gemm_matches_the_cpu") else {
-        return;
-    };
+    let Some(mut gpu) = backend("coop_gemm_matches_the_cpu") else { return };
     if !gpu.has_coop() {
         let required = std::env::var("WISP_REQUIRE_COOP").is_ok_and(|v| v == "1");
         assert!(!required, "coop_gemm_matches_the_cpu: no cooperative matrices, and WISP_REQUIRE_COOP=1");
@@ -562,9 +536,7 @@ fn coop_gemm_matches_the_cpu() {
 #[test]
 #[ignore = "a benchmark: run by hand on a GPU"]
 fn kernel_sweep() {
-    let Some(mut gpu) = backend("kernel_sweep") else {
-        return;
-    };
+    let Some(mut gpu) = backend("kernel_sweep") else { return };
     let n: u32 = std::env::var("WISP_SWEEP_N").ok().and_then(|v| v.parse().ok()).unwrap_or(8192);
     let reps: u32 = std::env::var("WISP_SWEEP_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(10);
     let mut rng = Rng::new("kernel_sweep");

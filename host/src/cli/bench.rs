@@ -31,9 +31,7 @@ pub struct BenchArgs {
 /// tiny call: what the guest's dispatch policy weighs.
 fn device_matmuls(a: &BenchArgs) -> Result<Option<serde_json::Value>> {
     let mut ctx = super::gpu_ctx(&a.model)?;
-    let Some(device) = ctx.device().cloned() else {
-        return Ok(None);
-    };
+    let Some(device) = ctx.device().cloned() else { return Ok(None) };
     let n = a.matmul_size;
     let elems = n as usize * n as usize;
     let mut formats = serde_json::Map::new();
@@ -276,9 +274,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("  {}", decode_stages.line("decode"));
         if let Some(m) = &matmuls {
             for (key, what) in [("gflops", "whole calls"), ("kernel_gflops", "kernels alone, timestamp queries")] {
-                let Some(rates) = m[key].as_object().filter(|r| !r.is_empty()) else {
-                    continue;
-                };
+                let Some(rates) = m[key].as_object().filter(|r| !r.is_empty()) else { continue };
                 println!(
                     "device matmul, [{n}, {n}] weight, GFLOP/s, {what} ({}, {}):",
                     m["device"],

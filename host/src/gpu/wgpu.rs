@@ -1139,9 +1139,7 @@ mod tests {
     /// kernels: more than nothing, less than the whole call; a failed call reports none.
     #[test]
     fn kernel_time_is_measured_where_the_device_can_tell() {
-        let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else {
-            return;
-        };
+        let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else { return };
         let (n_out, n_in, t) = (256u32, 512u32, 8u32);
         let id = b.create(Format::F32, n_out, n_in).unwrap();
         let data: Vec<u8> = (0..n_out * n_in).flat_map(|i| ((i % 7) as f32 * 0.1).to_le_bytes()).collect();
@@ -1151,9 +1149,7 @@ mod tests {
         b.matmul(&x, t, n_in, &[id]).unwrap();
         let wall = start.elapsed().as_nanos() as u64;
         match (b.timer.is_some(), b.last_kernel_ns()) {
-            (true, Some(ns)) => {
-                assert!(ns > 0 && ns <= wall, "kernel {ns} ns, whole call {wall} ns")
-            }
+            (true, Some(ns)) => assert!(ns > 0 && ns <= wall, "kernel {ns} ns, whole call {wall} ns"),
             (false, None) => println!("the adapter offers no timestamp queries"),
             (offered, got) => panic!("timestamp queries offered: {offered}, kernel time: {got:?}"),
         }
@@ -1186,9 +1182,7 @@ mod tests {
     /// workgroup counts, that together cover every (row, t) tile of the output exactly once.
     #[test]
     fn no_dispatch_runs_longer_than_its_budget() {
-        let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else {
-            return;
-        };
+        let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
         let max_dim = b.limits.max_compute_workgroups_per_dimension as u64;
         for (lanes, gemm) in [(1, Gemm::CPU), (32, Gemm::CPU), (1, Gemm::GPU), (32, Gemm::Tiled), (4, Gemm::Wide)] {
             b.set_gemv_lanes(lanes).unwrap();
@@ -1242,9 +1236,7 @@ mod tests {
     /// error outside any scope into the next call's `unavailable`, and the backend keeps working.
     #[test]
     fn an_uncaptured_wgpu_error_is_an_error_not_a_panic() {
-        let Some(mut b) = backend("an_uncaptured_wgpu_error_is_an_error_not_a_panic") else {
-            return;
-        };
+        let Some(mut b) = backend("an_uncaptured_wgpu_error_is_an_error_not_a_panic") else { return };
         // A buffer past the device's limit, created outside any error scope: a validation error.
         let _ = b.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("too large"),
@@ -1253,9 +1245,7 @@ mod tests {
             mapped_at_creation: false,
         });
         match b.finish(push_scopes(&b.device)) {
-            Err(GpuError::Unavailable(m)) => {
-                assert!(m.contains("the device refused the work"), "{m}")
-            }
+            Err(GpuError::Unavailable(m)) => assert!(m.contains("the device refused the work"), "{m}"),
             other => panic!("want unavailable, got {other:?}"),
         }
         // Reported once; then the backend works.
