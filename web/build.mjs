@@ -45,6 +45,7 @@ export const ASYNC_IMPORTS = [
   `${GPU}#allocate`,
   `${GPU}#upload`,
   `${GPU}#matmul`,
+  `${GPU}#attention`,
   `${GPU}#[method]weight.write-rows`,
 ];
 // The engine exports that can reach an async import: loading (uploads and the dispatch

@@ -3,7 +3,7 @@
 
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
-use crate::dispatch::{self, DeviceError, DeviceLimits, Format, Mode};
+use crate::dispatch::{self, AttentionShape, DeviceError, DeviceLimits, Format, Mode};
 use crate::engine::{DeviceOffer, Error, Model};
 use crate::sampler::Params;
 use crate::session::Session;
@@ -86,6 +86,19 @@ impl dispatch::Device for HostGpu {
         if let Some(w) = self.weights.borrow_mut().get_mut(id) {
             w.take();
         }
+    }
+
+    fn attention(&self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
+        let shape = gpu::AttentionShape {
+            t: s.t,
+            n_keys: s.n_keys,
+            n_head: s.n_head,
+            n_head_kv: s.n_head_kv,
+            head_dim: s.head_dim,
+            window: s.window,
+            scale: s.scale,
+        };
+        Ok(gpu::attention(q, k, v, shape)?)
     }
 }
 
@@ -278,6 +291,7 @@ impl wit::GuestSession for SessionRes {
             cpu_ns: d.cpu_ns,
             cpu_bytes: d.cpu_bytes,
             attention_ns: d.attention_ns,
+            gpu_attention_calls: d.gpu_attention_calls,
             output_ns: d.output_ns,
         }
     }

@@ -8,6 +8,7 @@
 //! a lost device is never asked again. Either way the tokens are the same.
 
 use crate::kernels::{self, QActs, RowScratch};
+use crate::models::attention::{Heads, LayerCache, attend};
 use crate::models::{Linear, WeightData};
 use crate::quant::{Group, QMatrix, Values};
 use std::cell::{Cell, RefCell};
@@ -26,8 +27,11 @@ pub struct Counters {
     /// Time in CPU products and the weight bytes they read.
     pub cpu_ns: u64,
     pub cpu_bytes: u64,
-    /// Time in attention, and in the output projection (counted by the models).
+    /// Time in attention (wherever it ran), and in the output projection (counted by the
+    /// models).
     pub attention_ns: u64,
+    /// Attention batches the host's device computed.
+    pub gpu_attention_calls: u64,
     pub output_ns: u64,
 }
 
@@ -75,6 +79,24 @@ pub trait Device {
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
     /// Releases a weight's device memory.
     fn free(&self, id: usize);
+    /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
+    /// head_dim]`. A device without it says `Unavailable`.
+    fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
+        Err(DeviceError::Unavailable("no attention on this device".into()))
+    }
+}
+
+/// The WIT `attention-shape`: `t` queries over `n_keys` keys, the last `t` the queries' own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    pub t: u32,
+    pub n_keys: u32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    /// 0: no window.
+    pub window: u32,
+    pub scale: f32,
 }
 
 /// Bytes per `write-rows` call: large weights go up in slices of rows, so no single list
@@ -168,6 +190,10 @@ pub struct Gpu {
     pub rates: Cell<Option<Rates>>,
     /// Why the device is no longer used, once it was lost.
     pub lost: RefCell<Option<String>>,
+    /// The host answered `attention` with `unavailable`: attention stays on the CPU.
+    pub no_attention: Cell<bool>,
+    /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
+    pub cpu_attention: Cell<Option<f64>>,
 }
 
 impl Gpu {
@@ -191,6 +217,29 @@ impl Gpu {
         }
     }
 
+    /// The policy for an attention batch: the device's estimate as for products, the CPU's
+    /// from its own measured attention rate (with none yet, the CPU runs it and is measured).
+    fn wants_attention(&self, flops: u64, bytes: u64) -> bool {
+        match self.mode {
+            Mode::Off => false,
+            Mode::On => true,
+            Mode::Auto => match (self.rates.get(), self.cpu_attention.get()) {
+                (Some(r), Some(cpu)) => {
+                    r.gpu_latency + bytes as f64 / r.gpu_bytes + flops as f64 / r.gpu_flops < flops as f64 / cpu
+                }
+                _ => false,
+            },
+        }
+    }
+
+    /// Folds a measured CPU attention rate into the estimate.
+    fn observe_cpu_attention(&self, flops: u64, secs: f64) {
+        if secs > 0.0 {
+            let rate = flops as f64 / secs;
+            self.cpu_attention.set(Some(self.cpu_attention.get().map_or(rate, |r| 0.9 * r + 0.1 * rate)));
+        }
+    }
+
     /// Folds a measured CPU rate into the estimate (a running average).
     fn observe_cpu(&self, t: usize, flops: u64, secs: f64) {
         if let (Some(mut r), true) = (self.rates.get(), secs > 0.0) {
@@ -207,6 +256,9 @@ impl Gpu {
 pub struct Dispatch {
     acts: QActs,
     rows: RowScratch,
+    /// A batch's keys and values in order of position, as `attention` sends them.
+    keys: Vec<f32>,
+    values: Vec<f32>,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
 }
@@ -255,6 +307,89 @@ impl Dispatch {
         self.cpu(x, t, n_in, jobs);
     }
 
+    /// Causal attention of the `t` queries `q` at positions `pos..` over `cache` (see
+    /// [`attend`]), on the device where the policy sends it, else on the CPU. Counts its time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &mut self,
+        cache: &LayerCache,
+        h: Heads,
+        q: &[f32],
+        pos: usize,
+        t: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let start = Instant::now();
+        if self.device_attend(cache, h, q, pos, t, out) {
+            self.counters.gpu_attention_calls += 1;
+        } else {
+            attend(cache, h, q, pos, t, scores, out);
+            if let Some(gpu) = &self.gpu {
+                gpu.observe_cpu_attention(attention_flops(cache, h, pos, t), start.elapsed().as_secs_f64());
+            }
+        }
+        self.counters.attention_ns += start.elapsed().as_nanos() as u64;
+    }
+
+    /// Attention on the device, if the policy sends it there and the device answers; `false`
+    /// when the CPU must do it.
+    fn device_attend(&mut self, cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, out: &mut [f32]) -> bool {
+        let Some(gpu) = self.gpu.clone() else { return false };
+        if !gpu.usable() || gpu.no_attention.get() {
+            return false;
+        }
+        // The keys of the batch's first query to its last: the last `window` before the first
+        // query, and the batch's own.
+        let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let n_keys = pos + t - first;
+        let kv = h.n_head_kv * h.head_dim;
+        let q = &q[..t * h.n_head * h.head_dim];
+        let bytes = 4 * (2 * q.len() + 2 * n_keys * kv) as u64;
+        let max = gpu.limits.max_activation_elements;
+        if (q.len().max(n_keys * kv)) as u64 > max || !gpu.wants_attention(attention_flops(cache, h, pos, t), bytes) {
+            return false;
+        }
+        let (keys, values) = (&mut self.keys, &mut self.values);
+        for buf in [&mut *keys, &mut *values] {
+            buf.clear();
+            if buf.try_reserve(n_keys * kv).is_err() {
+                return false;
+            }
+        }
+        // The ring's slots of those positions: `start..` to its end, then from its start.
+        let start = first % cache.cap;
+        let head = (cache.cap - start).min(n_keys);
+        for (buf, src) in [(&mut *keys, &cache.k), (&mut *values, &cache.v)] {
+            buf.extend_from_slice(&src[start * kv..(start + head) * kv]);
+            buf.extend_from_slice(&src[..(n_keys - head) * kv]);
+        }
+        let shape = AttentionShape {
+            t: t as u32,
+            n_keys: n_keys as u32,
+            n_head: h.n_head as u32,
+            n_head_kv: h.n_head_kv as u32,
+            head_dim: h.head_dim as u32,
+            window: cache.window.unwrap_or(0) as u32,
+            scale: h.scale,
+        };
+        match gpu.device.attention(q, keys, values, &shape) {
+            Ok(o) if o.len() == q.len() => {
+                out[..o.len()].copy_from_slice(&o);
+                return true;
+            }
+            Ok(_) => *gpu.lost.borrow_mut() = Some("the device returned attention of the wrong shape".into()),
+            Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
+            Err(DeviceError::Unavailable(_)) => {
+                gpu.no_attention.set(true);
+                return false;
+            }
+            Err(_) => {}
+        }
+        self.counters.gpu_fallbacks += 1;
+        false
+    }
+
     /// The products on the guest's CPU kernels; returns the time they took.
     fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
         let start = Instant::now();
@@ -275,6 +410,13 @@ impl Dispatch {
         self.counters.cpu_ns += took.as_nanos() as u64;
         took
     }
+}
+
+/// Floating-point operations of a batch's attention: a product with the query and a
+/// multiply-add of the values, per key each query sees, per head.
+fn attention_flops(cache: &LayerCache, h: Heads, pos: usize, t: usize) -> u64 {
+    let keys: usize = (pos..pos + t).map(|p| cache.window.map_or(p + 1, |w| (p + 1).min(w))).sum();
+    4 * (keys * h.n_head * h.head_dim) as u64
 }
 
 /// Times `f` a few times and keeps the fastest, in seconds.
@@ -369,7 +511,8 @@ pub fn place(gpu: &Gpu, linears: &mut [&mut Linear]) -> usize {
             r.gpu_latency + flops / r.gpu_flops < flops / r.cpu_flops_n
         });
         if !worth {
-            // The CPU wins even on batches: keep nothing on the device.
+            // The CPU wins even on batches: keep nothing on the device, and attend here too.
+            gpu.no_attention.set(true);
             if let Some(id) = linears[probe].gpu.take() {
                 gpu.device.free(id);
             }

@@ -187,7 +187,15 @@ impl Model {
             metadata: g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect(),
         };
         let gpu = offer.filter(|o| o.mode != Mode::Off).map(|o| {
-            Rc::new(Gpu { device: o.device, mode: o.mode, limits: o.limits, rates: Default::default(), lost: Default::default() })
+            Rc::new(Gpu {
+                device: o.device,
+                mode: o.mode,
+                limits: o.limits,
+                rates: Default::default(),
+                lost: Default::default(),
+                no_attention: Default::default(),
+                cpu_attention: Default::default(),
+            })
         });
         let gpu_weights = match (&gpu, &mut arch) {
             (Some(gpu), Arch::Gemma3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),

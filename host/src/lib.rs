@@ -27,7 +27,8 @@ pub mod gpu;
 mod runtime;
 
 pub use gpu::{
-    Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, NoDevice, WgpuBackend, add_to_linker,
+    AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice,
+    WgpuBackend, add_to_linker,
 };
 pub use runtime::{
     EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,

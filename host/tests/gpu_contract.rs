@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use wasmtime::component::Resource;
 use wisp::gpu::WeightHandle;
-use wisp::{Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::{AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 
 fn cpu(budget: Budget) -> GpuCtx {
     GpuCtx::new(Box::new(CpuBackend::new()), budget)
@@ -225,6 +225,97 @@ impl Backend for Recording {
     fn free(&mut self, id: BufferId) {
         self.inner.free(id)
     }
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        self.seen.lock().unwrap().push(format!("attention t {}, keys {}", s.t, s.n_keys));
+        self.inner.attention(q, k, v, s)
+    }
+}
+
+/// A backend that keeps the trait's default `attention`.
+struct NoAttention(CpuBackend);
+
+impl Backend for NoAttention {
+    fn device(&self) -> Option<Device> {
+        self.0.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.0.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.0.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.0.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.0.free(id)
+    }
+}
+
+/// One query of two heads of 2 over two keys of one head: `(q, k, v, shape)`.
+fn small_attention() -> (Vec<f32>, Vec<f32>, Vec<f32>, AttentionShape) {
+    let shape = AttentionShape { t: 1, n_keys: 2, n_head: 2, n_head_kv: 1, head_dim: 2, window: 0, scale: 1.0 };
+    (vec![1.0, 0.0, 0.0, 1.0], vec![0.0, 0.0, 1.0, 1.0], vec![1.0, 2.0, 3.0, 4.0], shape)
+}
+
+/// Attention shapes a guest could send that break the contract, and lists that do not match
+/// the shape or exceed the device: typed errors, and the backend never sees them; a backend
+/// without attention, or a context without a device, says `unavailable`.
+#[test]
+fn attention_outside_the_contract_is_refused_before_the_backend() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut ctx = GpuCtx::new(Box::new(Recording { inner: CpuBackend::new(), seen: seen.clone() }), Budget::default());
+    let (q, k, v, ok) = small_attention();
+    let with = |f: fn(&mut AttentionShape)| {
+        let mut s = ok;
+        f(&mut s);
+        s
+    };
+    for (shape, message) in [
+        (with(|s| s.t = 0), "there must be at least one query"),
+        (with(|s| s.n_keys = 0), "a key for each"),
+        (with(|s| s.n_head_kv = 0), "cannot share 0 key/value heads"),
+        (with(|s| s.n_head = 0), "0 query heads cannot share"),
+        (with(|s| (s.n_head, s.n_head_kv) = (6, 4)), "6 query heads cannot share 4"),
+        (with(|s| s.head_dim = 0), "head-dim 0 is outside 1..=512"),
+        (with(|s| s.head_dim = 513), "head-dim 513 is outside"),
+        (with(|s| (s.t, s.n_keys, s.n_head, s.head_dim) = (u32::MAX, u32::MAX, u32::MAX, 512)), "overflow"),
+        (with(|s| s.n_keys = 3), "the shape implies 4, 6 and 6"),
+        (with(|s| s.head_dim = 1), "the shape implies 2, 2 and 2"),
+    ] {
+        invalid(ctx.attention(&q, &k, &v, &shape), message, &format!("{shape:?}"));
+    }
+    invalid(ctx.attention(&q, &k, &v[..3], &ok), "have 4, 4 and 3 values", "a short v");
+    // Past the device's 1024 values a list: the queries, then the keys.
+    let big = AttentionShape { t: 1, n_keys: 1025, n_head: 1, n_head_kv: 1, head_dim: 1, ..ok };
+    out_of_memory(
+        ctx.attention(&[0.0], &[0.0; 1025], &[0.0; 1025], &big),
+        "1025 values exceed the device's limit of 1024",
+        "1025 keys",
+    );
+    let big = AttentionShape { t: 1025, n_keys: 1025, ..big };
+    out_of_memory(ctx.attention(&[0.0; 1025], &[0.0; 1025], &[0.0; 1025], &big), "1025 values", "1025 queries");
+    assert!(seen.lock().unwrap().is_empty(), "the backend saw {:?}", seen.lock().unwrap());
+
+    // A valid call computes: head 0 prefers key 0, head 1 key 1, by e^1 : 1 ... and back.
+    let out = ctx.attention(&q, &k, &v, &ok).unwrap();
+    let e = std::f32::consts::E;
+    let (p0, p1) = (1.0 / (1.0 + e), e / (1.0 + e));
+    let want = [p0 * 1.0 + p1 * 3.0, p0 * 2.0 + p1 * 4.0, p0 * 1.0 + p1 * 3.0, p0 * 2.0 + p1 * 4.0];
+    assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?} vs {want:?}");
+    assert_eq!(*seen.lock().unwrap(), ["attention t 1, keys 2"]);
+    // With a window of 1, the query sees its own key alone.
+    assert_eq!(ctx.attention(&q, &k, &v, &AttentionShape { window: 1, ..ok }).unwrap(), [3.0, 4.0, 3.0, 4.0]);
+
+    for (mut ctx, message) in [
+        (GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default()), "does not offer attention"),
+        (GpuCtx::none(), "no GPU"),
+    ] {
+        match ctx.attention(&q, &k, &v, &ok) {
+            Err(GpuError::Unavailable(m)) if m.contains(message) => {}
+            other => panic!("want unavailable saying {message:?}, got {other:?}"),
+        }
+    }
 }
 
 #[test]
@@ -360,6 +451,8 @@ fn after_a_device_loss_every_call_is_device_lost() {
     device_lost(ctx.write_rows(&w, 0, &[0; 16], &[]).map(|_| ()), "write-rows");
     device_lost(ctx.allocate(Format::F32, 1, 1).map(|_| ()), "allocate");
     device_lost(ctx.upload(Format::F32, 1, 4, &[0; 16], &[]).map(|_| ()), "upload");
+    let (q, k, v, shape) = small_attention();
+    device_lost(ctx.attention(&q, &k, &v, &shape).map(|_| ()), "attention");
     // Even a call that is invalid anyway: the loss is what the guest needs to know.
     device_lost(ctx.matmul(&[], 0, 0, &[]).map(|_| ()), "an invalid matmul");
     assert_eq!(*calls_after.lock().unwrap(), 1, "the backend was asked again after the loss");

@@ -6,7 +6,7 @@
 //! a run; every test prints its seed.
 
 use std::time::Instant;
-use wisp::{Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
+use wisp::{AttentionShape, Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -309,6 +309,72 @@ fn device_loss_is_an_error_not_a_panic() {
     match ctx.allocate(Format::F32, 4, 4) {
         Err(GpuError::Unavailable(m)) => assert!(m.contains("no GPU"), "{m}"),
         other => panic!("allocate on a context over a lost device: {other:?}, not unavailable"),
+    }
+}
+
+/// Random queries, keys and values of `shape`, each in [-2, 2).
+fn attention_inputs(rng: &mut Rng, s: &AttentionShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (q, k) = s.lens().expect("a small shape");
+    let mut values = |n: u64| (0..n).map(|_| 2.0 * rng.unit()).collect::<Vec<f32>>();
+    (values(q), values(k), values(k))
+}
+
+/// `got` is the CPU reference's attention within `TOLERANCE` of the largest `|v|` (every output
+/// is a convex combination of values).
+#[track_caller]
+fn check_attention(what: &str, got: &[f32], want: &[f32], v: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: output length");
+    let scale = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!((g - w).abs() <= TOLERANCE * scale, "{what}: output {i}: {g} vs {w}");
+    }
+}
+
+/// `attention` on the device against the CPU reference: grouped heads, heads of every width up
+/// to the contract's 512 (and odd ones), windows, more keys than the kernel's chunk, one query
+/// and many; then a device loss makes it `device-lost`.
+#[test]
+fn attention_matches_the_cpu() {
+    let Some(mut gpu) = backend("attention_matches_the_cpu") else { return };
+    let mut rng = Rng::new("attention_matches_the_cpu");
+    let mut cpu = CpuBackend::new();
+    let mut shapes = vec![
+        // Gemma 3 270M's prefill batch and decode step, a sliding layer.
+        AttentionShape { t: 64, n_keys: 200, n_head: 4, n_head_kv: 1, head_dim: 256, window: 150, scale: 0.0625 },
+        AttentionShape { t: 1, n_keys: 130, n_head: 4, n_head_kv: 1, head_dim: 256, window: 0, scale: 0.0625 },
+        // Qwen2.5 0.5B's heads.
+        AttentionShape { t: 7, n_keys: 70, n_head: 14, n_head_kv: 2, head_dim: 64, window: 0, scale: 0.125 },
+        AttentionShape { t: 3, n_keys: 3, n_head: 2, n_head_kv: 2, head_dim: 512, window: 1, scale: 0.04 },
+        AttentionShape { t: 2, n_keys: 5, n_head: 3, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 },
+    ];
+    for _ in 0..6 {
+        let t = rng.range(1, 40);
+        let n_head_kv = rng.range(1, 3);
+        shapes.push(AttentionShape {
+            t,
+            n_keys: t + rng.range(0, 150),
+            n_head: n_head_kv * rng.range(1, 4),
+            n_head_kv,
+            head_dim: rng.range(1, 300),
+            window: if rng.range(0, 1) == 0 { 0 } else { rng.range(1, 100) },
+            scale: 0.05 + rng.unit().abs(),
+        });
+    }
+    for s in &shapes {
+        let what = format!("{s:?}");
+        let (q, k, v) = attention_inputs(&mut rng, s);
+        let want = cpu.attention(&q, &k, &v, s).expect("the reference");
+        let got = gpu.attention(&q, &k, &v, s).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_attention(&what, &got, &want, &v);
+    }
+    println!("attention_matches_the_cpu: {} shapes", shapes.len());
+
+    let s = &shapes[2];
+    let (q, k, v) = attention_inputs(&mut rng, s);
+    gpu.simulate_device_loss();
+    match gpu.attention(&q, &k, &v, s) {
+        Err(GpuError::DeviceLost(m)) if !m.is_empty() => {}
+        other => panic!("attention after the loss: {other:?}, not device-lost with a reason"),
     }
 }
 

@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use wasmtime::component::{HasSelf, Resource};
 use wisp::conformance::{self, CaseResult, KitState};
 use wisp::gpu::WeightHandle;
-use wisp::{Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::{AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 use wisp_tests::wgpu_backend;
 
 /// The seed of a run: `WISP_TEST_SEED`, else fresh, printed either way.
@@ -131,6 +131,45 @@ fn a_host_that_decodes_one_format_wrongly_fails_that_formats_cases() {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert!(failed(&results).contains(&"matmul-batch"), "the batch holds a q4x32 job");
+    // It keeps the trait's default attention, `unavailable`: allowed, so a skip.
+    for name in ["attention", "hostile-attention"] {
+        let a = case(&results, name);
+        assert!(a.skipped && a.message.contains("does not offer attention"), "{a:?}");
+    }
+}
+
+/// A backend whose attention ignores the window: every query sees every key before it.
+struct NoWindow(CpuBackend);
+
+impl Backend for NoWindow {
+    fn device(&self) -> Option<Device> {
+        self.0.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.0.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.0.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.0.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.0.free(id)
+    }
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        self.0.attention(q, k, v, &AttentionShape { window: 0, ..*s })
+    }
+}
+
+#[test]
+fn a_host_whose_attention_ignores_the_window_fails_the_attention_case() {
+    let results = conformance::run(GpuCtx::new(Box::new(NoWindow(CpuBackend::new())), conformance::budget()), seed()).unwrap();
+    eprintln!("{}", table(&results));
+    assert_eq!(failed(&results), ["attention"]);
+    let a = case(&results, "attention");
+    assert!(a.message.contains("window: ") && a.message.contains("where the exact value is"), "{}", a.message);
+    assert!(case(&results, "hostile-attention").passed);
 }
 
 /// A backend whose matmul ignores its inputs: zeros of the right shape.
@@ -284,6 +323,30 @@ impl wit::Host for Lenient {
         }
         self.inner.matmul(&x, t, n_in, &jobs).map_err(error)
     }
+
+    fn attention(
+        &mut self,
+        mut q: Vec<f32>,
+        mut k: Vec<f32>,
+        mut v: Vec<f32>,
+        shape: wit::AttentionShape,
+    ) -> Result<Vec<f32>, wit::Error> {
+        let s = AttentionShape {
+            t: shape.t,
+            n_keys: shape.n_keys,
+            n_head: shape.n_head,
+            n_head_kv: shape.n_head_kv,
+            head_dim: shape.head_dim,
+            window: shape.window,
+            scale: shape.scale,
+        };
+        if let Some((q_len, k_len)) = s.lens().filter(|&(q, k)| q.max(k) <= FIT_LIMIT) {
+            q.resize(q_len as usize, 0.0);
+            k.resize(k_len as usize, 0.0);
+            v.resize(k_len as usize, 0.0);
+        }
+        self.inner.attention(&q, &k, &v, &s).map_err(error)
+    }
 }
 
 impl wit::HostWeight for Lenient {
@@ -324,14 +387,14 @@ fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     eprintln!("{}", table(&results));
     assert!(case(&results, "device-info").message.starts_with("lenient "));
     let f = failed(&results);
-    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs"] {
+    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention"] {
         assert!(f.contains(&name), "{name} should fail:\n{}", table(&results));
     }
     let u = case(&results, "hostile-upload-lengths");
     assert!(u.message.contains("was accepted; want invalid-argument"), "{}", u.message);
     assert!(case(&results, "hostile-empty-jobs").message.contains("matmul with no jobs was accepted"));
     // Its products are right: only the refusals fail.
-    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows"] {
+    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert_eq!(host.inner.usage(), (0, 0), "the kit dropped every weight it accepted");

@@ -2,7 +2,10 @@
 //! there is no GPU), held to the same golden thresholds and producing the same tokens.
 
 use wisp::golden::{self, Case};
-use wisp::{Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model, Sampling};
+use wisp::{
+    AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, Model,
+    Sampling,
+};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use wisp_tests::{open, golden_cases, model, wgpu_backend};
@@ -55,6 +58,18 @@ impl Backend for Slices {
     fn free(&mut self, id: BufferId) {
         self.inner.free(id)
     }
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        self.inner.attention(q, k, v, s)
+    }
+}
+
+/// Device calls of a short prompt's prefill: products and attention.
+fn device_calls(inst: &mut Instance, m: Model) -> wisp::Stats {
+    let s = inst.new_session(m, 8).unwrap().unwrap();
+    inst.feed(s, &[2, 818]).unwrap().unwrap();
+    let stats = inst.stats(s).unwrap();
+    inst.drop_session(s).unwrap();
+    stats
 }
 
 /// Largest `write-rows` the guest sends (its `UPLOAD_SLICE_BYTES`).
@@ -86,6 +101,9 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
     assert!(sliced > 0, "no weight was larger than one slice");
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
     check(&mut inst, m, &cases);
+    // Attention went to the device too (18 layers of one batch), and nothing fell back.
+    let stats = device_calls(&mut inst, m);
+    assert!(stats.gpu_attention_calls == 18 && stats.gpu_fallbacks == 0, "{stats:?}");
 }
 
 #[test]
@@ -96,10 +114,8 @@ fn every_golden_case_passes_on_wgpu() {
     eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
     check(&mut inst, m, &golden_cases());
-    let s = inst.new_session(m, 8).unwrap().unwrap();
-    inst.feed(s, &[2, 818]).unwrap().unwrap();
-    let stats = inst.stats(s).unwrap();
-    assert!(stats.gpu_calls > 0 && stats.gpu_fallbacks == 0, "{stats:?}");
+    let stats = device_calls(&mut inst, m);
+    assert!(stats.gpu_calls > 0 && stats.gpu_attention_calls == 18 && stats.gpu_fallbacks == 0, "{stats:?}");
 }
 
 #[test]
@@ -176,6 +192,6 @@ fn auto_mode_on_a_slow_device_keeps_work_on_the_cpu() {
     let s = inst.new_session(m, 32).unwrap().unwrap();
     inst.feed(s, &golden_cases()[0].prompt_tokens).unwrap().unwrap();
     let stats = inst.stats(s).unwrap();
-    assert_eq!(stats.gpu_calls, 0, "{stats:?}");
+    assert_eq!((stats.gpu_calls, stats.gpu_attention_calls), (0, 0), "{stats:?}");
     assert_eq!(inst.model_info(m).unwrap().gpu_weights, 0);
 }

@@ -13,6 +13,9 @@ import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgp
 
 export { openDevice } from './webgpu.js';
 
+/** The widest head `attention` accepts (MAX_HEAD_DIM of host/src/gpu/mod.rs). */
+const MAX_HEAD_DIM = 512;
+
 /** What one instance may hold and send, as the native host's `Budget::default()`. */
 export const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
 
@@ -29,7 +32,7 @@ const oom = (m) => err('out-of-memory', m);
  */
 export function createGpu(opened, why = 'this host has no GPU', { budget: limits = BUDGET } = {}) {
   if (!opened?.device) return noDevice(why);
-  const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes);
+  const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes, opened.attention);
   const state = { usedBytes: 0n, usedHandles: 0, lost: null };
   const handles = new WeakSet();
 
@@ -196,8 +199,35 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
+  async function attention(q, k, v, shape) {
+    const bad = ready();
+    if (bad) return bad;
+    const { t, nKeys, nHead, nHeadKv, headDim } = shape;
+    if (t === 0 || nKeys < t) {
+      return invalid(`${nKeys} keys for ${t} queries: there must be at least one query and a key for each`);
+    }
+    if (nHeadKv === 0 || nHead === 0 || nHead % nHeadKv !== 0) {
+      return invalid(`${nHead} query heads cannot share ${nHeadKv} key/value heads`);
+    }
+    if (headDim === 0 || headDim > MAX_HEAD_DIM) return invalid(`head-dim ${headDim} is outside 1..=${MAX_HEAD_DIM}`);
+    const qLen = BigInt(t) * BigInt(nHead) * BigInt(headDim);
+    const kLen = BigInt(nKeys) * BigInt(nHeadKv) * BigInt(headDim);
+    if (qLen >= 1n << 64n || kLen >= 1n << 64n) return invalid("the shape's sizes overflow");
+    if (BigInt(q.length) !== qLen || BigInt(k.length) !== kLen || BigInt(v.length) !== kLen) {
+      return invalid(`q, k and v have ${q.length}, ${k.length} and ${v.length} values, the shape implies ${qLen}, ${kLen} and ${kLen}`);
+    }
+    const maxElems = BigInt(backend.info.maxActivationElements);
+    const most = qLen > kLen ? qLen : kLen;
+    if (most > maxElems) return oom(`${most} values exceed the device's limit of ${maxElems} a list`);
+    try {
+      return ok(await backend.attention(q, k, v, shape));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
   return {
-    imports: { Weight, available, upload, allocate, matmul },
+    imports: { Weight, available, upload, allocate, matmul, attention },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     info: backend.info,
@@ -218,7 +248,14 @@ function noDevice(why) {
     [Symbol.dispose]() {}
   }
   return {
-    imports: { Weight, available: () => undefined, upload: unavailable, allocate: unavailable, matmul: unavailable },
+    imports: {
+      Weight,
+      available: () => undefined,
+      upload: unavailable,
+      allocate: unavailable,
+      matmul: unavailable,
+      attention: unavailable,
+    },
     usage: () => ({ bytes: 0, handles: 0 }),
     info: null,
     why,

@@ -1,6 +1,7 @@
 // Device work on WebGPU for the `wisp:llm/gpu` imports: the browser's counterpart of
 // host/src/gpu/wgpu.rs, running the same shaders/matmul.wgsl (fetched at run time) with the same
-// bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan.
+// bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan, and
+// the same shaders/attention.wgsl for `attention`.
 //
 // Weights live in storage buffers in their upload format (the shader decodes them); f32 and
 // bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. A `matmul`
@@ -21,8 +22,9 @@ const GEMV_ROWS = 4;
 const DISPATCH_MACS = 2 ** 28;
 /** Bytes of one `writeBuffer` of weights. */
 const WRITE_CHUNK = 64 << 20;
-/** Size of `Params` in the shader. */
+/** Size of `Params` in the shader, and of `Shape` in attention.wgsl. */
 const PARAMS_BYTES = 32;
+const SHAPE_BYTES = 32;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {
@@ -110,12 +112,16 @@ export async function openDevice(shaderUrl, { lanes } = {}) {
   const res = await fetch(shaderUrl);
   if (!res.ok) return { why: `fetching ${shaderUrl}: HTTP ${res.status}` };
   const shader = await res.text();
-  return { device, adapter, shader, lanes };
+  // attention.wgsl beside it; without it the host still offers products (attention is
+  // `unavailable`, and the guest attends on its CPU).
+  const attentionUrl = new URL('attention.wgsl', new URL(shaderUrl, globalThis.location?.href));
+  const attention = await fetch(attentionUrl).then((r) => (r.ok ? r.text() : null), () => null);
+  return { device, adapter, shader, lanes, attention };
 }
 
 /** The WebGPU work behind the imports, on one device. */
 export class WebGpuBackend {
-  constructor(device, adapter, shader, lanes) {
+  constructor(device, adapter, shader, lanes, attentionShader = null) {
     this.device = device;
     this.limits = device.limits;
     const { name, deviceType } = describeAdapter(adapter);
@@ -136,6 +142,8 @@ export class WebGpuBackend {
     // shares a row among a warp's worth, for coalesced reads. `lanes` overrides the choice.
     this.lanesK = lanes || (deviceType === 'cpu' ? 1 : 32);
     this.shader = shader;
+    this.attentionShader = attentionShader;
+    this.attentionPipeline = null;
     this.module = null;
     this.pipelines = new Map();
     this.scratch = {};
@@ -453,6 +461,105 @@ export class WebGpuBackend {
     } catch (e) {
       if (mapped) staging.unmap();
       // Start the next call from fresh buffers: these may be left mapped or invalid.
+      this.dropScratch();
+      throw e;
+    }
+  }
+
+  /** shaders/attention.wgsl's pipeline and bind group layout, built on first use. */
+  async attentionKernel() {
+    if (this.attentionPipeline) return this.attentionPipeline;
+    if (!this.attentionShader) throw new GpuError('unavailable', 'this host could not load shaders/attention.wgsl');
+    const entry = (binding, type, hasDynamicOffset = false) => ({ binding, visibility: GPUShaderStage.COMPUTE, buffer: { type, hasDynamicOffset } });
+    this.attentionPipeline = await this.scoped(async () => {
+      const layout = this.device.createBindGroupLayout({
+        label: 'attention',
+        entries: [entry(0, 'uniform', true), entry(1, 'read-only-storage'), entry(2, 'read-only-storage'), entry(3, 'read-only-storage'), entry(4, 'storage')],
+      });
+      const module = this.device.createShaderModule({ label: 'attention.wgsl', code: this.attentionShader });
+      const pipeline = await this.device.createComputePipelineAsync({
+        label: 'attention',
+        layout: this.device.createPipelineLayout({ label: 'attention', bindGroupLayouts: [layout] }),
+        compute: { module, entryPoint: 'attend' },
+      });
+      return { layout, pipeline };
+    });
+    return this.attentionPipeline;
+  }
+
+  /** `attention` (wit/gpu.wit) on shaders/attention.wgsl, one workgroup a (head, query): the
+   *  queries split over dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one
+   *  readback. `s` is the checked shape (gpu.js). */
+  async attention(q, k, v, s) {
+    this.live();
+    const qBytes = q.length * 4;
+    const kBytes = k.length * 4;
+    if (Math.max(qBytes, kBytes) > this.info.maxWeightBytes) {
+      throw new GpuError('out-of-memory', `${q.length} queries and ${k.length} keys do not fit the device`);
+    }
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    if (s.nHead > maxDim) throw new GpuError('out-of-memory', `${s.nHead} heads exceed the device's ${maxDim} workgroups`);
+    const { layout, pipeline } = await this.attentionKernel();
+    const macs = 2 * s.nHead * s.nKeys * s.headDim;
+    const perDispatch = Math.max(1, Math.min(maxDim, Math.floor(DISPATCH_MACS / Math.max(macs, 1))));
+    const dispatches = Math.ceil(s.t / perDispatch);
+    const stride = alignUp(SHAPE_BYTES, Math.max(this.limits.minUniformBufferOffsetAlignment, 4));
+    const shapes = new ArrayBuffer(stride * dispatches);
+    for (let d = 0; d < dispatches; d++) {
+      const u = new Uint32Array(shapes, d * stride, SHAPE_BYTES / 4);
+      u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch]);
+      new Float32Array(shapes, d * stride + 24, 1)[0] = s.scale;
+    }
+    let staging = null;
+    let mapped = false;
+    try {
+      return await this.scoped(async () => {
+        const usage = GPUBufferUsage;
+        const input = usage.STORAGE | usage.COPY_DST;
+        const [qb, kb, vb] = [['attention q', q], ['attention k', k], ['attention v', v]].map(([slot, data]) => {
+          const b = this.ensure(slot, data.length * 4, input);
+          this.device.queue.writeBuffer(b, 0, data);
+          return b;
+        });
+        const out = this.ensure('attention out', qBytes, usage.STORAGE | usage.COPY_SRC);
+        staging = this.ensure('attention staging', qBytes, usage.MAP_READ | usage.COPY_DST);
+        const params = this.ensure('attention params', shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
+        this.device.queue.writeBuffer(params, 0, shapes);
+        const group = this.device.createBindGroup({
+          label: 'attention',
+          layout,
+          entries: [
+            { binding: 0, resource: { buffer: params, offset: 0, size: SHAPE_BYTES } },
+            { binding: 1, resource: { buffer: qb, offset: 0, size: qBytes } },
+            { binding: 2, resource: { buffer: kb, offset: 0, size: kBytes } },
+            { binding: 3, resource: { buffer: vb, offset: 0, size: kBytes } },
+            { binding: 4, resource: { buffer: out, offset: 0, size: qBytes } },
+          ],
+        });
+        const encoder = this.device.createCommandEncoder({ label: 'attention' });
+        const pass = encoder.beginComputePass({ label: 'attention' });
+        pass.setPipeline(pipeline);
+        for (let d = 0; d < dispatches; d++) {
+          pass.setBindGroup(0, group, [d * stride]);
+          pass.dispatchWorkgroups(s.nHead, Math.min(perDispatch, s.t - d * perDispatch), 1);
+        }
+        pass.end();
+        encoder.copyBufferToBuffer(out, 0, staging, 0, qBytes);
+        this.device.queue.submit([encoder.finish()]);
+        try {
+          await staging.mapAsync(GPUMapMode.READ, 0, qBytes);
+        } catch (e) {
+          this.live();
+          throw new GpuError('unavailable', `reading the result back: ${e.message}`);
+        }
+        mapped = true;
+        const result = new Float32Array(staging.getMappedRange(0, qBytes).slice(0));
+        staging.unmap();
+        mapped = false;
+        return result;
+      });
+    } catch (e) {
+      if (mapped) staging.unmap();
       this.dropScratch();
       throw e;
     }

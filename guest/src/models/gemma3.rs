@@ -12,13 +12,12 @@
 //! - RoPE rotates the two halves of each head (NEOX); queries are scaled by `1/sqrt(head_dim)`;
 //! - grouped-query attention: `head_count_kv` key/value heads shared by `head_count` queries.
 
-use super::attention::{Heads, attend};
+use super::attention::Heads;
 use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, norm_rows, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
 use crate::kernels::{Act, gate, rms_norm};
-use std::time::Instant;
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -226,9 +225,7 @@ pub fn forward(
             }
             cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
         }
-        let start = Instant::now();
-        attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
-        d.counters.attention_ns += start.elapsed().as_nanos() as u64;
+        d.attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_attn_norm, c.eps);

@@ -13,13 +13,12 @@
 //! - the output projection is `output.weight`, or tied to `token_embd.weight` when absent;
 //!   the embedding is not scaled.
 
-use super::attention::{Heads, attend};
+use super::attention::Heads;
 use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
 use crate::kernels::{Act, gate};
-use std::time::Instant;
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -240,9 +239,7 @@ pub fn forward(
             }
             cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
         }
-        let start = Instant::now();
-        attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
-        d.counters.attention_ns += start.elapsed().as_nanos() as u64;
+        d.attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         add_bias(&mut b.xb[..t * e], layer.bo.as_deref());
         for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {

@@ -2,7 +2,7 @@
 //! format to f32 and multiplies plainly. It defines what the device backends must compute, and
 //! lets the guest's device path be tested on any machine.
 
-use super::{Backend, BufferId, Device, Format, GpuError};
+use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use std::collections::HashMap;
 
 struct Weight {
@@ -60,6 +60,35 @@ pub fn decode_rows(format: Format, n_in: usize, data: &[u8], scales: &[f32], out
     debug_assert_eq!(out.len() % n_in, 0);
 }
 
+/// Attention as the contract reads (see `wit/gpu.wit`), with sums in f64: for each query and
+/// head, the softmax of the scaled products with the keys it sees, then their weighted sum of
+/// the values. `q`, `k` and `v` have the lengths `s` implies.
+pub fn attention_reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Vec<f32> {
+    let hd = s.head_dim as usize;
+    let (nq, nkv) = (s.n_head as usize * hd, s.n_head_kv as usize * hd);
+    let group = (s.n_head / s.n_head_kv) as usize;
+    let mut out = vec![0f32; q.len()];
+    for i in 0..s.t {
+        let keys = s.keys_of(i);
+        for h in 0..s.n_head as usize {
+            let at = i as usize * nq + h * hd;
+            let (qh, g) = (&q[at..at + hd], h / group * hd);
+            let scores: Vec<f64> = keys
+                .clone()
+                .map(|j| s.scale as f64 * qh.iter().zip(&k[j * nkv + g..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>())
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for (d, o) in out[at..at + hd].iter_mut().enumerate() {
+                let sum: f64 = keys.clone().zip(&weights).map(|(j, w)| w * v[j * nkv + g + d] as f64).sum();
+                *o = (sum / total) as f32;
+            }
+        }
+    }
+    out
+}
+
 impl Backend for CpuBackend {
     fn device(&self) -> Option<Device> {
         Some(Device {
@@ -109,5 +138,9 @@ impl Backend for CpuBackend {
 
     fn free(&mut self, id: BufferId) {
         self.weights.remove(&id);
+    }
+
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        Ok(attention_reference(q, k, v, shape))
     }
 }

@@ -160,6 +160,73 @@ pub struct Device {
     pub max_activation_elements: u64,
 }
 
+/// The shape of an `attention` call (the WIT `attention-shape`; see `wit/gpu.wit`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    /// Queries.
+    pub t: u32,
+    /// Keys and values; the last `t` are the queries' own positions.
+    pub n_keys: u32,
+    /// Query heads, a multiple of `n_head_kv`.
+    pub n_head: u32,
+    /// Key/value heads.
+    pub n_head_kv: u32,
+    /// Width of every head, 1 to [`MAX_HEAD_DIM`].
+    pub head_dim: u32,
+    /// Query `i` sees only the last `window` keys up to its own; 0 for no window.
+    pub window: u32,
+    /// Multiplies each query-key product before the softmax.
+    pub scale: f32,
+}
+
+/// The widest head `attention` accepts.
+pub const MAX_HEAD_DIM: u32 = 512;
+
+impl AttentionShape {
+    /// The keys query `i` sees: its own position and those before, the last `window` of them
+    /// where there is a window.
+    pub fn keys_of(&self, i: u32) -> std::ops::Range<usize> {
+        let last = (self.n_keys - self.t + i) as usize;
+        let first = if self.window == 0 { 0 } else { (last + 1).saturating_sub(self.window as usize) };
+        first..last + 1
+    }
+
+    /// Values in `q` (and in the output), and in `k` (and `v`), or `None` if they overflow.
+    pub fn lens(&self) -> Option<(u64, u64)> {
+        let q = (self.t as u64).checked_mul(self.n_head as u64)?.checked_mul(self.head_dim as u64)?;
+        let k = (self.n_keys as u64).checked_mul(self.n_head_kv as u64)?.checked_mul(self.head_dim as u64)?;
+        Some((q, k))
+    }
+
+    /// Why the shape breaks the contract, if it does.
+    fn invalid(&self) -> Option<String> {
+        let s = self;
+        if s.t == 0 || s.n_keys < s.t {
+            Some(format!("{} keys for {} queries: there must be at least one query and a key for each", s.n_keys, s.t))
+        } else if s.n_head_kv == 0 || s.n_head == 0 || s.n_head % s.n_head_kv != 0 {
+            Some(format!("{} query heads cannot share {} key/value heads", s.n_head, s.n_head_kv))
+        } else if s.head_dim == 0 || s.head_dim > MAX_HEAD_DIM {
+            Some(format!("head-dim {} is outside 1..={MAX_HEAD_DIM}", s.head_dim))
+        } else {
+            None
+        }
+    }
+}
+
+impl From<wit::AttentionShape> for AttentionShape {
+    fn from(s: wit::AttentionShape) -> Self {
+        AttentionShape {
+            t: s.t,
+            n_keys: s.n_keys,
+            n_head: s.n_head,
+            n_head_kv: s.n_head_kv,
+            head_dim: s.head_dim,
+            window: s.window,
+            scale: s.scale,
+        }
+    }
+}
+
 /// Identifies a weight inside a backend.
 pub type BufferId = u64;
 
@@ -176,6 +243,12 @@ pub trait Backend: Send {
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
+    /// Causal grouped-query attention (see `wit/gpu.wit`); `q`, `k` and `v` have the lengths
+    /// `shape` implies. Returns `[t, n_head * head_dim]`. A backend without it keeps this
+    /// default, `unavailable`, and the guest attends on its own CPU.
+    fn attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        Err(GpuError::Unavailable("this host does not offer attention".into()))
+    }
     /// The device time of the last `matmul`'s dispatches alone, in nanoseconds (timestamp
     /// queries around its compute pass), where the device can tell; `None` otherwise.
     fn last_kernel_ns(&self) -> Option<u64> {
@@ -449,6 +522,38 @@ impl GpuCtx {
         self.track(r)
     }
 
+    /// Causal grouped-query attention of `shape.t` queries over the `shape.n_keys` keys and
+    /// values sent with the call (see `wit/gpu.wit`). Returns `[t, n_head * head_dim]`.
+    ///
+    /// Errors: `InvalidArgument` for a shape outside the contract (no query, fewer keys than
+    /// queries, heads that do not group, a head-dim past [`MAX_HEAD_DIM`]) or lengths that do
+    /// not match it; `OutOfMemory` when `q` or `k` exceeds the device's
+    /// `max_activation_elements`; `Unavailable` where the backend has no attention, or
+    /// `DeviceLost`.
+    pub fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        let max_elems = self.ready()?.max_activation_elements;
+        if let Some(why) = shape.invalid() {
+            return invalid(why);
+        }
+        let Some((q_len, k_len)) = shape.lens() else { return invalid("the shape's sizes overflow") };
+        if q.len() as u64 != q_len || k.len() as u64 != k_len || v.len() as u64 != k_len {
+            return invalid(format!(
+                "q, k and v have {}, {} and {} values, the shape implies {q_len}, {k_len} and {k_len}",
+                q.len(),
+                k.len(),
+                v.len()
+            ));
+        }
+        if q_len.max(k_len) > max_elems {
+            return Err(GpuError::OutOfMemory(format!(
+                "{} values exceed the device's limit of {max_elems} a list",
+                q_len.max(k_len)
+            )));
+        }
+        let r = self.backend.attention(q, k, v, shape);
+        self.track(r)
+    }
+
     /// The device time of the last successful `matmul`'s kernels alone, in nanoseconds, where
     /// the backend can measure it (wgpu with timestamp queries); for benchmarks.
     pub fn last_kernel_ns(&self) -> Option<u64> {
@@ -502,6 +607,16 @@ impl wit::Host for GpuCtx {
 
     fn allocate(&mut self, format: wit::WeightFormat, n_out: u32, n_in: u32) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
         Ok(GpuCtx::allocate(self, format.into(), n_out, n_in).map_err(Into::into))
+    }
+
+    fn attention(
+        &mut self,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        shape: wit::AttentionShape,
+    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
+        Ok(GpuCtx::attention(self, &q, &k, &v, &shape.into()).map_err(Into::into))
     }
 
     fn matmul(

@@ -11,7 +11,9 @@
 //! A lost device (reported by wgpu's device-lost callback, or [`WgpuBackend::simulate_device_loss`])
 //! makes every later call return [`GpuError::DeviceLost`].
 
-use super::{Backend, BufferId, Device, Format, GpuError};
+mod attention;
+
+use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -207,6 +209,8 @@ pub struct WgpuBackend {
     weights: HashMap<BufferId, Weight>,
     next: BufferId,
     scratch: Scratch,
+    /// The `attention` pipeline and its buffers.
+    attn: attention::Attention,
     /// Where the adapter offers timestamp queries: two timestamps around each call's compute
     /// pass, resolved into `resolve`, and nanoseconds per tick.
     timer: Option<Timer>,
@@ -456,6 +460,7 @@ impl WgpuBackend {
             weights: HashMap::new(),
             next: 0,
             scratch: Scratch::default(),
+            attn: attention::Attention::default(),
             timer,
             last_kernel_ns: None,
             repeats: 1,
@@ -817,20 +822,7 @@ impl WgpuBackend {
         }
         self.queue.submit([encoder.finish()]);
 
-        let (tx, rx) = mpsc::channel();
-        let slice = staging.slice(0..staging_bytes);
-        slice.map_async(wgpu::MapMode::Read, move |r| {
-            let _ = tx.send(r);
-        });
-        let waited = self.poll();
-        let mapped = match rx.try_recv() {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(GpuError::Unavailable(format!("reading the result back: {e}"))),
-            Err(_) => Err(GpuError::Unavailable("reading the result back: the mapping never completed".into())),
-        };
-        let result = waited.and(mapped).and_then(|()| {
-            let view =
-                slice.get_mapped_range().map_err(|e| GpuError::Unavailable(format!("reading the result back: {e}")))?;
+        let result = self.read_back(&staging, staging_bytes, |view| {
             let outs = offsets
                 .iter()
                 .zip(&lens)
@@ -841,9 +833,8 @@ impl WgpuBackend {
                 let tick = |i: usize| u64::from_le_bytes(view[at + 8 * i..at + 8 * i + 8].try_into().unwrap_or([0; 8]));
                 (tick(1).saturating_sub(tick(0)) as f64 * t.period_ns as f64 / self.repeats as f64) as u64
             });
-            Ok((outs, stamps))
+            (outs, stamps)
         });
-        staging.unmap();
         let finished = self.finish(scopes);
         match (finished, result) {
             (Ok(()), Ok((outs, kernel_ns))) => {
@@ -856,6 +847,31 @@ impl WgpuBackend {
                 Err(e)
             }
         }
+    }
+}
+
+impl WgpuBackend {
+    /// Maps the first `bytes` of `staging` (work copying into it is submitted), waits for the
+    /// device, and gives them to `read`.
+    fn read_back<R>(&self, staging: &wgpu::Buffer, bytes: u64, read: impl FnOnce(&[u8]) -> R) -> Result<R, GpuError> {
+        let (tx, rx) = mpsc::channel();
+        let slice = staging.slice(0..bytes);
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        let waited = self.poll();
+        let mapped = match rx.try_recv() {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(GpuError::Unavailable(format!("reading the result back: {e}"))),
+            Err(_) => Err(GpuError::Unavailable("reading the result back: the mapping never completed".into())),
+        };
+        let result = waited.and(mapped).and_then(|()| {
+            let view =
+                slice.get_mapped_range().map_err(|e| GpuError::Unavailable(format!("reading the result back: {e}")))?;
+            Ok(read(&view))
+        });
+        staging.unmap();
+        result
     }
 }
 
@@ -1111,6 +1127,10 @@ impl Backend for WgpuBackend {
         // Dropping the buffers frees them once no submitted work uses them.
         self.weights.remove(&id);
     }
+
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        self.run_attention(q, k, v, shape)
+    }
 }
 
 #[cfg(test)]
@@ -1175,6 +1195,24 @@ mod tests {
         assert_eq!(b.last_kernel_ns().is_some(), b.timer.is_some());
         b.set_kernel_repeats(1);
         assert_eq!(b.matmul(&x, t, n_in, &[id]).unwrap(), once);
+    }
+
+    /// An `attention` whose queries exceed a dispatch's budget runs as several dispatches (each
+    /// its own `query_base`), with the same outputs as one.
+    #[test]
+    fn attention_split_over_dispatches_equals_one() {
+        let Some(mut b) = backend("attention_split_over_dispatches_equals_one") else { return };
+        let s = AttentionShape { t: 9, n_keys: 80, n_head: 4, n_head_kv: 2, head_dim: 40, window: 30, scale: 0.3 };
+        let (q_len, k_len) = s.lens().unwrap();
+        let wave = |n: u64, f: f32| (0..n).map(|i| (i as f32 * f).sin()).collect::<Vec<f32>>();
+        let (q, k, v) = (wave(q_len, 0.37), wave(k_len, 0.11), wave(k_len, 0.23));
+        let whole = b.attention(&q, &k, &v, &s).unwrap();
+        // Two queries a dispatch: five dispatches.
+        b.dispatch_macs = 2 * 2 * s.n_head as u64 * s.n_keys as u64 * s.head_dim as u64;
+        let split = b.attention(&q, &k, &v, &s).unwrap();
+        assert_eq!(whole, split);
+        let want = super::super::cpu::attention_reference(&q, &k, &v, &s);
+        assert!(whole.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4), "{whole:?} vs {want:?}");
     }
 
     /// RELIABILITY 23: every product is split into dispatches of at most the device's budget

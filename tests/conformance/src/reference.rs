@@ -326,3 +326,82 @@ mod tests {
         assert_eq!(d.w[1], 0.5 * 2.0 - 0.25);
     }
 }
+
+/// The shape of an `attention` call, as the WIT `attention-shape`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Attention {
+    pub t: u32,
+    pub n_keys: u32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub window: u32,
+    pub scale: f32,
+}
+
+/// The error `attention` may make, as a fraction of the largest `|v|` of the key/value head
+/// (every output is a weighted mean of those values).
+pub const ATTENTION_TOLERANCE: f64 = 1e-4;
+
+impl Attention {
+    /// Values in `q`, and in each of `k` and `v`.
+    pub fn lens(&self) -> (usize, usize) {
+        let hd = self.head_dim as usize;
+        (self.t as usize * self.n_head as usize * hd, self.n_keys as usize * self.n_head_kv as usize * hd)
+    }
+}
+
+/// Compares `out` from a host with attention computed exactly (scores, softmax and sums in
+/// f64, straight from the contract's words). `Ok` holds the largest error as a fraction of its
+/// head's largest `|v|`; `Err` says what is wrong.
+pub fn compare_attention(out: &[f32], q: &[f32], k: &[f32], v: &[f32], s: &Attention) -> Result<f64, Mismatch> {
+    let (q_len, _) = s.lens();
+    if out.len() != q_len {
+        let message = format!("the output has {} values; t * n-head * head-dim is {q_len}", out.len());
+        return Err(Mismatch { message, max_error: 0.0 });
+    }
+    let hd = s.head_dim as usize;
+    let per_kv = s.n_head / s.n_head_kv;
+    let mut max_error = 0.0f64;
+    for i in 0..s.t as usize {
+        // Query i is at key position n_keys - t + i; it sees that key and those before it, the
+        // last `window` of them when there is a window.
+        let own = s.n_keys as usize - s.t as usize + i;
+        let first = if s.window == 0 { 0 } else { (own + 1).saturating_sub(s.window as usize) };
+        for h in 0..s.n_head as usize {
+            let g = h / per_kv as usize;
+            let row = |m: &[f32], j: usize| -> Vec<f64> {
+                let at = (j * s.n_head_kv as usize + g) * hd;
+                m[at..at + hd].iter().map(|&x| x as f64).collect()
+            };
+            let qi: Vec<f64> = q[(i * s.n_head as usize + h) * hd..][..hd].iter().map(|&x| x as f64).collect();
+            let scores: Vec<f64> = (first..=own)
+                .map(|j| s.scale as f64 * row(k, j).iter().zip(&qi).map(|(a, b)| a * b).sum::<f64>())
+                .collect();
+            let top = scores.iter().fold(f64::MIN, |m, &x| m.max(x));
+            let e: Vec<f64> = scores.iter().map(|x| (x - top).exp()).collect();
+            let total: f64 = e.iter().sum();
+            let mut want = vec![0f64; hd];
+            let mut vmax = 0f64;
+            for (j, w) in (first..=own).zip(&e) {
+                for (d, x) in row(v, j).into_iter().enumerate() {
+                    want[d] += w / total * x;
+                    vmax = vmax.max(x.abs());
+                }
+            }
+            for (d, want) in want.iter().enumerate() {
+                let got = out[(i * s.n_head as usize + h) * hd + d];
+                let err = if vmax > 0.0 { (got as f64 - want).abs() / vmax } else { (got as f64 - want).abs() };
+                if !(err <= ATTENTION_TOLERANCE) {
+                    let message = format!(
+                        "query {i}, head {h}, dimension {d}: {got} where the exact value is {want:.7} (error {err:.2e} \
+                         of the largest |v|, tolerance {ATTENTION_TOLERANCE:e})"
+                    );
+                    return Err(Mismatch { message, max_error: max_error.max(if err.is_nan() { f64::INFINITY } else { err }) });
+                }
+                max_error = max_error.max(err);
+            }
+        }
+    }
+    Ok(max_error)
+}

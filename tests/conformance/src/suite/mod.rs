@@ -5,6 +5,7 @@
 //! `Err(Stop::Fail)` what went wrong (the call, the shape, the values), `Err(Stop::Skip)` why the
 //! case cannot run on this host. Every case drops what it uploaded before it returns.
 
+mod attention;
 mod hostile;
 mod products;
 mod resources;
@@ -58,6 +59,7 @@ const DEVICE_CASES: &[Case] = &[
     ("unwritten-rows-read-zero", products::unwritten_rows),
     ("nan-inf-input", products::non_finite_input),
     ("nan-inf-weights", products::non_finite_weights),
+    ("attention", attention::matches),
     ("weight-accessors", resources::accessors),
     ("handle-lifetimes", resources::lifetimes),
     ("budget-handles", resources::budget_handles),
@@ -73,6 +75,7 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-cols-mismatch", hostile::cols_mismatch),
     ("hostile-huge-job-list", hostile::huge_job_list),
     ("hostile-write-rows", hostile::write_rows),
+    ("hostile-attention", attention::hostile),
     ("recovers-after-refusals", resources::recovers),
 ];
 
@@ -151,7 +154,9 @@ fn no_device() -> Check<String> {
     expect("upload of f32 [1, 1]", gpu::upload(WeightFormat::F32, 1, 1, &[0; 4], &[]), u)?;
     expect("allocate of q8x32 [1, 32]", gpu::allocate(WeightFormat::Q8x32, 1, 32), u)?;
     expect("matmul with no jobs", gpu::matmul(&[1.0], 1, 1, &[]), u)?;
-    Ok("upload, allocate and matmul are all `unavailable`".into())
+    let shape = gpu::AttentionShape { t: 1, n_keys: 1, n_head: 1, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 };
+    expect("attention of one query over one key", gpu::attention(&[1.0], &[1.0], &[1.0], shape), u)?;
+    Ok("upload, allocate, matmul and attention are all `unavailable`".into())
 }
 
 /// The variants of the WIT `error`.

@@ -1,0 +1,144 @@
+// Causal grouped-query attention, the `gpu` interface's `attention` (wit/gpu.wit): for each
+// query i and head h, out[i, h] = softmax_j(scale * q[i, h] . k[j, g]) @ v[., g] over the keys j
+// query i sees, g the key/value head of h.
+//
+// One workgroup a (head, query). It walks the keys the query sees in chunks of WG: each
+// invocation scores one key of the chunk (q is in workgroup memory), the chunk's maximum and sum
+// are reduced through workgroup memory, and the running output (each invocation owns the
+// dimensions d = lid + r * WG) is rescaled by exp(old max - new max) and gains the chunk's
+// weighted values: a single pass over the keys, the softmax never stored whole ("online
+// softmax"). Sums are f32, as the guest's own kernels.
+//
+// Host and browser run this same file; each call's queries may be split over dispatches
+// (`query_base`) to stay inside the device's workgroup count and a dispatch's time budget.
+
+struct Shape {
+    t: u32,
+    n_keys: u32,
+    n_head: u32,
+    n_head_kv: u32,
+    head_dim: u32,
+    window: u32,
+    scale: f32,
+    // The first query of this dispatch (its workgroups' y is relative to it).
+    query_base: u32,
+}
+
+@group(0) @binding(0) var<uniform> s: Shape;
+@group(0) @binding(1) var<storage, read> q: array<f32>;
+@group(0) @binding(2) var<storage, read> k: array<f32>;
+@group(0) @binding(3) var<storage, read> v: array<f32>;
+@group(0) @binding(4) var<storage, read_write> out: array<f32>;
+
+const WG: u32 = 64u;
+// The contract's widest head (MAX_HEAD_DIM in host/src/gpu/mod.rs).
+const MAX_HEAD_DIM: u32 = 512u;
+const PER: u32 = MAX_HEAD_DIM / WG;
+// Below every score a finite input gives: the score of a key outside the query's range.
+const LOWEST: f32 = -3.0e38;
+
+var<workgroup> qs: array<f32, MAX_HEAD_DIM>;
+var<workgroup> probs: array<f32, WG>;
+var<workgroup> red: array<f32, WG>;
+
+// The maximum of `x` over the workgroup (every invocation gets it).
+fn workgroup_max(lid: u32, x: f32) -> f32 {
+    red[lid] = x;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w = w / 2u) {
+        if lid < w {
+            red[lid] = max(red[lid], red[lid + w]);
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+// The sum of `x` over the workgroup (every invocation gets it).
+fn workgroup_sum(lid: u32, x: f32) -> f32 {
+    red[lid] = x;
+    workgroupBarrier();
+    for (var w = WG / 2u; w > 0u; w = w / 2u) {
+        if lid < w {
+            red[lid] = red[lid] + red[lid + w];
+        }
+        workgroupBarrier();
+    }
+    let r = red[0];
+    workgroupBarrier();
+    return r;
+}
+
+@compute @workgroup_size(64)
+fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let h = wg.x;
+    let i = s.query_base + wg.y;
+    let hd = min(s.head_dim, MAX_HEAD_DIM);
+    let group = max(s.n_head / max(s.n_head_kv, 1u), 1u);
+    let kv_stride = s.n_head_kv * hd;
+    let kv_at = (h / group) * hd;
+    let q_at = (i * s.n_head + h) * hd;
+
+    for (var d = lid; d < hd; d += WG) {
+        qs[d] = q[q_at + d];
+    }
+    workgroupBarrier();
+
+    // The keys this query sees: first..=last.
+    let last = s.n_keys - s.t + i;
+    var first = 0u;
+    if s.window > 0u && last + 1u > s.window {
+        first = last + 1u - s.window;
+    }
+
+    var m = LOWEST;
+    var l = 0.0;
+    var acc: array<f32, PER>;
+    for (var c = first; c <= last; c += WG) {
+        let j = c + lid;
+        var score = LOWEST;
+        if j <= last {
+            let at = j * kv_stride + kv_at;
+            var dot = 0.0;
+            for (var d = 0u; d < hd; d++) {
+                dot += qs[d] * k[at + d];
+            }
+            score = dot * s.scale;
+        }
+        let new_m = max(m, workgroup_max(lid, score));
+        var p = 0.0;
+        if j <= last {
+            p = exp(score - new_m);
+        }
+        probs[lid] = p;
+        let sum = workgroup_sum(lid, p);
+        let rescale = exp(m - new_m);
+        l = l * rescale + sum;
+        m = new_m;
+        let n = min(WG, last + 1u - c);
+        for (var r = 0u; r < PER; r++) {
+            acc[r] *= rescale;
+        }
+        for (var jj = 0u; jj < n; jj++) {
+            let pw = probs[jj];
+            let at = (c + jj) * kv_stride + kv_at;
+            for (var r = 0u; r < PER; r++) {
+                let d = lid + r * WG;
+                if d < hd {
+                    acc[r] += pw * v[at + d];
+                }
+            }
+        }
+        // `probs` is rewritten by the next chunk.
+        workgroupBarrier();
+    }
+
+    for (var r = 0u; r < PER; r++) {
+        let d = lid + r * WG;
+        if d < hd {
+            out[q_at + d] = acc[r] / l;
+        }
+    }
+}
