@@ -155,18 +155,22 @@ fn q8_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec
     return dot(a.lo, x0) + dot(a.hi, x1) + dot(b.lo, x2) + dot(b.hi, x3);
 }
 
+// A q4x32 block as sum_k (d q_k - m) x_k = d sum_k q_k x_k - m sum_k x_k: the scale and the
+// offset once a block, not once an element (`x_sum`, the block's sum of x, is shared by the
+// rows). The exact nibbles keep the inner sum exact up to f32 rounding.
 fn q4_dot(row: u32, s: u32, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>,
-          x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
+          x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>, x_sum: f32) -> f32 {
     let w = weights[row * params.row_quads + s];
     let si = row * params.scale_row + 2u * s;
     let d = scales[si];
     let m = scales[si + 1u];
-    let a = q4_group(w.x, d, m);
-    let b = q4_group(w.y, d, m);
-    let c = q4_group(w.z, d, m);
-    let e = q4_group(w.w, d, m);
-    return dot(a.lo, x0) + dot(a.hi, x1) + dot(b.lo, x2) + dot(b.hi, x3)
+    let a = q4_exact(w.x);
+    let b = q4_exact(w.y);
+    let c = q4_exact(w.z);
+    let e = q4_exact(w.w);
+    let qx = dot(a.lo, x0) + dot(a.hi, x1) + dot(b.lo, x2) + dot(b.hi, x3)
         + dot(c.lo, x4) + dot(c.hi, x5) + dot(e.lo, x6) + dot(e.hi, x7);
+    return d * qx - m * x_sum;
 }
 
 // Step s of the four weight rows r against one row of x at offset xo: its x values are loaded
@@ -208,9 +212,10 @@ fn gemv_step(acc: vec4<f32>, r: vec4<u32>, s: u32, xo: u32) -> vec4<f32> {
             let x5 = x_quad(k + 20u);
             let x6 = x_quad(k + 24u);
             let x7 = x_quad(k + 28u);
+            let xs = dot((x0 + x1) + (x2 + x3) + ((x4 + x5) + (x6 + x7)), vec4<f32>(1.0));
             a += vec4<f32>(
-                q4_dot(r.x, s, x0, x1, x2, x3, x4, x5, x6, x7), q4_dot(r.y, s, x0, x1, x2, x3, x4, x5, x6, x7),
-                q4_dot(r.z, s, x0, x1, x2, x3, x4, x5, x6, x7), q4_dot(r.w, s, x0, x1, x2, x3, x4, x5, x6, x7),
+                q4_dot(r.x, s, x0, x1, x2, x3, x4, x5, x6, x7, xs), q4_dot(r.y, s, x0, x1, x2, x3, x4, x5, x6, x7, xs),
+                q4_dot(r.z, s, x0, x1, x2, x3, x4, x5, x6, x7, xs), q4_dot(r.w, s, x0, x1, x2, x3, x4, x5, x6, x7, xs),
             );
         }
     }

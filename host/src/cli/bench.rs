@@ -259,7 +259,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             serde_json::json!({
                 "model": l.path, "runs": a.runs.max(1), "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
                 "prefill_tok_s": p, "decode_tok_s": d, "load_s": l.load_s,
-                "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "device_matmul": matmuls,
+                "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls,
+                "gpu_attention_calls": s.gpu_attention_calls, "device_matmul": matmuls,
                 "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
             })
         );
@@ -268,7 +269,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("load:    {:.2} s", l.load_s);
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
-        println!("matmuls: {} on the CPU, {} device calls (last run)", s.cpu_matmuls, s.gpu_calls);
+        println!(
+            "matmuls: {} on the CPU, {} device calls; attention: {} device calls (last run)",
+            s.cpu_matmuls, s.gpu_calls, s.gpu_attention_calls
+        );
         println!("where the time goes (all runs):");
         println!("  {}", prefill_stages.line("prefill"));
         println!("  {}", decode_stages.line("decode"));

@@ -371,17 +371,20 @@ fn run(a: RunArgs) -> Result<()> {
                 "prefill_tokens": s.prefill_tokens, "prefill_tok_s": rate(s.prefill_tokens, s.prefill_ns),
                 "decode_tokens": s.decode_tokens, "decode_tok_s": rate(s.decode_tokens, s.decode_ns),
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "gpu_flops": s.gpu_flops,
+                "gpu_attention_calls": s.gpu_attention_calls,
             })
         );
     } else {
         eprintln!(
-            "\nprefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | matmuls: {} cpu, {} gpu calls",
+            "\nprefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | matmuls: {} cpu, {} gpu calls | \
+             attention: {} gpu calls",
             s.prefill_tokens,
             rate(s.prefill_tokens, s.prefill_ns),
             s.decode_tokens,
             rate(s.decode_tokens, s.decode_ns),
             s.cpu_matmuls,
-            s.gpu_calls
+            s.gpu_calls,
+            s.gpu_attention_calls
         );
     }
     Ok(())
