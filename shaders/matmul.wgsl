@@ -33,6 +33,7 @@
 // Entry points:
 //   gemv  small t (decode). Each invocation: 4 weight rows (64 / LANES_K apart) against one row
 //         of x (wid.y), sharing each x load among the 4 rows.
+//   gate_gelu, gate_silu  the activation between the products of `ffn` (see there).
 //   gemm  t >= 4 (prefill), register-blocked: each invocation computes 8 weight rows (64
 //         apart) x 4 rows of x = 32 outputs; a workgroup covers 512 weight rows and 4 rows of
 //         x. All its invocations read the same x values (broadcast loads), and each decoded
@@ -458,6 +459,48 @@ fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
         store4(row0 + 6u * WG, t0, acc.g);
         store4(row0 + 7u * WG, t0, acc.h);
     }
+}
+
+// ---- gate_gelu, gate_silu: the activation step of `ffn` -----------------------------------
+
+// h = act(g) * u for a gated feed-forward block, between its products. The gate's and up's
+// outputs g[t, n] and u[t, n] (n = params.n_out) lie in the buffer bound as x, u from element
+// params.row_base; h goes to y in rows of params.x_stride quads, zero-padded past n, so that
+// the down product reads it as its x. One invocation an element of h; workgroup y is a row
+// (from params.t_base). act(g) = g / (1 + e^-a), with a = 2 sqrt(2 / pi) (g + 0.044715 g^3)
+// for the tanh GELU (0.5 g (1 + tanh(a / 2)) rewritten: no overflow, no tanh) and a = g for
+// SiLU, as the guest's own kernel computes it.
+fn gate_step(gid: vec3<u32>, wid: vec3<u32>, gelu: bool) {
+    let n = params.n_out;
+    let i = gid.x;
+    let r = params.t_base + wid.y;
+    let width = 4u * params.x_stride;
+    if (i >= width || r >= params.t) {
+        return;
+    }
+    var h = 0.0;
+    if (i < n) {
+        let at = r * n + i;
+        let g = x[at / 4u][at % 4u];
+        let ua = params.row_base + at;
+        let u = x[ua / 4u][ua % 4u];
+        var a = g;
+        if (gelu) {
+            a = 1.5957691216 * (g + 0.044715 * g * g * g);
+        }
+        h = g / (1.0 + exp(-a)) * u;
+    }
+    y[r * width + i] = h;
+}
+
+@compute @workgroup_size(64)
+fn gate_gelu(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    gate_step(gid, wid, true);
+}
+
+@compute @workgroup_size(64)
+fn gate_silu(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    gate_step(gid, wid, false);
 }
 
 // ---- gemm_tiled ---------------------------------------------------------------------------

@@ -45,6 +45,7 @@ export const ASYNC_IMPORTS = [
   `${GPU}#allocate`,
   `${GPU}#upload`,
   `${GPU}#matmul`,
+  `${GPU}#ffn`,
   `${GPU}#attention`,
   `${GPU}#[method]weight.write-rows`,
 ];

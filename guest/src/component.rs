@@ -5,6 +5,7 @@ use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
 use crate::dispatch::{self, AttentionShape, DeviceError, DeviceLimits, Format, Mode};
 use crate::engine::{DeviceOffer, Error, Model};
+use crate::kernels::Act;
 use crate::sampler::Params;
 use crate::session::Session;
 use std::cell::RefCell;
@@ -86,6 +87,18 @@ impl dispatch::Device for HostGpu {
         if let Some(w) = self.weights.borrow_mut().get_mut(id) {
             w.take();
         }
+    }
+
+    fn ffn(&self, x: &[f32], t: u32, n_in: u32, [g, u, d]: [usize; 3], act: Act) -> Result<Vec<f32>, DeviceError> {
+        let ws = self.weights.borrow();
+        let handle = |id: usize| {
+            ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")))
+        };
+        let act = match act {
+            Act::GeluTanh => gpu::Activation::GeluTanh,
+            Act::Silu => gpu::Activation::Silu,
+        };
+        Ok(gpu::ffn(x, t, n_in, handle(g)?, handle(u)?, handle(d)?, act)?)
     }
 
     fn attention(&self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, DeviceError> {

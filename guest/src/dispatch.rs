@@ -7,7 +7,7 @@
 //! running average of what actually ran). A device error falls back to the CPU for that batch;
 //! a lost device is never asked again. Either way the tokens are the same.
 
-use crate::kernels::{self, QActs, RowScratch};
+use crate::kernels::{self, Act, QActs, RowScratch};
 use crate::models::attention::{Heads, LayerCache, attend};
 use crate::models::{Linear, WeightData};
 use crate::quant::{Group, QMatrix, Values};
@@ -79,6 +79,11 @@ pub trait Device {
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
     /// Releases a weight's device memory.
     fn free(&self, id: usize);
+    /// A gated feed-forward block over `x[t, n_in]` with the weights `[gate, up, down]` (the WIT
+    /// `ffn`); `[t, down's rows]`. A device without it says `Unavailable`.
+    fn ffn(&self, _x: &[f32], _t: u32, _n_in: u32, _weights: [usize; 3], _act: Act) -> Result<Vec<f32>, DeviceError> {
+        Err(DeviceError::Unavailable("no ffn on this device".into()))
+    }
     /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
     /// head_dim]`. A device without it says `Unavailable`.
     fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
@@ -192,6 +197,8 @@ pub struct Gpu {
     pub lost: RefCell<Option<String>>,
     /// The host answered `attention` with `unavailable`: attention stays on the CPU.
     pub no_attention: Cell<bool>,
+    /// The host answered `ffn` with `unavailable`: feed-forward blocks go as products.
+    pub no_ffn: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
     pub cpu_attention: Cell<Option<f64>>,
 }
@@ -309,6 +316,57 @@ impl Dispatch {
             return;
         }
         self.cpu(x, t, n_in, jobs);
+    }
+
+    /// The gated feed-forward block `x <- (act(x @ gate^T) * (x @ up^T)) @ down^T` over `t` rows
+    /// of `x`, its output (`t * down.n_out`) in place of its input; `g` and `u` are scratch of
+    /// `t * gate.n_out`. One device call (`ffn`: only `x` and the output cross) where the
+    /// policy sends these products to the device and the device has it; else two batches of
+    /// products, by the same policy, and the activation here.
+    pub fn ffn(&mut self, x: &mut [f32], t: usize, weights: [&Linear; 3], act: Act, g: &mut [f32], u: &mut [f32]) {
+        if self.device_ffn(x, t, weights, act) {
+            return;
+        }
+        let [gate, up, down] = weights;
+        self.matmul(x, t, &mut [(gate, g), (up, u)]);
+        kernels::gate(act, &mut g[..t * gate.n_out], &u[..t * gate.n_out]);
+        self.matmul(g, t, &mut [(down, x)]);
+    }
+
+    /// `ffn` on the device, if the policy sends it there and the device answers.
+    fn device_ffn(&mut self, x: &mut [f32], t: usize, weights: [&Linear; 3], act: Act) -> bool {
+        let Some(gpu) = self.gpu.clone() else { return false };
+        let [gate, up, down] = weights;
+        let (Some(g), Some(u), Some(d)) = (gate.gpu, up.gpu, down.gpu) else { return false };
+        if !gpu.usable() || gpu.no_ffn.get() {
+            return false;
+        }
+        let (n_in, n_ff, n_out) = (gate.n_in, gate.n_out, down.n_out);
+        let max = gpu.limits.max_activation_elements;
+        let flops = gate.flops(t) + up.flops(t) + down.flops(t);
+        let bytes = 4 * (t * (n_in + n_out)) as u64;
+        if [n_in, n_ff, n_out].iter().any(|&n| (t * n) as u64 > max) || !gpu.wants(t, flops, bytes) {
+            return false;
+        }
+        let start = Instant::now();
+        match gpu.device.ffn(&x[..t * n_in], t as u32, n_in as u32, [g, u, d], act) {
+            Ok(y) if y.len() == t * n_out => {
+                x[..y.len()].copy_from_slice(&y);
+                self.counters.gpu_calls += 1;
+                self.counters.gpu_flops += flops;
+                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+                return true;
+            }
+            Ok(_) => *gpu.lost.borrow_mut() = Some("the device returned an ffn output of the wrong shape".into()),
+            Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
+            Err(DeviceError::Unavailable(_)) => {
+                gpu.no_ffn.set(true);
+                return false;
+            }
+            Err(_) => {}
+        }
+        self.counters.gpu_fallbacks += 1;
+        false
     }
 
     /// Causal attention of the `t` queries `q` at positions `pos..` over `cache` (see

@@ -194,6 +194,7 @@ impl Model {
                 rates: Default::default(),
                 lost: Default::default(),
                 no_attention: Default::default(),
+                no_ffn: Default::default(),
                 cpu_attention: Default::default(),
             })
         });

@@ -27,7 +27,7 @@ pub mod gpu;
 mod runtime;
 
 pub use gpu::{
-    AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice,
+    Activation, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice,
     WgpuBackend, add_to_linker,
 };
 pub use runtime::{

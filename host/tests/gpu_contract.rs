@@ -8,7 +8,7 @@
 use std::sync::{Arc, Mutex};
 use wasmtime::component::Resource;
 use wisp::gpu::WeightHandle;
-use wisp::{AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 
 fn cpu(budget: Budget) -> GpuCtx {
     GpuCtx::new(Box::new(CpuBackend::new()), budget)
@@ -229,9 +229,55 @@ impl Backend for Recording {
         self.seen.lock().unwrap().push(format!("attention t {}, keys {}", s.t, s.n_keys));
         self.inner.attention(q, k, v, s)
     }
+    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
+        self.seen.lock().unwrap().push(format!("ffn t {t}, n-in {n_in}"));
+        self.inner.ffn(x, t, n_in, w, act)
+    }
 }
 
-/// A backend that keeps the trait's default `attention`.
+/// `ffn` calls whose shapes do not chain, whose `x` does not match, whose handles are not
+/// live, or whose activations exceed the device: typed errors, and the backend never sees them.
+#[test]
+fn ffn_outside_the_contract_is_refused_before_the_backend() {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut ctx = GpuCtx::new(Box::new(Recording { inner: CpuBackend::new(), seen: seen.clone() }), Budget::default());
+    // gate and up [3, 4], down [2, 3]: x [t, 4] -> y [t, 2].
+    let (gate, up, down) = (ones(&mut ctx, 3, 4), ones(&mut ctx, 3, 4), ones(&mut ctx, 2, 3));
+    let (wide, tall) = (ones(&mut ctx, 3, 5), ones(&mut ctx, 4, 4));
+    let (g, u, d, w, h) = (gate.rep(), up.rep(), down.rep(), wide.rep(), tall.rep());
+    // A wider hidden layer: [8, 2] and [2, 8].
+    let (gate8, down8) = (ones(&mut ctx, 8, 2), ones(&mut ctx, 2, 8));
+    let (g8, d8) = (gate8.rep(), down8.rep());
+    let act = Activation::Silu;
+    let mut call = |x: &[f32], t: u32, n_in: u32, reps: [u32; 3]| {
+        let [a, b, c] = reps.map(borrow);
+        ctx.ffn(x, t, n_in, [&a, &b, &c], act)
+    };
+    invalid(call(&[], 0, 4, [g, u, d]), "empty input [0, 4]", "t = 0");
+    invalid(call(&[1.0; 7], 2, 4, [g, u, d]), "x has 7 values, t * n-in is 8", "a short x");
+    invalid(call(&[1.0; 4], 1, 4, [g, u, 999_999]), "down: not a live weight handle", "a forged down");
+    invalid(call(&[1.0; 4], 1, 4, [w, u, d]), "gate and up have 5 and 4 columns, n-in is 4", "a gate of 5 columns");
+    invalid(call(&[1.0; 4], 1, 4, [g, h, d]), "gate has 3 rows, up 4", "an up of 4 rows");
+    invalid(call(&[1.0; 4], 1, 4, [g, u, h]), "and down 4 columns", "a down of 4 columns");
+    // Past the device's 1024 values: the hidden values of 129 rows (1032), then the input.
+    out_of_memory(call(&[1.0; 258], 129, 2, [g8, g8, d8]), "hidden values of 1032 values exceeds", "1032 hidden values");
+    out_of_memory(call(&[1.0; 1028], 257, 4, [g, u, d]), "an input of 1028 values exceeds", "1028 input values");
+    assert!(!seen.lock().unwrap().iter().any(|c| c.starts_with("ffn")), "the backend saw {:?}", seen.lock().unwrap());
+    // A valid call: g = u = 4 (rows of ones), h = silu(4) * 4, y = 3 h.
+    let y = call(&[1.0; 8], 2, 4, [g, u, d]).unwrap();
+    let want = 3.0 * act.apply(4.0) * 4.0;
+    assert!(y.len() == 4 && y.iter().all(|v| (v - want).abs() < 1e-4), "{y:?} vs {want}");
+    assert_eq!(seen.lock().unwrap().last().map(String::as_str), Some("ffn t 2, n-in 4"));
+    // A backend without ffn says unavailable.
+    let mut plain = GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default());
+    let (a, b, c) = (ones(&mut plain, 3, 4), ones(&mut plain, 3, 4), ones(&mut plain, 2, 3));
+    match plain.ffn(&[1.0; 4], 1, 4, [&a, &b, &c], act) {
+        Err(GpuError::Unavailable(m)) if m.contains("does not offer ffn") => {}
+        other => panic!("ffn on a backend without it: {other:?}"),
+    }
+}
+
+/// A backend that keeps the trait's defaults: no `attention`, no `ffn`.
 struct NoAttention(CpuBackend);
 
 impl Backend for NoAttention {
@@ -453,6 +499,7 @@ fn after_a_device_loss_every_call_is_device_lost() {
     device_lost(ctx.upload(Format::F32, 1, 4, &[0; 16], &[]).map(|_| ()), "upload");
     let (q, k, v, shape) = small_attention();
     device_lost(ctx.attention(&q, &k, &v, &shape).map(|_| ()), "attention");
+    device_lost(ctx.ffn(&[1.0; 4], 1, 4, [&w, &w, &w], Activation::Silu).map(|_| ()), "ffn");
     // Even a call that is invalid anyway: the loss is what the guest needs to know.
     device_lost(ctx.matmul(&[], 0, 0, &[]).map(|_| ()), "an invalid matmul");
     assert_eq!(*calls_after.lock().unwrap(), 1, "the backend was asked again after the loss");

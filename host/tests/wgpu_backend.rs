@@ -6,7 +6,7 @@
 //! a run; every test prints its seed.
 
 use std::time::Instant;
-use wisp::{AttentionShape, Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
+use wisp::{Activation, AttentionShape, Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -310,6 +310,40 @@ fn device_loss_is_an_error_not_a_panic() {
         Err(GpuError::Unavailable(m)) => assert!(m.contains("no GPU"), "{m}"),
         other => panic!("allocate on a context over a lost device: {other:?}, not unavailable"),
     }
+}
+
+/// `ffn` on the device against the CPU's products and activation: mixed formats, both
+/// activations, a decode step, a batch and a batch for the large kernels, hidden widths that
+/// are and are not whole shader steps.
+#[test]
+fn ffn_matches_the_cpu() {
+    let Some(mut gpu) = backend("ffn_matches_the_cpu") else { return };
+    let mut rng = Rng::new("ffn_matches_the_cpu");
+    let mut cpu = CpuBackend::new();
+    let cases = [
+        (Format::Q4x32, Format::Q8x32, Format::F32, 1, 64, 96, 40, Activation::GeluTanh),
+        (Format::Q8x16, Format::Q8x16, Format::Q8x32, 5, 96, 160, 70, Activation::Silu),
+        (Format::F32, Format::Bf16, Format::F32, 7, 37, 45, 23, Activation::GeluTanh),
+        (Format::Q4x32, Format::Q4x32, Format::Q8x16, 130, 128, 256, 96, Activation::GeluTanh),
+        (Format::Q8x32, Format::Q4x32, Format::Bf16, 140, 64, 99, 130, Activation::Silu),
+    ];
+    for (fg, fu, fd, t, n_in, n_ff, n_out, act) in cases {
+        let what = format!("ffn t {t} [{n_in} -> {n_ff} -> {n_out}] {} {} {} {act:?}", fg.name(), fu.name(), fd.name());
+        let (gate, up) = (Weight::random(&mut rng, fg, n_ff, n_in), Weight::random(&mut rng, fu, n_ff, n_in));
+        let down = Weight::random(&mut rng, fd, n_out, n_ff);
+        let x = random_x(&mut rng, t, n_in);
+        let ids = [&gate, &up, &down].map(|w| upload(&mut gpu, w));
+        let got = gpu.ffn(&x, t, n_in, ids, act).unwrap_or_else(|e| panic!("{what}: {e}"));
+        // The reference: the CPU's products, the activation as the contract reads, then down.
+        let (g, u) = (upload(&mut cpu, &gate), upload(&mut cpu, &up));
+        let gu = cpu.matmul(&x, t, n_in, &[g, u]).expect("cpu products");
+        let h: Vec<f32> = gu[0].iter().zip(&gu[1]).map(|(&g, &u)| act.apply(g) * u).collect();
+        check(&what, &[&down], &h, t, &[got]);
+        for id in ids {
+            gpu.free(id);
+        }
+    }
+    println!("ffn_matches_the_cpu: {} cases", cases.len());
 }
 
 /// Random queries, keys and values of `shape`, each in [-2, 2).

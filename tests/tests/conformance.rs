@@ -7,7 +7,7 @@ use std::collections::{HashMap, HashSet};
 use wasmtime::component::{HasSelf, Resource};
 use wisp::conformance::{self, CaseResult, KitState};
 use wisp::gpu::WeightHandle;
-use wisp::{AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 use wisp_tests::wgpu_backend;
 
 /// The seed of a run: `WISP_TEST_SEED`, else fresh, printed either way.
@@ -131,10 +131,10 @@ fn a_host_that_decodes_one_format_wrongly_fails_that_formats_cases() {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert!(failed(&results).contains(&"matmul-batch"), "the batch holds a q4x32 job");
-    // It keeps the trait's default attention, `unavailable`: allowed, so a skip.
-    for name in ["attention", "hostile-attention"] {
+    // It keeps the trait's default attention and ffn, `unavailable`: allowed, so a skip.
+    for (name, what) in [("attention", "attention"), ("hostile-attention", "attention"), ("ffn", "ffn"), ("hostile-ffn", "ffn")] {
         let a = case(&results, name);
-        assert!(a.skipped && a.message.contains("does not offer attention"), "{a:?}");
+        assert!(a.skipped && a.message.contains(&format!("does not offer {what}")), "{a:?}");
     }
 }
 
@@ -160,6 +160,42 @@ impl Backend for NoWindow {
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         self.0.attention(q, k, v, &AttentionShape { window: 0, ..*s })
     }
+}
+
+/// A backend whose ffn applies the other activation (SiLU for GELU and back).
+struct OtherActivation(CpuBackend);
+
+impl Backend for OtherActivation {
+    fn device(&self) -> Option<Device> {
+        self.0.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.0.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.0.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.0.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.0.free(id)
+    }
+    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
+        let other = if act == Activation::Silu { Activation::GeluTanh } else { Activation::Silu };
+        self.0.ffn(x, t, n_in, w, other)
+    }
+}
+
+#[test]
+fn a_host_whose_ffn_applies_the_other_activation_fails_the_ffn_case() {
+    let host = OtherActivation(CpuBackend::new());
+    let results = conformance::run(GpuCtx::new(Box::new(host), conformance::budget()), seed()).unwrap();
+    eprintln!("{}", table(&results));
+    assert_eq!(failed(&results), ["ffn"]);
+    let f = case(&results, "ffn");
+    assert!(f.message.starts_with("ffn t 1,") && f.message.contains("where the reference is"), "{}", f.message);
+    assert!(case(&results, "hostile-ffn").passed);
 }
 
 #[test]
@@ -324,6 +360,27 @@ impl wit::Host for Lenient {
         self.inner.matmul(&x, t, n_in, &jobs).map_err(error)
     }
 
+    fn ffn(
+        &mut self,
+        mut x: Vec<f32>,
+        t: u32,
+        n_in: u32,
+        gate: Resource<WeightHandle>,
+        up: Resource<WeightHandle>,
+        down: Resource<WeightHandle>,
+        act: wit::Activation,
+    ) -> Result<Vec<f32>, wit::Error> {
+        let want = t as u64 * n_in as u64;
+        if want <= FIT_LIMIT {
+            x.resize(want as usize, 0.0);
+        }
+        let act = match act {
+            wit::Activation::GeluTanh => Activation::GeluTanh,
+            wit::Activation::Silu => Activation::Silu,
+        };
+        self.inner.ffn(&x, t, n_in, [&gate, &up, &down], act).map_err(error)
+    }
+
     fn attention(
         &mut self,
         mut q: Vec<f32>,
@@ -387,14 +444,14 @@ fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     eprintln!("{}", table(&results));
     assert!(case(&results, "device-info").message.starts_with("lenient "));
     let f = failed(&results);
-    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention"] {
+    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention", "hostile-ffn"] {
         assert!(f.contains(&name), "{name} should fail:\n{}", table(&results));
     }
     let u = case(&results, "hostile-upload-lengths");
     assert!(u.message.contains("was accepted; want invalid-argument"), "{}", u.message);
     assert!(case(&results, "hostile-empty-jobs").message.contains("matmul with no jobs was accepted"));
     // Its products are right: only the refusals fail.
-    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention"] {
+    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention", "ffn"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert_eq!(host.inner.usage(), (0, 0), "the kit dropped every weight it accepted");

@@ -199,6 +199,33 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
+  async function ffn(x, t, nIn, gate, up, down, act) {
+    const bad = ready();
+    if (bad) return bad;
+    const maxElems = backend.info.maxActivationElements;
+    if (t === 0 || nIn === 0) return invalid(`empty input [${t}, ${nIn}]`);
+    if (x.length !== t * nIn) return invalid(`x has ${x.length} values, t * n-in is ${t * nIn}`);
+    const ws = [];
+    for (const [h, name] of [[gate, 'gate'], [up, 'up'], [down, 'down']]) {
+      const w = Weight.inner(h);
+      if (!w) return invalid(`${name}: not a live weight handle of this instance`);
+      ws.push(w);
+    }
+    const [g, u, d] = ws;
+    if (g.nIn !== nIn || u.nIn !== nIn) return invalid(`gate and up have ${g.nIn} and ${u.nIn} columns, n-in is ${nIn}`);
+    if (u.nOut !== g.nOut || d.nIn !== g.nOut) {
+      return invalid(`gate has ${g.nOut} rows, up ${u.nOut}, and down ${d.nIn} columns: they must be equal`);
+    }
+    for (const [what, n] of [['an input', x.length], ['hidden values', t * g.nOut], ['an output', t * d.nOut]]) {
+      if (n > maxElems) return oom(`${what} of ${n} values exceeds the device's limit of ${maxElems}`);
+    }
+    try {
+      return ok(await backend.ffn(x, t, nIn, ws, act));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
   async function attention(q, k, v, shape) {
     const bad = ready();
     if (bad) return bad;
@@ -227,7 +254,7 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
   }
 
   return {
-    imports: { Weight, available, upload, allocate, matmul, attention },
+    imports: { Weight, available, upload, allocate, matmul, ffn, attention },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     info: backend.info,
@@ -254,6 +281,7 @@ function noDevice(why) {
       upload: unavailable,
       allocate: unavailable,
       matmul: unavailable,
+      ffn: unavailable,
       attention: unavailable,
     },
     usage: () => ({ bytes: 0, handles: 0 }),

@@ -369,9 +369,17 @@ export class WebGpuBackend {
     });
     batches.push(jobs.slice(start));
 
+    await this.writeInput(x, t, nIn, xElems);
+    const outs = [];
+    for (const batch of batches) outs.push(...(await this.runBatch(xBytes, xQuads, t, batch)));
+    return outs;
+  }
+
+  /** Writes x[t, nIn] to the input buffer, each row padded with zeros to xElems. */
+  async writeInput(x, t, nIn, xElems) {
     try {
       await this.scoped(() => {
-        const input = this.ensure('input', xBytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST);
+        const input = this.ensure('input', t * xElems * 4, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST);
         if (xElems === nIn) {
           this.device.queue.writeBuffer(input, 0, x);
         } else {
@@ -384,25 +392,93 @@ export class WebGpuBackend {
       this.dropScratch();
       throw e;
     }
-    const outs = [];
-    for (const batch of batches) outs.push(...(await this.runBatch(xBytes, xQuads, t, batch)));
-    return outs;
+  }
+
+  /** Scratch buffers of at least the given sizes, made inside error scopes. */
+  async buffers(sizes) {
+    try {
+      return await this.scoped(() => sizes.map(([slot, size, usage]) => this.ensure(slot, size, usage)));
+    } catch (e) {
+      this.dropScratch();
+      throw e;
+    }
+  }
+
+  /** The bind group contents of weight w's product, reading x from `input` and writing `output`. */
+  product(w, input, output) {
+    return { weights: w.data, scales: w.scales || this.placeholder, input, output };
   }
 
   /** Runs jobs whose outputs fit one output buffer over the input already written: one
    *  submission, one readback. */
   async runBatch(xBytes, xQuads, t, jobs) {
-    const offsets = [];
-    const lens = [];
+    const reads = [];
     const dispatches = [];
     let outBytes = 0;
     jobs.forEach((w, j) => {
       outBytes = alignUp(outBytes, this.storageAlign);
-      offsets.push(outBytes);
-      lens.push(t * w.nOut);
+      reads.push([outBytes, t * w.nOut]);
       outBytes += t * w.nOut * 4;
       this.plan(j, w, t, xQuads, dispatches);
     });
+    const [output] = await this.buffers([['output', outBytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC]]);
+    const input = [this.scratch.input, xBytes];
+    const steps = jobs.map((w, j) => this.product(w, input, [output, reads[j][0], reads[j][1] * 4]));
+    return this.submit(steps, dispatches, output, reads);
+  }
+
+  /** `ffn` (wit/gpu.wit), as host/src/gpu/wgpu.rs runs it: gate and up into `mid`, the
+   *  activation (gate_gelu or gate_silu) into `hidden` with rows padded as an x, the down
+   *  product into the output; one submission, one readback of y alone. */
+  async ffn(x, t, nIn, [gate, up, down], act) {
+    this.live();
+    const nFf = gate.nOut;
+    const xElems = Math.ceil(nIn / 8) * 8;
+    const hElems = Math.ceil(nFf / 8) * 8;
+    const part = t * nFf * 4;
+    const upAt = alignUp(part, this.storageAlign);
+    const midBytes = alignUp(upAt + part, 16);
+    const hiddenBytes = t * hElems * 4;
+    const outLen = t * down.nOut;
+    if ([t * xElems * 4, midBytes, hiddenBytes, outLen * 4].some((b) => b > this.info.maxWeightBytes)) {
+      throw new GpuError('out-of-memory', `ffn over [${t}, ${nIn}] needs buffers past the device's limit`);
+    }
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    const groupsX = Math.ceil(hElems / WORKGROUP);
+    if (groupsX > maxDim) throw new GpuError('out-of-memory', `${nFf} hidden values a row exceed the device's workgroups`);
+    await this.writeInput(x, t, nIn, xElems);
+    const usage = GPUBufferUsage;
+    const [mid, hidden, output] = await this.buffers([
+      ['ffn mid', midBytes, usage.STORAGE],
+      ['ffn hidden', hiddenBytes, usage.STORAGE],
+      ['output', outLen * 4, usage.STORAGE | usage.COPY_SRC],
+    ]);
+    const xIn = [this.scratch.input, t * xElems * 4];
+    const steps = [
+      this.product(gate, xIn, [mid, 0, part]),
+      this.product(up, xIn, [mid, upAt, part]),
+      // The activation reads both halves of `mid` as its x and writes `hidden`.
+      { weights: mid, scales: this.placeholder, input: [mid, midBytes], output: [hidden, 0, hiddenBytes] },
+      this.product(down, [hidden, hiddenBytes], [output, 0, outLen * 4]),
+    ];
+    const dispatches = [];
+    this.plan(0, gate, t, xElems / 4, dispatches);
+    this.plan(1, up, t, xElems / 4, dispatches);
+    const kernel = act === 'silu' ? 'gate_silu' : 'gate_gelu';
+    for (let t0 = 0; t0 < t; t0 += maxDim) {
+      // Params: n_in, n_out (the hidden width), t, -, -, row_base (up's first element), t_base, x_stride.
+      const params = [nFf, nFf, t, 0, 0, upAt / 4, t0, hElems / 4];
+      dispatches.push({ job: 2, kernel, format: 'f32', params, groups: [groupsX, Math.min(maxDim, t - t0)] });
+    }
+    this.plan(3, down, t, hElems / 4, dispatches);
+    const [y] = await this.submit(steps, dispatches, output, [[0, outLen]]);
+    return y;
+  }
+
+  /** Records `dispatches` (each with step d.job's bind group) in one compute pass, copies
+   *  `output` to the staging buffer and reads back each `[byte offset, values]` of `reads`. */
+  async submit(steps, dispatches, output, reads) {
+    const outBytes = Math.max(...reads.map(([o, n]) => o + 4 * n));
     const pipelines = new Map();
     for (const d of dispatches) {
       const key = `${d.kernel} ${d.format}`;
@@ -414,8 +490,6 @@ export class WebGpuBackend {
     try {
       return await this.scoped(async () => {
         const usage = GPUBufferUsage;
-        const input = this.scratch.input;
-        const output = this.ensure('output', outBytes, usage.STORAGE | usage.COPY_SRC);
         staging = this.ensure('staging', outBytes, usage.MAP_READ | usage.COPY_DST);
         const paramsBytes = this.paramsStride * dispatches.length;
         const paramsBuf = this.ensure('params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
@@ -423,15 +497,15 @@ export class WebGpuBackend {
         dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
         this.device.queue.writeBuffer(paramsBuf, 0, params);
 
-        const groups = jobs.map((w, j) => this.device.createBindGroup({
+        const groups = steps.map((st) => this.device.createBindGroup({
           label: 'matmul',
           layout: this.bindLayout,
           entries: [
             { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
-            { binding: 1, resource: { buffer: w.data } },
-            { binding: 2, resource: { buffer: w.scales || this.placeholder } },
-            { binding: 3, resource: { buffer: input, offset: 0, size: xBytes } },
-            { binding: 4, resource: { buffer: output, offset: offsets[j], size: lens[j] * 4 } },
+            { binding: 1, resource: { buffer: st.weights } },
+            { binding: 2, resource: { buffer: st.scales } },
+            { binding: 3, resource: { buffer: st.input[0], offset: 0, size: st.input[1] } },
+            { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
           ],
         }));
         const encoder = this.device.createCommandEncoder({ label: 'matmul' });
@@ -453,7 +527,7 @@ export class WebGpuBackend {
         }
         mapped = true;
         const view = staging.getMappedRange(0, outBytes);
-        const outs = offsets.map((o, j) => new Float32Array(view.slice(o, o + lens[j] * 4)));
+        const outs = reads.map(([o, n]) => new Float32Array(view.slice(o, o + n * 4)));
         staging.unmap();
         mapped = false;
         return outs;

@@ -132,9 +132,12 @@ describe('the kit in Chromium against the WebGPU host', () => {
       assert.ok(c?.passed, `matmul-${f} did not pass: ${c?.message}`);
       assert.ok(c.maxError > 0, `matmul-${f} compared no product`);
     }
-    // The browser host offers attention (the same shaders/attention.wgsl): it must pass, not skip.
-    const a = r.results.find((x) => x.name === 'attention');
-    assert.ok(a?.passed && a.maxError > 0, `attention did not pass on the browser host: ${a?.message}`);
+    // The browser host offers ffn and attention (the same shaders): they must pass, not skip.
+    for (const name of ['ffn', 'attention', 'hostile-ffn', 'hostile-attention']) {
+      const c = r.results.find((x) => x.name === name);
+      assert.ok(c?.passed, `${name} did not pass on the browser host: ${c?.message}`);
+      if (!name.startsWith('hostile')) assert.ok(c.maxError > 0, `${name} compared nothing`);
+    }
     assert.ok(r.results.find((x) => x.name === 'host-usage-after-kit').passed);
     t.diagnostic(`${r.results.length} cases, as many as ${from}`);
   });

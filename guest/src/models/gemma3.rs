@@ -17,7 +17,7 @@ use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, norm_rows, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
-use crate::kernels::{Act, gate, rms_norm};
+use crate::kernels::{Act, rms_norm};
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -234,9 +234,7 @@ pub fn forward(
 
         // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
         norm_rows(&b.x, &layer.ffn_norm, c.eps, t, &mut b.xb);
-        d.matmul(&b.xb, t, &mut [(&layer.gate, &mut b.gate), (&layer.up, &mut b.up)]);
-        gate(Act::GeluTanh, &mut b.gate[..t * c.n_ff], &b.up[..t * c.n_ff]);
-        d.matmul(&b.gate, t, &mut [(&layer.down, &mut b.xb)]);
+        d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::GeluTanh, &mut b.gate, &mut b.up);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_ffn_norm, c.eps);
             x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);

@@ -18,7 +18,7 @@ use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
-use crate::kernels::{Act, gate};
+use crate::kernels::Act;
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -248,9 +248,7 @@ pub fn forward(
 
         // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
         norm_rows(&b.x, &layer.ffn_norm, h.eps, t, &mut b.xb);
-        d.matmul(&b.xb, t, &mut [(&layer.gate, &mut b.gate), (&layer.up, &mut b.up)]);
-        gate(Act::Silu, &mut b.gate[..t * h.n_ff], &b.up[..t * h.n_ff]);
-        d.matmul(&b.gate, t, &mut [(&layer.down, &mut b.xb)]);
+        d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::Silu, &mut b.gate, &mut b.up);
         for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
             *x += o;
         }

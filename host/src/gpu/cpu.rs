@@ -2,7 +2,7 @@
 //! format to f32 and multiplies plainly. It defines what the device backends must compute, and
 //! lets the guest's device path be tested on any machine.
 
-use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError};
+use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use std::collections::HashMap;
 
 struct Weight {
@@ -142,5 +142,13 @@ impl Backend for CpuBackend {
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         Ok(attention_reference(q, k, v, shape))
+    }
+
+    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, [gate, up, down]: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
+        let mut y = self.matmul(x, t, n_in, &[gate, up])?;
+        let (u, g) = (y.pop().unwrap_or_default(), y.pop().unwrap_or_default());
+        let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g) * u).collect();
+        let n_ff = (h.len() / t.max(1) as usize) as u32;
+        Ok(self.matmul(&h, t, n_ff, &[down])?.pop().unwrap_or_default())
     }
 }

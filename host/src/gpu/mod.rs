@@ -160,6 +160,37 @@ pub struct Device {
     pub max_activation_elements: u64,
 }
 
+/// The activation of a gated feed-forward block (the WIT `activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))`, the tanh approximation of GELU.
+    GeluTanh,
+    /// `g / (1 + e^-g)`.
+    Silu,
+}
+
+impl Activation {
+    /// The activation of one value, in f32, as the shaders compute it: `g / (1 + e^-a)` with
+    /// `a = 2 sqrt(2 / pi) (g + 0.044715 g^3)` for GELU (its tanh form rewritten) and `a = g`
+    /// for SiLU.
+    pub fn apply(self, g: f32) -> f32 {
+        let a = match self {
+            Activation::GeluTanh => 1.595_769_1 * (g + 0.044715 * g * g * g),
+            Activation::Silu => g,
+        };
+        g / (1.0 + (-a).exp())
+    }
+}
+
+impl From<wit::Activation> for Activation {
+    fn from(a: wit::Activation) -> Self {
+        match a {
+            wit::Activation::GeluTanh => Activation::GeluTanh,
+            wit::Activation::Silu => Activation::Silu,
+        }
+    }
+}
+
 /// The shape of an `attention` call (the WIT `attention-shape`; see `wit/gpu.wit`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
@@ -243,6 +274,12 @@ pub trait Backend: Send {
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
+    /// A gated feed-forward block, `y = (act(x @ gate^T) * (x @ up^T)) @ down^T` (see
+    /// `wit/gpu.wit`); the shapes chain (checked by [`GpuCtx`]). A backend without it keeps this
+    /// default, `unavailable`, and the guest makes the products with `matmul`.
+    fn ffn(&mut self, _x: &[f32], _t: u32, _n_in: u32, _weights: [BufferId; 3], _act: Activation) -> Result<Vec<f32>, GpuError> {
+        Err(GpuError::Unavailable("this host does not offer ffn".into()))
+    }
     /// Causal grouped-query attention (see `wit/gpu.wit`); `q`, `k` and `v` have the lengths
     /// `shape` implies. Returns `[t, n_head * head_dim]`. A backend without it keeps this
     /// default, `unavailable`, and the guest attends on its own CPU.
@@ -522,6 +559,54 @@ impl GpuCtx {
         self.track(r)
     }
 
+    /// A gated feed-forward block in one call: `y[t, n_out] = (act(x @ gate^T) * (x @ up^T)) @
+    /// down^T`, the hidden values kept on the device.
+    ///
+    /// Errors: `InvalidArgument` for an empty input, an `x` of the wrong length, a handle that is
+    /// not a live weight of this context, or shapes that do not chain (`gate` and `up` of `n_in`
+    /// columns and the same rows, `down` of as many columns); `OutOfMemory` when the input, the
+    /// hidden values or the output exceed the device's `max_activation_elements`; `Unavailable`
+    /// where the backend has no `ffn`, or `DeviceLost`.
+    pub fn ffn(
+        &mut self,
+        x: &[f32],
+        t: u32,
+        n_in: u32,
+        weights: [&Resource<WeightHandle>; 3],
+        act: Activation,
+    ) -> Result<Vec<f32>, GpuError> {
+        let max_elems = self.ready()?.max_activation_elements;
+        if t == 0 || n_in == 0 {
+            return invalid(format!("empty input [{t}, {n_in}]"));
+        }
+        if x.len() as u64 != t as u64 * n_in as u64 {
+            return invalid(format!("x has {} values, t * n-in is {}", x.len(), t as u64 * n_in as u64));
+        }
+        let mut hs = Vec::with_capacity(3);
+        for (w, name) in weights.iter().zip(["gate", "up", "down"]) {
+            let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("{name}: not a live weight handle of this instance")))?;
+            hs.push((h.id, h.rows, h.cols));
+        }
+        let [(gate, n_ff, gate_cols), (up, up_rows, up_cols), (down, n_out, down_cols)] = hs[..] else {
+            return invalid("three weights");
+        };
+        if gate_cols != n_in || up_cols != n_in {
+            return invalid(format!("gate and up have {gate_cols} and {up_cols} columns, n-in is {n_in}"));
+        }
+        if up_rows != n_ff || down_cols != n_ff {
+            return invalid(format!(
+                "gate has {n_ff} rows, up {up_rows}, and down {down_cols} columns: they must be equal"
+            ));
+        }
+        for (what, n) in [("an input", x.len() as u64), ("hidden values", t as u64 * n_ff as u64), ("an output", t as u64 * n_out as u64)] {
+            if n > max_elems {
+                return Err(GpuError::OutOfMemory(format!("{what} of {n} values exceeds the device's limit of {max_elems}")));
+            }
+        }
+        let r = self.backend.ffn(x, t, n_in, [gate, up, down], act);
+        self.track(r)
+    }
+
     /// Causal grouped-query attention of `shape.t` queries over the `shape.n_keys` keys and
     /// values sent with the call (see `wit/gpu.wit`). Returns `[t, n_head * head_dim]`.
     ///
@@ -607,6 +692,19 @@ impl wit::Host for GpuCtx {
 
     fn allocate(&mut self, format: wit::WeightFormat, n_out: u32, n_in: u32) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
         Ok(GpuCtx::allocate(self, format.into(), n_out, n_in).map_err(Into::into))
+    }
+
+    fn ffn(
+        &mut self,
+        x: Vec<f32>,
+        t: u32,
+        n_in: u32,
+        gate: Resource<WeightHandle>,
+        up: Resource<WeightHandle>,
+        down: Resource<WeightHandle>,
+        act: wit::Activation,
+    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
+        Ok(GpuCtx::ffn(self, &x, t, n_in, [&gate, &up, &down], act.into()).map_err(Into::into))
     }
 
     fn attention(

@@ -13,7 +13,7 @@
 
 mod attention;
 
-use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError};
+use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -83,11 +83,15 @@ enum Kernel {
     GemmTiled,
     GemmWide,
     GemmCoop,
+    GateGelu,
+    GateSilu,
 }
 
 impl Kernel {
     fn entry(self) -> &'static str {
         match self {
+            Kernel::GateGelu => "gate_gelu",
+            Kernel::GateSilu => "gate_silu",
             Kernel::Gemv => "gemv",
             Kernel::Gemm => "gemm",
             Kernel::GemmTiled => "gemm_tiled",
@@ -146,11 +150,27 @@ struct Dispatch {
     groups: (u32, u32),
 }
 
+/// One bind group of a submission: a weight's product (or `ffn`'s activation step) with the
+/// buffers it reads and writes.
+struct Step {
+    /// Picks the pipeline with the dispatch's kernel.
+    format: Format,
+    weights: wgpu::Buffer,
+    scales: wgpu::Buffer,
+    /// x: the buffer and the bytes bound.
+    input: (wgpu::Buffer, u64),
+    /// y: the buffer, the byte offset and the bytes bound.
+    output: (wgpu::Buffer, u64, u64),
+}
+
 /// Buffers reused across `matmul` calls, grown when a call needs more.
 #[derive(Default)]
 struct Scratch {
     input: Option<wgpu::Buffer>,
     output: Option<wgpu::Buffer>,
+    /// `ffn`'s gate and up outputs, and its activations (the down product's x).
+    mid: Option<wgpu::Buffer>,
+    hidden: Option<wgpu::Buffer>,
     staging: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
 }
@@ -693,27 +713,165 @@ impl WgpuBackend {
     /// to the input buffer: one submission, one readback.
     fn run_batch(&mut self, x_bytes: u64, x_quads: u32, t: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
         let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
-        let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
-        let params_stride = align_up(PARAMS_BYTES, uniform_align);
-
         let mut offsets = Vec::with_capacity(jobs.len());
-        let mut lens = Vec::with_capacity(jobs.len());
         let mut out_bytes = 0u64;
-        let mut dispatches = Vec::new();
-        let mut kernels = Vec::new();
-        for (j, id) in jobs.iter().enumerate() {
+        for id in jobs {
             let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
             out_bytes = align_up(out_bytes, storage_align);
-            offsets.push(out_bytes);
-            let len = t as u64 * w.n_out as u64;
-            lens.push(len);
-            out_bytes += len * 4;
-            self.plan(j, w, t, x_quads, &mut dispatches);
-            kernels.push(w.format);
+            offsets.push((out_bytes, t as u64 * w.n_out as u64));
+            out_bytes += t as u64 * w.n_out as u64 * 4;
         }
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let s = &mut self.scratch;
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        let output = Self::ensure(&self.device, &mut s.output, out_bytes, cap, usage, "output");
+        let input = s.input.clone();
+        self.finish(scopes)?;
+        let Some(input) = input else { return Err(GpuError::Unavailable("no input buffer".into())) };
+        let mut steps = Vec::with_capacity(jobs.len());
+        let mut dispatches = Vec::new();
+        for (j, (id, &(offset, len))) in jobs.iter().zip(&offsets).enumerate() {
+            let step = self.product(*id, (&input, x_bytes), (&output, offset, len * 4))?;
+            let w = &self.weights[id];
+            self.plan(j, w, t, x_quads, &mut dispatches);
+            steps.push(step);
+        }
+        self.submit(&steps, &dispatches, &output, &offsets)
+    }
+
+    /// Writes `x[t, n_in]` to the input buffer, each row padded with zeros to `x_elems`.
+    fn write_input(&mut self, x: &[f32], t: u32, n_in: u32, x_elems: u64) -> Result<(), GpuError> {
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let input = Self::ensure(&self.device, &mut self.scratch.input, t as u64 * x_elems * 4, cap, usage, "input");
+        if x_elems == n_in as u64 {
+            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(x));
+        } else {
+            let mut padded = vec![0f32; (t as u64 * x_elems) as usize];
+            for (dst, row) in padded.chunks_exact_mut(x_elems as usize).zip(x.chunks_exact(n_in as usize)) {
+                dst[..row.len()].copy_from_slice(row);
+            }
+            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(&padded));
+        }
+        self.finish(scopes).inspect_err(|_| self.scratch = Scratch::default())
+    }
+
+    /// `ffn` (see [`Backend::ffn`]): the gate and up products into `mid`, the activation into
+    /// `hidden` (rows padded as an x), the down product into the output; one submission, one
+    /// readback of `y` alone.
+    fn run_ffn(&mut self, x: &[f32], t: u32, n_in: u32, ids: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
+        self.last_kernel_ns = None;
+        self.live()?;
+        let [gate, up, down] = ids.map(|id| self.weights.get(&id).map(|w| (w.n_out, w.n_in)));
+        let (Some((n_ff, g_in)), Some((u_out, u_in)), Some((n_out, d_in))) = (gate, up, down) else {
+            return Err(GpuError::InvalidArgument("no such weight".into()));
+        };
+        if t == 0 || x.len() as u64 != t as u64 * n_in as u64 || g_in != n_in || u_in != n_in || u_out != n_ff || d_in != n_ff
+        {
+            return Err(GpuError::InvalidArgument(format!("the weights of ffn do not chain over x [{t}, {n_in}]")));
+        }
+        let x_elems = (n_in as u64).div_ceil(8) * 8;
+        let h_elems = (n_ff as u64).div_ceil(8) * 8;
+        let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let part = t as u64 * n_ff as u64 * 4;
+        let up_at = align_up(part, storage_align);
+        let mid_bytes = align_up(up_at + part, 16);
+        let hidden_bytes = t as u64 * h_elems * 4;
+        let out_len = t as u64 * n_out as u64;
+        let max = self.info.max_weight_bytes;
+        if [t as u64 * x_elems * 4, mid_bytes, hidden_bytes, out_len * 4].iter().any(|&b| b > max) {
+            return Err(GpuError::OutOfMemory(format!("ffn over [{t}, {n_in}] needs buffers past the device's limit")));
+        }
+        self.write_input(x, t, n_in, x_elems)?;
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let s = &mut self.scratch;
+        let storage = wgpu::BufferUsages::STORAGE;
+        let mid = Self::ensure(&self.device, &mut s.mid, mid_bytes, cap, storage, "ffn gate and up");
+        let hidden = Self::ensure(&self.device, &mut s.hidden, hidden_bytes, cap, storage, "ffn hidden");
+        let output = Self::ensure(&self.device, &mut s.output, out_len * 4, cap, storage | wgpu::BufferUsages::COPY_SRC, "output");
+        let input = s.input.clone();
+        self.finish(scopes)?;
+        let Some(input) = input else { return Err(GpuError::Unavailable("no input buffer".into())) };
+
+        let x_in = (&input, t as u64 * x_elems * 4);
+        let steps = [
+            self.product(ids[0], x_in, (&mid, 0, part))?,
+            self.product(ids[1], x_in, (&mid, up_at, part))?,
+            // The activation reads both halves of `mid` as its x and writes `hidden`.
+            Step {
+                format: Format::F32,
+                weights: mid.clone(),
+                scales: self.placeholder.clone(),
+                input: (mid.clone(), mid_bytes),
+                output: (hidden.clone(), 0, hidden_bytes),
+            },
+            self.product(ids[2], (&hidden, hidden_bytes), (&output, 0, out_len * 4))?,
+        ];
+        let mut dispatches = Vec::new();
+        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, &mut dispatches);
+        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, &mut dispatches);
+        let kernel = match act {
+            Activation::GeluTanh => Kernel::GateGelu,
+            Activation::Silu => Kernel::GateSilu,
+        };
+        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+        let groups_x = (h_elems as u32).div_ceil(WORKGROUP);
+        if groups_x > max_dim {
+            return Err(GpuError::OutOfMemory(format!("{n_ff} hidden values a row exceed the device's workgroups")));
+        }
+        let mut t0 = 0;
+        while t0 < t {
+            let rows = (t - t0).min(max_dim);
+            let params = Params {
+                n_in: n_ff,
+                n_out: n_ff,
+                t,
+                row_quads: 0,
+                scale_row: 0,
+                row_base: (up_at / 4) as u32,
+                t_base: t0,
+                x_stride: (h_elems / 4) as u32,
+            };
+            dispatches.push(Dispatch { job: 2, kernel, params, groups: (groups_x, rows) });
+            t0 += rows;
+        }
+        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, &mut dispatches);
+        let mut out = self.submit(&steps, &dispatches, &output, &[(0, out_len)])?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// The step of weight `id`'s product, reading x from `input` and writing to `output`.
+    fn product(&self, id: BufferId, input: (&wgpu::Buffer, u64), output: (&wgpu::Buffer, u64, u64)) -> Result<Step, GpuError> {
+        let w = self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        Ok(Step {
+            format: w.format,
+            weights: w.data.clone(),
+            scales: w.scales.clone().unwrap_or_else(|| self.placeholder.clone()),
+            input: (input.0.clone(), input.1),
+            output: (output.0.clone(), output.1, output.2),
+        })
+    }
+
+    /// Records `dispatches` (each of step `d.job`'s bind group) in one compute pass, copies
+    /// `output` to the staging buffer, submits, and reads back `(byte offset, values)` of each
+    /// of `reads`. One submission, one readback.
+    fn submit(
+        &mut self,
+        steps: &[Step],
+        dispatches: &[Dispatch],
+        output: &wgpu::Buffer,
+        reads: &[(u64, u64)],
+    ) -> Result<Vec<Vec<f32>>, GpuError> {
+        let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
+        let params_stride = align_up(PARAMS_BYTES, uniform_align);
+        let out_bytes = reads.iter().map(|&(o, n)| o + 4 * n).max().unwrap_or(0);
         let mut pipelines = HashMap::new();
-        for d in &dispatches {
-            let format = kernels[d.job];
+        for d in dispatches {
+            let format = steps[d.job].format;
             if let std::collections::hash_map::Entry::Vacant(e) = pipelines.entry((d.kernel, format)) {
                 e.insert(self.pipeline(d.kernel, format)?);
             }
@@ -723,22 +881,6 @@ impl WgpuBackend {
         let cap = self.limits.max_buffer_size;
         let device = &self.device;
         let s = &mut self.scratch;
-        let input = Self::ensure(
-            device,
-            &mut s.input,
-            x_bytes,
-            cap,
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-            "input",
-        );
-        let output = Self::ensure(
-            device,
-            &mut s.output,
-            out_bytes,
-            cap,
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-            "output",
-        );
         // The staging buffer takes the outputs, then the two timestamps (8-byte aligned).
         let stamps_at = align_up(out_bytes, 8);
         let staging_bytes = if self.timer.is_some() { stamps_at + 16 } else { out_bytes };
@@ -770,22 +912,22 @@ impl WgpuBackend {
         }
         self.queue.write_buffer(&params_buf, 0, &params);
 
-        let mut groups = Vec::with_capacity(jobs.len());
-        for (j, id) in jobs.iter().enumerate() {
-            let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
-            let scales = w.scales.as_ref().unwrap_or(&self.placeholder);
-            groups.push(self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("matmul"),
-                layout: &self.bind_layout,
-                entries: &[
-                    wgpu::BindGroupEntry { binding: 0, resource: binding(&params_buf, 0, PARAMS_BYTES) },
-                    wgpu::BindGroupEntry { binding: 1, resource: w.data.as_entire_binding() },
-                    wgpu::BindGroupEntry { binding: 2, resource: scales.as_entire_binding() },
-                    wgpu::BindGroupEntry { binding: 3, resource: binding(&input, 0, x_bytes) },
-                    wgpu::BindGroupEntry { binding: 4, resource: binding(&output, offsets[j], lens[j] * 4) },
-                ],
-            }));
-        }
+        let groups: Vec<wgpu::BindGroup> = steps
+            .iter()
+            .map(|st| {
+                self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("matmul"),
+                    layout: &self.bind_layout,
+                    entries: &[
+                        wgpu::BindGroupEntry { binding: 0, resource: binding(&params_buf, 0, PARAMS_BYTES) },
+                        wgpu::BindGroupEntry { binding: 1, resource: st.weights.as_entire_binding() },
+                        wgpu::BindGroupEntry { binding: 2, resource: st.scales.as_entire_binding() },
+                        wgpu::BindGroupEntry { binding: 3, resource: binding(&st.input.0, 0, st.input.1) },
+                        wgpu::BindGroupEntry { binding: 4, resource: binding(&st.output.0, st.output.1, st.output.2) },
+                    ],
+                })
+            })
+            .collect();
 
         let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("matmul") });
         // With repeats (benchmarks), an untimed pass first, so that the timed one does not
@@ -802,12 +944,9 @@ impl WgpuBackend {
                 encoder.begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("matmul"), timestamp_writes });
             for _ in 0..times {
                 for (i, d) in dispatches.iter().enumerate() {
-                    let Some(pipeline) = pipelines.get(&(d.kernel, kernels[d.job])) else {
-                        return Err(GpuError::Unavailable(format!(
-                            "no pipeline for {:?} {}",
-                            d.kernel,
-                            kernels[d.job].name()
-                        )));
+                    let format = steps[d.job].format;
+                    let Some(pipeline) = pipelines.get(&(d.kernel, format)) else {
+                        return Err(GpuError::Unavailable(format!("no pipeline for {:?} {}", d.kernel, format.name())));
                     };
                     pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, &groups[d.job], &[(i as u64 * params_stride) as u32]);
@@ -815,7 +954,7 @@ impl WgpuBackend {
                 }
             }
         }
-        encoder.copy_buffer_to_buffer(&output, 0, &staging, 0, out_bytes);
+        encoder.copy_buffer_to_buffer(output, 0, &staging, 0, out_bytes);
         if let Some(t) = &self.timer {
             encoder.resolve_query_set(&t.queries, 0..2, &t.resolve, 0);
             encoder.copy_buffer_to_buffer(&t.resolve, 0, &staging, stamps_at, 16);
@@ -823,10 +962,9 @@ impl WgpuBackend {
         self.queue.submit([encoder.finish()]);
 
         let result = self.read_back(&staging, staging_bytes, |view| {
-            let outs = offsets
+            let outs = reads
                 .iter()
-                .zip(&lens)
-                .map(|(&o, &n)| bytemuck::pod_collect_to_vec::<u8, f32>(&view[o as usize..(o + n * 4) as usize]))
+                .map(|&(o, n)| bytemuck::pod_collect_to_vec::<u8, f32>(&view[o as usize..(o + n * 4) as usize]))
                 .collect::<Vec<_>>();
             let stamps = self.timer.as_ref().map(|t| {
                 let at = stamps_at as usize;
@@ -1090,29 +1228,7 @@ impl Backend for WgpuBackend {
         }
         batches.push(&jobs[start..]);
 
-        let scopes = push_scopes(&self.device);
-        let cap = self.limits.max_buffer_size;
-        let input = Self::ensure(
-            &self.device,
-            &mut self.scratch.input,
-            x_bytes,
-            cap,
-            wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-            "input",
-        );
-        if x_elems == n_in as u64 {
-            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(x));
-        } else {
-            let mut padded = vec![0f32; (t as u64 * x_elems) as usize];
-            for (dst, row) in padded.chunks_exact_mut(x_elems as usize).zip(x.chunks_exact(n_in as usize)) {
-                dst[..row.len()].copy_from_slice(row);
-            }
-            self.queue.write_buffer(&input, 0, bytemuck::cast_slice(&padded));
-        }
-        if let Err(e) = self.finish(scopes) {
-            self.scratch = Scratch::default();
-            return Err(e);
-        }
+        self.write_input(x, t, n_in, x_elems)?;
         let mut outs = Vec::with_capacity(jobs.len());
         let mut kernel_ns = Some(0);
         for batch in batches {
@@ -1130,6 +1246,10 @@ impl Backend for WgpuBackend {
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         self.run_attention(q, k, v, shape)
+    }
+
+    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, weights: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
+        self.run_ffn(x, t, n_in, weights, act)
     }
 }
 

@@ -405,3 +405,72 @@ pub fn compare_attention(out: &[f32], q: &[f32], k: &[f32], v: &[f32], s: &Atten
     }
     Ok(max_error)
 }
+
+/// The activation of a gated feed-forward block, as the WIT `activation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    GeluTanh,
+    Silu,
+}
+
+impl Act {
+    /// The activation in f64, from the contract's words.
+    pub fn apply(self, g: f64) -> f64 {
+        match self {
+            Act::GeluTanh => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh()),
+            Act::Silu => g / (1.0 + (-g).exp()),
+        }
+    }
+}
+
+/// Compares `y[t, down.n_out]` from a host's `ffn` with `(act(x @ gate^T) * (x @ up^T)) @
+/// down^T` computed exactly. The host's hidden values carry the rounding of two products and
+/// an activation, which the down product carries on: the error is measured against
+/// `||down_k h_k||_2 + sum_k |down_k| (1.2 |u_k| G_k + |act(g_k)| U_k)`, with `G_k`, `U_k` the
+/// norms of the terms of the gate and up products (1.2 bounds the slope of both activations),
+/// and held to `tolerance` of the widest sum. `Ok` holds the largest such error.
+pub fn compare_ffn(y: &[f32], x: &[f32], t: usize, [gate, up, down]: [&Decoded; 3], act: Act) -> Result<f64, Mismatch> {
+    let (n_in, n_ff, n_out) = (gate.n_in, gate.n_out, down.n_out);
+    if y.len() != t * n_out {
+        let message = format!("the output has {} values; t * down's rows is {}", y.len(), t * n_out);
+        return Err(Mismatch { message, max_error: 0.0 });
+    }
+    let tol = tolerance(n_in.max(n_ff));
+    let mut max_error = 0.0f64;
+    for ti in 0..t {
+        let xr = &x[ti * n_in..(ti + 1) * n_in];
+        // Each hidden value exactly, and the size of the error a host may make in it.
+        let mut h = vec![0f64; n_ff];
+        let mut h_err = vec![0f64; n_ff];
+        for k in 0..n_ff {
+            let row = |w: &Decoded| {
+                let (wr, mr) = (&w.w[k * n_in..(k + 1) * n_in], &w.mag[k * n_in..(k + 1) * n_in]);
+                let value: f64 = wr.iter().zip(xr).map(|(w, &x)| w * x as f64).sum();
+                let norm = mr.iter().zip(xr).map(|(m, &x)| (m * x as f64).powi(2)).sum::<f64>().sqrt();
+                (value, norm)
+            };
+            let ((g, g_norm), (u, u_norm)) = (row(gate), row(up));
+            h[k] = act.apply(g) * u;
+            h_err[k] = 1.2 * u.abs() * g_norm + act.apply(g).abs() * u_norm;
+        }
+        for n in 0..n_out {
+            let (dr, mr) = (&down.w[n * n_ff..(n + 1) * n_ff], &down.mag[n * n_ff..(n + 1) * n_ff]);
+            let want: f64 = dr.iter().zip(&h).map(|(d, h)| d * h).sum();
+            let terms = mr.iter().zip(&h).map(|(m, h)| (m * h).powi(2)).sum::<f64>().sqrt();
+            let carried: f64 = mr.iter().zip(&h_err).map(|(m, e)| m * e).sum();
+            let got = y[ti * n_out + n];
+            let scale = terms + carried;
+            let diff = (got as f64 - want).abs();
+            let err = if scale > 0.0 { diff / scale } else if diff == 0.0 { 0.0 } else { f64::INFINITY };
+            if !(err <= tol) {
+                let message = format!(
+                    "y[{ti}, {n}] is {got:e} where the reference is {want:.7e} (error {err:.2e} of the terms' norm, \
+                     tolerance {tol:.1e})"
+                );
+                return Err(Mismatch { message, max_error: max_error.max(if err.is_nan() { f64::INFINITY } else { err }) });
+            }
+            max_error = max_error.max(err);
+        }
+    }
+    Ok(max_error)
+}

@@ -6,6 +6,7 @@
 //! case cannot run on this host. Every case drops what it uploaded before it returns.
 
 mod attention;
+mod ffn;
 mod hostile;
 mod products;
 mod resources;
@@ -59,6 +60,7 @@ const DEVICE_CASES: &[Case] = &[
     ("unwritten-rows-read-zero", products::unwritten_rows),
     ("nan-inf-input", products::non_finite_input),
     ("nan-inf-weights", products::non_finite_weights),
+    ("ffn", ffn::matches),
     ("attention", attention::matches),
     ("weight-accessors", resources::accessors),
     ("handle-lifetimes", resources::lifetimes),
@@ -75,6 +77,7 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-cols-mismatch", hostile::cols_mismatch),
     ("hostile-huge-job-list", hostile::huge_job_list),
     ("hostile-write-rows", hostile::write_rows),
+    ("hostile-ffn", ffn::hostile),
     ("hostile-attention", attention::hostile),
     ("recovers-after-refusals", resources::recovers),
 ];
