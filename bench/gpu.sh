@@ -22,6 +22,7 @@
 #      required) and its kernel sweep (every kernel variant, kernel-only);
 #   5. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
 #      shapes, and the device-to-device copy rate (bench/torch_ref.py).
+# With WISP_MODELS_ONLY=1, parts 1 and 2 and the conformance kit only.
 set -uo pipefail
 [ $# -ge 3 ] || { echo "usage: bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]" >&2; exit 2; }
 wisp=$1 gemma=$2 qwen=$3
@@ -50,9 +51,13 @@ for m in gemma qwen; do
     step "$m-bench-on-512" "$wisp" bench --model "$path" --gpu on --runs 3 --prompt-tokens 512
     step "$m-golden-on" "$wisp" eval --model "$path" --golden "$golden" --gpu on
 done
+step conformance "$wisp" conformance --model "$gemma"
+if [ "${WISP_MODELS_ONLY:-0}" = 1 ]; then
+    # The model runs and the conformance kit alone (a change that leaves the kernels as they were).
+    exit $status
+fi
 step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
 step matmul-4096-coop env WISP_COOP=1 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
-step conformance "$wisp" conformance --model "$gemma"
 step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
 if [ -n "${WISP_TESTS:-}" ]; then
     step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1

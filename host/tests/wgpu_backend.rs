@@ -338,7 +338,9 @@ fn ffn_matches_the_cpu() {
         let (g, u) = (upload(&mut cpu, &gate), upload(&mut cpu, &up));
         let gu = cpu.matmul(&x, t, n_in, &[g, u]).expect("cpu products");
         let h: Vec<f32> = gu[0].iter().zip(&gu[1]).map(|(&g, &u)| act.apply(g) * u).collect();
-        check(&what, &[&down], &h, t, &[got]);
+        // With cooperative matrices on (WISP_COOP=1), batches past 128 rows are f16 products.
+        let tolerance = if gpu.has_coop() && t >= 128 { 2e-3 } else { TOLERANCE };
+        check_within(tolerance, &what, &[&down], &h, t, &[got]);
         for id in ids {
             gpu.free(id);
         }
