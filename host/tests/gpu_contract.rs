@@ -547,7 +547,7 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
             _ => rng.next() as u32,
         };
         let len = rng.pick(&[0usize, 1, 3, 4, 16, 31, 32, 64, 128, 4096]);
-        match rng.next() % 5 {
+        match rng.next() % 7 {
             0 => {
                 let data = vec![1u8; len * 4];
                 let scales = vec![0.5f32; len / 8];
@@ -567,6 +567,24 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
                 let jobs: Vec<_> = (0..rng.pick(&[0, 1, 2, 9])).map(|_| borrow(rep)).collect();
                 let t = rng.pick(&[0, 1, 2, 3]);
                 let _ = ctx.matmul(&vec![0.5f32; len], t, n_in % 70, &jobs);
+            }
+            4 => {
+                let reps = [rep, rng.pick(&[rep, 7]), if live.is_empty() { rep } else { rng.pick(&live) }].map(borrow);
+                let act = if rng.next() % 2 == 0 { Activation::Silu } else { Activation::GeluTanh };
+                let _ = ctx.ffn(&vec![0.5f32; len], rng.pick(&[0, 1, 2, 3]), n_in % 70, [&reps[0], &reps[1], &reps[2]], act);
+            }
+            5 => {
+                let shape = AttentionShape {
+                    t: rng.pick(&[0, 1, 2, 4]),
+                    n_keys: rng.pick(&dims) % 70,
+                    n_head: rng.pick(&dims),
+                    n_head_kv: rng.pick(&dims),
+                    head_dim: rng.pick(&dims),
+                    window: rng.pick(&dims),
+                    scale: 0.5,
+                };
+                let v = vec![0.25f32; rng.pick(&[0usize, 1, 4, 16, 64])];
+                let _ = ctx.attention(&vec![0.5f32; len], &v, &v, &shape);
             }
             _ => {
                 ctx.release(Resource::new_own(rep));
