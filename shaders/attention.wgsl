@@ -11,6 +11,8 @@
 //
 // Host and browser run this same file; each call's queries may be split over dispatches
 // (`query_base`) to stay inside the device's workgroup count and a dispatch's time budget.
+// Keys and values are the call's own (`attention`) or rows of a ring kept on the device
+// (`attention-cached`).
 
 struct Shape {
     t: u32,
@@ -22,6 +24,12 @@ struct Shape {
     scale: f32,
     // The first query of this dispatch (its workgroups' y is relative to it).
     query_base: u32,
+    // Key j is row (first_slot + j) % slots of k and v: a ring (`attention-cached`), or
+    // first_slot 0 and slots n_keys for keys sent with the call.
+    first_slot: u32,
+    slots: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> s: Shape;
@@ -100,7 +108,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         let j = c + lid;
         var score = LOWEST;
         if j <= last {
-            let at = j * kv_stride + kv_at;
+            let at = ((s.first_slot + j) % s.slots) * kv_stride + kv_at;
             var dot = 0.0;
             for (var d = 0u; d < hd; d++) {
                 dot += qs[d] * k[at + d];
@@ -123,7 +131,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         for (var jj = 0u; jj < n; jj++) {
             let pw = probs[jj];
-            let at = (c + jj) * kv_stride + kv_at;
+            let at = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
             for (var r = 0u; r < PER; r++) {
                 let d = lid + r * WG;
                 if d < hd {

@@ -47,6 +47,8 @@ export const ASYNC_IMPORTS = [
   `${GPU}#matmul`,
   `${GPU}#ffn`,
   `${GPU}#attention`,
+  `${GPU}#create-kv-cache`,
+  `${GPU}#attention-cached`,
   `${GPU}#[method]weight.write-rows`,
 ];
 // The engine exports that can reach an async import: loading (uploads and the dispatch
@@ -64,7 +66,7 @@ export const ASYNC_EXPORTS = [
 // The kit imports the same gpu functions as the guest, `upload` included: ASYNC_IMPORTS serve.
 export const KIT_ASYNC_EXPORTS = ['run-suite'];
 // The gpu functions that answer at once (the device is opened before the guest starts).
-const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format']);
+const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format', 'slots', 'width']);
 
 export function sha256(bytes) {
   return createHash('sha256').update(bytes).digest('hex');

@@ -41,6 +41,7 @@ impl wit::Guest for Component {
 /// The host's `gpu` imports as the dispatcher's `Device`: ids index the weight handles.
 struct HostGpu {
     weights: RefCell<Vec<Option<gpu::Weight>>>,
+    caches: RefCell<Vec<Option<gpu::KvCache>>>,
 }
 
 impl From<gpu::Error> for DeviceError {
@@ -102,16 +103,47 @@ impl dispatch::Device for HostGpu {
     }
 
     fn attention(&self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
-        let shape = gpu::AttentionShape {
-            t: s.t,
-            n_keys: s.n_keys,
-            n_head: s.n_head,
-            n_head_kv: s.n_head_kv,
-            head_dim: s.head_dim,
-            window: s.window,
-            scale: s.scale,
-        };
-        Ok(gpu::attention(q, k, v, shape)?)
+        Ok(gpu::attention(q, k, v, wit_shape(s))?)
+    }
+
+    fn create_kv_cache(&self, slots: u32, width: u32) -> Result<usize, DeviceError> {
+        let c = gpu::create_kv_cache(slots, width)?;
+        let mut cs = self.caches.borrow_mut();
+        cs.push(Some(c));
+        Ok(cs.len() - 1)
+    }
+
+    fn free_kv_cache(&self, id: usize) {
+        if let Some(c) = self.caches.borrow_mut().get_mut(id) {
+            c.take();
+        }
+    }
+
+    fn attention_cached(
+        &self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: usize,
+        first_key: u32,
+        s: &AttentionShape,
+    ) -> Result<Vec<f32>, DeviceError> {
+        let cs = self.caches.borrow();
+        let c = cs.get(cache).and_then(|c| c.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no kv-cache {cache}")))?;
+        Ok(gpu::attention_cached(q, k_new, v_new, first_new, c, first_key, wit_shape(s))?)
+    }
+}
+
+fn wit_shape(s: &AttentionShape) -> gpu::AttentionShape {
+    gpu::AttentionShape {
+        t: s.t,
+        n_keys: s.n_keys,
+        n_head: s.n_head,
+        n_head_kv: s.n_head_kv,
+        head_dim: s.head_dim,
+        window: s.window,
+        scale: s.scale,
     }
 }
 
@@ -124,7 +156,7 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
     };
     let offer = device.as_ref().map(|d| DeviceOffer {
         mode,
-        device: Box::new(HostGpu { weights: RefCell::new(Vec::new()) }),
+        device: Box::new(HostGpu { weights: RefCell::new(Vec::new()), caches: RefCell::new(Vec::new()) }),
         limits: DeviceLimits {
             name: d.name.clone(),
             max_weight_bytes: d.max_weight_bytes,

@@ -84,6 +84,28 @@ pub trait Device {
     fn ffn(&self, _x: &[f32], _t: u32, _n_in: u32, _weights: [usize; 3], _act: Act) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no ffn on this device".into()))
     }
+    /// A `kv-cache` of `slots` rows of `width` values on the device (the WIT
+    /// `create-kv-cache`). A device without it says `Unavailable`.
+    fn create_kv_cache(&self, _slots: u32, _width: u32) -> Result<usize, DeviceError> {
+        Err(DeviceError::Unavailable("no kv-cache on this device".into()))
+    }
+    /// Releases a `kv-cache`.
+    fn free_kv_cache(&self, _id: usize) {}
+    /// Attention over a `kv-cache` after writing `k_new`, `v_new` at positions `first_new..`
+    /// (the WIT `attention-cached`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        _q: &[f32],
+        _k_new: &[f32],
+        _v_new: &[f32],
+        _first_new: u32,
+        _cache: usize,
+        _first_key: u32,
+        _shape: &AttentionShape,
+    ) -> Result<Vec<f32>, DeviceError> {
+        Err(DeviceError::Unavailable("no kv-cache on this device".into()))
+    }
     /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
     /// head_dim]`. A device without it says `Unavailable`.
     fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
@@ -199,6 +221,9 @@ pub struct Gpu {
     pub no_attention: Cell<bool>,
     /// The host answered `ffn` with `unavailable`: feed-forward blocks go as products.
     pub no_ffn: Cell<bool>,
+    /// The host answered `create-kv-cache` or `attention-cached` with `unavailable`: device
+    /// attention sends its keys and values with each call.
+    pub no_kv_cache: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
     pub cpu_attention: Cell<Option<f64>>,
 }
@@ -226,14 +251,14 @@ impl Gpu {
 
     /// The policy for an attention batch: the device's estimate as for products, the CPU's
     /// from its own measured attention rate (with none yet, the CPU runs it and is measured).
-    /// With `On`, batches of queries (prefill) go to the device and single ones (decode) stay
-    /// here: `attention` sends a layer's whole cache with each call, and one query's
-    /// arithmetic does not pay for moving it (on an H200, decode at 512 keys ran at half the
-    /// speed with it on the device).
-    fn wants_attention(&self, t: usize, flops: u64, bytes: u64) -> bool {
+    /// With `On`, batches of queries (prefill) go to the device, and single ones (decode) when
+    /// the device keeps the layer's keys and values (`cached`): without, each call would send
+    /// the whole cache for one query's arithmetic (on an H200, decode at 512 keys ran at half
+    /// the speed that way).
+    fn wants_attention(&self, t: usize, cached: bool, flops: u64, bytes: u64) -> bool {
         match self.mode {
             Mode::Off => false,
-            Mode::On => t > 1,
+            Mode::On => t > 1 || cached,
             Mode::Auto => match (self.rates.get(), self.cpu_attention.get()) {
                 (Some(r), Some(cpu)) => {
                     r.gpu_latency + bytes as f64 / r.gpu_bytes + flops as f64 / r.gpu_flops < flops as f64 / cpu
@@ -251,6 +276,23 @@ impl Gpu {
         }
     }
 
+    /// Takes note of a failed call (`e`, or `None` for an answer of the wrong shape, `what`):
+    /// a loss, or a wrong shape, is remembered and the device not asked again; `unavailable`
+    /// from a call the host need not offer sets `not_offered` instead. Returns whether the work
+    /// falls back to the CPU as a failure (counted), not as a call the host does not have.
+    fn failed(&self, e: Option<DeviceError>, what: &str, not_offered: Option<&Cell<bool>>) -> bool {
+        match (e, not_offered) {
+            (None, _) => *self.lost.borrow_mut() = Some(format!("the device returned {what} of the wrong shape")),
+            (Some(DeviceError::Lost(why)), _) => *self.lost.borrow_mut() = Some(why),
+            (Some(DeviceError::Unavailable(_)), Some(flag)) => {
+                flag.set(true);
+                return false;
+            }
+            (Some(_), _) => {}
+        }
+        true
+    }
+
     /// Folds a measured CPU rate into the estimate (a running average).
     fn observe_cpu(&self, t: usize, flops: u64, secs: f64) {
         if let (Some(mut r), true) = (self.rates.get(), secs > 0.0) {
@@ -262,6 +304,16 @@ impl Gpu {
     }
 }
 
+/// A layer's keys and values on the device: a `kv-cache` of as many rows as the guest's ring,
+/// position `p` in row `p % slots` in both, holding positions `lo..hi` (the last `slots` of
+/// them).
+#[derive(Debug, Clone, Copy)]
+struct DeviceCache {
+    id: usize,
+    lo: usize,
+    hi: usize,
+}
+
 /// Per-session dispatcher: scratch for the quantized input, counters, and the model's device.
 #[derive(Default)]
 pub struct Dispatch {
@@ -270,13 +322,30 @@ pub struct Dispatch {
     /// A batch's keys and values in order of position, as `attention` sends them.
     keys: Vec<f32>,
     values: Vec<f32>,
+    /// Each layer's `kv-cache` on the device, made at its first device attention.
+    caches: Vec<Option<DeviceCache>>,
+    /// A cache could not be made for this session (out of memory): attention sends its keys.
+    no_caches: bool,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
 }
 
+impl Drop for Dispatch {
+    /// The session's `kv-cache`s go with it.
+    fn drop(&mut self) {
+        if let Some(gpu) = &self.gpu {
+            for c in self.caches.iter().flatten() {
+                gpu.device.free_kv_cache(c.id);
+            }
+        }
+    }
+}
+
 impl Dispatch {
     pub fn new(gpu: Option<Rc<Gpu>>) -> Dispatch {
-        Dispatch { gpu, ..Dispatch::default() }
+        let mut d = Dispatch::default();
+        d.gpu = gpu;
+        d
     }
 
     /// For each `(W, y)` in `jobs`: `y[t, n_out] = x[t, n_in] @ W^T`. Every `W` has `n_in`
@@ -303,11 +372,9 @@ impl Dispatch {
                         self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
                         return;
                     }
-                    Ok(_) => {
-                        *gpu.lost.borrow_mut() = Some("the device returned outputs of the wrong shape".into());
+                    other => {
+                        gpu.failed(other.err(), "outputs", None);
                     }
-                    Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
-                    Err(_) => {}
                 }
                 self.counters.gpu_fallbacks += 1;
             }
@@ -357,15 +424,12 @@ impl Dispatch {
                 self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
                 return true;
             }
-            Ok(_) => *gpu.lost.borrow_mut() = Some("the device returned an ffn output of the wrong shape".into()),
-            Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
-            Err(DeviceError::Unavailable(_)) => {
-                gpu.no_ffn.set(true);
-                return false;
+            other => {
+                if gpu.failed(other.err(), "an ffn output", Some(&gpu.no_ffn)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
             }
-            Err(_) => {}
         }
-        self.counters.gpu_fallbacks += 1;
         false
     }
 
@@ -374,6 +438,7 @@ impl Dispatch {
     #[allow(clippy::too_many_arguments)]
     pub fn attend(
         &mut self,
+        layer: usize,
         cache: &LayerCache,
         h: Heads,
         q: &[f32],
@@ -383,7 +448,7 @@ impl Dispatch {
         out: &mut [f32],
     ) {
         let start = Instant::now();
-        if self.device_attend(cache, h, q, pos, t, out) {
+        if self.device_attend(layer, cache, h, q, pos, t, out) {
             self.counters.gpu_attention_calls += 1;
         } else {
             attend(cache, h, q, pos, t, scores, out);
@@ -394,9 +459,45 @@ impl Dispatch {
         self.counters.attention_ns += start.elapsed().as_nanos() as u64;
     }
 
+    /// Layer `layer`'s `kv-cache` on the device, made now if there is none yet (`None` where
+    /// the device has none to give).
+    fn device_cache(&mut self, gpu: &Gpu, layer: usize, slots: usize, width: usize) -> Option<DeviceCache> {
+        if gpu.no_kv_cache.get() || self.no_caches {
+            return None;
+        }
+        if self.caches.len() <= layer {
+            self.caches.resize(layer + 1, None);
+        }
+        if let Some(c) = self.caches[layer] {
+            return Some(c);
+        }
+        match gpu.device.create_kv_cache(slots as u32, width as u32) {
+            Ok(id) => {
+                let c = DeviceCache { id, lo: 0, hi: 0 };
+                self.caches[layer] = Some(c);
+                Some(c)
+            }
+            Err(DeviceError::Lost(why)) => {
+                *gpu.lost.borrow_mut() = Some(why);
+                None
+            }
+            // Not offered: no session asks again. No room: this session does not.
+            Err(DeviceError::Unavailable(_)) => {
+                gpu.no_kv_cache.set(true);
+                None
+            }
+            Err(_) => {
+                self.no_caches = true;
+                None
+            }
+        }
+    }
+
     /// Attention on the device, if the policy sends it there and the device answers; `false`
-    /// when the CPU must do it.
-    fn device_attend(&mut self, cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, out: &mut [f32]) -> bool {
+    /// when the CPU must do it. With a `kv-cache` for the layer, only the keys and values the
+    /// device does not hold yet go with the call (one row a decode step).
+    #[allow(clippy::too_many_arguments)]
+    fn device_attend(&mut self, layer: usize, cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, out: &mut [f32]) -> bool {
         let Some(gpu) = self.gpu.clone() else { return false };
         if !gpu.usable() || gpu.no_attention.get() {
             return false;
@@ -407,24 +508,35 @@ impl Dispatch {
         let n_keys = pos + t - first;
         let kv = h.n_head_kv * h.head_dim;
         let q = &q[..t * h.n_head * h.head_dim];
-        let bytes = 4 * (2 * q.len() + 2 * n_keys * kv) as u64;
         let max = gpu.limits.max_activation_elements;
-        if (q.len().max(n_keys * kv)) as u64 > max || !gpu.wants_attention(t, attention_flops(cache, h, pos, t), bytes) {
+        if (q.len().max(n_keys * kv)) as u64 > max {
+            return false;
+        }
+        let device = self.device_cache(&gpu, layer, cache.cap, kv);
+        // Positions the device needs that it does not hold: all of `first..` without a cache,
+        // else from where its copy ends (what lies at or past `pos` is stale: a rewind).
+        let from = match device {
+            Some(c) if c.lo <= first && first <= c.hi.min(pos) => c.hi.min(pos),
+            _ => first,
+        };
+        let rows = pos + t - from;
+        let bytes = 4 * (2 * q.len() + 2 * rows * kv) as u64;
+        if !gpu.wants_attention(t, device.is_some(), attention_flops(cache, h, pos, t), bytes) {
             return false;
         }
         let (keys, values) = (&mut self.keys, &mut self.values);
         for buf in [&mut *keys, &mut *values] {
             buf.clear();
-            if buf.try_reserve(n_keys * kv).is_err() {
+            if buf.try_reserve(rows * kv).is_err() {
                 return false;
             }
         }
         // The ring's slots of those positions: `start..` to its end, then from its start.
-        let start = first % cache.cap;
-        let head = (cache.cap - start).min(n_keys);
+        let start = from % cache.cap;
+        let head = (cache.cap - start).min(rows);
         for (buf, src) in [(&mut *keys, &cache.k), (&mut *values, &cache.v)] {
             buf.extend_from_slice(&src[start * kv..(start + head) * kv]);
-            buf.extend_from_slice(&src[..(n_keys - head) * kv]);
+            buf.extend_from_slice(&src[..(rows - head) * kv]);
         }
         let shape = AttentionShape {
             t: t as u32,
@@ -435,20 +547,29 @@ impl Dispatch {
             window: cache.window.unwrap_or(0) as u32,
             scale: h.scale,
         };
-        match gpu.device.attention(q, keys, values, &shape) {
+        let answer = match device {
+            Some(c) => gpu.device.attention_cached(q, keys, values, from as u32, c.id, first as u32, &shape),
+            None => gpu.device.attention(q, keys, values, &shape),
+        };
+        // The device's copy now ends at the batch, back to `first` or further (a continuation),
+        // less what the ring overwrote; after a failure it is unknown: nothing.
+        if let Some(c) = self.caches.get_mut(layer).and_then(Option::as_mut) {
+            let ok = matches!(&answer, Ok(o) if o.len() == q.len());
+            let kept = if from == first { first } else { c.lo };
+            (c.lo, c.hi) = if ok { (kept.max((pos + t).saturating_sub(cache.cap)), pos + t) } else { (0, 0) };
+        }
+        match answer {
             Ok(o) if o.len() == q.len() => {
                 out[..o.len()].copy_from_slice(&o);
                 return true;
             }
-            Ok(_) => *gpu.lost.borrow_mut() = Some("the device returned attention of the wrong shape".into()),
-            Err(DeviceError::Lost(why)) => *gpu.lost.borrow_mut() = Some(why),
-            Err(DeviceError::Unavailable(_)) => {
-                gpu.no_attention.set(true);
-                return false;
+            other => {
+                let not_offered = if device.is_some() { &gpu.no_kv_cache } else { &gpu.no_attention };
+                if gpu.failed(other.err(), "attention", Some(not_offered)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
             }
-            Err(_) => {}
         }
-        self.counters.gpu_fallbacks += 1;
         false
     }
 

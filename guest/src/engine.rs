@@ -195,6 +195,7 @@ impl Model {
                 lost: Default::default(),
                 no_attention: Default::default(),
                 no_ffn: Default::default(),
+                no_kv_cache: Default::default(),
                 cpu_attention: Default::default(),
             })
         });

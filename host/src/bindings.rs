@@ -6,6 +6,7 @@ wasmtime::component::bindgen!({
     imports: { default: trappable },
     with: {
         "wisp:llm/gpu.weight": crate::gpu::WeightHandle,
+        "wisp:llm/gpu.kv-cache": crate::gpu::KvCacheHandle,
     },
 });
 

@@ -364,6 +364,52 @@ fn attention_outside_the_contract_is_refused_before_the_backend() {
     }
 }
 
+/// `kv-cache`s: sizes that are empty or overflow, calls that do not fit the cache, a cache of
+/// another instance or a released one; the budget counts them; a backend without caches says
+/// `unavailable`.
+#[test]
+fn kv_caches_outside_the_contract_are_refused() {
+    let mut ctx = cpu(Budget { bytes: 4096, handles: 2, jobs: 8 });
+    invalid(ctx.create_kv_cache(0, 4), "empty kv-cache", "0 slots");
+    invalid(ctx.create_kv_cache(4, 0), "empty kv-cache", "width 0");
+    invalid(ctx.create_kv_cache(u32::MAX, u32::MAX), "kv-cache size overflows", "u32::MAX x u32::MAX");
+    out_of_memory(ctx.create_kv_cache(1 << 30, 2), "exceeds the device's limit", "2^33 bytes a half");
+    out_of_memory(ctx.create_kv_cache(64, 9), "4608 more bytes exceed this instance's budget (0 of 4096 used)", "past the budget");
+    let cache = ctx.create_kv_cache(8, 4).unwrap();
+    assert_eq!(ctx.usage(), (256, 1));
+    let shape = AttentionShape { t: 1, n_keys: 2, n_head: 2, n_head_kv: 1, head_dim: 4, window: 0, scale: 0.5 };
+    let (q, row) = ([1.0f32; 8], [0.5f32; 4]);
+    // Two rows written one call after the other: the second query sees both.
+    ctx.attention_cached(&q, &row, &row, 0, &cache, 0, &AttentionShape { n_keys: 1, ..shape }).unwrap();
+    let out = ctx.attention_cached(&q, &[1.5; 4], &[1.5; 4], 1, &cache, 0, &shape).unwrap();
+    assert!(out.iter().all(|&o| o > 0.5 && o < 1.5), "{out:?}");
+    let mut call = |q: &[f32], k: &[f32], v: &[f32], s: AttentionShape| ctx.attention_cached(q, k, v, 0, &cache, 0, &s);
+    invalid(call(&q, &row, &row, AttentionShape { n_keys: 9, ..shape }), "do not fit a kv-cache of 8 slots of 4", "9 keys");
+    invalid(call(&q[..2], &row, &row, AttentionShape { head_dim: 1, ..shape }), "do not fit a kv-cache", "width 1");
+    invalid(call(&q, &row[..3], &row[..3], shape), "not the same whole rows of 4", "a partial row");
+    invalid(call(&q, &row, &[], shape), "not the same whole rows", "no values");
+    invalid(call(&q, &[0.0; 36], &[0.0; 36], shape), "at most 8 of them", "9 new rows");
+    invalid(call(&q[..7], &row, &row, shape), "q has 7 values, the shape implies 8", "a short q");
+    invalid(call(&q, &row, &row, AttentionShape { t: 0, ..shape }), "at least one query", "t = 0");
+    // Another instance's handle, a weight's rep and a released one are not caches here.
+    let mut other = cpu(Budget::default());
+    let foreign = other.create_kv_cache(8, 4).unwrap();
+    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(foreign.rep()), 0, &shape), "not a live kv-cache", "foreign");
+    let w = ones(&mut ctx, 1, 4);
+    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(w.rep()), 0, &shape), "not a live kv-cache", "a weight");
+    let rep = cache.rep();
+    ctx.release_cache(cache);
+    assert_eq!(ctx.usage(), (16, 1));
+    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(rep), 0, &shape), "not a live kv-cache", "released");
+    // A backend without caches.
+    let mut plain = GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default());
+    match plain.create_kv_cache(8, 4) {
+        Err(GpuError::Unavailable(m)) if m.contains("does not offer attention-cached") => {}
+        other => panic!("a kv-cache on a backend without them: {other:?}"),
+    }
+    assert_eq!(plain.usage(), (0, 0));
+}
+
 #[test]
 fn sizes_past_the_device_limits_are_refused_before_the_backend() {
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -500,6 +546,7 @@ fn after_a_device_loss_every_call_is_device_lost() {
     let (q, k, v, shape) = small_attention();
     device_lost(ctx.attention(&q, &k, &v, &shape).map(|_| ()), "attention");
     device_lost(ctx.ffn(&[1.0; 4], 1, 4, [&w, &w, &w], Activation::Silu).map(|_| ()), "ffn");
+    device_lost(ctx.create_kv_cache(4, 4).map(|_| ()), "create-kv-cache");
     // Even a call that is invalid anyway: the loss is what the guest needs to know.
     device_lost(ctx.matmul(&[], 0, 0, &[]).map(|_| ()), "an invalid matmul");
     assert_eq!(*calls_after.lock().unwrap(), 1, "the backend was asked again after the loss");

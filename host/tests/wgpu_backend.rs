@@ -414,6 +414,34 @@ fn attention_matches_the_cpu() {
     }
 }
 
+/// `attention_cached` on the device against the CPU reference's, call after call on one ring:
+/// a prefill batch, decode steps, a batch that wraps the ring, windows, grouped heads.
+#[test]
+fn cached_attention_matches_the_cpu() {
+    let Some(mut gpu) = backend("cached_attention_matches_the_cpu") else { return };
+    let mut rng = Rng::new("cached_attention_matches_the_cpu");
+    let mut cpu = CpuBackend::new();
+    let (n_head, n_head_kv, head_dim, slots) = (8u32, 2u32, 64u32, 150u32);
+    let width = n_head_kv * head_dim;
+    let (g, c) = (gpu.create_cache(slots, width).expect("a cache"), cpu.create_cache(slots, width).expect("a cache"));
+    for (pos, t, window) in [(0u32, 70u32, 0u32), (70, 1, 0), (71, 1, 0), (72, 64, 100), (136, 1, 100), (137, 40, 100)] {
+        let first = if window == 0 { 0 } else { (pos + 1).saturating_sub(window) };
+        let s = AttentionShape { t, n_keys: pos + t - first, n_head, n_head_kv, head_dim, window, scale: 0.125 };
+        let what = format!("{s:?} at position {pos}");
+        let q: Vec<f32> = (0..t * n_head * head_dim).map(|_| 2.0 * rng.unit()).collect();
+        let k: Vec<f32> = (0..t * width).map(|_| 2.0 * rng.unit()).collect();
+        let v: Vec<f32> = (0..t * width).map(|_| 2.0 * rng.unit()).collect();
+        let want = cpu.attention_cached(&q, &k, &v, pos, c, first, &s).expect("the reference");
+        let got = gpu.attention_cached(&q, &k, &v, pos, g, first, &s).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_attention(&what, &got, &want, &v);
+    }
+    gpu.free_cache(g);
+    match gpu.attention_cached(&[0.0; 512], &[], &[], 0, g, 0, &AttentionShape { t: 1, n_keys: 1, n_head, n_head_kv, head_dim, window: 0, scale: 1.0 }) {
+        Err(GpuError::InvalidArgument(_)) => {}
+        other => panic!("attention over a freed cache: {other:?}"),
+    }
+}
+
 /// The backend's own checks, for a caller that skips `GpuCtx`: errors, never a wgpu panic or a
 /// buffer whose size wrapped; afterwards the backend still computes.
 #[test]

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use wasmtime::component::{HasSelf, Resource};
 use wisp::conformance::{self, CaseResult, KitState};
-use wisp::gpu::WeightHandle;
+use wisp::gpu::{KvCacheHandle, WeightHandle};
 use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 use wisp_tests::wgpu_backend;
 
@@ -131,66 +131,67 @@ fn a_host_that_decodes_one_format_wrongly_fails_that_formats_cases() {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert!(failed(&results).contains(&"matmul-batch"), "the batch holds a q4x32 job");
-    // It keeps the trait's default attention and ffn, `unavailable`: allowed, so a skip.
-    for (name, what) in [("attention", "attention"), ("hostile-attention", "attention"), ("ffn", "ffn"), ("hostile-ffn", "ffn")] {
+    // It keeps the trait's default attention, ffn and kv-caches, `unavailable`: allowed, so a skip.
+    for (name, what) in [
+        ("attention", "attention"),
+        ("hostile-attention", "attention"),
+        ("ffn", "ffn"),
+        ("hostile-ffn", "ffn"),
+        ("kv-cache", "kv-caches"),
+        ("hostile-kv-cache", "kv-caches"),
+    ] {
         let a = case(&results, name);
         assert!(a.skipped && a.message.contains(&format!("does not offer {what}")), "{a:?}");
     }
 }
 
-/// A backend whose attention ignores the window: every query sees every key before it.
-struct NoWindow(CpuBackend);
+/// A backend right in all but one thing: its attention ignores the window (every query sees
+/// every key before it), or its ffn applies the other activation (SiLU for GELU and back).
+struct Tampered {
+    inner: CpuBackend,
+    no_window: bool,
+    other_activation: bool,
+}
 
-impl Backend for NoWindow {
-    fn device(&self) -> Option<Device> {
-        self.0.device()
-    }
-    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
-        self.0.create(f, n_out, n_in)
-    }
-    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
-        self.0.write_rows(id, first_row, data, scales)
-    }
-    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
-        self.0.matmul(x, t, n_in, jobs)
-    }
-    fn free(&mut self, id: BufferId) {
-        self.0.free(id)
-    }
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        self.0.attention(q, k, v, &AttentionShape { window: 0, ..*s })
+impl Tampered {
+    fn new(no_window: bool, other_activation: bool) -> Box<Tampered> {
+        Box::new(Tampered { inner: CpuBackend::new(), no_window, other_activation })
     }
 }
 
-/// A backend whose ffn applies the other activation (SiLU for GELU and back).
-struct OtherActivation(CpuBackend);
-
-impl Backend for OtherActivation {
+impl Backend for Tampered {
     fn device(&self) -> Option<Device> {
-        self.0.device()
+        self.inner.device()
     }
     fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
-        self.0.create(f, n_out, n_in)
+        self.inner.create(f, n_out, n_in)
     }
     fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
-        self.0.write_rows(id, first_row, data, scales)
+        self.inner.write_rows(id, first_row, data, scales)
     }
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
-        self.0.matmul(x, t, n_in, jobs)
+        self.inner.matmul(x, t, n_in, jobs)
     }
     fn free(&mut self, id: BufferId) {
-        self.0.free(id)
+        self.inner.free(id)
+    }
+    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        let window = if self.no_window { 0 } else { s.window };
+        self.inner.attention(q, k, v, &AttentionShape { window, ..*s })
     }
     fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        let other = if act == Activation::Silu { Activation::GeluTanh } else { Activation::Silu };
-        self.0.ffn(x, t, n_in, w, other)
+        let act = match (self.other_activation, act) {
+            (false, a) => a,
+            (true, Activation::Silu) => Activation::GeluTanh,
+            (true, Activation::GeluTanh) => Activation::Silu,
+        };
+        self.inner.ffn(x, t, n_in, w, act)
     }
 }
 
 #[test]
 fn a_host_whose_ffn_applies_the_other_activation_fails_the_ffn_case() {
-    let host = OtherActivation(CpuBackend::new());
-    let results = conformance::run(GpuCtx::new(Box::new(host), conformance::budget()), seed()).unwrap();
+    let results = conformance::run(GpuCtx::new(Tampered::new(false, true), conformance::budget()), seed()).unwrap();
     eprintln!("{}", table(&results));
     assert_eq!(failed(&results), ["ffn"]);
     let f = case(&results, "ffn");
@@ -200,7 +201,7 @@ fn a_host_whose_ffn_applies_the_other_activation_fails_the_ffn_case() {
 
 #[test]
 fn a_host_whose_attention_ignores_the_window_fails_the_attention_case() {
-    let results = conformance::run(GpuCtx::new(Box::new(NoWindow(CpuBackend::new())), conformance::budget()), seed()).unwrap();
+    let results = conformance::run(GpuCtx::new(Tampered::new(true, false), conformance::budget()), seed()).unwrap();
     eprintln!("{}", table(&results));
     assert_eq!(failed(&results), ["attention"]);
     let a = case(&results, "attention");
@@ -267,7 +268,7 @@ mod other_host {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "conformance",
-        with: { "wisp:llm/gpu.weight": ::wisp::gpu::WeightHandle },
+        with: { "wisp:llm/gpu.weight": ::wisp::gpu::WeightHandle, "wisp:llm/gpu.kv-cache": ::wisp::gpu::KvCacheHandle },
     });
 }
 
@@ -280,6 +281,8 @@ struct Lenient {
     inner: GpuCtx,
     budget: Budget,
     shapes: HashMap<u32, (wit::WeightFormat, u32, u32)>,
+    /// Each live kv-cache's slots and width.
+    caches: HashMap<u32, (u32, u32)>,
 }
 
 fn format(f: wit::WeightFormat) -> Format {
@@ -298,6 +301,18 @@ fn error(e: GpuError) -> wit::Error {
         GpuError::InvalidArgument(m) => wit::Error::InvalidArgument(m),
         GpuError::OutOfMemory(m) => wit::Error::OutOfMemory(m),
         GpuError::DeviceLost(m) => wit::Error::DeviceLost(m),
+    }
+}
+
+fn shape_of(s: wit::AttentionShape) -> AttentionShape {
+    AttentionShape {
+        t: s.t,
+        n_keys: s.n_keys,
+        n_head: s.n_head,
+        n_head_kv: s.n_head_kv,
+        head_dim: s.head_dim,
+        window: s.window,
+        scale: s.scale,
     }
 }
 
@@ -381,6 +396,29 @@ impl wit::Host for Lenient {
         self.inner.ffn(&x, t, n_in, [&gate, &up, &down], act).map_err(error)
     }
 
+    fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<Resource<KvCacheHandle>, wit::Error> {
+        let c = self.inner.create_kv_cache(slots, width).map_err(error)?;
+        self.caches.insert(c.rep(), (slots, width));
+        Ok(c)
+    }
+
+    fn attention_cached(
+        &mut self,
+        mut q: Vec<f32>,
+        k_new: Vec<f32>,
+        v_new: Vec<f32>,
+        first_new: u32,
+        cache: Resource<KvCacheHandle>,
+        first_key: u32,
+        shape: wit::AttentionShape,
+    ) -> Result<Vec<f32>, wit::Error> {
+        let s = shape_of(shape);
+        if let Some((q_len, _)) = s.lens().filter(|&(q, _)| q <= FIT_LIMIT) {
+            q.resize(q_len as usize, 0.0);
+        }
+        self.inner.attention_cached(&q, &k_new, &v_new, first_new, &cache, first_key, &s).map_err(error)
+    }
+
     fn attention(
         &mut self,
         mut q: Vec<f32>,
@@ -388,21 +426,27 @@ impl wit::Host for Lenient {
         mut v: Vec<f32>,
         shape: wit::AttentionShape,
     ) -> Result<Vec<f32>, wit::Error> {
-        let s = AttentionShape {
-            t: shape.t,
-            n_keys: shape.n_keys,
-            n_head: shape.n_head,
-            n_head_kv: shape.n_head_kv,
-            head_dim: shape.head_dim,
-            window: shape.window,
-            scale: shape.scale,
-        };
+        let s = shape_of(shape);
         if let Some((q_len, k_len)) = s.lens().filter(|&(q, k)| q.max(k) <= FIT_LIMIT) {
             q.resize(q_len as usize, 0.0);
             k.resize(k_len as usize, 0.0);
             v.resize(k_len as usize, 0.0);
         }
         self.inner.attention(&q, &k, &v, &s).map_err(error)
+    }
+}
+
+impl wit::HostKvCache for Lenient {
+    fn slots(&mut self, c: Resource<KvCacheHandle>) -> u32 {
+        self.caches.get(&c.rep()).map_or(0, |s| s.0)
+    }
+    fn width(&mut self, c: Resource<KvCacheHandle>) -> u32 {
+        self.caches.get(&c.rep()).map_or(0, |s| s.1)
+    }
+    fn drop(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<()> {
+        self.caches.remove(&c.rep());
+        self.inner.release_cache(c);
+        Ok(())
     }
 }
 
@@ -435,7 +479,7 @@ impl wit::HostWeight for Lenient {
 #[test]
 fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     let budget = conformance::budget();
-    let host = Lenient { inner: GpuCtx::new(Box::new(CpuBackend::new()), budget), budget, shapes: HashMap::new() };
+    let host = Lenient { inner: GpuCtx::new(Box::new(CpuBackend::new()), budget), budget, shapes: HashMap::new(), caches: HashMap::new() };
     let link = |l: &mut wasmtime::component::Linker<KitState<Lenient>>| {
         wit::add_to_linker::<_, HasSelf<Lenient>>(l, |s: &mut KitState<Lenient>| &mut s.gpu)?;
         Ok(())
@@ -444,14 +488,14 @@ fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     eprintln!("{}", table(&results));
     assert!(case(&results, "device-info").message.starts_with("lenient "));
     let f = failed(&results);
-    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention", "hostile-ffn"] {
+    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention", "hostile-ffn", "hostile-kv-cache"] {
         assert!(f.contains(&name), "{name} should fail:\n{}", table(&results));
     }
     let u = case(&results, "hostile-upload-lengths");
     assert!(u.message.contains("was accepted; want invalid-argument"), "{}", u.message);
     assert!(case(&results, "hostile-empty-jobs").message.contains("matmul with no jobs was accepted"));
     // Its products are right: only the refusals fail.
-    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention", "ffn"] {
+    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention", "ffn", "kv-cache"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
     assert_eq!(host.inner.usage(), (0, 0), "the kit dropped every weight it accepted");

@@ -64,13 +64,40 @@ impl Backend for Slices {
     fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
         self.inner.ffn(x, t, n_in, w, act)
     }
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.inner.create_cache(slots, width)
+    }
+    fn free_cache(&mut self, id: BufferId) {
+        self.inner.free_cache(id)
+    }
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        s: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.inner.attention_cached(q, k, v, first_new, cache, first_key, s)
+    }
 }
 
-/// Device calls of a short prompt's prefill: products and attention.
+/// Device calls of a short prompt's prefill: products and attention. Then two decode steps,
+/// whose attention goes to the device too (over its kv-caches), and the caches go with the
+/// session.
 fn device_calls(inst: &mut Instance, m: Model) -> wisp::Stats {
     let s = inst.new_session(m, 8).unwrap().unwrap();
     inst.feed(s, &[2, 818]).unwrap().unwrap();
     let stats = inst.stats(s).unwrap();
+    let greedy = Sampling { temperature: 0.0, ..Sampling::default() };
+    for _ in 0..3 {
+        inst.next(s, &greedy).unwrap().unwrap();
+    }
+    let decoded = inst.stats(s).unwrap();
+    assert_eq!(decoded.gpu_attention_calls, 3 * 18, "{decoded:?}");
+    assert_eq!(decoded.gpu_fallbacks, 0, "{decoded:?}");
     inst.drop_session(s).unwrap();
     stats
 }

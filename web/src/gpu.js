@@ -35,6 +35,7 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
   const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes, opened.attention);
   const state = { usedBytes: 0n, usedHandles: 0, lost: null };
   const handles = new WeakSet();
+  const cacheHandles = new WeakSet();
 
   // A device error reported as the guest sees it; a loss sticks.
   const failure = (e) => {
@@ -226,9 +227,9 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
-  async function attention(q, k, v, shape) {
-    const bad = ready();
-    if (bad) return bad;
+  // Why a shape breaks the contract (host/src/gpu/mod.rs's `AttentionShape::invalid`), and
+  // the lengths of q and of k (BigInts), or an error result.
+  function checkShape(shape) {
     const { t, nKeys, nHead, nHeadKv, headDim } = shape;
     if (t === 0 || nKeys < t) {
       return invalid(`${nKeys} keys for ${t} queries: there must be at least one query and a key for each`);
@@ -240,6 +241,15 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     const qLen = BigInt(t) * BigInt(nHead) * BigInt(headDim);
     const kLen = BigInt(nKeys) * BigInt(nHeadKv) * BigInt(headDim);
     if (qLen >= 1n << 64n || kLen >= 1n << 64n) return invalid("the shape's sizes overflow");
+    return { qLen, kLen };
+  }
+
+  async function attention(q, k, v, shape) {
+    const bad = ready();
+    if (bad) return bad;
+    const checked = checkShape(shape);
+    if (checked.tag === 'err') return checked;
+    const { qLen, kLen } = checked;
     if (BigInt(q.length) !== qLen || BigInt(k.length) !== kLen || BigInt(v.length) !== kLen) {
       return invalid(`q, k and v have ${q.length}, ${k.length} and ${v.length} values, the shape implies ${qLen}, ${kLen} and ${kLen}`);
     }
@@ -253,8 +263,86 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
+  class KvCache {
+    #c;
+    #bytes;
+    constructor(c, bytes) {
+      this.#c = c;
+      this.#bytes = bytes;
+      cacheHandles.add(this);
+    }
+
+    static inner(cache) {
+      return cacheHandles.has(cache) ? cache.#c : null;
+    }
+
+    slots() {
+      return this.#c?.slots ?? 0;
+    }
+
+    width() {
+      return this.#c?.width ?? 0;
+    }
+
+    [Symbol.dispose]() {
+      if (!this.#c) return;
+      this.#c.k.destroy();
+      this.#c.v.destroy();
+      this.#c = null;
+      state.usedBytes -= this.#bytes;
+      state.usedHandles -= 1;
+    }
+  }
+
+  async function createKvCache(slots, width) {
+    const bad = ready();
+    if (bad) return bad;
+    if (slots === 0 || width === 0) return invalid(`empty kv-cache of ${slots} slots of ${width} values`);
+    const half = BigInt(slots) * BigInt(width) * 4n;
+    if (half > BigInt(backend.info.maxWeightBytes)) {
+      return oom(`a kv-cache of ${half} bytes a half exceeds the device's limit of ${backend.info.maxWeightBytes}`);
+    }
+    if (state.usedHandles >= limits.handles) return oom(`this instance holds its budget of ${limits.handles} handles`);
+    if (state.usedBytes + 2n * half > limits.bytes) {
+      return oom(`${2n * half} more bytes exceed this instance's budget (${state.usedBytes} of ${limits.bytes} used)`);
+    }
+    try {
+      const c = await backend.createCache(slots, width);
+      state.usedBytes += 2n * half;
+      state.usedHandles += 1;
+      return ok(new KvCache(c, 2n * half));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
+  async function attentionCached(q, kNew, vNew, firstNew, cache, firstKey, shape) {
+    const bad = ready();
+    if (bad) return bad;
+    const c = KvCache.inner(cache);
+    if (!c) return invalid('not a live kv-cache handle of this instance');
+    const checked = checkShape(shape);
+    if (checked.tag === 'err') return checked;
+    if (shape.nKeys > c.slots || shape.nHeadKv * shape.headDim !== c.width) {
+      return invalid(`${shape.nKeys} keys of ${shape.nHeadKv} heads of ${shape.headDim} do not fit a kv-cache of ${c.slots} slots of ${c.width}`);
+    }
+    if (BigInt(q.length) !== checked.qLen) return invalid(`q has ${q.length} values, the shape implies ${checked.qLen}`);
+    const rows = kNew.length / c.width;
+    if (kNew.length !== vNew.length || !Number.isInteger(rows) || rows > c.slots) {
+      return invalid(`k-new and v-new have ${kNew.length} and ${vNew.length} values: not the same whole rows of ${c.width}, at most ${c.slots} of them`);
+    }
+    const maxElems = BigInt(backend.info.maxActivationElements);
+    const most = checked.qLen > BigInt(kNew.length) ? checked.qLen : BigInt(kNew.length);
+    if (most > maxElems) return oom(`${most} values exceed the device's limit of ${maxElems} a list`);
+    try {
+      return ok(await backend.attentionCached(q, kNew, vNew, firstNew, c, firstKey, shape));
+    } catch (e) {
+      return failure(e);
+    }
+  }
+
   return {
-    imports: { Weight, available, upload, allocate, matmul, ffn, attention },
+    imports: { Weight, KvCache, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     info: backend.info,
@@ -283,6 +371,13 @@ function noDevice(why) {
       matmul: unavailable,
       ffn: unavailable,
       attention: unavailable,
+      KvCache: class {
+        slots() { return 0; }
+        width() { return 0; }
+        [Symbol.dispose]() {}
+      },
+      createKvCache: unavailable,
+      attentionCached: unavailable,
     },
     usage: () => ({ bytes: 0, handles: 0 }),
     info: null,

@@ -24,7 +24,7 @@ const DISPATCH_MACS = 2 ** 28;
 const WRITE_CHUNK = 64 << 20;
 /** Size of `Params` in the shader, and of `Shape` in attention.wgsl. */
 const PARAMS_BYTES = 32;
-const SHAPE_BYTES = 32;
+const SHAPE_BYTES = 48;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {
@@ -485,12 +485,10 @@ export class WebGpuBackend {
       if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
     }
 
-    let staging = null;
-    let mapped = false;
     try {
       return await this.scoped(async () => {
         const usage = GPUBufferUsage;
-        staging = this.ensure('staging', outBytes, usage.MAP_READ | usage.COPY_DST);
+        const staging = this.ensure('staging', outBytes, usage.MAP_READ | usage.COPY_DST);
         const paramsBytes = this.paramsStride * dispatches.length;
         const paramsBuf = this.ensure('params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
         const params = new Uint32Array(paramsBytes / 4);
@@ -519,22 +517,10 @@ export class WebGpuBackend {
         encoder.copyBufferToBuffer(output, 0, staging, 0, outBytes);
         this.device.queue.submit([encoder.finish()]);
 
-        try {
-          await staging.mapAsync(GPUMapMode.READ, 0, outBytes);
-        } catch (e) {
-          this.live();
-          throw new GpuError('unavailable', `reading the result back: ${e.message}`);
-        }
-        mapped = true;
-        const view = staging.getMappedRange(0, outBytes);
-        const outs = reads.map(([o, n]) => new Float32Array(view.slice(o, o + n * 4)));
-        staging.unmap();
-        mapped = false;
-        return outs;
+        return this.readBack(staging, outBytes, reads);
       });
     } catch (e) {
-      if (mapped) staging.unmap();
-      // Start the next call from fresh buffers: these may be left mapped or invalid.
+      // Start the next call from fresh buffers: these may be left invalid.
       this.dropScratch();
       throw e;
     }
@@ -561,16 +547,69 @@ export class WebGpuBackend {
     return this.attentionPipeline;
   }
 
-  /** `attention` (wit/gpu.wit) on shaders/attention.wgsl, one workgroup a (head, query): the
-   *  queries split over dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one
-   *  readback. `s` is the checked shape (gpu.js). */
+  /** `attention` (wit/gpu.wit): the keys and values into buffers kept for the purpose, then
+   *  `attendOver` them. `s` is the checked shape (gpu.js). */
   async attention(q, k, v, s) {
     this.live();
-    const qBytes = q.length * 4;
     const kBytes = k.length * 4;
-    if (Math.max(qBytes, kBytes) > this.info.maxWeightBytes) {
-      throw new GpuError('out-of-memory', `${q.length} queries and ${k.length} keys do not fit the device`);
+    if (kBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${k.length} keys do not fit the device`);
+    const input = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
+    const [kb, vb] = await this.buffers([['attention k', kBytes, input], ['attention v', kBytes, input]]);
+    try {
+      await this.scoped(() => {
+        this.device.queue.writeBuffer(kb, 0, k);
+        this.device.queue.writeBuffer(vb, 0, v);
+      });
+    } catch (e) {
+      this.dropScratch();
+      throw e;
     }
+    return this.attendOver(q, kb, vb, kBytes, s, 0, s.nKeys);
+  }
+
+  /** A zeroed `kv-cache` of `slots` rows of `width` values: `{ slots, width, k, v }`. */
+  async createCache(slots, width) {
+    this.live();
+    const size = slots * width * 4;
+    if (size > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `a kv-cache half of ${size} bytes does not fit the device`);
+    const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
+    let k = null;
+    let v = null;
+    try {
+      await this.scoped(() => {
+        k = this.device.createBuffer({ label: 'kv-cache keys', size, usage });
+        v = this.device.createBuffer({ label: 'kv-cache values', size, usage });
+      });
+    } catch (e) {
+      k?.destroy();
+      v?.destroy();
+      throw e;
+    }
+    return { slots, width, k, v };
+  }
+
+  /** `attention-cached` (wit/gpu.wit): the new rows written into the ring (two runs where it
+   *  wraps), then `attendOver` it, key j in row (firstKey + j) % slots. */
+  async attentionCached(q, kNew, vNew, firstNew, c, firstKey, s) {
+    this.live();
+    const rows = kNew.length / c.width;
+    const start = firstNew % c.slots;
+    const head = Math.min(rows, c.slots - start);
+    await this.scoped(() => {
+      for (const [buf, data] of [[c.k, kNew], [c.v, vNew]]) {
+        if (head > 0) this.device.queue.writeBuffer(buf, start * c.width * 4, data.subarray(0, head * c.width));
+        if (rows > head) this.device.queue.writeBuffer(buf, 0, data.subarray(head * c.width));
+      }
+    });
+    return this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, firstKey % c.slots, c.slots);
+  }
+
+  /** shaders/attention.wgsl over `q` and keys and values in `kb`, `vb` (`kvBytes` bound), one
+   *  workgroup a (head, query), key j in row (firstSlot + j) % slots: the queries split over
+   *  dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one readback. */
+  async attendOver(q, kb, vb, kvBytes, s, firstSlot, slots) {
+    const qBytes = q.length * 4;
+    if (qBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${q.length} queries do not fit the device`);
     const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
     if (s.nHead > maxDim) throw new GpuError('out-of-memory', `${s.nHead} heads exceed the device's ${maxDim} workgroups`);
     const { layout, pipeline } = await this.attentionKernel();
@@ -581,22 +620,16 @@ export class WebGpuBackend {
     const shapes = new ArrayBuffer(stride * dispatches);
     for (let d = 0; d < dispatches; d++) {
       const u = new Uint32Array(shapes, d * stride, SHAPE_BYTES / 4);
-      u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch]);
+      u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch, firstSlot, slots, 0, 0]);
       new Float32Array(shapes, d * stride + 24, 1)[0] = s.scale;
     }
-    let staging = null;
-    let mapped = false;
     try {
       return await this.scoped(async () => {
         const usage = GPUBufferUsage;
-        const input = usage.STORAGE | usage.COPY_DST;
-        const [qb, kb, vb] = [['attention q', q], ['attention k', k], ['attention v', v]].map(([slot, data]) => {
-          const b = this.ensure(slot, data.length * 4, input);
-          this.device.queue.writeBuffer(b, 0, data);
-          return b;
-        });
+        const qb = this.ensure('attention q', qBytes, usage.STORAGE | usage.COPY_DST);
+        this.device.queue.writeBuffer(qb, 0, q);
         const out = this.ensure('attention out', qBytes, usage.STORAGE | usage.COPY_SRC);
-        staging = this.ensure('attention staging', qBytes, usage.MAP_READ | usage.COPY_DST);
+        const staging = this.ensure('attention staging', qBytes, usage.MAP_READ | usage.COPY_DST);
         const params = this.ensure('attention params', shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
         this.device.queue.writeBuffer(params, 0, shapes);
         const group = this.device.createBindGroup({
@@ -605,8 +638,8 @@ export class WebGpuBackend {
           entries: [
             { binding: 0, resource: { buffer: params, offset: 0, size: SHAPE_BYTES } },
             { binding: 1, resource: { buffer: qb, offset: 0, size: qBytes } },
-            { binding: 2, resource: { buffer: kb, offset: 0, size: kBytes } },
-            { binding: 3, resource: { buffer: vb, offset: 0, size: kBytes } },
+            { binding: 2, resource: { buffer: kb, offset: 0, size: kvBytes } },
+            { binding: 3, resource: { buffer: vb, offset: 0, size: kvBytes } },
             { binding: 4, resource: { buffer: out, offset: 0, size: qBytes } },
           ],
         });
@@ -620,22 +653,29 @@ export class WebGpuBackend {
         pass.end();
         encoder.copyBufferToBuffer(out, 0, staging, 0, qBytes);
         this.device.queue.submit([encoder.finish()]);
-        try {
-          await staging.mapAsync(GPUMapMode.READ, 0, qBytes);
-        } catch (e) {
-          this.live();
-          throw new GpuError('unavailable', `reading the result back: ${e.message}`);
-        }
-        mapped = true;
-        const result = new Float32Array(staging.getMappedRange(0, qBytes).slice(0));
-        staging.unmap();
-        mapped = false;
+        const [result] = await this.readBack(staging, qBytes, [[0, q.length]]);
         return result;
       });
     } catch (e) {
-      if (mapped) staging.unmap();
       this.dropScratch();
       throw e;
+    }
+  }
+
+  /** Maps the first `bytes` of `staging` (the work copying into it is submitted) and copies
+   *  out each `[byte offset, values]` of `reads` as a Float32Array; unmaps either way. */
+  async readBack(staging, bytes, reads) {
+    try {
+      await staging.mapAsync(GPUMapMode.READ, 0, bytes);
+    } catch (e) {
+      this.live();
+      throw new GpuError('unavailable', `reading the result back: ${e.message}`);
+    }
+    try {
+      const view = staging.getMappedRange(0, bytes);
+      return reads.map(([o, n]) => new Float32Array(view.slice(o, o + n * 4)));
+    } finally {
+      staging.unmap();
     }
   }
 

@@ -132,8 +132,9 @@ describe('the kit in Chromium against the WebGPU host', () => {
       assert.ok(c?.passed, `matmul-${f} did not pass: ${c?.message}`);
       assert.ok(c.maxError > 0, `matmul-${f} compared no product`);
     }
-    // The browser host offers ffn and attention (the same shaders): they must pass, not skip.
-    for (const name of ['ffn', 'attention', 'hostile-ffn', 'hostile-attention']) {
+    // The browser host offers ffn, attention and kv-caches (the same shaders): they must pass,
+    // not skip.
+    for (const name of ['ffn', 'attention', 'kv-cache', 'hostile-ffn', 'hostile-attention', 'hostile-kv-cache']) {
       const c = r.results.find((x) => x.name === name);
       assert.ok(c?.passed, `${name} did not pass on the browser host: ${c?.message}`);
       if (!name.startsWith('hostile')) assert.ok(c.maxError > 0, `${name} compared nothing`);

@@ -225,7 +225,7 @@ pub fn forward(
             }
             cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
         }
-        d.attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
+        d.attend(l, cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_attn_norm, c.eps);

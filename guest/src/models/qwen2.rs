@@ -239,7 +239,7 @@ pub fn forward(
             }
             cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
         }
-        d.attend(cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
+        d.attend(l, cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         add_bias(&mut b.xb[..t * e], layer.bo.as_deref());
         for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {

@@ -19,6 +19,8 @@ struct Weight {
 #[derive(Default)]
 pub struct CpuBackend {
     weights: HashMap<BufferId, Weight>,
+    /// `kv-cache`s: slots, width, keys and values (`[slots, width]` each).
+    caches: HashMap<BufferId, (usize, usize, Vec<f32>, Vec<f32>)>,
     next: BufferId,
 }
 
@@ -142,6 +144,50 @@ impl Backend for CpuBackend {
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         Ok(attention_reference(q, k, v, shape))
+    }
+
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        let n = slots as usize * width as usize;
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        if k.try_reserve_exact(n).is_err() || v.try_reserve_exact(n).is_err() {
+            return Err(GpuError::OutOfMemory(format!("a kv-cache of 2 x {n} values")));
+        }
+        k.resize(n, 0.0);
+        v.resize(n, 0.0);
+        let id = self.next;
+        self.next += 1;
+        self.caches.insert(id, (slots as usize, width as usize, k, v));
+        Ok(id)
+    }
+
+    fn free_cache(&mut self, id: BufferId) {
+        self.caches.remove(&id);
+    }
+
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        let (slots, width, k, v) =
+            self.caches.get_mut(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
+        let (slots, width) = (*slots, *width);
+        let row = |p: u64| (p % slots as u64) as usize * width;
+        for (r, (kr, vr)) in k_new.chunks_exact(width).zip(v_new.chunks_exact(width)).enumerate() {
+            let at = row(first_new as u64 + r as u64);
+            k[at..at + width].copy_from_slice(kr);
+            v[at..at + width].copy_from_slice(vr);
+        }
+        // The shape's keys in order of position, then attention as `attention` reads.
+        let keys: Vec<usize> = (0..shape.n_keys as u64).map(|j| row(first_key as u64 + j)).collect();
+        let gather = |m: &[f32]| keys.iter().flat_map(|&at| m[at..at + width].iter().copied()).collect::<Vec<f32>>();
+        Ok(attention_reference(q, &gather(k), &gather(v), shape))
     }
 
     fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, [gate, up, down]: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {

@@ -280,6 +280,29 @@ pub trait Backend: Send {
     fn ffn(&mut self, _x: &[f32], _t: u32, _n_in: u32, _weights: [BufferId; 3], _act: Activation) -> Result<Vec<f32>, GpuError> {
         Err(GpuError::Unavailable("this host does not offer ffn".into()))
     }
+    /// Reserves a zeroed `kv-cache` of `slots` rows of `width` values (keys and values alike).
+    /// A backend without `attention_cached` keeps this default, `unavailable`.
+    fn create_cache(&mut self, _slots: u32, _width: u32) -> Result<BufferId, GpuError> {
+        Err(GpuError::Unavailable("this host does not offer attention-cached".into()))
+    }
+    /// Frees a `kv-cache`. Never fails.
+    fn free_cache(&mut self, _id: BufferId) {}
+    /// `attention-cached` (see `wit/gpu.wit`): writes the whole rows `k_new`, `v_new` at the
+    /// rows of positions `first_new..`, then attends over the `shape.n_keys` rows of positions
+    /// `first_key..`, position `p` in row `p % slots`. Checked by [`GpuCtx`] already.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &mut self,
+        _q: &[f32],
+        _k_new: &[f32],
+        _v_new: &[f32],
+        _first_new: u32,
+        _cache: BufferId,
+        _first_key: u32,
+        _shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        Err(GpuError::Unavailable("this host does not offer attention-cached".into()))
+    }
     /// Causal grouped-query attention (see `wit/gpu.wit`); `q`, `k` and `v` have the lengths
     /// `shape` implies. Returns `[t, n_head * head_dim]`. A backend without it keeps this
     /// default, `unavailable`, and the guest attends on its own CPU.
@@ -344,6 +367,15 @@ pub struct WeightHandle {
     bytes: u64,
 }
 
+/// The host-side state of one `kv-cache` handle.
+#[derive(Debug)]
+pub struct KvCacheHandle {
+    id: BufferId,
+    slots: u32,
+    width: u32,
+    bytes: u64,
+}
+
 /// The rep of the next weight handle. Unique across every `GpuCtx` of the process (until it
 /// wraps after 2^32 handles), so that a released handle, or one of another instance, never
 /// names a live weight: it is an `invalid-argument`, not someone else's weight.
@@ -355,6 +387,8 @@ pub struct GpuCtx {
     device: Option<Device>,
     /// Live weights by the rep of their handle.
     weights: HashMap<u32, WeightHandle>,
+    /// Live `kv-cache`s by the rep of their handle (reps are unique across both maps).
+    caches: HashMap<u32, KvCacheHandle>,
     budget: Budget,
     used_bytes: u64,
     used_handles: u32,
@@ -370,7 +404,16 @@ impl GpuCtx {
     /// [`Device`] is read once, here.
     pub fn new(backend: Box<dyn Backend>, budget: Budget) -> GpuCtx {
         let device = backend.device();
-        GpuCtx { backend, device, weights: HashMap::new(), budget, used_bytes: 0, used_handles: 0, lost: None }
+        GpuCtx {
+            backend,
+            device,
+            weights: HashMap::new(),
+            caches: HashMap::new(),
+            budget,
+            used_bytes: 0,
+            used_handles: 0,
+            lost: None,
+        }
     }
 
     /// A context with no device.
@@ -409,6 +452,121 @@ impl GpuCtx {
         r
     }
 
+    /// A rep for a new handle that names no live weight or cache (the counter may have wrapped).
+    fn fresh_rep(&self) -> Option<u32> {
+        (0..64)
+            .map(|_| NEXT_REP.fetch_add(1, Ordering::Relaxed))
+            .find(|r| *r != 0 && !self.weights.contains_key(r) && !self.caches.contains_key(r))
+    }
+
+    /// Checks that `bytes` more fit the instance's budget of bytes and handles.
+    fn budget_allows(&self, bytes: u64) -> Result<(), GpuError> {
+        if self.used_handles >= self.budget.handles {
+            return Err(GpuError::OutOfMemory(format!("this instance holds its budget of {} handles", self.budget.handles)));
+        }
+        if self.used_bytes.saturating_add(bytes) > self.budget.bytes {
+            return Err(GpuError::OutOfMemory(format!(
+                "{bytes} more bytes exceed this instance's budget ({} of {} used)",
+                self.used_bytes, self.budget.bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Reserves a zeroed `kv-cache` of `slots` rows of `width` f32 (keys and values alike) and
+    /// returns its handle.
+    ///
+    /// Errors: `InvalidArgument` for a zero size or one that overflows `u64`; `OutOfMemory`
+    /// past the device's `max_weight_bytes` (either half), the instance's [`Budget`], or the
+    /// backend's memory; `Unavailable` where the backend has none, or `DeviceLost`.
+    pub fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<Resource<KvCacheHandle>, GpuError> {
+        let device = self.ready()?;
+        if slots == 0 || width == 0 {
+            return invalid(format!("empty kv-cache of {slots} slots of {width} values"));
+        }
+        let half = (slots as u64 * width as u64).checked_mul(4).ok_or_else(|| GpuError::InvalidArgument("kv-cache size overflows".into()))?;
+        if half > device.max_weight_bytes {
+            return Err(GpuError::OutOfMemory(format!(
+                "a kv-cache of {half} bytes a half exceeds the device's limit of {}",
+                device.max_weight_bytes
+            )));
+        }
+        self.budget_allows(2 * half)?;
+        let r = self.backend.create_cache(slots, width);
+        let id = self.track(r)?;
+        let Some(rep) = self.fresh_rep() else {
+            self.backend.free_cache(id);
+            return Err(GpuError::OutOfMemory("no free handle".into()));
+        };
+        self.caches.insert(rep, KvCacheHandle { id, slots, width, bytes: 2 * half });
+        self.used_bytes += 2 * half;
+        self.used_handles += 1;
+        Ok(Resource::new_own(rep))
+    }
+
+    /// `attention` over keys and values held in `cache`: writes the whole rows `k_new` and
+    /// `v_new` at the rows of positions `first_new..`, then attends over the `shape.n_keys` rows
+    /// of positions `first_key..` (position `p` in row `p % slots`).
+    ///
+    /// Errors: those of [`attention`](GpuCtx::attention) for the shape and `q`, and
+    /// `InvalidArgument` for a `cache` that is not a live handle of this context, new rows that
+    /// are not whole rows, differ in number, or are more than the slots, or a shape whose keys
+    /// do not fit the cache (`n_keys > slots`, `n_head_kv * head_dim != width`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: &Resource<KvCacheHandle>,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        let max_elems = self.ready()?.max_activation_elements;
+        let c = self.caches.get(&cache.rep()).ok_or_else(|| GpuError::InvalidArgument("not a live kv-cache handle of this instance".into()))?;
+        let (id, slots, width) = (c.id, c.slots, c.width);
+        if let Some(why) = shape.invalid() {
+            return invalid(why);
+        }
+        if shape.n_keys > slots || shape.n_head_kv as u64 * shape.head_dim as u64 != width as u64 {
+            return invalid(format!(
+                "{} keys of {} heads of {} do not fit a kv-cache of {slots} slots of {width}",
+                shape.n_keys, shape.n_head_kv, shape.head_dim
+            ));
+        }
+        let Some((q_len, _)) = shape.lens() else { return invalid("the shape's sizes overflow") };
+        if q.len() as u64 != q_len {
+            return invalid(format!("q has {} values, the shape implies {q_len}", q.len()));
+        }
+        let rows = k_new.len() / width as usize;
+        if k_new.len() != v_new.len() || k_new.len() % width as usize != 0 || rows > slots as usize {
+            return invalid(format!(
+                "k-new and v-new have {} and {} values: not the same whole rows of {width}, at most {slots} of them",
+                k_new.len(),
+                v_new.len()
+            ));
+        }
+        if q_len.max(k_new.len() as u64) > max_elems {
+            return Err(GpuError::OutOfMemory(format!(
+                "{} values exceed the device's limit of {max_elems} a list",
+                q_len.max(k_new.len() as u64)
+            )));
+        }
+        let r = self.backend.attention_cached(q, k_new, v_new, first_new, id, first_key, shape);
+        self.track(r)
+    }
+
+    /// Frees a `kv-cache`'s device memory and returns it to the budget; a handle that is not a
+    /// live cache of this context is ignored.
+    pub fn release_cache(&mut self, c: Resource<KvCacheHandle>) {
+        if let Some(h) = self.caches.remove(&c.rep()) {
+            self.backend.free_cache(h.id);
+            self.used_bytes -= h.bytes;
+            self.used_handles -= 1;
+        }
+    }
+
     /// Reserves a zeroed weight `W[n_out, n_in]` of `format`, to be filled by
     /// [`write_rows`](GpuCtx::write_rows), and returns its handle.
     ///
@@ -435,20 +593,11 @@ impl GpuCtx {
                 device.max_weight_bytes
             )));
         }
-        if self.used_handles >= self.budget.handles {
-            return Err(GpuError::OutOfMemory(format!("this instance holds its budget of {} handles", self.budget.handles)));
-        }
-        if self.used_bytes.saturating_add(bytes) > self.budget.bytes {
-            return Err(GpuError::OutOfMemory(format!(
-                "{bytes} more bytes exceed this instance's budget ({} of {} used)",
-                self.used_bytes, self.budget.bytes
-            )));
-        }
+        self.budget_allows(bytes)?;
         let r = self.backend.create(format, n_out, n_in);
         let id = self.track(r)?;
         // A rep still in use here (the counter wrapped) is skipped.
-        let Some(rep) = (0..64).map(|_| NEXT_REP.fetch_add(1, Ordering::Relaxed)).find(|r| *r != 0 && !self.weights.contains_key(r))
-        else {
+        let Some(rep) = self.fresh_rep() else {
             self.backend.free(id);
             return Err(GpuError::OutOfMemory("no free handle".into()));
         };
@@ -717,6 +866,23 @@ impl wit::Host for GpuCtx {
         Ok(GpuCtx::attention(self, &q, &k, &v, &shape.into()).map_err(Into::into))
     }
 
+    fn create_kv_cache(&mut self, slots: u32, width: u32) -> wasmtime::Result<Result<Resource<KvCacheHandle>, wit::Error>> {
+        Ok(GpuCtx::create_kv_cache(self, slots, width).map_err(Into::into))
+    }
+
+    fn attention_cached(
+        &mut self,
+        q: Vec<f32>,
+        k_new: Vec<f32>,
+        v_new: Vec<f32>,
+        first_new: u32,
+        cache: Resource<KvCacheHandle>,
+        first_key: u32,
+        shape: wit::AttentionShape,
+    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
+        Ok(GpuCtx::attention_cached(self, &q, &k_new, &v_new, first_new, &cache, first_key, &shape.into()).map_err(Into::into))
+    }
+
     fn matmul(
         &mut self,
         x: Vec<f32>,
@@ -753,6 +919,21 @@ impl wit::HostWeight for GpuCtx {
 
     fn drop(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<()> {
         self.release(w);
+        Ok(())
+    }
+}
+
+impl wit::HostKvCache for GpuCtx {
+    fn slots(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<u32> {
+        Ok(self.caches.get(&c.rep()).map(|h| h.slots).unwrap_or(0))
+    }
+
+    fn width(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<u32> {
+        Ok(self.caches.get(&c.rep()).map(|h| h.width).unwrap_or(0))
+    }
+
+    fn drop(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<()> {
+        self.release_cache(c);
         Ok(())
     }
 }

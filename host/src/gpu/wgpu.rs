@@ -1248,6 +1248,27 @@ impl Backend for WgpuBackend {
         self.run_attention(q, k, v, shape)
     }
 
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.create_kv_cache(slots, width)
+    }
+
+    fn free_cache(&mut self, id: BufferId) {
+        self.attn.caches.remove(&id);
+    }
+
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.run_attention_cached(q, k_new, v_new, first_new, cache, first_key, shape)
+    }
+
     fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, weights: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
         self.run_ffn(x, t, n_in, weights, act)
     }

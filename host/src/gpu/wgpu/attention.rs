@@ -5,7 +5,7 @@
 //! multiply-add budget of a dispatch, and the output read back through one staging buffer.
 
 use super::{WgpuBackend, binding, push_scopes};
-use crate::gpu::{AttentionShape, GpuError};
+use crate::gpu::{AttentionShape, BufferId, GpuError};
 
 const SHADER: &str = include_str!("../../../../shaders/attention.wgsl");
 
@@ -21,13 +21,25 @@ struct Params {
     window: u32,
     scale: f32,
     query_base: u32,
+    first_slot: u32,
+    slots: u32,
+    pad: [u32; 2],
 }
 const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
-/// The pipeline (built on first use) and the buffers kept across calls.
+/// A `kv-cache`: keys and values, `[slots, width]` f32 each.
+pub(super) struct Cache {
+    slots: u32,
+    width: u32,
+    k: wgpu::Buffer,
+    v: wgpu::Buffer,
+}
+
+/// The pipeline (built on first use), the buffers kept across calls, and the `kv-cache`s.
 #[derive(Default)]
 pub(super) struct Attention {
     pipeline: Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline)>,
+    pub(super) caches: std::collections::HashMap<BufferId, Cache>,
     q: Option<wgpu::Buffer>,
     k: Option<wgpu::Buffer>,
     v: Option<wgpu::Buffer>,
@@ -81,7 +93,8 @@ impl WgpuBackend {
         Ok((layout, pipeline))
     }
 
-    /// See [`crate::gpu::Backend::attention`]; the shape is checked by `GpuCtx` already.
+    /// See [`crate::gpu::Backend::attention`]; the shape is checked by `GpuCtx` already. The
+    /// keys and values go to buffers kept for the purpose, read as a ring of `n_keys` rows.
     pub(super) fn run_attention(
         &mut self,
         q: &[f32],
@@ -91,14 +104,99 @@ impl WgpuBackend {
     ) -> Result<Vec<f32>, GpuError> {
         self.last_kernel_ns = None;
         self.live()?;
+        let k_bytes = 4 * k.len() as u64;
+        if k.is_empty() || k.len() != v.len() || k_bytes > self.info.max_weight_bytes {
+            return Err(GpuError::InvalidArgument(format!("{} keys do not fit the device", k.len())));
+        }
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let kb = Self::ensure(&self.device, &mut self.attn.k, k_bytes, cap, storage, "attention k");
+        let vb = Self::ensure(&self.device, &mut self.attn.v, k_bytes, cap, storage, "attention v");
+        self.queue.write_buffer(&kb, 0, bytemuck::cast_slice(k));
+        self.queue.write_buffer(&vb, 0, bytemuck::cast_slice(v));
+        self.finish(scopes).inspect_err(|_| self.drop_attention_buffers())?;
+        self.attend_over(q, (&kb, &vb, k_bytes), s, 0, s.n_keys)
+    }
+
+    /// Reserves a zeroed `kv-cache` (see [`crate::gpu::Backend::create_cache`]).
+    pub(super) fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.live()?;
+        let bytes = 4 * slots as u64 * width as u64;
+        if bytes == 0 || bytes > self.info.max_weight_bytes {
+            return Err(GpuError::OutOfMemory(format!("a kv-cache half of {bytes} bytes does not fit the device")));
+        }
+        let scopes = push_scopes(&self.device);
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let make = |label| self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size: bytes, usage, mapped_at_creation: false });
+        let (k, v) = (make("kv-cache keys"), make("kv-cache values"));
+        self.finish(scopes)?;
+        let id = self.next;
+        self.next += 1;
+        self.attn.caches.insert(id, Cache { slots, width, k, v });
+        Ok(id)
+    }
+
+    /// See [`crate::gpu::Backend::attention_cached`]: the new rows written into the ring (in
+    /// at most two runs, where it wraps), then attention over the ring.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        s: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.last_kernel_ns = None;
+        self.live()?;
+        let Some(c) = self.attn.caches.get(&cache) else {
+            return Err(GpuError::InvalidArgument(format!("no kv-cache {cache}")));
+        };
+        let (slots, width) = (c.slots as u64, c.width as usize);
+        let rows = k_new.len() / width.max(1);
+        if k_new.len() != v_new.len() || rows as u64 > slots || s.n_keys as u64 > slots {
+            return Err(GpuError::InvalidArgument(format!("{rows} new rows or {} keys do not fit {slots} slots", s.n_keys)));
+        }
+        let (kb, vb) = (c.k.clone(), c.v.clone());
+        let scopes = push_scopes(&self.device);
+        let start = (first_new as u64 % slots) as usize;
+        let head = rows.min(slots as usize - start);
+        for (buf, data) in [(&kb, k_new), (&vb, v_new)] {
+            let (a, b) = data.split_at(head * width);
+            if !a.is_empty() {
+                self.queue.write_buffer(buf, (start * width * 4) as u64, bytemuck::cast_slice(a));
+            }
+            if !b.is_empty() {
+                self.queue.write_buffer(buf, 0, bytemuck::cast_slice(b));
+            }
+        }
+        self.finish(scopes)?;
+        let bytes = 4 * slots * width as u64;
+        self.attend_over(q, (&kb, &vb, bytes), s, (first_key as u64 % slots) as u32, slots as u32)
+    }
+
+    fn drop_attention_buffers(&mut self) {
+        let kept = std::mem::take(&mut self.attn);
+        self.attn = Attention { pipeline: kept.pipeline, caches: kept.caches, ..Attention::default() };
+    }
+
+    /// The attention kernel over `q` and keys and values in `kv` (buffers and bytes bound):
+    /// key `j` in row `(first_slot + j) % slots`.
+    fn attend_over(
+        &mut self,
+        q: &[f32],
+        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
+        s: &AttentionShape,
+        first_slot: u32,
+        slots: u32,
+    ) -> Result<Vec<f32>, GpuError> {
         let max = self.info.max_weight_bytes;
-        let (q_bytes, k_bytes) = (4 * q.len() as u64, 4 * k.len() as u64);
-        if q.is_empty() || k.is_empty() || k.len() != v.len() || q_bytes.max(k_bytes) > max {
-            return Err(GpuError::InvalidArgument(format!(
-                "{} queries and {} keys do not fit the device ({max} bytes a buffer)",
-                q.len(),
-                k.len()
-            )));
+        let q_bytes = 4 * q.len() as u64;
+        if q.is_empty() || q_bytes > max {
+            return Err(GpuError::InvalidArgument(format!("{} queries do not fit the device ({max} bytes a buffer)", q.len())));
         }
         let groups = self.limits.max_compute_workgroups_per_dimension.max(1);
         if s.n_head > groups {
@@ -122,6 +220,9 @@ impl WgpuBackend {
                     window: s.window,
                     scale: s.scale,
                     query_base: d * per_dispatch,
+                    first_slot,
+                    slots,
+                    pad: [0; 2],
                 };
                 let mut bytes = bytemuck::bytes_of(&p).to_vec();
                 bytes.resize(stride as usize, 0);
@@ -135,8 +236,6 @@ impl WgpuBackend {
         let device = &self.device;
         let a = &mut self.attn;
         let qb = Self::ensure(device, &mut a.q, q_bytes, cap, storage, "attention q");
-        let kb = Self::ensure(device, &mut a.k, k_bytes, cap, storage, "attention k");
-        let vb = Self::ensure(device, &mut a.v, k_bytes, cap, storage, "attention v");
         let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
         let out = Self::ensure(device, &mut a.out, q_bytes, cap, out_usage, "attention out");
         let read_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
@@ -144,17 +243,16 @@ impl WgpuBackend {
         let uniform = wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST;
         let pb = Self::ensure(device, &mut a.params, params.len() as u64, cap, uniform, "attention params");
         self.queue.write_buffer(&qb, 0, bytemuck::cast_slice(q));
-        self.queue.write_buffer(&kb, 0, bytemuck::cast_slice(k));
-        self.queue.write_buffer(&vb, 0, bytemuck::cast_slice(v));
         self.queue.write_buffer(&pb, 0, &params);
+        let (kb, vb, kv_bytes) = kv;
         let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("attention"),
             layout: &layout,
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: binding(&pb, 0, PARAMS_BYTES) },
                 wgpu::BindGroupEntry { binding: 1, resource: binding(&qb, 0, q_bytes) },
-                wgpu::BindGroupEntry { binding: 2, resource: binding(&kb, 0, k_bytes) },
-                wgpu::BindGroupEntry { binding: 3, resource: binding(&vb, 0, k_bytes) },
+                wgpu::BindGroupEntry { binding: 2, resource: binding(kb, 0, kv_bytes) },
+                wgpu::BindGroupEntry { binding: 3, resource: binding(vb, 0, kv_bytes) },
                 wgpu::BindGroupEntry { binding: 4, resource: binding(&out, 0, q_bytes) },
             ],
         });
@@ -177,7 +275,7 @@ impl WgpuBackend {
             Ok(out) => Ok(out),
             Err(e) => {
                 // Start the next call from fresh buffers: these may be left mapped or invalid.
-                self.attn = Attention { pipeline: self.attn.pipeline.take(), ..Attention::default() };
+                self.drop_attention_buffers();
                 Err(e)
             }
         }

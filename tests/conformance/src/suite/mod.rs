@@ -62,6 +62,7 @@ const DEVICE_CASES: &[Case] = &[
     ("nan-inf-weights", products::non_finite_weights),
     ("ffn", ffn::matches),
     ("attention", attention::matches),
+    ("kv-cache", attention::cached),
     ("weight-accessors", resources::accessors),
     ("handle-lifetimes", resources::lifetimes),
     ("budget-handles", resources::budget_handles),
@@ -79,6 +80,7 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-write-rows", hostile::write_rows),
     ("hostile-ffn", ffn::hostile),
     ("hostile-attention", attention::hostile),
+    ("hostile-kv-cache", attention::cached_hostile),
     ("recovers-after-refusals", resources::recovers),
 ];
 
