@@ -28,8 +28,12 @@ struct Shape {
     // first_slot 0 and slots n_keys for keys sent with the call.
     first_slot: u32,
     slots: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // Each query's keys split in `splits` runs of `split_len` (workgroup z): with one, `attend`
+    // writes the output; with more, each run's partial softmax (its maximum m, its sum l and
+    // its weighted values) goes to `out` past the outputs, and `attend_merge` combines them.
+    // Splits give a decode step (one query, a few heads) more than a few workgroups.
+    splits: u32,
+    split_len: u32,
 }
 
 @group(0) @binding(0) var<uniform> s: Shape;
@@ -79,10 +83,16 @@ fn workgroup_sum(lid: u32, x: f32) -> f32 {
     return r;
 }
 
+// Where the partial of (query i, head h, split sp) starts in `out`: [m, l, acc[head_dim]].
+fn partial_at(i: u32, h: u32, sp: u32, hd: u32) -> u32 {
+    return s.t * s.n_head * hd + ((i * s.n_head + h) * s.splits + sp) * (hd + 2u);
+}
+
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let h = wg.x;
     let i = s.query_base + wg.y;
+    let split = wg.z;
     let hd = min(s.head_dim, MAX_HEAD_DIM);
     let group = max(s.n_head / max(s.n_head_kv, 1u), 1u);
     let kv_stride = s.n_head_kv * hd;
@@ -101,13 +111,17 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         first = last + 1u - s.window;
     }
 
+    // This workgroup's run of them: lo..=hi (none when lo > last).
+    let lo = first + split * s.split_len;
+    let hi = min(last, lo + s.split_len - 1u);
+
     var m = LOWEST;
     var l = 0.0;
     var acc: array<f32, PER>;
-    for (var c = first; c <= last; c += WG) {
+    for (var c = lo; c <= hi; c += WG) {
         let j = c + lid;
         var score = LOWEST;
-        if j <= last {
+        if j <= hi {
             let at = ((s.first_slot + j) % s.slots) * kv_stride + kv_at;
             var dot = 0.0;
             for (var d = 0u; d < hd; d++) {
@@ -117,7 +131,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         let new_m = max(m, workgroup_max(lid, score));
         var p = 0.0;
-        if j <= last {
+        if j <= hi {
             p = exp(score - new_m);
         }
         probs[lid] = p;
@@ -125,7 +139,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         let rescale = exp(m - new_m);
         l = l * rescale + sum;
         m = new_m;
-        let n = min(WG, last + 1u - c);
+        let n = min(WG, hi + 1u - c);
         for (var r = 0u; r < PER; r++) {
             acc[r] *= rescale;
         }
@@ -143,10 +157,51 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         workgroupBarrier();
     }
 
+    if s.splits == 1u {
+        for (var r = 0u; r < PER; r++) {
+            let d = lid + r * WG;
+            if d < hd {
+                out[q_at + d] = acc[r] / l;
+            }
+        }
+        return;
+    }
+    let at = partial_at(i, h, split, hd);
+    if lid == 0u {
+        out[at] = m;
+        out[at + 1u] = l;
+    }
     for (var r = 0u; r < PER; r++) {
         let d = lid + r * WG;
         if d < hd {
-            out[q_at + d] = acc[r] / l;
+            out[at + 2u + d] = acc[r];
         }
+    }
+}
+
+// Combines the splits' partials of (query i, head h): each weighted by exp(m - max m), as the
+// single pass rescales its running sums.
+@compute @workgroup_size(64)
+fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let h = wg.x;
+    let i = s.query_base + wg.y;
+    let hd = min(s.head_dim, MAX_HEAD_DIM);
+    var top = LOWEST;
+    for (var sp = 0u; sp < s.splits; sp++) {
+        top = max(top, out[partial_at(i, h, sp, hd)]);
+    }
+    var total = 0.0;
+    for (var sp = 0u; sp < s.splits; sp++) {
+        let at = partial_at(i, h, sp, hd);
+        total += exp(out[at] - top) * out[at + 1u];
+    }
+    let q_at = (i * s.n_head + h) * hd;
+    for (var d = lid; d < hd; d += WG) {
+        var a = 0.0;
+        for (var sp = 0u; sp < s.splits; sp++) {
+            let at = partial_at(i, h, sp, hd);
+            a += exp(out[at] - top) * out[at + 2u + d];
+        }
+        out[q_at + d] = a / total;
     }
 }

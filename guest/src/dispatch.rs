@@ -226,6 +226,9 @@ pub struct Gpu {
     pub no_kv_cache: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
     pub cpu_attention: Cell<Option<f64>>,
+    /// Seconds of a decode step's attention on the device over its `kv-cache`, a running
+    /// average (none ran yet: `None`).
+    pub device_attention: Cell<Option<f64>>,
 }
 
 impl Gpu {
@@ -251,14 +254,24 @@ impl Gpu {
 
     /// The policy for an attention batch: the device's estimate as for products, the CPU's
     /// from its own measured attention rate (with none yet, the CPU runs it and is measured).
-    /// With `On`, batches of queries (prefill) go to the device, and single ones (decode) when
-    /// the device keeps the layer's keys and values (`cached`): without, each call would send
-    /// the whole cache for one query's arithmetic (on an H200, decode at 512 keys ran at half
-    /// the speed that way).
+    /// With `On`, batches of queries (prefill) go to the device. A single query (a decode step)
+    /// goes there only if the device keeps the layer's keys and values (`cached`; without, each
+    /// call would send the whole cache for one query's arithmetic: on an H200 decode at 512
+    /// keys ran at half the speed that way), and then, in either mode, to whichever has been
+    /// faster: the device's measured time a call against the CPU's measured rate for these
+    /// keys (the CPU is measured first, then the device once). On an H200 a call costs ~0.3
+    /// ms, the CPU's attention at 128 keys ~0.08 and at 576 ~0.5.
     fn wants_attention(&self, t: usize, cached: bool, flops: u64, bytes: u64) -> bool {
+        if self.mode != Mode::Off && t == 1 && cached {
+            return match (self.cpu_attention.get(), self.device_attention.get()) {
+                (Some(cpu), Some(device)) => device < flops as f64 / cpu,
+                (Some(_), None) => true,
+                (None, _) => false,
+            };
+        }
         match self.mode {
             Mode::Off => false,
-            Mode::On => t > 1 || cached,
+            Mode::On => t > 1,
             Mode::Auto => match (self.rates.get(), self.cpu_attention.get()) {
                 (Some(r), Some(cpu)) => {
                     r.gpu_latency + bytes as f64 / r.gpu_bytes + flops as f64 / r.gpu_flops < flops as f64 / cpu
@@ -266,6 +279,11 @@ impl Gpu {
                 _ => false,
             },
         }
+    }
+
+    /// Folds the measured time of a decode step's attention on the device into the estimate.
+    fn observe_device_attention(&self, secs: f64) {
+        self.device_attention.set(Some(self.device_attention.get().map_or(secs, |d| 0.8 * d + 0.2 * secs)));
     }
 
     /// Folds a measured CPU attention rate into the estimate.
@@ -450,6 +468,9 @@ impl Dispatch {
         let start = Instant::now();
         if self.device_attend(layer, cache, h, q, pos, t, out) {
             self.counters.gpu_attention_calls += 1;
+            if let (Some(gpu), 1) = (&self.gpu, t) {
+                gpu.observe_device_attention(start.elapsed().as_secs_f64());
+            }
         } else {
             attend(cache, h, q, pos, t, scores, out);
             if let Some(gpu) = &self.gpu {

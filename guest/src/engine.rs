@@ -197,6 +197,7 @@ impl Model {
                 no_ffn: Default::default(),
                 no_kv_cache: Default::default(),
                 cpu_attention: Default::default(),
+                device_attention: Default::default(),
             })
         });
         let gpu_weights = match (&gpu, &mut arch) {

@@ -84,9 +84,10 @@ impl Backend for Slices {
     }
 }
 
-/// Device calls of a short prompt's prefill: products and attention. Then two decode steps,
-/// whose attention goes to the device too (over its kv-caches), and the caches go with the
-/// session.
+/// Device calls of a short prompt's prefill: products and attention. Then two decode steps:
+/// on a model that has measured neither yet, their attention goes to the CPU (measured first)
+/// and to the device over its kv-caches (measured next), then to the faster; the caches go
+/// with the session.
 fn device_calls(inst: &mut Instance, m: Model) -> wisp::Stats {
     let s = inst.new_session(m, 8).unwrap().unwrap();
     inst.feed(s, &[2, 818]).unwrap().unwrap();
@@ -96,7 +97,8 @@ fn device_calls(inst: &mut Instance, m: Model) -> wisp::Stats {
         inst.next(s, &greedy).unwrap().unwrap();
     }
     let decoded = inst.stats(s).unwrap();
-    assert_eq!(decoded.gpu_attention_calls, 3 * 18, "{decoded:?}");
+    let decode_calls = decoded.gpu_attention_calls - stats.gpu_attention_calls;
+    assert!(decode_calls > 0 && decode_calls < 2 * 18, "{decoded:?}");
     assert_eq!(decoded.gpu_fallbacks, 0, "{decoded:?}");
     inst.drop_session(s).unwrap();
     stats
@@ -129,12 +131,13 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
         }
     }
     assert!(sliced > 0, "no weight was larger than one slice");
-    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
-    check(&mut inst, m, &cases);
     // Attention went to the device too (18 layers of one batch), each layer's feed-forward
-    // block as one call (3 a layer with the output projection's), and nothing fell back.
+    // block as one call (3 a layer with the output projection's), and nothing fell back. First,
+    // while the model has measured neither attention yet.
     let stats = device_calls(&mut inst, m);
     assert!(stats.gpu_attention_calls == 18 && stats.gpu_calls == 3 * 18 + 1 && stats.gpu_fallbacks == 0, "{stats:?}");
+    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
+    check(&mut inst, m, &cases);
 }
 
 #[test]
@@ -144,12 +147,12 @@ fn every_golden_case_passes_on_wgpu() {
     let info = inst.model_info(m).unwrap();
     eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
-    check(&mut inst, m, &golden_cases());
     let stats = device_calls(&mut inst, m);
     // 3 device calls a layer; the output projection where it fits (not under lavapipe's
     // 128 MiB binding cap).
     let layers = stats.gpu_calls - stats.gpu_calls % 3;
     assert!(layers == 3 * 18 && stats.gpu_attention_calls == 18 && stats.gpu_fallbacks == 0, "{stats:?}");
+    check(&mut inst, m, &golden_cases());
 }
 
 #[test]

@@ -537,12 +537,14 @@ export class WebGpuBackend {
         entries: [entry(0, 'uniform', true), entry(1, 'read-only-storage'), entry(2, 'read-only-storage'), entry(3, 'read-only-storage'), entry(4, 'storage')],
       });
       const module = this.device.createShaderModule({ label: 'attention.wgsl', code: this.attentionShader });
-      const pipeline = await this.device.createComputePipelineAsync({
-        label: 'attention',
-        layout: this.device.createPipelineLayout({ label: 'attention', bindGroupLayouts: [layout] }),
-        compute: { module, entryPoint: 'attend' },
+      const pipelineLayout = this.device.createPipelineLayout({ label: 'attention', bindGroupLayouts: [layout] });
+      const entryPoint = (name) => this.device.createComputePipelineAsync({
+        label: name,
+        layout: pipelineLayout,
+        compute: { module, entryPoint: name },
       });
-      return { layout, pipeline };
+      const [pipeline, merge] = await Promise.all([entryPoint('attend'), entryPoint('attend_merge')]);
+      return { layout, pipeline, merge };
     });
     return this.attentionPipeline;
   }
@@ -612,15 +614,24 @@ export class WebGpuBackend {
     if (qBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${q.length} queries do not fit the device`);
     const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
     if (s.nHead > maxDim) throw new GpuError('out-of-memory', `${s.nHead} heads exceed the device's ${maxDim} workgroups`);
-    const { layout, pipeline } = await this.attentionKernel();
+    const { layout, pipeline, merge } = await this.attentionKernel();
     const macs = 2 * s.nHead * s.nKeys * s.headDim;
     const perDispatch = Math.max(1, Math.min(maxDim, Math.floor(DISPATCH_MACS / Math.max(macs, 1))));
     const dispatches = Math.ceil(s.t / perDispatch);
+    // Each query's keys in runs of whole chunks of 64, enough for about 1024 workgroups (as
+    // `splits_for` in host/src/gpu/wgpu/attention.rs); with more than one, partials follow
+    // the outputs in `out` and `attend_merge` combines them.
+    const chunks = Math.max(1, Math.ceil(s.nKeys / 64));
+    const want = Math.min(64, Math.max(1, Math.floor(1024 / Math.max(1, s.t * s.nHead))));
+    const splitLen = Math.ceil(chunks / Math.min(want, chunks)) * 64;
+    const splits = Math.max(1, Math.ceil(s.nKeys / splitLen));
+    const outBytes = qBytes + (splits > 1 ? 4 * s.t * s.nHead * splits * (s.headDim + 2) : 0);
+    if (outBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `attention's partial sums of ${outBytes} bytes do not fit the device`);
     const stride = alignUp(SHAPE_BYTES, Math.max(this.limits.minUniformBufferOffsetAlignment, 4));
     const shapes = new ArrayBuffer(stride * dispatches);
     for (let d = 0; d < dispatches; d++) {
       const u = new Uint32Array(shapes, d * stride, SHAPE_BYTES / 4);
-      u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch, firstSlot, slots, 0, 0]);
+      u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch, firstSlot, slots, splits, splitLen]);
       new Float32Array(shapes, d * stride + 24, 1)[0] = s.scale;
     }
     try {
@@ -628,7 +639,7 @@ export class WebGpuBackend {
         const usage = GPUBufferUsage;
         const qb = this.ensure('attention q', qBytes, usage.STORAGE | usage.COPY_DST);
         this.device.queue.writeBuffer(qb, 0, q);
-        const out = this.ensure('attention out', qBytes, usage.STORAGE | usage.COPY_SRC);
+        const out = this.ensure('attention out', outBytes, usage.STORAGE | usage.COPY_SRC);
         const staging = this.ensure('attention staging', qBytes, usage.MAP_READ | usage.COPY_DST);
         const params = this.ensure('attention params', shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
         this.device.queue.writeBuffer(params, 0, shapes);
@@ -640,15 +651,17 @@ export class WebGpuBackend {
             { binding: 1, resource: { buffer: qb, offset: 0, size: qBytes } },
             { binding: 2, resource: { buffer: kb, offset: 0, size: kvBytes } },
             { binding: 3, resource: { buffer: vb, offset: 0, size: kvBytes } },
-            { binding: 4, resource: { buffer: out, offset: 0, size: qBytes } },
+            { binding: 4, resource: { buffer: out, offset: 0, size: outBytes } },
           ],
         });
         const encoder = this.device.createCommandEncoder({ label: 'attention' });
         const pass = encoder.beginComputePass({ label: 'attention' });
-        pass.setPipeline(pipeline);
-        for (let d = 0; d < dispatches; d++) {
-          pass.setBindGroup(0, group, [d * stride]);
-          pass.dispatchWorkgroups(s.nHead, Math.min(perDispatch, s.t - d * perDispatch), 1);
+        for (const [p, z] of splits > 1 ? [[pipeline, splits], [merge, 1]] : [[pipeline, 1]]) {
+          pass.setPipeline(p);
+          for (let d = 0; d < dispatches; d++) {
+            pass.setBindGroup(0, group, [d * stride]);
+            pass.dispatchWorkgroups(s.nHead, Math.min(perDispatch, s.t - d * perDispatch), z);
+          }
         }
         pass.end();
         encoder.copyBufferToBuffer(out, 0, staging, 0, qBytes);

@@ -9,6 +9,26 @@ use crate::gpu::{AttentionShape, BufferId, GpuError};
 
 const SHADER: &str = include_str!("../../../../shaders/attention.wgsl");
 
+/// Workgroups a call should give the device at least, where its keys allow (a decode step has
+/// a few heads of one query: without splitting the keys, a few workgroups, each walking them
+/// all).
+const TARGET_WORKGROUPS: u64 = 1024;
+/// The most splits of a query's keys (each at least a workgroup's worth).
+const MAX_SPLITS: u64 = 64;
+/// Keys a workgroup scores at once (WG in the shader).
+const KEY_CHUNK: u64 = 64;
+
+/// `(splits, split_len)`: each query's keys in runs of whole chunks, enough of them that the
+/// call has about TARGET_WORKGROUPS workgroups. One run (no merge) for prefill-sized batches.
+pub(crate) fn splits_for(s: &AttentionShape) -> (u32, u32) {
+    let keys = s.n_keys as u64;
+    let chunks = keys.div_ceil(KEY_CHUNK).max(1);
+    let want = (TARGET_WORKGROUPS / (s.t as u64 * s.n_head as u64).max(1)).clamp(1, MAX_SPLITS);
+    let splits = want.min(chunks);
+    let split_len = chunks.div_ceil(splits) * KEY_CHUNK;
+    (keys.div_ceil(split_len).max(1) as u32, split_len.min(u32::MAX as u64) as u32)
+}
+
 /// `Shape` in the shader.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
@@ -23,7 +43,8 @@ struct Params {
     query_base: u32,
     first_slot: u32,
     slots: u32,
-    pad: [u32; 2],
+    splits: u32,
+    split_len: u32,
 }
 const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
@@ -38,7 +59,8 @@ pub(super) struct Cache {
 /// The pipeline (built on first use), the buffers kept across calls, and the `kv-cache`s.
 #[derive(Default)]
 pub(super) struct Attention {
-    pipeline: Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline)>,
+    /// The layout, `attend` and `attend_merge`.
+    pipeline: Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline)>,
     pub(super) caches: std::collections::HashMap<BufferId, Cache>,
     q: Option<wgpu::Buffer>,
     k: Option<wgpu::Buffer>,
@@ -49,7 +71,9 @@ pub(super) struct Attention {
 }
 
 impl WgpuBackend {
-    fn attention_pipeline(&mut self) -> Result<(wgpu::BindGroupLayout, wgpu::ComputePipeline), GpuError> {
+    fn attention_pipeline(
+        &mut self,
+    ) -> Result<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline), GpuError> {
         if let Some(p) = &self.attn.pipeline {
             return Ok(p.clone());
         }
@@ -80,17 +104,20 @@ impl WgpuBackend {
             label: Some("attention.wgsl"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
-        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some("attention"),
-            layout: Some(&pipeline_layout),
-            module: &module,
-            entry_point: Some("attend"),
-            compilation_options: wgpu::PipelineCompilationOptions::default(),
-            cache: None,
-        });
+        let entry = |name| {
+            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(name),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some(name),
+                compilation_options: wgpu::PipelineCompilationOptions::default(),
+                cache: None,
+            })
+        };
+        let (attend, merge) = (entry("attend"), entry("attend_merge"));
         self.finish(scopes)?;
-        self.attn.pipeline = Some((layout.clone(), pipeline.clone()));
-        Ok((layout, pipeline))
+        self.attn.pipeline = Some((layout.clone(), attend.clone(), merge.clone()));
+        Ok((layout, attend, merge))
     }
 
     /// See [`crate::gpu::Backend::attention`]; the shape is checked by `GpuCtx` already. The
@@ -202,12 +229,19 @@ impl WgpuBackend {
         if s.n_head > groups {
             return Err(GpuError::OutOfMemory(format!("{} heads exceed the device's {groups} workgroups", s.n_head)));
         }
-        let (layout, pipeline) = self.attention_pipeline()?;
+        let (layout, pipeline, merge) = self.attention_pipeline()?;
 
         // Queries a dispatch: within the workgroup count of a dimension and the budget.
         let macs = (2 * s.n_head as u64).saturating_mul(s.n_keys as u64).saturating_mul(s.head_dim as u64);
         let per_dispatch = (self.dispatch_macs / macs.max(1)).clamp(1, groups as u64) as u32;
         let dispatches = s.t.div_ceil(per_dispatch);
+        let (splits, split_len) = splits_for(s);
+        // The outputs, then (with splits) each (query, head, split)'s partial: m, l, values.
+        let partial_bytes = 4 * s.t as u64 * s.n_head as u64 * (splits as u64) * (s.head_dim as u64 + 2);
+        let out_bytes = q_bytes + if splits > 1 { partial_bytes } else { 0 };
+        if out_bytes > max {
+            return Err(GpuError::OutOfMemory(format!("attention's partial sums of {out_bytes} bytes do not fit the device")));
+        }
         let stride = super::align_up(PARAMS_BYTES, self.limits.min_uniform_buffer_offset_alignment.max(4) as u64);
         let params: Vec<u8> = (0..dispatches)
             .flat_map(|d| {
@@ -222,7 +256,8 @@ impl WgpuBackend {
                     query_base: d * per_dispatch,
                     first_slot,
                     slots,
-                    pad: [0; 2],
+                    splits,
+                    split_len,
                 };
                 let mut bytes = bytemuck::bytes_of(&p).to_vec();
                 bytes.resize(stride as usize, 0);
@@ -237,7 +272,7 @@ impl WgpuBackend {
         let a = &mut self.attn;
         let qb = Self::ensure(device, &mut a.q, q_bytes, cap, storage, "attention q");
         let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-        let out = Self::ensure(device, &mut a.out, q_bytes, cap, out_usage, "attention out");
+        let out = Self::ensure(device, &mut a.out, out_bytes, cap, out_usage, "attention out");
         let read_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         let staging = Self::ensure(device, &mut a.staging, q_bytes, cap, read_usage, "attention staging");
         let uniform = wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST;
@@ -253,7 +288,7 @@ impl WgpuBackend {
                 wgpu::BindGroupEntry { binding: 1, resource: binding(&qb, 0, q_bytes) },
                 wgpu::BindGroupEntry { binding: 2, resource: binding(kb, 0, kv_bytes) },
                 wgpu::BindGroupEntry { binding: 3, resource: binding(vb, 0, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 4, resource: binding(&out, 0, q_bytes) },
+                wgpu::BindGroupEntry { binding: 4, resource: binding(&out, 0, out_bytes) },
             ],
         });
         let mut encoder =
@@ -261,11 +296,13 @@ impl WgpuBackend {
         {
             let mut pass = encoder
                 .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attention"), timestamp_writes: None });
-            pass.set_pipeline(&pipeline);
-            for d in 0..dispatches {
-                let queries = per_dispatch.min(s.t - d * per_dispatch);
-                pass.set_bind_group(0, &group, &[(d as u64 * stride) as u32]);
-                pass.dispatch_workgroups(s.n_head, queries, 1);
+            for (p, z) in [(&pipeline, splits), (&merge, 1)].into_iter().take(if splits > 1 { 2 } else { 1 }) {
+                pass.set_pipeline(p);
+                for d in 0..dispatches {
+                    let queries = per_dispatch.min(s.t - d * per_dispatch);
+                    pass.set_bind_group(0, &group, &[(d as u64 * stride) as u32]);
+                    pass.dispatch_workgroups(s.n_head, queries, z);
+                }
             }
         }
         encoder.copy_buffer_to_buffer(&out, 0, &staging, 0, q_bytes);
@@ -278,6 +315,31 @@ impl WgpuBackend {
                 self.drop_attention_buffers();
                 Err(e)
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(t: u32, n_keys: u32, n_head: u32) -> AttentionShape {
+        AttentionShape { t, n_keys, n_head, n_head_kv: 1, head_dim: 256, window: 0, scale: 1.0 }
+    }
+
+    /// Prefill batches run whole; a decode step's keys split into runs of whole chunks, at
+    /// most MAX_SPLITS, that together cover every key once.
+    #[test]
+    fn splits_cover_the_keys_in_whole_chunks() {
+        assert_eq!(splits_for(&shape(512, 512, 4)), (1, 512));
+        assert_eq!(splits_for(&shape(64, 200, 4)), (4, 64));
+        assert_eq!(splits_for(&shape(1, 576, 4)), (9, 64));
+        assert_eq!(splits_for(&shape(1, 1, 4)), (1, 64));
+        assert_eq!(splits_for(&shape(1, 100_000, 1)), (63, 1600));
+        for (t, n_keys, n_head) in [(1, 130, 14), (3, 4097, 8), (700, 700, 1), (1, 64, 1024)] {
+            let (splits, len) = splits_for(&shape(t, n_keys, n_head));
+            assert!(len % 64 == 0 && splits as u64 <= MAX_SPLITS, "{t} {n_keys} {n_head}: {splits} x {len}");
+            assert!((splits - 1) * len < n_keys && splits * len >= n_keys, "{t} {n_keys} {n_head}: {splits} x {len}");
         }
     }
 }
