@@ -585,6 +585,7 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
     let dims = [0, 1, 2, 15, 16, 31, 32, 33, 64, 100, 1000, 65536, u32::MAX - 31, u32::MAX];
     let mut live: Vec<u32> = Vec::new();
     let mut dead: Vec<u32> = vec![12345];
+    let mut caches: Vec<u32> = Vec::new();
     for _ in 0..20_000 {
         let f = rng.pick(&Format::ALL);
         let (n_out, n_in) = (rng.pick(&dims), rng.pick(&dims));
@@ -594,7 +595,7 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
             _ => rng.next() as u32,
         };
         let len = rng.pick(&[0usize, 1, 3, 4, 16, 31, 32, 64, 128, 4096]);
-        match rng.next() % 7 {
+        match rng.next() % 9 {
             0 => {
                 let data = vec![1u8; len * 4];
                 let scales = vec![0.5f32; len / 8];
@@ -633,6 +634,29 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
                 let v = vec![0.25f32; rng.pick(&[0usize, 1, 4, 16, 64])];
                 let _ = ctx.attention(&vec![0.5f32; len], &v, &v, &shape);
             }
+            6 => {
+                if let Ok(c) = ctx.create_kv_cache(n_out % 70, n_in % 70) {
+                    caches.push(c.rep());
+                }
+            }
+            7 => {
+                let cache = match rng.next() % 2 {
+                    0 if !caches.is_empty() => rng.pick(&caches),
+                    _ => rep,
+                };
+                let shape = AttentionShape {
+                    t: rng.pick(&[0, 1, 2]),
+                    n_keys: rng.pick(&[0, 1, 2, 16, 80]),
+                    n_head: rng.pick(&[0, 1, 2, 4]),
+                    n_head_kv: rng.pick(&[0, 1, 2]),
+                    head_dim: rng.pick(&dims) % 70,
+                    window: rng.pick(&dims),
+                    scale: 0.5,
+                };
+                let new_rows = vec![0.25f32; rng.pick(&[0usize, 1, 4, 32, 64])];
+                let first = rng.pick(&dims);
+                let _ = ctx.attention_cached(&vec![0.5f32; len], &new_rows, &new_rows, first, &Resource::new_borrow(cache), first, &shape);
+            }
             _ => {
                 ctx.release(Resource::new_own(rep));
                 if let Some(i) = live.iter().position(|&r| r == rep) {
@@ -642,13 +666,17 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
         }
         let (bytes, handles) = ctx.usage();
         assert!(
-            bytes <= 1 << 20 && handles <= 16 && handles as usize == live.len(),
-            "books: {bytes} bytes, {handles} handles, {} live",
-            live.len()
+            bytes <= 1 << 20 && handles <= 16 && handles as usize == live.len() + caches.len(),
+            "books: {bytes} bytes, {handles} handles, {} weights and {} caches live",
+            live.len(),
+            caches.len()
         );
     }
     for rep in live {
         ctx.release(Resource::new_own(rep));
+    }
+    for rep in caches {
+        ctx.release_cache(Resource::new_own(rep));
     }
     assert_eq!(ctx.usage(), (0, 0));
 }
