@@ -533,18 +533,28 @@ impl Dispatch {
         if (q.len().max(n_keys * kv)) as u64 > max {
             return false;
         }
-        let device = self.device_cache(&gpu, layer, cache.cap, kv);
         // Positions the device needs that it does not hold: all of `first..` without a cache,
         // else from where its copy ends (what lies at or past `pos` is stale: a rewind).
-        let from = match device {
+        let from_given = |device: Option<DeviceCache>| match device {
             Some(c) if c.lo <= first && first <= c.hi.min(pos) => c.hi.min(pos),
             _ => first,
         };
-        let rows = pos + t - from;
+        // The policy first (a cache it may never use is not made), with the cache this layer
+        // has or can have.
+        let cacheable = !gpu.no_kv_cache.get() && !self.no_caches;
+        let known = self.caches.get(layer).copied().flatten();
+        let rows = pos + t - if cacheable { from_given(known) } else { first };
         let bytes = 4 * (2 * q.len() + 2 * rows * kv) as u64;
-        if !gpu.wants_attention(t, device.is_some(), attention_flops(cache, h, pos, t), bytes) {
+        if !gpu.wants_attention(t, cacheable, attention_flops(cache, h, pos, t), bytes) {
             return false;
         }
+        let device = if cacheable { self.device_cache(&gpu, layer, cache.cap, kv) } else { None };
+        if cacheable && device.is_none() && t == 1 {
+            // The choice counted on a cache that could not be made: the guest attends.
+            return false;
+        }
+        let from = from_given(device);
+        let rows = pos + t - from;
         let (keys, values) = (&mut self.keys, &mut self.values);
         for buf in [&mut *keys, &mut *values] {
             buf.clear();

@@ -270,8 +270,11 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
         println!(
-            "matmuls: {} on the CPU, {} device calls; attention: {} device calls (last run)",
-            s.cpu_matmuls, s.gpu_calls, s.gpu_attention_calls
+            "matmuls: {} on the CPU, {} device calls; attention: {} device calls (the {} runs' session)",
+            s.cpu_matmuls,
+            s.gpu_calls,
+            s.gpu_attention_calls,
+            a.runs.max(1)
         );
         println!("where the time goes (all runs):");
         println!("  {}", prefill_stages.line("prefill"));
