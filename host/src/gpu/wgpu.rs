@@ -727,7 +727,7 @@ impl WgpuBackend {
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
         let output = Self::ensure(&self.device, &mut s.output, out_bytes, cap, usage, "output");
         let input = s.input.clone();
-        self.finish(scopes)?;
+        self.finish(scopes).inspect_err(|_| self.scratch = Scratch::default())?;
         let Some(input) = input else { return Err(GpuError::Unavailable("no input buffer".into())) };
         let mut steps = Vec::with_capacity(jobs.len());
         let mut dispatches = Vec::new();
@@ -794,7 +794,7 @@ impl WgpuBackend {
         let hidden = Self::ensure(&self.device, &mut s.hidden, hidden_bytes, cap, storage, "ffn hidden");
         let output = Self::ensure(&self.device, &mut s.output, out_len * 4, cap, storage | wgpu::BufferUsages::COPY_SRC, "output");
         let input = s.input.clone();
-        self.finish(scopes)?;
+        self.finish(scopes).inspect_err(|_| self.scratch = Scratch::default())?;
         let Some(input) = input else { return Err(GpuError::Unavailable("no input buffer".into())) };
 
         let x_in = (&input, t as u64 * x_elems * 4);
