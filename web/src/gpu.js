@@ -46,6 +46,16 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     return err('unavailable', `the device failed: ${e?.message ?? e}`);
   };
 
+  // The `out-of-memory` error when one more handle of `bytes` would pass the instance's budget
+  // (host/src/gpu/mod.rs's `budget_allows`), else null.
+  const overBudget = (bytes) => {
+    if (state.usedHandles >= limits.handles) return oom(`this instance holds its budget of ${limits.handles} handles`);
+    if (state.usedBytes + bytes > limits.bytes) {
+      return oom(`${bytes} more bytes exceed this instance's budget (${state.usedBytes} of ${limits.bytes} used)`);
+    }
+    return null;
+  };
+
   const ready = () => {
     if (state.lost) return err('device-lost', state.lost);
     if (backend?.lost) {
@@ -142,10 +152,8 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     if (data > BigInt(backend.info.maxWeightBytes)) {
       return oom(`a weight of ${data} bytes exceeds the device's limit of ${backend.info.maxWeightBytes}`);
     }
-    if (state.usedHandles >= limits.handles) return oom(`this instance holds its budget of ${limits.handles} handles`);
-    if (state.usedBytes + bytes > limits.bytes) {
-      return oom(`${bytes} more bytes exceed this instance's budget (${state.usedBytes} of ${limits.bytes} used)`);
-    }
+    const over = overBudget(bytes);
+    if (over) return over;
     try {
       const w = await backend.create(format, nOut, nIn);
       state.usedBytes += bytes;
@@ -302,10 +310,8 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     if (half > BigInt(backend.info.maxWeightBytes)) {
       return oom(`a kv-cache of ${half} bytes a half exceeds the device's limit of ${backend.info.maxWeightBytes}`);
     }
-    if (state.usedHandles >= limits.handles) return oom(`this instance holds its budget of ${limits.handles} handles`);
-    if (state.usedBytes + 2n * half > limits.bytes) {
-      return oom(`${2n * half} more bytes exceed this instance's budget (${state.usedBytes} of ${limits.bytes} used)`);
-    }
+    const over = overBudget(2n * half);
+    if (over) return over;
     try {
       const c = await backend.createCache(slots, width);
       state.usedBytes += 2n * half;
