@@ -19,9 +19,12 @@
 // Pipeline-overridable constants:
 //   FORMAT   0 f32, 1 bf16, 2 q8x32, 3 q8x16, 4 q4x32
 //   LANES_K  `gemv` only: invocations sharing one row (a power of two, at most 64). 1 on CPU
-//            devices (rows per invocation, no barrier); on a GPU a warp's worth, so that
+//            devices (rows per invocation, no barrier); on a GPU two warps' worth, so that
 //            neighbouring invocations read neighbouring quads of a row (coalesced), summed
 //            through workgroup memory after one barrier.
+//   GEMV_BLOCKS  `gemv` only: blocks of 4 weight rows an invocation, 1 or 2. Two halve the x
+//            loads a weight (the q4x32 GEMV's bound on the H200); the q8 formats run faster
+//            with one.
 //
 // A row is walked in steps of one quad of weights (two for f32): 8 elements for f32 and bf16,
 // 16 for q8x32 and q8x16 (one scale a step), 32 for q4x32 (one [d, m] a step). Weights are
@@ -31,8 +34,8 @@
 // on a CPU device.
 //
 // Entry points:
-//   gemv  small t (decode). Each invocation: 4 weight rows (64 / LANES_K apart) against one row
-//         of x (wid.y), sharing each x load among the 4 rows.
+//   gemv  small t (decode). Each invocation: 4 or 8 weight rows (64 / LANES_K apart) against
+//         one row of x (wid.y), sharing each x load among the rows.
 //   gate_gelu, gate_silu  the activation between the products of `ffn` (see there).
 //   gemm  t >= 4 (prefill), register-blocked: each invocation computes 8 weight rows (64
 //         apart) x 4 rows of x = 32 outputs; a workgroup covers 512 weight rows and 4 rows of
@@ -59,6 +62,7 @@ struct Params {
 
 override FORMAT: u32 = 0u;
 override LANES_K: u32 = 1u;
+override GEMV_BLOCKS: u32 = 1u;
 
 const F32: u32 = 0u;
 const BF16: u32 = 1u;
@@ -112,22 +116,26 @@ fn q4_group(word: u32, d: f32, m: f32) -> W8 {
 
 // Exact decoders without an int-to-float conversion (which runs at a quarter of the FMA rate on
 // GPUs): a byte or nibble b placed in the mantissa of 2^23 is the float 2^23 + b exactly, and
-// one subtraction gives b.
+// one subtraction gives b. A field can stay where it is in its word: at bits j .. j + n of the
+// mantissa under an exponent of 2^(23 - j), it is the float 2^(23 - j) + b. So a word takes one
+// shift (its upper half down: bit 23 belongs to the exponent) and one mask-and-or a field.
 
 // The four signed bytes of a word, byte 0 first, exactly.
 fn q8_exact(word: u32) -> vec4<f32> {
     let u = word ^ 0x80808080u;
-    let b = vec4<u32>(u, u >> 8u, u >> 16u, u >> 24u) & vec4<u32>(0xffu);
-    return bitcast<vec4<f32>>(b | vec4<u32>(0x4b000000u)) - vec4<f32>(8388736.0);
+    let b = vec4<u32>(u, u, u >> 16u, u >> 16u) & vec4<u32>(0xffu, 0xff00u, 0xffu, 0xff00u);
+    let e = vec4<u32>(0x4b000000u, 0x47000000u, 0x4b000000u, 0x47000000u);
+    return bitcast<vec4<f32>>(b | e) - vec4<f32>(8388736.0, 32896.0, 8388736.0, 32896.0);
 }
 
 // The eight nibbles of a word (element 2i in the low nibble of byte i), exactly.
 fn q4_exact(word: u32) -> W8 {
-    let lo = vec4<u32>(word, word >> 4u, word >> 8u, word >> 12u) & vec4<u32>(0xfu);
-    let hi = vec4<u32>(word >> 16u, word >> 20u, word >> 24u, word >> 28u) & vec4<u32>(0xfu);
-    let magic = vec4<u32>(0x4b000000u);
-    let bias = vec4<f32>(8388608.0);
-    return W8(bitcast<vec4<f32>>(lo | magic) - bias, bitcast<vec4<f32>>(hi | magic) - bias);
+    let mask = vec4<u32>(0xfu, 0xf0u, 0xf00u, 0xf000u);
+    let e = vec4<u32>(0x4b000000u, 0x49000000u, 0x47000000u, 0x45000000u);
+    let bias = vec4<f32>(8388608.0, 524288.0, 32768.0, 2048.0);
+    let lo = bitcast<vec4<f32>>((vec4<u32>(word) & mask) | e) - bias;
+    let hi = bitcast<vec4<f32>>((vec4<u32>(word >> 16u) & mask) | e) - bias;
+    return W8(lo, hi);
 }
 
 // x[i .. i + 4], i a multiple of 4.
@@ -249,27 +257,49 @@ fn gemv_store(li: u32, part: vec4<f32>, rows: vec4<u32>, tr: u32) {
     }
 }
 
+// A block of four weight rows (64 / LANES_K apart) against one row of x: the x values of a step
+// are loaded once for the four rows.
+struct Rows4 {
+    rows: vec4<u32>,
+    // `rows`, clamped to rows that exist (loads), where `rows` masks the stores.
+    r: vec4<u32>,
+}
+
+fn rows4(first: u32, apart: u32) -> Rows4 {
+    let rows = vec4<u32>(first) + vec4<u32>(0u, 1u, 2u, 3u) * apart;
+    return Rows4(rows, min(rows, vec4<u32>(params.n_out - 1u)));
+}
+
 @compute @workgroup_size(64)
 fn gemv(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let lane = lid.x % LANES_K;
     let rows_apart = WG / LANES_K;
-    let row0 = params.row_base + wid.x * (4u * rows_apart) + lid.x / LANES_K;
-    let rows = vec4<u32>(row0) + vec4<u32>(0u, 1u, 2u, 3u) * rows_apart;
-    let r = min(rows, vec4<u32>(params.n_out - 1u));
+    let row0 = params.row_base + wid.x * (4u * GEMV_BLOCKS * rows_apart) + lid.x / LANES_K;
+    let a = rows4(row0, rows_apart);
+    let b = rows4(row0 + 4u * rows_apart, rows_apart);
     let tr = params.t_base + wid.y;
     let xo = min(tr, params.t - 1u) * (4u * params.x_stride);
 
-    // Loop bounds are uniform across the workgroup (the barrier below needs it).
-    var acc = vec4<f32>(0.0);
+    // Loop bounds are uniform across the workgroup (the barriers below need it).
+    var acc_a = vec4<f32>(0.0);
+    var acc_b = vec4<f32>(0.0);
     let steps = (params.n_in + step_elements() - 1u) / step_elements();
     for (var s0 = 0u; s0 < steps; s0 += LANES_K) {
         let s = s0 + lane;
         if (s < steps) {
-            acc = gemv_step(acc, r, s, xo);
+            acc_a = gemv_step(acc_a, a.r, s, xo);
+            if (GEMV_BLOCKS > 1u) {
+                acc_b = gemv_step(acc_b, b.r, s, xo);
+            }
         }
     }
 
-    gemv_store(lid.x, acc, rows, tr);
+    gemv_store(lid.x, acc_a, a.rows, tr);
+    if (GEMV_BLOCKS > 1u) {
+        // `partial` is reused: every lane 0 has read its first use.
+        workgroupBarrier();
+        gemv_store(lid.x, acc_b, b.rows, tr);
+    }
 }
 
 // ---- gemm ---------------------------------------------------------------------------------

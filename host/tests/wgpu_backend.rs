@@ -684,7 +684,12 @@ fn kernel_sweep() {
         }
         best as f64
     };
+    let max_weight = gpu.device().map_or(0, |d| d.max_weight_bytes);
     for format in Format::ALL {
+        if format.data_bytes(n as u64 * n as u64).is_none_or(|b| b > max_weight) {
+            println!("sweep gemv {} [{n}, {n}]: over the device's largest weight", format.name());
+            continue;
+        }
         let w = Weight::random(&mut rng, format, n, n);
         let bytes = (w.data.len() + 4 * w.scales.len()) as f64;
         let id = upload(&mut gpu, &w);
