@@ -2,8 +2,9 @@
 // query i and head h, out[i, h] = softmax_j(scale * q[i, h] . k[j, g]) @ v[., g] over the keys j
 // query i sees, g the key/value head of h.
 //
-// One workgroup a (head, query). It walks the keys the query sees in chunks of WG: each
-// invocation scores one key of the chunk (q is in workgroup memory), the chunk's maximum and sum
+// One workgroup a (head, query). It walks the keys the query sees in chunks of WG: G
+// invocations score each key of the chunk together (q is in workgroup memory), then each
+// invocation owns one key's score; the chunk's maximum and sum
 // are reduced through workgroup memory, and the running output (each invocation owns the
 // dimensions d = lid + r * WG) is rescaled by exp(old max - new max) and gains the chunk's
 // weighted values: a single pass over the keys, the softmax never stored whole ("online
@@ -49,7 +50,14 @@ const PER: u32 = MAX_HEAD_DIM / WG;
 // Below every score a finite input gives: the score of a key outside the query's range.
 const LOWEST: f32 = -3.0e38;
 
+// Invocations that score one key together, and the keys scored at once.
+const G: u32 = 16u;
+const KEYS: u32 = WG / G;
+
 var<workgroup> qs: array<f32, MAX_HEAD_DIM>;
+// The G parts of each key of a chunk, a row of G + 1 a key (a column read by the 32 lanes of
+// a warp then spans every bank).
+var<workgroup> parts: array<f32, WG * (G + 1u)>;
 var<workgroup> probs: array<f32, WG>;
 var<workgroup> red: array<f32, WG>;
 
@@ -118,14 +126,36 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     var m = LOWEST;
     var l = 0.0;
     var acc: array<f32, PER>;
+    let sub = lid % G;
     for (var c = lo; c <= hi; c += WG) {
+        // The chunk's keys scored G invocations a key, KEYS keys at a time: each reads every
+        // G-th dimension, so that a key's row is read in runs of G neighbouring values.
+        for (var kk = lid / G; kk < WG; kk += KEYS) {
+            let jk = c + kk;
+            var part = 0.0;
+            if jk <= hi {
+                let at = ((s.first_slot + jk) % s.slots) * kv_stride + kv_at;
+                // Four loads in flight, then the rest one at a time.
+                var d = sub;
+                var p4 = vec4<f32>(0.0);
+                for (; d + 3u * G < hd; d += 4u * G) {
+                    let kd = vec4<f32>(k[at + d], k[at + d + G], k[at + d + 2u * G], k[at + d + 3u * G]);
+                    p4 = fma(vec4<f32>(qs[d], qs[d + G], qs[d + 2u * G], qs[d + 3u * G]), kd, p4);
+                }
+                for (; d < hd; d += G) {
+                    p4.x += qs[d] * k[at + d];
+                }
+                part = (p4.x + p4.y) + (p4.z + p4.w);
+            }
+            parts[kk * (G + 1u) + sub] = part;
+        }
+        workgroupBarrier();
         let j = c + lid;
         var score = LOWEST;
         if j <= hi {
-            let at = ((s.first_slot + j) % s.slots) * kv_stride + kv_at;
             var dot = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                dot += qs[d] * k[at + d];
+            for (var e = 0u; e < G; e++) {
+                dot += parts[lid * (G + 1u) + e];
             }
             score = dot * s.scale;
         }
