@@ -19,8 +19,8 @@
 #      back-to-back runs); the conformance kit against this GPU;
 #   4. if WISP_TESTS names the wgpu_backend test binary (`cargo test --release -p wisp --test
 #      wgpu_backend --no-run` prints it), the backend's tests on this GPU (cooperative matrices
-#      required) and its kernel sweep (every kernel variant, kernel-only; GEMV also at
-#      [32768, 32768]);
+#      required), its kernel sweep (every kernel variant, kernel-only; GEMV also at
+#      [32768, 32768]) and its round-trip sweep (attention and a small product, end to end);
 #   5. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
 #      shapes, and the device-to-device copy rate (bench/torch_ref.py).
 # With WISP_MODELS_ONLY=1, parts 1 and 2 and the conformance kit only.
@@ -65,6 +65,7 @@ if [ -n "${WISP_TESTS:-}" ]; then
     step kernel-sweep env WISP_COOP=1 WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
     # GEMV over 768 MB of q4x32 (f32 and bf16 do not fit one binding there), the size of the copy below.
     step gemv-sweep-32768 env WISP_SWEEP_N=32768 WISP_SWEEP_M=256 "$WISP_TESTS" --ignored --nocapture kernel_sweep
+    step round-trips "$WISP_TESTS" --ignored --nocapture round_trip_sweep
 fi
 step torch python3 bench/torch_ref.py
 exit $status

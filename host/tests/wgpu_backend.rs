@@ -312,6 +312,35 @@ fn device_loss_is_an_error_not_a_panic() {
     }
 }
 
+/// A readback that spins before it blocks (GPUs) reads what a blocking one reads, for products
+/// and attention alike, and a device lost under it is still an error.
+#[test]
+fn spinning_and_blocking_readbacks_agree() {
+    let Some(mut gpu) = backend("spinning_and_blocking_readbacks_agree") else { return };
+    let mut rng = Rng::new("spinning_and_blocking_readbacks_agree");
+    let w = Weight::random(&mut rng, Format::Q4x32, 70, 128);
+    let id = upload(&mut gpu, &w);
+    let x = random_x(&mut rng, 5, 128);
+    let s = AttentionShape { t: 3, n_keys: 9, n_head: 4, n_head_kv: 2, head_dim: 32, window: 0, scale: 0.2 };
+    let q: Vec<f32> = (0..3 * 4 * 32).map(|_| rng.unit()).collect();
+    let k: Vec<f32> = (0..9 * 2 * 32).map(|_| rng.unit()).collect();
+    let mut seen = Vec::new();
+    for spin in [false, true, false] {
+        gpu.set_spin_wait(spin);
+        let y = gpu.matmul(&x, 5, 128, &[id]).expect("matmul");
+        let a = gpu.attention(&q, &k, &k, &s).expect("attention");
+        check(&format!("spin={spin}"), &[&w], &x, 5, &y);
+        seen.push((y, a));
+    }
+    assert!(seen.windows(2).all(|p| p[0] == p[1]), "the results differ between spinning and blocking readbacks");
+    gpu.set_spin_wait(true);
+    gpu.simulate_device_loss();
+    match gpu.matmul(&x, 5, 128, &[id]) {
+        Err(GpuError::DeviceLost(_)) => {}
+        other => panic!("matmul on a lost device, spinning: {other:?}"),
+    }
+}
+
 /// `ffn` on the device against the CPU's products and activation: mixed formats, both
 /// activations, a decode step, a batch and a batch for the large kernels, hidden widths that
 /// are and are not whole shader steps.
@@ -727,4 +756,60 @@ fn kernel_sweep() {
         }
         gpu.free(id);
     }
+}
+
+/// Calls timed end to end (wall clock, median of 20), in Gemma 3 270M's attention shape: a
+/// decode step (t = 1) against kv-caches of 128, 512 and 2048 keys, attention over one key and a
+/// [64, 64] product (a call's floor: the round trip), and a batch of 512 queries.
+#[test]
+#[ignore]
+fn round_trip_sweep() {
+    let Some(mut gpu) = backend("round_trip_sweep") else { return };
+    let mut rng = Rng::new("round_trip_sweep");
+    let (n_head, n_head_kv, head_dim) = (4u32, 1u32, 256u32);
+    let width = n_head_kv * head_dim;
+    let shape = |t, n_keys| AttentionShape { t, n_keys, n_head, n_head_kv, head_dim, window: 0, scale: 0.0625 };
+    let rows = |rng: &mut Rng, n: u32| -> Vec<f32> { (0..n).map(|_| rng.unit()).collect() };
+    let median_us = |call: &mut dyn FnMut()| {
+        let mut times: Vec<f64> = (0..20)
+            .map(|_| {
+                let start = Instant::now();
+                call();
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[10]
+    };
+    let cache = gpu.create_cache(4096, width).expect("a cache");
+    let mut pos = 0u32;
+    for keys in [128u32, 512, 2048] {
+        // The cache filled up to keys - 1, then a step that adds key `keys`.
+        let t = keys - 1 - pos;
+        let (q, k) = (rows(&mut rng, t * n_head * head_dim), rows(&mut rng, t * width));
+        gpu.attention_cached(&q, &k, &k, pos, cache, 0, &shape(t, pos + t)).expect("a prefill");
+        pos += t;
+        let (q, k) = (rows(&mut rng, n_head * head_dim), rows(&mut rng, width));
+        let us = median_us(&mut || {
+            gpu.attention_cached(&q, &k, &k, pos, cache, 0, &shape(1, keys)).expect("a decode step");
+        });
+        println!("sweep round trip: attention, decode at {keys} keys: {us:.0} us");
+    }
+    let (q, k) = (rows(&mut rng, n_head * head_dim), rows(&mut rng, width));
+    let us = median_us(&mut || {
+        gpu.attention(&q, &k, &k, &shape(1, 1)).expect("one key");
+    });
+    println!("sweep round trip: attention over one key: {us:.0} us");
+    let id = upload(&mut gpu, &Weight::random(&mut rng, Format::F32, 64, 64));
+    let x = random_x(&mut rng, 1, 64);
+    let us = median_us(&mut || {
+        gpu.matmul(&x, 1, 64, &[id]).expect("a product");
+    });
+    println!("sweep round trip: [64, 64] product, t = 1: {us:.0} us");
+    let t = 512;
+    let (q, k) = (rows(&mut rng, t * n_head * head_dim), rows(&mut rng, t * width));
+    let us = median_us(&mut || {
+        gpu.attention(&q, &k, &k, &shape(t, t)).expect("a batch");
+    });
+    println!("sweep round trip: attention, a batch of {t} queries: {us:.0} us");
 }

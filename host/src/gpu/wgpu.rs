@@ -18,6 +18,7 @@ use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant};
 
 const SHADER: &str = include_str!("../../../shaders/matmul.wgsl");
 /// `gemm_coop`, built after matmul.wgsl (whose bindings and decoders it uses) on adapters that
@@ -47,6 +48,9 @@ const DISPATCH_MACS: u64 = 1 << 28;
 const GPU_DISPATCH_MACS: u64 = 1 << 36;
 /// Bytes of one `queue.write_buffer` of weights: bounds wgpu's staging memory during uploads.
 const WRITE_CHUNK: usize = 64 << 20;
+/// How long a readback polls before it blocks, on GPUs (see [`WgpuBackend::spin_for`]). CPU
+/// devices always block: their work runs on the threads a spin would take.
+const SPIN_WAIT: Duration = Duration::from_millis(1);
 /// Size of `Params` in the shader.
 const PARAMS_BYTES: u64 = 32;
 
@@ -230,6 +234,8 @@ pub struct WgpuBackend {
     lanes_k: u32,
     /// [`Self::set_gemv_lanes`]'s choice, for every format.
     lanes_set: Option<u32>,
+    /// Whether a readback spins before it blocks (GPUs; see [`Self::spin_for`]).
+    spin_wait: bool,
     /// Multiply-adds a dispatch may cover on this device.
     dispatch_macs: u64,
     /// The kernel of t >= 4.
@@ -486,6 +492,7 @@ impl WgpuBackend {
             events,
             lanes_k,
             lanes_set: None,
+            spin_wait: ainfo.device_type != wgpu::DeviceType::Cpu,
             gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
             coop,
             coop_module: None,
@@ -551,6 +558,13 @@ impl WgpuBackend {
         Ok(())
     }
 
+    /// Whether a readback polls for up to a millisecond before it blocks: `new` picks it on
+    /// GPUs and not on CPU devices; this overrides it, so that both ways can be tested (or
+    /// measured) on any device.
+    pub fn set_spin_wait(&mut self, on: bool) {
+        self.spin_wait = on;
+    }
+
     /// Whether products of t >= 128 run on cooperative matrices here (f16 inputs, f32 sums):
     /// where the adapter offers them and WISP_COOP=1 asks for them.
     pub fn has_coop(&self) -> bool {
@@ -604,8 +618,12 @@ impl WgpuBackend {
     /// Waits for the queue. wgpu panics on a device error here (a device lost mid-wait): that
     /// panic is caught and becomes an error.
     fn poll(&self) -> Result<(), GpuError> {
+        self.poll_as(wgpu::PollType::wait_indefinitely())
+    }
+
+    fn poll_as(&self, how: wgpu::PollType) -> Result<(), GpuError> {
         let device = &self.device;
-        match catch_unwind(AssertUnwindSafe(|| device.poll(wgpu::PollType::wait_indefinitely()))) {
+        match catch_unwind(AssertUnwindSafe(|| device.poll(how))) {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(GpuError::Unavailable(format!("waiting for the device: {e}"))),
             Err(_) => {
@@ -1025,14 +1043,32 @@ impl WgpuBackend {
 impl WgpuBackend {
     /// Maps the first `bytes` of `staging` (work copying into it is submitted), waits for the
     /// device, and gives them to `read`.
+    /// Polls without blocking for up to [`SPIN_WAIT`] until `rx` has the mapping's outcome.
+    /// A blocking wait sleeps in the driver and wakes ~40 us after the GPU is done (H200: a
+    /// small product's round trip 112-147 us blocking, 70-85 spinning); most calls of a decode
+    /// step finish within the spin. `None` when they do not, or when a poll fails (the
+    /// blocking wait that follows reports it).
+    fn spin_for<T>(&self, rx: &mpsc::Receiver<T>) -> Option<T> {
+        let start = Instant::now();
+        while start.elapsed() < SPIN_WAIT {
+            self.poll_as(wgpu::PollType::Poll).ok()?;
+            if let Ok(r) = rx.try_recv() {
+                return Some(r);
+            }
+            std::hint::spin_loop();
+        }
+        None
+    }
+
     fn read_back<R>(&self, staging: &wgpu::Buffer, bytes: u64, read: impl FnOnce(&[u8]) -> R) -> Result<R, GpuError> {
         let (tx, rx) = mpsc::channel();
         let slice = staging.slice(0..bytes);
         slice.map_async(wgpu::MapMode::Read, move |r| {
             let _ = tx.send(r);
         });
-        let waited = self.poll();
-        let mapped = match rx.try_recv() {
+        let early = if self.spin_wait { self.spin_for(&rx) } else { None };
+        let waited = if early.is_some() { Ok(()) } else { self.poll() };
+        let mapped = match early.map_or_else(|| rx.try_recv(), Ok) {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(GpuError::Unavailable(format!("reading the result back: {e}"))),
             Err(_) => Err(GpuError::Unavailable("reading the result back: the mapping never completed".into())),
