@@ -519,8 +519,9 @@ impl WgpuBackend {
     }
 
     /// How many invocations of the small-t kernel share one weight row (LANES_K in the shader):
-    /// a power of two from 1 to 64, for every format. [`Self::gemv_lanes`] picks one a format
-    /// otherwise; this overrides it, so that either path can be tested (or tuned) on any device.
+    /// a power of two from 1 to 64, for every format. Otherwise it is 1 on CPU devices and 32 on
+    /// GPUs, 64 for q4x32; this overrides it, so that either path can be tested (or tuned) on
+    /// any device.
     pub fn set_gemv_lanes(&mut self, lanes: u32) -> Result<(), GpuError> {
         if !lanes.is_power_of_two() || lanes > WORKGROUP {
             return Err(GpuError::InvalidArgument(format!(
