@@ -22,9 +22,9 @@
 //            devices (rows per invocation, no barrier); on a GPU two warps' worth, so that
 //            neighbouring invocations read neighbouring quads of a row (coalesced), summed
 //            through workgroup memory after one barrier.
-//   GEMV_BLOCKS  `gemv` only: blocks of 4 weight rows an invocation, 1 or 2. Two halve the x
-//            loads a weight (the q4x32 GEMV's bound on the H200); the q8 formats run faster
-//            with one.
+//   GEMV_BLOCKS  `gemv` only: blocks of 4 weight rows an invocation, 1 or 2. Two share each
+//            x load among eight rows (q4x32 runs faster so on the H200); the q8 formats run
+//            faster with one.
 //
 // A row is walked in steps of one quad of weights (two for f32): 8 elements for f32 and bf16,
 // 16 for q8x32 and q8x16 (one scale a step), 32 for q4x32 (one [d, m] a step). Weights are

@@ -784,7 +784,8 @@ fn round_trip_sweep() {
     let cache = gpu.create_cache(4096, width).expect("a cache");
     let mut pos = 0u32;
     for keys in [128u32, 512, 2048] {
-        // The cache filled up to keys - 1, then a step that adds key `keys`.
+        // The cache filled with keys - 1 rows, then a step that adds the last (each repeat
+        // writes the same row again).
         let t = keys - 1 - pos;
         let (q, k) = (rows(&mut rng, t * n_head * head_dim), rows(&mut rng, t * width));
         gpu.attention_cached(&q, &k, &k, pos, cache, 0, &shape(t, pos + t)).expect("a prefill");

@@ -229,8 +229,8 @@ pub struct WgpuBackend {
     info: Device,
     limits: wgpu::Limits,
     events: Arc<Events>,
-    /// Invocations sharing a row in `gemv` on this device (1 on CPU devices, 32 on GPUs), of
-    /// which [`Self::gemv_lanes`] makes LANES_K a format.
+    /// Invocations sharing a row in `gemv` on this device (1 on CPU devices, 32 on GPUs): the
+    /// base from which [`Self::gemv_lanes`] picks LANES_K for each format.
     lanes_k: u32,
     /// [`Self::set_gemv_lanes`]'s choice, for every format.
     lanes_set: Option<u32>,
@@ -1042,10 +1042,8 @@ impl WgpuBackend {
 }
 
 impl WgpuBackend {
-    /// Maps the first `bytes` of `staging` (work copying into it is submitted), waits for the
-    /// device, and gives them to `read`.
     /// Polls without blocking for up to [`SPIN_WAIT`] until `rx` has the mapping's outcome.
-    /// A blocking wait sleeps in the driver and wakes ~40 us after the GPU is done (H200: a
+    /// A blocking wait sleeps in the driver and wakes 40-60 us after the GPU is done (H200: a
     /// small product's round trip 112-147 us blocking, 70-85 spinning); most calls of a decode
     /// step finish within the spin. `None` when they do not, or when a poll fails (the
     /// blocking wait that follows reports it).
@@ -1061,6 +1059,8 @@ impl WgpuBackend {
         None
     }
 
+    /// Maps the first `bytes` of `staging` (work copying into it is submitted), waits for the
+    /// device, and gives them to `read`.
     fn read_back<R>(&self, staging: &wgpu::Buffer, bytes: u64, read: impl FnOnce(&[u8]) -> R) -> Result<R, GpuError> {
         let (tx, rx) = mpsc::channel();
         let slice = staging.slice(0..bytes);
