@@ -24,25 +24,31 @@ pub struct Freqs {
 pub struct Table {
     cos: Vec<f32>,
     sin: Vec<f32>,
+    /// `base^(-2j / dim)` of the last fill, `[dim / 2]`: one `powf` a frequency, not one a
+    /// (position, frequency) pair.
+    freq: Vec<f64>,
     dim: usize,
 }
 
 impl Table {
     pub fn new(batch: usize, dim: usize) -> Table {
-        Table { cos: vec![0.0; batch * dim / 2], sin: vec![0.0; batch * dim / 2], dim }
+        Table { cos: vec![0.0; batch * dim / 2], sin: vec![0.0; batch * dim / 2], freq: vec![0.0; dim / 2], dim }
     }
 
     pub fn bytes(&self) -> usize {
-        4 * (self.cos.len() + self.sin.len())
+        4 * (self.cos.len() + self.sin.len()) + 8 * self.freq.len()
     }
 
     /// Fills the rows of positions `pos..pos + t`.
     pub fn fill(&mut self, f: &Freqs, pos: usize, t: usize) {
         let (dim, half) = (self.dim, self.dim / 2);
+        for (j, freq) in self.freq.iter_mut().enumerate() {
+            *freq = f.base.powf(-2.0 * j as f64 / dim as f64);
+        }
         for i in 0..t {
             let p = (pos + i) as f64 / f.scale;
             for j in 0..half {
-                let mut theta = p * f.base.powf(-2.0 * j as f64 / dim as f64);
+                let mut theta = p * self.freq[j];
                 if let Some(factors) = &f.factors {
                     theta /= factors[j] as f64;
                 }
