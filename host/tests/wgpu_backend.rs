@@ -333,7 +333,15 @@ fn spinning_and_blocking_readbacks_agree() {
         seen.push((y, a));
     }
     assert!(seen.windows(2).all(|p| p[0] == p[1]), "the results differ between spinning and blocking readbacks");
+    // A call longer than the spin (on CPU devices by far): the readback falls back to blocking.
     gpu.set_spin_wait(true);
+    let big = Weight::random(&mut rng, Format::F32, 1024, 1024);
+    let big_id = upload(&mut gpu, &big);
+    let xb = random_x(&mut rng, 64, 1024);
+    let start = Instant::now();
+    let y = gpu.matmul(&xb, 64, 1024, &[big_id]).expect("a long matmul");
+    println!("a [1024, 1024] x 64 product with a spinning readback: {:?}", start.elapsed());
+    check("a product longer than the spin", &[&big], &xb, 64, &y);
     gpu.simulate_device_loss();
     match gpu.matmul(&x, 5, 128, &[id]) {
         Err(GpuError::DeviceLost(_)) => {}
