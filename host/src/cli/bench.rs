@@ -78,7 +78,7 @@ fn device_matmuls(a: &BenchArgs) -> Result<Option<serde_json::Value>> {
                     best_kernel = best_kernel.min(ns as f64 / 1e9);
                 }
             }
-            ctx.set_kernel_repeats(1);
+            ctx.set_kernel_repeats(0);
             let flops = 2.0 * t as f64 * elems as f64;
             rates.insert(format!("t{t}"), serde_json::json!(flops / best / 1e9));
             if best_kernel.is_finite() {

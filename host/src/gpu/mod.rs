@@ -310,13 +310,16 @@ pub trait Backend: Send {
         Err(GpuError::Unavailable("this host does not offer attention".into()))
     }
     /// The device time of the last `matmul`'s dispatches alone, in nanoseconds (timestamp
-    /// queries around its compute pass), where the device can tell; `None` otherwise.
+    /// queries around its compute pass), where the device can tell and
+    /// [`Backend::set_kernel_repeats`] asked for it; `None` otherwise.
     fn last_kernel_ns(&self) -> Option<u64> {
         None
     }
-    /// For benchmarks: run each `matmul`'s dispatches `n` times over (the same outputs each
-    /// time), so that [`Backend::last_kernel_ns`], the time of one run, is the steady rate of
-    /// back-to-back kernels and not the first one's wait for its input. Ignored where nothing
+    /// For benchmarks: time each `matmul`'s dispatches and run them `n` times over (the same
+    /// outputs each time; with `n > 1`, after one untimed run), so that
+    /// [`Backend::last_kernel_ns`], the time of one run, is the steady rate of back-to-back
+    /// kernels and not the first one's wait for its input. 0, the default, runs them once,
+    /// untimed: the queries cost a call's round trip ~20 us on the H200. Ignored where nothing
     /// measures kernels.
     fn set_kernel_repeats(&mut self, _n: u32) {}
 }

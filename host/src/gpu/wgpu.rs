@@ -258,7 +258,8 @@ pub struct WgpuBackend {
     /// pass, resolved into `resolve`, and nanoseconds per tick.
     timer: Option<Timer>,
     last_kernel_ns: Option<u64>,
-    /// Times each call's dispatches are recorded (see [`Backend::set_kernel_repeats`]).
+    /// Times each call's dispatches are recorded and timed (see
+    /// [`Backend::set_kernel_repeats`]); 0: once, untimed.
     repeats: u32,
     /// Whether the driver bounds storage accesses itself (Vulkan, D3D12), so that the shaders
     /// can be built without naga's bounds checks.
@@ -508,7 +509,7 @@ impl WgpuBackend {
             attn: attention::Attention::default(),
             timer,
             last_kernel_ns: None,
-            repeats: 1,
+            repeats: 0,
             native_bounds_checks: matches!(ainfo.backend, wgpu::Backend::Vulkan | wgpu::Backend::Dx12),
         })
     }
@@ -934,9 +935,11 @@ impl WgpuBackend {
         let cap = self.limits.max_buffer_size;
         let device = &self.device;
         let s = &mut self.scratch;
-        // The staging buffer takes the outputs, then the two timestamps (8-byte aligned).
+        // The staging buffer takes the outputs, then the two timestamps (8-byte aligned) when
+        // the call is timed.
+        let timer = self.timer.as_ref().filter(|_| self.repeats > 0);
         let stamps_at = align_up(out_bytes, 8);
-        let staging_bytes = if self.timer.is_some() { stamps_at + 16 } else { out_bytes };
+        let staging_bytes = if timer.is_some() { stamps_at + 16 } else { out_bytes };
         let staging = Self::ensure(
             device,
             &mut s.staging,
@@ -983,12 +986,15 @@ impl WgpuBackend {
             .collect();
 
         let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("matmul") });
-        // With repeats (benchmarks), an untimed pass first, so that the timed one does not
+        // Timed with repeats (benchmarks), an untimed pass first, so that the timed one does not
         // start by waiting for the input's upload.
-        let (untimed, timed) = ([(1, false), (self.repeats, true)], [(1, true)]);
-        let passes: &[(u32, bool)] = if self.repeats > 1 { &untimed } else { &timed };
+        let passes: &[(u32, bool)] = match self.repeats {
+            0 => &[(1, false)],
+            1 => &[(1, true)],
+            n => &[(1, false), (n, true)],
+        };
         for &(times, timed) in passes {
-            let timestamp_writes = self.timer.as_ref().filter(|_| timed).map(|t| wgpu::ComputePassTimestampWrites {
+            let timestamp_writes = timer.filter(|_| timed).map(|t| wgpu::ComputePassTimestampWrites {
                 query_set: &t.queries,
                 beginning_of_pass_write_index: Some(0),
                 end_of_pass_write_index: Some(1),
@@ -1008,7 +1014,7 @@ impl WgpuBackend {
             }
         }
         encoder.copy_buffer_to_buffer(output, 0, &staging, 0, out_bytes);
-        if let Some(t) = &self.timer {
+        if let Some(t) = timer {
             encoder.resolve_query_set(&t.queries, 0..2, &t.resolve, 0);
             encoder.copy_buffer_to_buffer(&t.resolve, 0, &staging, stamps_at, 16);
         }
@@ -1019,7 +1025,7 @@ impl WgpuBackend {
                 .iter()
                 .map(|&(o, n)| bytemuck::pod_collect_to_vec::<u8, f32>(&view[o as usize..(o + n * 4) as usize]))
                 .collect::<Vec<_>>();
-            let stamps = self.timer.as_ref().map(|t| {
+            let stamps = timer.map(|t| {
                 let at = stamps_at as usize;
                 let tick = |i: usize| u64::from_le_bytes(view[at + 8 * i..at + 8 * i + 8].try_into().unwrap_or([0; 8]));
                 (tick(1).saturating_sub(tick(0)) as f64 * t.period_ns as f64 / self.repeats as f64) as u64
@@ -1118,7 +1124,7 @@ impl Backend for WgpuBackend {
     }
 
     fn set_kernel_repeats(&mut self, n: u32) {
-        self.repeats = n.max(1);
+        self.repeats = n;
     }
 
     fn device(&self) -> Option<Device> {
@@ -1367,8 +1373,9 @@ mod tests {
         }
     }
 
-    /// Where the adapter offers timestamp queries, a product reports the device time of its
-    /// kernels: more than nothing, less than the whole call; a failed call reports none.
+    /// Where the adapter offers timestamp queries and a benchmark asks, a product reports the
+    /// device time of its kernels: more than nothing, less than the whole call; a failed call
+    /// reports none, and neither does a call by default (untimed).
     #[test]
     fn kernel_time_is_measured_where_the_device_can_tell() {
         let Some(mut b) = backend("kernel_time_is_measured_where_the_device_can_tell") else { return };
@@ -1377,6 +1384,9 @@ mod tests {
         let data: Vec<u8> = (0..n_out * n_in).flat_map(|i| ((i % 7) as f32 * 0.1).to_le_bytes()).collect();
         b.write_rows(id, 0, &data, &[]).unwrap();
         let x = vec![0.5f32; (t * n_in) as usize];
+        b.matmul(&x, t, n_in, &[id]).unwrap();
+        assert_eq!(b.last_kernel_ns(), None, "a call is untimed by default");
+        b.set_kernel_repeats(1);
         let start = std::time::Instant::now();
         b.matmul(&x, t, n_in, &[id]).unwrap();
         let wall = start.elapsed().as_nanos() as u64;
@@ -1407,6 +1417,10 @@ mod tests {
         assert_eq!(b.last_kernel_ns().is_some(), b.timer.is_some());
         b.set_kernel_repeats(1);
         assert_eq!(b.matmul(&x, t, n_in, &[id]).unwrap(), once);
+        assert_eq!(b.last_kernel_ns().is_some(), b.timer.is_some());
+        b.set_kernel_repeats(0);
+        assert_eq!(b.matmul(&x, t, n_in, &[id]).unwrap(), once);
+        assert_eq!(b.last_kernel_ns(), None);
     }
 
     /// An `attention` whose queries exceed a dispatch's budget runs as several dispatches (each
