@@ -210,27 +210,35 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 }
 
 // Combines the splits' partials of (query i, head h): each weighted by exp(m - max m), as the
-// single pass rescales its running sums.
+// single pass rescales its running sums. The host makes at most WG splits: invocation sp reads
+// split sp's maximum and sum, and the weights go through workgroup memory, so that the walk
+// over the splits of each dimension is one load and one multiply-add a split.
 @compute @workgroup_size(64)
 fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let h = wg.x;
     let i = s.query_base + wg.y;
     let hd = min(s.head_dim, MAX_HEAD_DIM);
-    var top = LOWEST;
-    for (var sp = 0u; sp < s.splits; sp++) {
-        top = max(top, out[partial_at(i, h, sp, hd)]);
+    let n = min(s.splits, WG);
+    var m = LOWEST;
+    var l = 0.0;
+    if lid < n {
+        let at = partial_at(i, h, lid, hd);
+        m = out[at];
+        l = out[at + 1u];
     }
-    var total = 0.0;
-    for (var sp = 0u; sp < s.splits; sp++) {
-        let at = partial_at(i, h, sp, hd);
-        total += exp(out[at] - top) * out[at + 1u];
+    let top = workgroup_max(lid, m);
+    var weight = 0.0;
+    if lid < n {
+        weight = exp(m - top);
     }
+    let total = workgroup_sum(lid, weight * l);
+    probs[lid] = weight;
+    workgroupBarrier();
     let q_at = (i * s.n_head + h) * hd;
     for (var d = lid; d < hd; d += WG) {
         var a = 0.0;
-        for (var sp = 0u; sp < s.splits; sp++) {
-            let at = partial_at(i, h, sp, hd);
-            a += exp(out[at] - top) * out[at + 2u + d];
+        for (var sp = 0u; sp < n; sp++) {
+            a += probs[sp] * out[partial_at(i, h, sp, hd) + 2u + d];
         }
         out[q_at + d] = a / total;
     }

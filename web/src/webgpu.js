@@ -618,12 +618,12 @@ export class WebGpuBackend {
     const macs = 2 * s.nHead * s.nKeys * s.headDim;
     const perDispatch = Math.max(1, Math.min(maxDim, Math.floor(DISPATCH_MACS / Math.max(macs, 1))));
     const dispatches = Math.ceil(s.t / perDispatch);
-    // Each query's keys in runs of whole chunks of 64, enough for about 1024 workgroups (as
-    // `splits_for` in host/src/gpu/wgpu/attention.rs); with more than one, partials follow
-    // the outputs in `out` and `attend_merge` combines them.
-    const chunks = Math.max(1, Math.ceil(s.nKeys / 64));
+    // Each query's keys in runs of whole units of 16, enough for about 1024 workgroups, at
+    // most 64 runs (as `splits_for` in host/src/gpu/wgpu/attention.rs); with more than one,
+    // partials follow the outputs in `out` and `attend_merge` combines them.
+    const chunks = Math.max(1, Math.ceil(s.nKeys / 16));
     const want = Math.min(64, Math.max(1, Math.floor(1024 / Math.max(1, s.t * s.nHead))));
-    const splitLen = Math.ceil(chunks / Math.min(want, chunks)) * 64;
+    const splitLen = Math.ceil(chunks / Math.min(want, chunks)) * 16;
     const splits = Math.max(1, Math.ceil(s.nKeys / splitLen));
     const outBytes = qBytes + (splits > 1 ? 4 * s.t * s.nHead * splits * (s.headDim + 2) : 0);
     if (outBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `attention's partial sums of ${outBytes} bytes do not fit the device`);

@@ -13,19 +13,24 @@ const SHADER: &str = include_str!("../../../../shaders/attention.wgsl");
 /// a few heads of one query: without splitting the keys, a few workgroups, each walking them
 /// all).
 const TARGET_WORKGROUPS: u64 = 1024;
-/// The most splits of a query's keys (each at least a workgroup's worth).
+/// The most splits of a query's keys: at most WG (64) in the shader, whose merge reads one
+/// split's maximum and sum an invocation.
 const MAX_SPLITS: u64 = 64;
-/// Keys a workgroup scores at once (WG in the shader).
-const KEY_CHUNK: u64 = 64;
+const _: () = assert!(MAX_SPLITS <= 64);
+/// The unit of a split, in keys. A quarter of the keys a workgroup scores at once (WG in the
+/// shader): a decode step's cost is each workgroup's serial walk over its run, not the
+/// invocations left idle (H200: a decode call at 128 keys 157 -> 101 us against runs of 64).
+const SPLIT_KEYS: u64 = 16;
 
-/// `(splits, split_len)`: each query's keys in runs of whole chunks, enough of them that the
-/// call has about TARGET_WORKGROUPS workgroups. One run (no merge) for prefill-sized batches.
+/// `(splits, split_len)`: each query's keys in runs of whole units of SPLIT_KEYS, enough of
+/// them that the call has about TARGET_WORKGROUPS workgroups. One run (no merge) for
+/// prefill-sized batches.
 pub(crate) fn splits_for(s: &AttentionShape) -> (u32, u32) {
     let keys = s.n_keys as u64;
-    let chunks = keys.div_ceil(KEY_CHUNK).max(1);
+    let chunks = keys.div_ceil(SPLIT_KEYS).max(1);
     let want = (TARGET_WORKGROUPS / (s.t as u64 * s.n_head as u64).max(1)).clamp(1, MAX_SPLITS);
     let splits = want.min(chunks);
-    let split_len = chunks.div_ceil(splits) * KEY_CHUNK;
+    let split_len = chunks.div_ceil(splits) * SPLIT_KEYS;
     (keys.div_ceil(split_len).max(1) as u32, split_len.min(u32::MAX as u64) as u32)
 }
 
@@ -327,18 +332,19 @@ mod tests {
         AttentionShape { t, n_keys, n_head, n_head_kv: 1, head_dim: 256, window: 0, scale: 1.0 }
     }
 
-    /// Prefill batches run whole; a decode step's keys split into runs of whole chunks, at
+    /// Prefill batches run whole; a decode step's keys split into runs of whole units, at
     /// most MAX_SPLITS, that together cover every key once.
     #[test]
     fn splits_cover_the_keys_in_whole_chunks() {
         assert_eq!(splits_for(&shape(512, 512, 4)), (1, 512));
         assert_eq!(splits_for(&shape(64, 200, 4)), (4, 64));
-        assert_eq!(splits_for(&shape(1, 576, 4)), (9, 64));
-        assert_eq!(splits_for(&shape(1, 1, 4)), (1, 64));
-        assert_eq!(splits_for(&shape(1, 100_000, 1)), (63, 1600));
+        assert_eq!(splits_for(&shape(1, 576, 4)), (36, 16));
+        assert_eq!(splits_for(&shape(1, 2048, 4)), (64, 32));
+        assert_eq!(splits_for(&shape(1, 1, 4)), (1, 16));
+        assert_eq!(splits_for(&shape(1, 100_000, 1)), (64, 1568));
         for (t, n_keys, n_head) in [(1, 130, 14), (3, 4097, 8), (700, 700, 1), (1, 64, 1024)] {
             let (splits, len) = splits_for(&shape(t, n_keys, n_head));
-            assert!(len % 64 == 0 && splits as u64 <= MAX_SPLITS, "{t} {n_keys} {n_head}: {splits} x {len}");
+            assert!(len % 16 == 0 && splits as u64 <= MAX_SPLITS, "{t} {n_keys} {n_head}: {splits} x {len}");
             assert!((splits - 1) * len < n_keys && splits * len >= n_keys, "{t} {n_keys} {n_head}: {splits} x {len}");
         }
     }
