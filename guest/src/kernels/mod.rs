@@ -197,9 +197,32 @@ pub fn gate(act: Act, g: &mut [f32], u: &[f32]) {
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     let ss = dot(x, x) / x.len() as f32;
     let k = 1.0 / (ss + eps).sqrt();
-    for (v, w) in x.iter_mut().zip(w) {
-        *v *= k * w;
-    }
+    scale_mul(x, w, k);
+}
+
+/// `x[i] *= k * w[i]` over the shorter of the two, in place (the last step of `rms_norm`).
+pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    simd128::scale_mul(x, w, k);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::scale_mul(x, w, k);
+}
+
+/// `x[i] += y[i]` over the shorter of the two (a residual connection).
+pub fn add(x: &mut [f32], y: &[f32]) {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    simd128::add(x, y);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::add(x, y);
+}
+
+/// `(a[j], b[j]) = (a[j] cos[j] - b[j] sin[j], a[j] sin[j] + b[j] cos[j])`: pairs rotated by
+/// their angles (RoPE), over the shortest of the four.
+pub fn rotate_pairs(a: &mut [f32], b: &mut [f32], cos: &[f32], sin: &[f32]) {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    simd128::rotate_pairs(a, b, cos, sin);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::rotate_pairs(a, b, cos, sin);
 }
 
 /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`
@@ -308,6 +331,37 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The elementwise kernels (SIMD on wasm32) give the scalar reference's very values: the
+    /// same products and sums, element by element, over lengths with and without a remainder.
+    #[test]
+    fn elementwise_kernels_equal_the_scalar_reference() {
+        let mut rng = Rng(seed());
+        for n in [0usize, 1, 3, 4, 7, 8, 15, 16, 17, 33, 256, 640, 1001] {
+            let x: Vec<f32> = (0..n).map(|_| rng.f32() * 3.0).collect();
+            let y: Vec<f32> = (0..n).map(|_| rng.f32()).collect();
+            let (c, s): (Vec<f32>, Vec<f32>) = (0..n).map(|i| ((i as f32).cos(), (i as f32).sin())).unzip();
+            let k = 0.37 + rng.f32();
+            let (mut got, mut want) = (x.clone(), x.clone());
+            scale_mul(&mut got, &y, k);
+            scalar::scale_mul(&mut want, &y, k);
+            assert_eq!(got, want, "scale_mul n={n}");
+            let (mut got, mut want) = (x.clone(), x.clone());
+            add(&mut got, &y);
+            scalar::add(&mut want, &y);
+            assert_eq!(got, want, "add n={n}");
+            let (mut ga, mut gb, mut wa, mut wb) = (x.clone(), y.clone(), x.clone(), y.clone());
+            rotate_pairs(&mut ga, &mut gb, &c, &s);
+            scalar::rotate_pairs(&mut wa, &mut wb, &c, &s);
+            assert_eq!((ga, gb), (wa, wb), "rotate_pairs n={n}");
+            if n > 0 {
+                let mut once = x.clone();
+                scalar::rotate_pairs(&mut once, &mut y.clone(), &c, &s);
+                let i = n - 1;
+                assert_eq!(once[i], x[i] * c[i] - y[i] * s[i], "rotate_pairs n={n}: the definition");
             }
         }
     }

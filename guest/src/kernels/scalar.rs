@@ -41,6 +41,26 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(a, b)| a * b).sum()
 }
 
+pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
+    for (v, w) in x.iter_mut().zip(w) {
+        *v *= k * w;
+    }
+}
+
+pub fn add(x: &mut [f32], y: &[f32]) {
+    for (v, y) in x.iter_mut().zip(y) {
+        *v += y;
+    }
+}
+
+pub fn rotate_pairs(a: &mut [f32], b: &mut [f32], cos: &[f32], sin: &[f32]) {
+    for (((a, b), c), s) in a.iter_mut().zip(b.iter_mut()).zip(cos).zip(sin) {
+        let (x0, x1) = (*a, *b);
+        *a = x0 * c - x1 * s;
+        *b = x0 * s + x1 * c;
+    }
+}
+
 pub fn dot_rows(q: &[f32], rows: &[f32], stride: usize, scale: f32, out: &mut [f32]) {
     for (j, o) in out.iter_mut().enumerate() {
         *o = scale * dot(q, &rows[j * stride..j * stride + q.len()]);

@@ -491,6 +491,73 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
     }
 }
 
+/// `x[i] *= k * w[i]`: four vectors a step (the same products as `scalar::scale_mul`).
+pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
+    let n = x.len().min(w.len());
+    let kv = f32x4_splat(k);
+    let mut i = 0;
+    // SAFETY: every load and store is of 4 floats below `n`.
+    unsafe {
+        let (px, pw) = (x.as_mut_ptr(), w.as_ptr());
+        while i + 16 <= n {
+            for o in [0, 4, 8, 12] {
+                let (a, b) = (px.add(i + o) as *mut v128, pw.add(i + o) as *const v128);
+                v128_store(a, f32x4_mul(v128_load(a), f32x4_mul(kv, v128_load(b))));
+            }
+            i += 16;
+        }
+    }
+    for (v, w) in x[i..n].iter_mut().zip(&w[i..n]) {
+        *v *= k * w;
+    }
+}
+
+/// `x[i] += y[i]`, four vectors a step.
+pub fn add(x: &mut [f32], y: &[f32]) {
+    let n = x.len().min(y.len());
+    let mut i = 0;
+    // SAFETY: every load and store is of 4 floats below `n`.
+    unsafe {
+        let (px, py) = (x.as_mut_ptr(), y.as_ptr());
+        while i + 16 <= n {
+            for o in [0, 4, 8, 12] {
+                let (a, b) = (px.add(i + o) as *mut v128, py.add(i + o) as *const v128);
+                v128_store(a, f32x4_add(v128_load(a), v128_load(b)));
+            }
+            i += 16;
+        }
+    }
+    for (v, y) in x[i..n].iter_mut().zip(&y[i..n]) {
+        *v += y;
+    }
+}
+
+/// Pairs rotated by their angles, two vectors of each a step (the same products and sums as
+/// `scalar::rotate_pairs`).
+pub fn rotate_pairs(a: &mut [f32], b: &mut [f32], cos: &[f32], sin: &[f32]) {
+    let n = a.len().min(b.len()).min(cos.len()).min(sin.len());
+    let mut i = 0;
+    // SAFETY: every load and store is of 4 floats below `n`.
+    unsafe {
+        let (pa, pb, pc, ps) = (a.as_mut_ptr(), b.as_mut_ptr(), cos.as_ptr(), sin.as_ptr());
+        while i + 8 <= n {
+            for o in [0, 4] {
+                let (va, vb) = (pa.add(i + o) as *mut v128, pb.add(i + o) as *mut v128);
+                let (x0, x1) = (v128_load(va), v128_load(vb));
+                let (c, s) = (v128_load(pc.add(i + o) as *const v128), v128_load(ps.add(i + o) as *const v128));
+                v128_store(va, f32x4_sub(f32x4_mul(x0, c), f32x4_mul(x1, s)));
+                v128_store(vb, f32x4_add(f32x4_mul(x0, s), f32x4_mul(x1, c)));
+            }
+            i += 8;
+        }
+    }
+    for j in i..n {
+        let (x0, x1) = (a[j], b[j]);
+        a[j] = x0 * cos[j] - x1 * sin[j];
+        b[j] = x0 * sin[j] + x1 * cos[j];
+    }
+}
+
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let n = a.len().min(b.len());
     let mut acc = [f32x4_splat(0.0); 4];

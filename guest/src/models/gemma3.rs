@@ -17,7 +17,7 @@ use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, norm_rows, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
-use crate::kernels::{Act, rms_norm};
+use crate::kernels::{Act, add, rms_norm};
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -229,7 +229,7 @@ pub fn forward(
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_attn_norm, c.eps);
-            x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
+            add(x, o);
         }
 
         // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
@@ -237,7 +237,7 @@ pub fn forward(
         d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::GeluTanh, &mut b.gate, &mut b.up);
         for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
             rms_norm(o, &layer.post_ffn_norm, c.eps);
-            x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
+            add(x, o);
         }
     }
 

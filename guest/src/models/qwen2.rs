@@ -18,7 +18,7 @@ use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
-use crate::kernels::Act;
+use crate::kernels::{Act, add};
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,7 +188,7 @@ impl State {
 fn add_bias(y: &mut [f32], bias: Option<&[f32]>) {
     if let Some(bias) = bias {
         for row in y.chunks_exact_mut(bias.len()) {
-            row.iter_mut().zip(bias).for_each(|(y, b)| *y += b);
+            add(row, bias);
         }
     }
 }
@@ -242,16 +242,12 @@ pub fn forward(
         d.attend(l, cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
         d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
         add_bias(&mut b.xb[..t * e], layer.bo.as_deref());
-        for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
-            *x += o;
-        }
+        add(&mut b.x[..t * e], &b.xb[..t * e]);
 
         // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
         norm_rows(&b.x, &layer.ffn_norm, h.eps, t, &mut b.xb);
         d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::Silu, &mut b.gate, &mut b.up);
-        for (x, o) in b.x[..t * e].iter_mut().zip(&b.xb[..t * e]) {
-            *x += o;
-        }
+        add(&mut b.x[..t * e], &b.xb[..t * e]);
     }
 
     if want_logits {
