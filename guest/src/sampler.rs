@@ -81,9 +81,13 @@ impl Sampler {
             self.seed = Some(p.seed);
             self.rng = Rng::new(p.seed);
         }
+        let penalized = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
+        if p.temperature <= 0.0 && !penalized {
+            return argmax(logits);
+        }
         self.logits.clear();
         self.logits.extend_from_slice(logits);
-        if p.repeat_penalty != 1.0 && p.repeat_last_n > 0 {
+        if penalized {
             let recent = &history[history.len().saturating_sub(p.repeat_last_n as usize)..];
             let mut seen: Vec<u32> = recent.to_vec();
             seen.sort_unstable();
@@ -148,15 +152,7 @@ impl Sampler {
 
 /// The index of the largest value; the first on ties; NaNs never win.
 pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    let mut best_v = f32::NEG_INFINITY;
-    for (i, &x) in v.iter().enumerate() {
-        if x > best_v {
-            best = i;
-            best_v = x;
-        }
-    }
-    best as u32
+    crate::kernels::argmax(v) as u32
 }
 
 #[cfg(test)]

@@ -200,6 +200,19 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     scale_mul(x, w, k);
 }
 
+/// The index of the first largest value of `v`, NaNs skipped; 0 when no value exceeds minus
+/// infinity. (Greedy sampling over a vocabulary of 262,144 logits each decode step.)
+pub fn argmax(v: &[f32]) -> usize {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    let m = simd128::max_value(v);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    let m = scalar::max_value(v);
+    if m == f32::NEG_INFINITY {
+        return 0;
+    }
+    v.iter().position(|&x| x == m).unwrap_or(0)
+}
+
 /// `x[i] *= k * w[i]` over the shorter of the two, in place (the last step of `rms_norm`).
 pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
     #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
@@ -364,6 +377,37 @@ mod tests {
                 assert_eq!(once[i], x[i] * c[i] - y[i] * s[i], "rotate_pairs n={n}: the definition");
             }
         }
+    }
+
+    /// `argmax` (its maximum by SIMD on wasm32) is the first index of the largest value, NaNs
+    /// skipped, as a plain scan finds it: with ties, NaNs, infinities and signed zeros.
+    #[test]
+    fn argmax_is_the_first_largest() {
+        let scan = |v: &[f32]| {
+            let (mut best, mut best_v) = (0, f32::NEG_INFINITY);
+            for (i, &x) in v.iter().enumerate() {
+                if x > best_v {
+                    (best, best_v) = (i, x);
+                }
+            }
+            best
+        };
+        let mut rng = Rng(seed());
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 3.0];
+        for n in [0usize, 1, 2, 5, 15, 16, 17, 33, 100, 1000, 262_144] {
+            for round in 0..4 {
+                let v: Vec<f32> = (0..n)
+                    .map(|_| match rng.next_u64() % 8 {
+                        0 if round > 0 => specials[(rng.next_u64() % specials.len() as u64) as usize],
+                        1 if round > 1 => 3.0,
+                        _ => rng.f32() * if round == 3 { -1.0 } else { 1.0 },
+                    })
+                    .collect();
+                assert_eq!(argmax(&v), scan(&v), "n={n} round {round}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NAN]), 0);
+        assert_eq!(argmax(&[f32::NAN, -1.0, 2.0, 2.0]), 2);
     }
 
     #[test]

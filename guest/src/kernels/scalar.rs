@@ -41,6 +41,11 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(a, b)| a * b).sum()
 }
 
+/// The largest value, NaNs skipped (minus infinity when there is none).
+pub fn max_value(v: &[f32]) -> f32 {
+    v.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
+}
+
 pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
     for (v, w) in x.iter_mut().zip(w) {
         *v *= k * w;

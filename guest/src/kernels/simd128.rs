@@ -491,6 +491,26 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
     }
 }
 
+/// The largest value, NaNs skipped: `pmax(m, x)` keeps `m` unless `m < x`, which a NaN never is.
+pub fn max_value(v: &[f32]) -> f32 {
+    let n = v.len();
+    let mut acc = [f32x4_splat(f32::NEG_INFINITY); 4];
+    let mut i = 0;
+    // SAFETY: every load is of 4 floats below `n`.
+    unsafe {
+        let p = v.as_ptr();
+        while i + 16 <= n {
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = f32x4_pmax(*a, v128_load(p.add(i + 4 * k) as *const v128));
+            }
+            i += 16;
+        }
+    }
+    let m = f32x4_pmax(f32x4_pmax(acc[0], acc[1]), f32x4_pmax(acc[2], acc[3]));
+    let lanes = [f32x4_extract_lane::<0>(m), f32x4_extract_lane::<1>(m), f32x4_extract_lane::<2>(m), f32x4_extract_lane::<3>(m)];
+    lanes.into_iter().chain(v[i..].iter().copied()).fold(f32::NEG_INFINITY, |m, x| if x > m { x } else { m })
+}
+
 /// `x[i] *= k * w[i]`: four vectors a step (the same products as `scalar::scale_mul`).
 pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
     let n = x.len().min(w.len());
