@@ -259,8 +259,9 @@ impl Gpu {
     /// call would send the whole cache for one query's arithmetic: on an H200 decode at 512
     /// keys ran at half the speed that way), and then, in either mode, to whichever has been
     /// faster: the device's measured time a call against the CPU's measured rate for these
-    /// keys (the CPU is measured first, then the device once). On an H200 a call costs ~0.3
-    /// ms, the CPU's attention at 128 keys ~0.08 and at 576 ~0.5.
+    /// keys (the CPU is measured first, then the device once). On an H200 a call costs ~0.1
+    /// ms (~0.3 before its keys were split in runs of 16), the CPU's attention at 128 keys ~0.08
+    /// and at 576 ~0.5.
     fn wants_attention(&self, t: usize, cached: bool, flops: u64, bytes: u64) -> bool {
         if self.mode != Mode::Off && t == 1 && cached {
             return match (self.cpu_attention.get(), self.device_attention.get()) {
