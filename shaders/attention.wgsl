@@ -173,7 +173,27 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         for (var r = 0u; r < PER; r++) {
             acc[r] *= rescale;
         }
-        for (var jj = 0u; jj < n; jj++) {
+        // Four keys a step, their values loaded before any is added (four loads in flight, not
+        // one: the walk is bound by the loads' latency), then added in order of position.
+        var jj = 0u;
+        for (; jj + 4u <= n; jj += 4u) {
+            let p = vec4<f32>(probs[jj], probs[jj + 1u], probs[jj + 2u], probs[jj + 3u]);
+            let a0 = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
+            let a1 = ((s.first_slot + c + jj + 1u) % s.slots) * kv_stride + kv_at;
+            let a2 = ((s.first_slot + c + jj + 2u) % s.slots) * kv_stride + kv_at;
+            let a3 = ((s.first_slot + c + jj + 3u) % s.slots) * kv_stride + kv_at;
+            for (var r = 0u; r < PER; r++) {
+                let d = lid + r * WG;
+                if d < hd {
+                    let vs = vec4<f32>(v[a0 + d], v[a1 + d], v[a2 + d], v[a3 + d]);
+                    acc[r] += p.x * vs.x;
+                    acc[r] += p.y * vs.y;
+                    acc[r] += p.z * vs.z;
+                    acc[r] += p.w * vs.w;
+                }
+            }
+        }
+        for (; jj < n; jj++) {
             let pw = probs[jj];
             let at = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
             for (var r = 0u; r < PER; r++) {
