@@ -24,9 +24,9 @@ pub struct Freqs {
 
 /// Rows of a batch between angles computed afresh with `cos` and `sin`; the rows in between
 /// turn the previous row's angles by one position's step (angle addition in f64: after 63
-/// steps within ~1e-14 of the exact values, far below an f32's rounding). A wasm `cos` or
-/// `sin` of a large angle costs ~50-100 ns: one a (position, frequency) pair was a tenth of
-/// the guest's own work in a prefill.
+/// steps within ~1e-14 of the exact values, far below an f32's rounding). A wasm `cos` and
+/// `sin` a (position, frequency) pair had been ~15% of the guest's own work in a prefill (a
+/// throwaway probe, Gemma, batches of 64).
 const ANCHOR: usize = 64;
 
 /// `cos, sin: [batch, dim / 2]` for the positions of one batch.
