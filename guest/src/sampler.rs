@@ -104,7 +104,13 @@ impl Sampler {
         }
 
         let c = &mut self.candidates;
-        top_candidates(logits, p.top_k as usize, c);
+        // Without a top-k, the candidates a top-p or min-p cut keeps, and the mass of them all.
+        let mass = if p.top_k == 0 && (p.top_p < 1.0 || p.min_p > 0.0) {
+            nucleus(logits, p.top_p, p.min_p, c)
+        } else {
+            top_candidates(logits, p.top_k as usize, c);
+            None
+        };
         if c.is_empty() {
             return 0;
         }
@@ -112,7 +118,7 @@ impl Sampler {
         // before the temperature step.
         let max = c[0].1;
         let probs: Vec<f64> = c.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
+        let total: f64 = mass.unwrap_or_else(|| probs.iter().sum());
         let mut keep = c.len();
         if p.top_p < 1.0 {
             let mut cum = 0.0;
@@ -174,6 +180,42 @@ fn top_candidates(logits: &[f32], k: usize, c: &mut Vec<(u32, f32)>) {
         c.truncate(k);
     }
     c.sort_unstable_by(by_logit);
+}
+
+/// Without a top-k: `c` = the best candidates in `by_logit` order, enough of them that the top-p
+/// cut (the mass of all the logits' probabilities at temperature 1 reached) or the min-p cut
+/// (a probability below `min_p` of the largest) falls among them, and the mass of all (`None`
+/// when `c` holds every candidate and the mass is theirs to sum, or the largest logit is not
+/// finite). Found by `top_candidates` for 256, 2048, ... until the cut is inside: one pass or
+/// two for a model's logits, where sorting all 262,144 cost ~10 ms a token in wasm. The mass
+/// sums f32 exponentials (`kernels::sum_exp`, within ~1e-6 of the f64 sum).
+fn nucleus(logits: &[f32], top_p: f32, min_p: f32, c: &mut Vec<(u32, f32)>) -> Option<f64> {
+    let max = crate::kernels::max_value(logits);
+    if !max.is_finite() {
+        top_candidates(logits, 0, c);
+        return None;
+    }
+    let total = crate::kernels::sum_exp(logits, max);
+    let mut k = 256usize;
+    loop {
+        top_candidates(logits, k, c);
+        if c.len() < k {
+            return Some(total);
+        }
+        // The same sums as the cut in `sample`, so that the cut it makes is among these.
+        let mut cum = 0.0;
+        for &(_, l) in c.iter() {
+            let pr = ((l - max) as f64).exp();
+            if min_p > 0.0 && pr < min_p as f64 {
+                return Some(total);
+            }
+            cum += pr / total;
+            if top_p < 1.0 && cum >= top_p as f64 {
+                return Some(total);
+            }
+        }
+        k = k.saturating_mul(8);
+    }
 }
 
 /// The index of the largest value; the first on ties; NaNs never win.
@@ -239,6 +281,84 @@ mod tests {
                     assert_eq!(bits(&got), bits(&want), "n={n} k={k} round {round}");
                 }
             }
+        }
+    }
+
+    /// Without a top-k, the candidates `nucleus` gathers are the first of a full sort and hold
+    /// the top-p or min-p cut, and the mass is the f64 sum of every probability within 1e-6;
+    /// from peaked logits (a model's) to flat ones (the search grows to all of them).
+    #[test]
+    fn nucleus_holds_the_cut() {
+        let mut rng = crate::quant::tests::Rng(0x5eed_1234_9876_0002);
+        for (n, spread) in [(5usize, 1.0f32), (300, 4.0), (20_000, 12.0), (20_000, 0.01), (262_144, 20.0)] {
+            let logits: Vec<f32> = (0..n).map(|_| rng.f32() * spread + if rng.next_u64() % 500 == 0 { 15.0 } else { 0.0 }).collect();
+            let mut sorted: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            sorted.sort_by(by_logit);
+            let max = sorted[0].1;
+            let exact: f64 = sorted.iter().map(|&(_, l)| ((l - max) as f64).exp()).sum();
+            for (top_p, min_p) in [(0.95f32, 0.0f32), (0.5, 0.0), (1.0, 0.05), (0.9, 0.1), (0.999_999, 0.0)] {
+                let mut c = Vec::new();
+                let total = nucleus(&logits, top_p, min_p, &mut c).expect("finite logits");
+                assert!((total - exact).abs() <= 1e-6 * exact, "n={n}: mass {total} vs {exact}");
+                assert_eq!(c[..], sorted[..c.len()], "n={n} top_p={top_p} min_p={min_p}: not a prefix");
+                if c.len() < n {
+                    let mut cum = 0.0;
+                    let inside = c.iter().any(|&(_, l)| {
+                        let pr = ((l - max) as f64).exp();
+                        cum += pr / total;
+                        (min_p > 0.0 && pr < min_p as f64) || (top_p < 1.0 && cum >= top_p as f64)
+                    });
+                    assert!(inside, "n={n} top_p={top_p} min_p={min_p}: the cut is past {} candidates", c.len());
+                }
+            }
+        }
+    }
+
+    /// Sampling without a top-k draws what sorting every logit draws, for peaked logits far from
+    /// a borderline cut (the mass differs from a sorted f64 sum in the last bits only).
+    #[test]
+    fn no_top_k_draws_as_a_full_sort() {
+        let mut rng = crate::quant::tests::Rng(0x5eed_1234_9876_0003);
+        let logits: Vec<f32> = (0..50_000).map(|i| rng.f32() * 6.0 + if i % 997 == 0 { 12.0 } else { 0.0 }).collect();
+        for (top_p, min_p) in [(0.95f32, 0.05f32), (0.8, 0.0), (1.0, 0.1)] {
+            let p = Params { temperature: 0.8, top_k: 0, top_p, min_p, seed: 7, ..Params::greedy() };
+            let mut s = Sampler::default();
+            let got: Vec<u32> = (0..40).map(|_| s.sample(&logits, &[], &p)).collect();
+            // The reference: every candidate sorted, the mass summed over them, then the same cuts
+            // and draw.
+            let mut rng = Rng::new(7);
+            let mut sorted: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+            sorted.sort_by(by_logit);
+            let max = sorted[0].1;
+            let probs: Vec<f64> = sorted.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+            let total: f64 = probs.iter().sum();
+            let mut keep = sorted.len();
+            if top_p < 1.0 {
+                let mut cum = 0.0;
+                keep = probs.iter().position(|pr| {
+                    cum += pr / total;
+                    cum >= top_p as f64
+                }).map_or(keep, |i| i + 1);
+            }
+            if min_p > 0.0 {
+                keep = probs[..keep].iter().take_while(|&&pr| pr >= min_p as f64).count().max(1);
+            }
+            let kept = &sorted[..keep];
+            let weights: Vec<f64> = kept.iter().map(|&(_, l)| (((l - max) / 0.8) as f64).exp()).collect();
+            let sum: f64 = weights.iter().sum();
+            let want: Vec<u32> = (0..40)
+                .map(|_| {
+                    let mut r = rng.uniform() * sum;
+                    for (i, w) in weights.iter().enumerate() {
+                        if r < *w {
+                            return kept[i].0;
+                        }
+                        r -= w;
+                    }
+                    kept[keep - 1].0
+                })
+                .collect();
+            assert_eq!(got, want, "top_p={top_p} min_p={min_p}");
         }
     }
 

@@ -203,14 +203,29 @@ pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
 /// The index of the first largest value of `v`, NaNs skipped; 0 when no value exceeds minus
 /// infinity. (Greedy sampling over a vocabulary of 262,144 logits each decode step.)
 pub fn argmax(v: &[f32]) -> usize {
-    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
-    let m = simd128::max_value(v);
-    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
-    let m = scalar::max_value(v);
+    let m = max_value(v);
     if m == f32::NEG_INFINITY {
         return 0;
     }
     v.iter().position(|&x| x == m).unwrap_or(0)
+}
+
+/// The largest value of `v`, NaNs skipped (minus infinity when there is none).
+pub fn max_value(v: &[f32]) -> f32 {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    return simd128::max_value(v);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    return scalar::max_value(v);
+}
+
+/// `sum(exp(v[i] - max))` over the values that are not NaN, summed in f64 (the mass of a
+/// softmax at temperature 1; `max` at least every value). Each term an f32 exponential (SIMD on
+/// wasm32: within a few ulp of `f32::exp`).
+pub fn sum_exp(v: &[f32], max: f32) -> f64 {
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    return simd128::sum_exp(v, max);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    return scalar::sum_exp(v, max);
 }
 
 /// `x[i] *= k * w[i]` over the shorter of the two, in place (the last step of `rms_norm`).
@@ -408,6 +423,23 @@ mod tests {
         }
         assert_eq!(argmax(&[f32::NAN, f32::NEG_INFINITY, f32::NAN]), 0);
         assert_eq!(argmax(&[f32::NAN, -1.0, 2.0, 2.0]), 2);
+    }
+
+    /// `sum_exp` (SIMD exponentials on wasm32) is the f64 sum of `exp(x - max)` over the values
+    /// that are not NaN, within 1e-6 of it; minus infinity adds (next to) nothing.
+    #[test]
+    fn sum_exp_matches_the_f64_sum() {
+        let mut rng = Rng(seed());
+        for n in [0usize, 1, 3, 4, 5, 17, 1000, 262_144] {
+            let mut v: Vec<f32> = (0..n).map(|_| rng.f32() * 20.0 - 10.0).collect();
+            for i in (0..n).step_by(97) {
+                v[i] = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY };
+            }
+            let max = max_value(&v);
+            let exact: f64 = v.iter().filter(|x| !x.is_nan()).map(|&x| ((x - max) as f64).exp()).sum();
+            let got = sum_exp(&v, max);
+            assert!((got - exact).abs() <= 1e-6 * exact + 1e-30, "n={n}: {got} vs {exact}");
+        }
     }
 
     #[test]

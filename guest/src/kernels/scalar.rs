@@ -46,6 +46,10 @@ pub fn max_value(v: &[f32]) -> f32 {
     v.iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m })
 }
 
+pub fn sum_exp(v: &[f32], max: f32) -> f64 {
+    v.iter().filter(|x| !x.is_nan()).map(|&x| (x - max).exp() as f64).sum()
+}
+
 pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
     for (v, w) in x.iter_mut().zip(w) {
         *v *= k * w;

@@ -511,6 +511,29 @@ pub fn max_value(v: &[f32]) -> f32 {
     lanes.into_iter().chain(v[i..].iter().copied()).fold(f32::NEG_INFINITY, |m, x| if x > m { x } else { m })
 }
 
+/// `exp(x - max)` four at a time (`exp4`), NaNs masked to 0, summed in two f64x2 accumulators
+/// (an f32 sum of 262,144 terms would lose ~1e-3).
+pub fn sum_exp(v: &[f32], max: f32) -> f64 {
+    let n = v.len();
+    let vmax = f32x4_splat(max);
+    let (mut lo, mut hi) = (f64x2_splat(0.0), f64x2_splat(0.0));
+    let mut i = 0;
+    // SAFETY: every load is of 4 floats below `n`.
+    unsafe {
+        let p = v.as_ptr();
+        while i + 4 <= n {
+            let x = v128_load(p.add(i) as *const v128);
+            let e = v128_and(exp4(f32x4_sub(x, vmax)), f32x4_eq(x, x));
+            lo = f64x2_add(lo, f64x2_promote_low_f32x4(e));
+            hi = f64x2_add(hi, f64x2_promote_low_f32x4(i32x4_shuffle::<2, 3, 0, 1>(e, e)));
+            i += 4;
+        }
+    }
+    let s = f64x2_add(lo, hi);
+    let tail: f64 = v[i..].iter().filter(|x| !x.is_nan()).map(|&x| (x - max).exp() as f64).sum();
+    f64x2_extract_lane::<0>(s) + f64x2_extract_lane::<1>(s) + tail
+}
+
 /// `x[i] *= k * w[i]`: four vectors a step (the same products as `scalar::scale_mul`).
 pub fn scale_mul(x: &mut [f32], w: &[f32], k: f32) {
     let n = x.len().min(w.len());
