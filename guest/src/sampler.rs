@@ -184,9 +184,9 @@ fn top_candidates(logits: &[f32], k: usize, c: &mut Vec<(u32, f32)>) {
 
 /// Without a top-k: `c` = the best candidates in `by_logit` order, enough of them that the top-p
 /// cut (the mass of all the logits' probabilities at temperature 1 reached) or the min-p cut
-/// (a probability below `min_p` of the largest) falls among them, and the mass of all (`None`
-/// when `c` holds every candidate and the mass is theirs to sum, or the largest logit is not
-/// finite). Found by `top_candidates` for 256, 2048, ... until the cut is inside: one pass or
+/// (a probability below `min_p` of the largest) falls among them, and the mass of all; `None`
+/// when the largest logit is not finite (then `c` holds every candidate, and the mass is theirs
+/// to sum). Found by `top_candidates` for 256, 2048, ... until the cut is inside: one pass or
 /// two for a model's logits, where sorting all 262,144 cost ~10 ms a token in wasm. The mass
 /// sums f32 exponentials (`kernels::sum_exp`, within ~1e-6 of the f64 sum).
 fn nucleus(logits: &[f32], top_p: f32, min_p: f32, c: &mut Vec<(u32, f32)>) -> Option<f64> {
