@@ -81,10 +81,8 @@ impl Sampler {
             self.seed = Some(p.seed);
             self.rng = Rng::new(p.seed);
         }
+        // The logits are copied only when a penalty changes them.
         let penalized = p.repeat_penalty != 1.0 && p.repeat_last_n > 0;
-        if p.temperature <= 0.0 && !penalized {
-            return argmax(logits);
-        }
         if penalized {
             self.logits.clear();
             self.logits.extend_from_slice(logits);
