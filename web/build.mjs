@@ -49,6 +49,7 @@ export const ASYNC_IMPORTS = [
   `${GPU}#attention`,
   `${GPU}#create-kv-cache`,
   `${GPU}#attention-cached`,
+  `${GPU}#blocks`,
   `${GPU}#[method]weight.write-rows`,
 ];
 // The engine exports that can reach an async import: loading (uploads and the dispatch

@@ -27,8 +27,8 @@ pub mod gpu;
 mod runtime;
 
 pub use gpu::{
-    Activation, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm, GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice,
-    WgpuBackend, add_to_linker,
+    Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, Gemm,
+    GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice, Rotation, WgpuBackend, add_to_linker,
 };
 pub use runtime::{
     EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,

@@ -139,6 +139,8 @@ fn a_host_that_decodes_one_format_wrongly_fails_that_formats_cases() {
         ("hostile-ffn", "ffn"),
         ("kv-cache", "kv-caches"),
         ("hostile-kv-cache", "kv-caches"),
+        ("blocks", "kv-caches"),
+        ("hostile-blocks", "kv-caches"),
     ] {
         let a = case(&results, name);
         assert!(a.skipped && a.message.contains(&format!("does not offer {what}")), "{a:?}");
@@ -394,6 +396,19 @@ impl wit::Host for Lenient {
             wit::Activation::Silu => Activation::Silu,
         };
         self.inner.ffn(&x, t, n_in, [&gate, &up, &down], act).map_err(error)
+    }
+
+    fn blocks(
+        &mut self,
+        _x: Vec<f32>,
+        _t: u32,
+        _pos: u32,
+        _blocks: Vec<wit::Block>,
+        _shape: wit::BlocksShape,
+        _rope: Vec<Vec<f32>>,
+        _return_kv: bool,
+    ) -> Result<wit::BlocksOutput, wit::Error> {
+        Err(wit::Error::Unavailable("the lenient host does not offer blocks".into()))
     }
 
     fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<Resource<KvCacheHandle>, wit::Error> {

@@ -347,8 +347,16 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
+  // `blocks`: not offered by this host yet (the contract allows it): the guest runs its layers
+  // with the calls above, and the kit skips its blocks cases.
+  function blocks() {
+    const bad = ready();
+    if (bad) return bad;
+    return err('unavailable', 'this host does not offer blocks');
+  }
+
   return {
-    imports: { Weight, KvCache, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached },
+    imports: { Weight, KvCache, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached, blocks },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     info: backend.info,
@@ -384,6 +392,7 @@ function noDevice(why) {
       },
       createKvCache: unavailable,
       attentionCached: unavailable,
+      blocks: unavailable,
     },
     usage: () => ({ bytes: 0, handles: 0 }),
     info: null,

@@ -258,6 +258,130 @@ impl From<wit::AttentionShape> for AttentionShape {
     }
 }
 
+/// How a rotary embedding pairs a head's values (the WIT `rotation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Rotation {
+    /// `(h[j], h[j + head_dim / 2])`.
+    Halves,
+    /// `(h[2j], h[2j + 1])`.
+    Pairs,
+}
+
+impl From<wit::Rotation> for Rotation {
+    fn from(r: wit::Rotation) -> Self {
+        match r {
+            wit::Rotation::Halves => Rotation::Halves,
+            wit::Rotation::Pairs => Rotation::Pairs,
+        }
+    }
+}
+
+/// One decoder block of a `blocks` call (the WIT `block`), its handles resolved to the
+/// backend's ids and checked by [`GpuCtx`]: every shape chains, every vector is an f32 row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Block {
+    /// `[1, n_embd]`: the norm before attention.
+    pub attn_norm: BufferId,
+    /// `[nq, n_embd]`: the query product.
+    pub wq: BufferId,
+    /// `[nkv, n_embd]`: the key product.
+    pub wk: BufferId,
+    /// `[nkv, n_embd]`: the value product.
+    pub wv: BufferId,
+    /// `[1, nq]`: the query bias.
+    pub q_bias: Option<BufferId>,
+    /// `[1, nkv]`: the key bias.
+    pub k_bias: Option<BufferId>,
+    /// `[1, nkv]`: the value bias.
+    pub v_bias: Option<BufferId>,
+    /// `[1, head_dim]`: the norm of each query head.
+    pub q_norm: Option<BufferId>,
+    /// `[1, head_dim]`: the norm of each key head.
+    pub k_norm: Option<BufferId>,
+    /// `[n_embd, nq]`: the output product.
+    pub wo: BufferId,
+    /// `[1, n_embd]`: the output bias.
+    pub o_bias: Option<BufferId>,
+    /// `[1, n_embd]`: the norm of attention's output.
+    pub post_attn_norm: Option<BufferId>,
+    /// `[1, n_embd]`: the norm before the feed-forward block.
+    pub ffn_norm: BufferId,
+    /// `[n_ff, n_embd]`: the gate product.
+    pub gate: BufferId,
+    /// `[n_ff, n_embd]`: the up product.
+    pub up: BufferId,
+    /// `[n_embd, n_ff]`: the down product.
+    pub down: BufferId,
+    /// `[1, n_embd]`: the norm of the feed-forward output.
+    pub post_ffn_norm: Option<BufferId>,
+    /// The block's `kv-cache`.
+    pub cache: BufferId,
+    /// The cache's rows.
+    pub slots: u32,
+    /// Keys a query sees, up to its own; 0: all.
+    pub window: u32,
+    /// Index of the block's rotation table.
+    pub rope: u32,
+}
+
+impl Block {
+    /// The keys the block's batch attends over: positions `first..pos + t`.
+    pub fn first_key(&self, pos: u32) -> u32 {
+        if self.window == 0 { 0 } else { (pos + 1).saturating_sub(self.window) }
+    }
+}
+
+/// What the blocks of a `blocks` call share (the WIT `blocks-shape`, with the widths the
+/// weights imply).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlocksShape {
+    /// The residual stream's width (columns of `wq`).
+    pub n_embd: u32,
+    /// The feed-forward block's hidden width (rows of `gate`).
+    pub n_ff: u32,
+    /// Query heads.
+    pub n_head: u32,
+    /// Key/value heads.
+    pub n_head_kv: u32,
+    /// Width of every head (even).
+    pub head_dim: u32,
+    /// Added to the mean square of every RMS norm.
+    pub eps: f32,
+    /// Multiplies each query-key product before the softmax.
+    pub scale: f32,
+    /// The feed-forward activation.
+    pub act: Activation,
+    /// How the rotation pairs a head's values.
+    pub rotation: Rotation,
+}
+
+impl BlocksShape {
+    /// The attention of a batch of `t` at `pos` over `n_keys` keys, with `window`.
+    pub fn attention(&self, t: u32, n_keys: u32, window: u32) -> AttentionShape {
+        AttentionShape {
+            t,
+            n_keys,
+            n_head: self.n_head,
+            n_head_kv: self.n_head_kv,
+            head_dim: self.head_dim,
+            window,
+            scale: self.scale,
+        }
+    }
+}
+
+/// What `blocks` returns (the WIT `blocks-output`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BlocksOutput {
+    /// `[t, n_embd]` after the last block.
+    pub x: Vec<f32>,
+    /// `[blocks, t, n_head_kv * head_dim]`: the keys each block wrote to its cache (empty
+    /// unless asked for).
+    pub keys: Vec<f32>,
+    /// The values, as `keys`.
+    pub values: Vec<f32>,
+}
+
 /// Identifies a weight inside a backend.
 pub type BufferId = u64;
 
@@ -308,6 +432,24 @@ pub trait Backend: Send {
     /// default, `unavailable`, and the guest attends on its own CPU.
     fn attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         Err(GpuError::Unavailable("this host does not offer attention".into()))
+    }
+    /// `blocks` (see `wit/gpu.wit`): `x[t, n_embd]` at positions `pos..` through each block in
+    /// order. Checked by [`GpuCtx`] already: the shapes chain, each rotation table holds
+    /// `t * head_dim` values, and each block's keys fit its cache. The keys and values come
+    /// back only with `return_kv`. A backend without it keeps this default, `unavailable`, and
+    /// the guest runs the blocks with the other calls.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &mut self,
+        _x: &[f32],
+        _t: u32,
+        _pos: u32,
+        _blocks: &[Block],
+        _shape: &BlocksShape,
+        _rope: &[Vec<f32>],
+        _return_kv: bool,
+    ) -> Result<BlocksOutput, GpuError> {
+        Err(GpuError::Unavailable("this host does not offer blocks".into()))
     }
     /// The device time of the last `matmul`'s dispatches alone, in nanoseconds (timestamp
     /// queries around its compute pass), where the device can tell and
@@ -791,6 +933,129 @@ impl GpuCtx {
         self.track(r)
     }
 
+    /// A live weight of this context by its handle, checked to be `[rows, cols]` (and, with
+    /// `vector`, an `f32` weight of one row); `what` names it in the error.
+    fn shaped(&self, w: &Resource<WeightHandle>, what: &str, rows: u32, cols: u32, vector: bool) -> Result<BufferId, GpuError> {
+        let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("{what}: not a live weight handle of this instance")))?;
+        if vector && h.format != Format::F32 {
+            return invalid(format!("{what}: a vector must be an f32 weight, not {}", h.format.name()));
+        }
+        if (h.rows, h.cols) != (rows, cols) {
+            return invalid(format!("{what}: the weight is [{}, {}], the block needs [{rows}, {cols}]", h.rows, h.cols));
+        }
+        Ok(h.id)
+    }
+
+    /// Runs `x[t, n_embd]` (positions `pos..`) through `blocks` on the device, returning each
+    /// block's new keys and values too with `return_kv`: see `wit/gpu.wit`.
+    ///
+    /// Errors: `InvalidArgument` for an empty or mismatched `x`, no blocks, more blocks than
+    /// handles the [`Budget`] allows, a handle that is not a live weight or kv-cache of this
+    /// context, a vector that is not an `f32` weight `[1, n]`, shapes that do not chain, heads
+    /// that do not group or an odd or too wide head, a table index past `rope` or a table
+    /// that does not hold `t * head_dim` values, or keys that do not fit a cache (or a batch of
+    /// more rows than its slots); `OutOfMemory` when an activation exceeds the device's
+    /// `max_activation_elements`; `Unavailable` where the backend has no `blocks`, or
+    /// `DeviceLost`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn blocks(
+        &mut self,
+        x: &[f32],
+        t: u32,
+        pos: u32,
+        blocks: &[wit::Block],
+        shape: &wit::BlocksShape,
+        rope: &[Vec<f32>],
+        return_kv: bool,
+    ) -> Result<BlocksOutput, GpuError> {
+        let max_elems = self.ready()?.max_activation_elements;
+        let Some(first) = blocks.first() else { return invalid("no blocks") };
+        if blocks.len() > self.budget.handles as usize {
+            return invalid(format!("{} blocks exceed the limit of {} a call", blocks.len(), self.budget.handles));
+        }
+        let (n_head, n_head_kv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return invalid(format!("{n_head} query heads cannot share {n_head_kv} key/value heads"));
+        }
+        if hd < 2 || hd % 2 != 0 || hd > MAX_HEAD_DIM {
+            return invalid(format!("head-dim {hd} is not even within 2..={MAX_HEAD_DIM}"));
+        }
+        let n_embd = self.weight(&first.wq).map(|h| h.cols).unwrap_or(0);
+        let n_ff = self.weight(&first.gate).map(|h| h.rows).unwrap_or(0);
+        let (nq, nkv) = (n_head as u64 * hd as u64, n_head_kv as u64 * hd as u64);
+        if t == 0 || n_embd == 0 || x.len() as u64 != t as u64 * n_embd as u64 {
+            return invalid(format!("x has {} values for {t} rows of the blocks' width {n_embd}", x.len()));
+        }
+        if nq > u32::MAX as u64 {
+            return invalid("the attention width overflows");
+        }
+        let (nq, nkv) = (nq as u32, nkv as u32);
+        for (i, table) in rope.iter().enumerate() {
+            if table.len() as u64 != t as u64 * hd as u64 {
+                return invalid(format!("rotation table {i} has {} values, t * head-dim is {}", table.len(), t as u64 * hd as u64));
+            }
+        }
+        let widest = [n_embd, nq, n_ff].into_iter().max().unwrap_or(0) as u64 * t as u64;
+        if widest > max_elems || t as u64 * hd as u64 > max_elems {
+            return Err(GpuError::OutOfMemory(format!("activations of {widest} values exceed the device's limit of {max_elems}")));
+        }
+        let mut ids = Vec::with_capacity(blocks.len());
+        for (l, b) in blocks.iter().enumerate() {
+            let m = |w: &Resource<WeightHandle>, what: &str, rows, cols| self.shaped(w, &format!("block {l}: {what}"), rows, cols, false);
+            let v = |w: &Resource<WeightHandle>, what: &str, n| self.shaped(w, &format!("block {l}: {what}"), 1, n, true);
+            let ov = |w: &Option<Resource<WeightHandle>>, what: &str, n| w.as_ref().map(|w| v(w, what, n)).transpose();
+            let c = self.caches.get(&b.cache.rep()).ok_or_else(|| GpuError::InvalidArgument(format!("block {l}: not a live kv-cache handle of this instance")))?;
+            if c.width != nkv {
+                return invalid(format!("block {l}: a kv-cache of width {} for key/value rows of {nkv}", c.width));
+            }
+            let (cache, slots) = (c.id, c.slots);
+            if b.rope as usize >= rope.len() {
+                return invalid(format!("block {l}: rotation table {} of {}", b.rope, rope.len()));
+            }
+            let block = Block {
+                attn_norm: v(&b.attn_norm, "attn-norm", n_embd)?,
+                wq: m(&b.wq, "wq", nq, n_embd)?,
+                wk: m(&b.wk, "wk", nkv, n_embd)?,
+                wv: m(&b.wv, "wv", nkv, n_embd)?,
+                q_bias: ov(&b.q_bias, "q-bias", nq)?,
+                k_bias: ov(&b.k_bias, "k-bias", nkv)?,
+                v_bias: ov(&b.v_bias, "v-bias", nkv)?,
+                q_norm: ov(&b.q_norm, "q-norm", hd)?,
+                k_norm: ov(&b.k_norm, "k-norm", hd)?,
+                wo: m(&b.wo, "wo", n_embd, nq)?,
+                o_bias: ov(&b.o_bias, "o-bias", n_embd)?,
+                post_attn_norm: ov(&b.post_attn_norm, "post-attn-norm", n_embd)?,
+                ffn_norm: v(&b.ffn_norm, "ffn-norm", n_embd)?,
+                gate: m(&b.gate, "gate", n_ff, n_embd)?,
+                up: m(&b.up, "up", n_ff, n_embd)?,
+                down: m(&b.down, "down", n_embd, n_ff)?,
+                post_ffn_norm: ov(&b.post_ffn_norm, "post-ffn-norm", n_embd)?,
+                cache,
+                slots,
+                window: b.window,
+                rope: b.rope,
+            };
+            let n_keys = pos as u64 + t as u64 - block.first_key(pos) as u64;
+            if t > slots || n_keys > slots as u64 || n_keys * nkv as u64 > max_elems {
+                return invalid(format!("block {l}: {t} new rows and {n_keys} keys do not fit a kv-cache of {slots} slots"));
+            }
+            ids.push(block);
+        }
+        let shape = BlocksShape {
+            n_embd,
+            n_ff,
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            eps: shape.eps,
+            scale: shape.scale,
+            act: shape.act.into(),
+            rotation: shape.rotation.into(),
+        };
+        let r = self.backend.blocks(x, t, pos, &ids, &shape, rope, return_kv);
+        self.track(r)
+    }
+
     /// The device time of the last successful `matmul`'s kernels alone, in nanoseconds, where
     /// the backend can measure it (wgpu with timestamp queries); for benchmarks.
     pub fn last_kernel_ns(&self) -> Option<u64> {
@@ -884,6 +1149,20 @@ impl wit::Host for GpuCtx {
         shape: wit::AttentionShape,
     ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
         Ok(GpuCtx::attention_cached(self, &q, &k_new, &v_new, first_new, &cache, first_key, &shape.into()).map_err(Into::into))
+    }
+
+    fn blocks(
+        &mut self,
+        x: Vec<f32>,
+        t: u32,
+        pos: u32,
+        blocks: Vec<wit::Block>,
+        shape: wit::BlocksShape,
+        rope: Vec<Vec<f32>>,
+        return_kv: bool,
+    ) -> wasmtime::Result<Result<wit::BlocksOutput, wit::Error>> {
+        let out = GpuCtx::blocks(self, &x, t, pos, &blocks, &shape, &rope, return_kv);
+        Ok(out.map(|o| wit::BlocksOutput { x: o.x, keys: o.keys, values: o.values }).map_err(Into::into))
     }
 
     fn matmul(

@@ -6,6 +6,7 @@
 //! case cannot run on this host. Every case drops what it uploaded before it returns.
 
 mod attention;
+mod blocks;
 mod ffn;
 mod hostile;
 mod products;
@@ -63,6 +64,7 @@ const DEVICE_CASES: &[Case] = &[
     ("ffn", ffn::matches),
     ("attention", attention::matches),
     ("kv-cache", attention::cached),
+    ("blocks", blocks::matches),
     ("weight-accessors", resources::accessors),
     ("handle-lifetimes", resources::lifetimes),
     ("budget-handles", resources::budget_handles),
@@ -81,6 +83,7 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-ffn", ffn::hostile),
     ("hostile-attention", attention::hostile),
     ("hostile-kv-cache", attention::cached_hostile),
+    ("hostile-blocks", blocks::hostile),
     ("recovers-after-refusals", resources::recovers),
 ];
 
