@@ -796,3 +796,110 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     store_quad(t + 64u, r, ba);
     store_quad(t + 64u, r + 64u, bb);
 }
+
+// ---- the steps of `blocks` between its products ----------------------------------------------
+
+// Each reads and writes f32 rows (a row of `t` at wid.y + params.t_base); the fields of Params
+// mean, for these entry points:
+//   n_in     the width of a row (a run of values normed, a head turned)
+//   n_out    norm_rows: the output's row stride; bias_rows: the width of a row; rope_rows:
+//            the heads a row
+//   t        rows
+//   row_quads  norm_rows: the input's row stride, in elements
+//   scale_row  norm_rows: flags (NORM_*); rope_rows: 1 to turn pairs (2j, 2j + 1), 0 halves
+//   row_base   norm_rows: eps, as the bits of an f32
+
+// y = norm(in) * w (+ y with NORM_ACCUMULATE), `in` from x, or from y with NORM_IN_PLACE.
+const NORM_ACCUMULATE: u32 = 1u;
+const NORM_IN_PLACE: u32 = 2u;
+// y = in (+ y): no norm, no weight (a residual add).
+const NORM_NONE: u32 = 4u;
+
+var<workgroup> norm_sums: array<f32, WG>;
+
+fn norm_in(in_place: bool, xi: u32, yi: u32) -> f32 {
+    if (in_place) {
+        return y[yi];
+    }
+    return x[xi / 4u][xi % 4u];
+}
+
+// norm(v) = v / sqrt(mean(v^2) + eps) * w: one workgroup a row, the sum of squares reduced
+// through workgroup memory.
+@compute @workgroup_size(64)
+fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    if (r >= params.t) {
+        return;
+    }
+    let n = params.n_in;
+    let flags = params.scale_row;
+    let in_place = (flags & NORM_IN_PLACE) != 0u;
+    let src = r * params.row_quads;
+    let dst = r * params.n_out;
+    var scale = 1.0;
+    if ((flags & NORM_NONE) == 0u) {
+        var ss = 0.0;
+        for (var j = li; j < n; j += WG) {
+            let v = norm_in(in_place, src + j, dst + j);
+            ss += v * v;
+        }
+        norm_sums[li] = ss;
+        workgroupBarrier();
+        for (var k = WG / 2u; k > 0u; k /= 2u) {
+            if (li < k) {
+                norm_sums[li] += norm_sums[li + k];
+            }
+            workgroupBarrier();
+        }
+        scale = 1.0 / sqrt(norm_sums[0] / f32(n) + bitcast<f32>(params.row_base));
+    }
+    for (var j = li; j < n; j += WG) {
+        var o = norm_in(in_place, src + j, dst + j);
+        if ((flags & NORM_NONE) == 0u) {
+            o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
+        }
+        if ((flags & NORM_ACCUMULATE) != 0u) {
+            o += y[dst + j];
+        }
+        y[dst + j] = o;
+    }
+}
+
+// y[r, j] += w[j]: a bias on each row.
+@compute @workgroup_size(64)
+fn bias_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    if (r >= params.t || j >= params.n_out) {
+        return;
+    }
+    y[r * params.n_out + j] += bitcast<f32>(weights[j / 4u][j % 4u]);
+}
+
+// Turns each head of row r of y by row r of the table in x (its cosines, then its sines): pair
+// j (a, b) becomes (a c - b s, a s + b c). One invocation a pair.
+@compute @workgroup_size(64)
+fn rope_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let hd = params.n_in;
+    let half = hd / 2u;
+    let i = gid.x;
+    if (r >= params.t || i >= params.n_out * half) {
+        return;
+    }
+    let head = r * params.n_out * hd + (i / half) * hd;
+    let j = i % half;
+    var a = head + j;
+    var b = a + half;
+    if (params.scale_row == 1u) {
+        a = head + 2u * j;
+        b = a + 1u;
+    }
+    let c = x[(r * hd + j) / 4u][(r * hd + j) % 4u];
+    let s = x[(r * hd + half + j) / 4u][(r * hd + half + j) % 4u];
+    let va = y[a];
+    let vb = y[b];
+    y[a] = va * c - vb * s;
+    y[b] = va * s + vb * c;
+}

@@ -12,8 +12,9 @@
 //! makes every later call return [`GpuError::DeviceLost`].
 
 mod attention;
+mod blocks;
 
-use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError};
+use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -103,6 +104,9 @@ enum Kernel {
     GemmCoop,
     GateGelu,
     GateSilu,
+    NormRows,
+    BiasRows,
+    RopeRows,
 }
 
 impl Kernel {
@@ -115,6 +119,9 @@ impl Kernel {
             Kernel::GemmTiled => "gemm_tiled",
             Kernel::GemmWide => "gemm_wide",
             Kernel::GemmCoop => "gemm_coop",
+            Kernel::NormRows => "norm_rows",
+            Kernel::BiasRows => "bias_rows",
+            Kernel::RopeRows => "rope_rows",
         }
     }
 }
@@ -254,6 +261,8 @@ pub struct WgpuBackend {
     scratch: Scratch,
     /// The `attention` pipeline and its buffers.
     attn: attention::Attention,
+    /// The buffers of `blocks`.
+    block_buffers: blocks::Buffers,
     /// Where the adapter offers timestamp queries: two timestamps around each call's compute
     /// pass, resolved into `resolve`, and nanoseconds per tick.
     timer: Option<Timer>,
@@ -507,6 +516,7 @@ impl WgpuBackend {
             next: 0,
             scratch: Scratch::default(),
             attn: attention::Attention::default(),
+            block_buffers: blocks::Buffers::default(),
             timer,
             last_kernel_ns: None,
             repeats: 0,
@@ -1317,8 +1327,10 @@ impl Backend for WgpuBackend {
     }
 
     fn free(&mut self, id: BufferId) {
-        // Dropping the buffers frees them once no submitted work uses them.
+        // Dropping the buffers frees them once no submitted work uses them (and no cached
+        // bind group holds them).
         self.weights.remove(&id);
+        self.block_buffers.forget_groups();
     }
 
     fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
@@ -1331,6 +1343,7 @@ impl Backend for WgpuBackend {
 
     fn free_cache(&mut self, id: BufferId) {
         self.attn.caches.remove(&id);
+        self.block_buffers.forget_groups();
     }
 
     fn attention_cached(
@@ -1348,6 +1361,20 @@ impl Backend for WgpuBackend {
 
     fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, weights: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
         self.run_ffn(x, t, n_in, weights, act)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &mut self,
+        x: &[f32],
+        t: u32,
+        pos: u32,
+        blocks: &[Block],
+        shape: &BlocksShape,
+        rope: &[Vec<f32>],
+        return_kv: bool,
+    ) -> Result<BlocksOutput, GpuError> {
+        self.run_blocks(x, t, pos, blocks, shape, rope, return_kv)
     }
 }
 

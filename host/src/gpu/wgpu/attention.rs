@@ -55,10 +55,10 @@ const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
 /// A `kv-cache`: keys and values, `[slots, width]` f32 each.
 pub(super) struct Cache {
-    slots: u32,
-    width: u32,
-    k: wgpu::Buffer,
-    v: wgpu::Buffer,
+    pub(super) slots: u32,
+    pub(super) width: u32,
+    pub(super) k: wgpu::Buffer,
+    pub(super) v: wgpu::Buffer,
 }
 
 /// The pipeline (built on first use), the buffers kept across calls, and the `kv-cache`s.
@@ -215,27 +215,19 @@ impl WgpuBackend {
         self.attn = Attention { pipeline: kept.pipeline, caches: kept.caches, ..Attention::default() };
     }
 
-    /// The attention kernel over `q` and keys and values in `kv` (buffers and bytes bound):
-    /// key `j` in row `(first_slot + j) % slots`.
-    fn attend_over(
-        &mut self,
-        q: &[f32],
-        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
-        s: &AttentionShape,
-        first_slot: u32,
-        slots: u32,
-    ) -> Result<Vec<f32>, GpuError> {
+    /// The dispatches of attention of shape `s` over a ring of `slots` rows whose key 0 is row
+    /// `first_slot`, `q_len` query values: split so that no dispatch exceeds the device's
+    /// workgroup count or the multiply-add budget.
+    pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32) -> Result<Plan, GpuError> {
         let max = self.info.max_weight_bytes;
-        let q_bytes = 4 * q.len() as u64;
-        if q.is_empty() || q_bytes > max {
-            return Err(GpuError::InvalidArgument(format!("{} queries do not fit the device ({max} bytes a buffer)", q.len())));
+        let q_bytes = 4 * q_len;
+        if q_len == 0 || q_bytes > max {
+            return Err(GpuError::InvalidArgument(format!("{q_len} queries do not fit the device ({max} bytes a buffer)")));
         }
         let groups = self.limits.max_compute_workgroups_per_dimension.max(1);
         if s.n_head > groups {
             return Err(GpuError::OutOfMemory(format!("{} heads exceed the device's {groups} workgroups", s.n_head)));
         }
-        let (layout, pipeline, merge) = self.attention_pipeline()?;
-
         // Queries a dispatch: within the workgroup count of a dimension and the budget.
         let macs = (2 * s.n_head as u64).saturating_mul(s.n_keys as u64).saturating_mul(s.head_dim as u64);
         let per_dispatch = (self.dispatch_macs / macs.max(1)).clamp(1, groups as u64) as u32;
@@ -269,56 +261,116 @@ impl WgpuBackend {
                 bytes
             })
             .collect();
+        Ok(Plan { params, stride, per_dispatch, dispatches, splits, t: s.t, n_head: s.n_head, q_bytes, out_bytes })
+    }
 
-        let scopes = push_scopes(&self.device);
-        let cap = self.limits.max_buffer_size;
-        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
-        let device = &self.device;
-        let a = &mut self.attn;
-        let qb = Self::ensure(device, &mut a.q, q_bytes, cap, storage, "attention q");
-        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-        let out = Self::ensure(device, &mut a.out, out_bytes, cap, out_usage, "attention out");
-        let read_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-        let staging = Self::ensure(device, &mut a.staging, q_bytes, cap, read_usage, "attention staging");
-        let uniform = wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST;
-        let pb = Self::ensure(device, &mut a.params, params.len() as u64, cap, uniform, "attention params");
-        self.queue.write_buffer(&qb, 0, bytemuck::cast_slice(q));
-        self.queue.write_buffer(&pb, 0, &params);
+    /// The layout and pipelines of attention, and a bind group of its buffers: the plan's
+    /// parameters in `params` (from byte 0 of the binding), queries, keys, values (`kv`:
+    /// buffers and bytes bound) and outputs.
+    pub(super) fn attention_group(
+        &mut self,
+        plan: &Plan,
+        params: &wgpu::Buffer,
+        q: &wgpu::Buffer,
+        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
+        out: &wgpu::Buffer,
+    ) -> Result<(wgpu::BindGroup, Pipelines), GpuError> {
+        let (layout, attend, merge) = self.attention_pipeline()?;
         let (kb, vb, kv_bytes) = kv;
         let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("attention"),
             layout: &layout,
             entries: &[
-                wgpu::BindGroupEntry { binding: 0, resource: binding(&pb, 0, PARAMS_BYTES) },
-                wgpu::BindGroupEntry { binding: 1, resource: binding(&qb, 0, q_bytes) },
+                wgpu::BindGroupEntry { binding: 0, resource: binding(params, 0, PARAMS_BYTES) },
+                wgpu::BindGroupEntry { binding: 1, resource: binding(q, 0, plan.q_bytes) },
                 wgpu::BindGroupEntry { binding: 2, resource: binding(kb, 0, kv_bytes) },
                 wgpu::BindGroupEntry { binding: 3, resource: binding(vb, 0, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 4, resource: binding(&out, 0, out_bytes) },
+                wgpu::BindGroupEntry { binding: 4, resource: binding(out, 0, plan.out_bytes) },
             ],
         });
+        Ok((group, Pipelines { attend, merge }))
+    }
+
+    /// The attention kernel over `q` and keys and values in `kv` (buffers and bytes bound):
+    /// key `j` in row `(first_slot + j) % slots`.
+    fn attend_over(
+        &mut self,
+        q: &[f32],
+        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
+        s: &AttentionShape,
+        first_slot: u32,
+        slots: u32,
+    ) -> Result<Vec<f32>, GpuError> {
+        let plan = self.attention_plan(q.len() as u64, s, first_slot, slots)?;
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let device = &self.device;
+        let a = &mut self.attn;
+        let qb = Self::ensure(device, &mut a.q, plan.q_bytes, cap, storage, "attention q");
+        let out_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        let out = Self::ensure(device, &mut a.out, plan.out_bytes, cap, out_usage, "attention out");
+        let read_usage = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        let staging = Self::ensure(device, &mut a.staging, plan.q_bytes, cap, read_usage, "attention staging");
+        let uniform = wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST;
+        let pb = Self::ensure(device, &mut a.params, plan.params.len() as u64, cap, uniform, "attention params");
+        self.queue.write_buffer(&qb, 0, bytemuck::cast_slice(q));
+        self.queue.write_buffer(&pb, 0, &plan.params);
+        let (group, pipelines) = self.attention_group(&plan, &pb, &qb, kv, &out)?;
         let mut encoder =
             self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attention") });
         {
             let mut pass = encoder
                 .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("attention"), timestamp_writes: None });
-            for (p, z) in [(&pipeline, splits), (&merge, 1)].into_iter().take(if splits > 1 { 2 } else { 1 }) {
-                pass.set_pipeline(p);
-                for d in 0..dispatches {
-                    let queries = per_dispatch.min(s.t - d * per_dispatch);
-                    pass.set_bind_group(0, &group, &[(d as u64 * stride) as u32]);
-                    pass.dispatch_workgroups(s.n_head, queries, z);
-                }
-            }
+            plan.record(&mut pass, &pipelines, &group, 0);
         }
-        encoder.copy_buffer_to_buffer(&out, 0, &staging, 0, q_bytes);
+        encoder.copy_buffer_to_buffer(&out, 0, &staging, 0, plan.q_bytes);
         self.queue.submit([encoder.finish()]);
-        let result = self.read_back(&staging, q_bytes, |view| bytemuck::pod_collect_to_vec::<u8, f32>(view));
+        let result = self.read_back(&staging, plan.q_bytes, |view| bytemuck::pod_collect_to_vec::<u8, f32>(view));
         match self.finish(scopes).and(result) {
             Ok(out) => Ok(out),
             Err(e) => {
                 // Start the next call from fresh buffers: these may be left mapped or invalid.
                 self.drop_attention_buffers();
                 Err(e)
+            }
+        }
+    }
+}
+
+/// `attend` and `attend_merge`.
+#[derive(Clone)]
+pub(super) struct Pipelines {
+    attend: wgpu::ComputePipeline,
+    merge: wgpu::ComputePipeline,
+}
+
+/// The dispatches of one attention: their parameters (a `stride` each, for dynamic offsets)
+/// and workgroup counts.
+pub(super) struct Plan {
+    pub(super) params: Vec<u8>,
+    stride: u64,
+    per_dispatch: u32,
+    dispatches: u32,
+    splits: u32,
+    t: u32,
+    n_head: u32,
+    /// Bytes of the queries (and outputs), and of everything the kernels write.
+    pub(super) q_bytes: u64,
+    pub(super) out_bytes: u64,
+}
+
+impl Plan {
+    /// Records the dispatches in `pass`, the parameters at `params_at` bytes into the group's
+    /// parameter binding's buffer.
+    pub(super) fn record(&self, pass: &mut wgpu::ComputePass<'_>, p: &Pipelines, group: &wgpu::BindGroup, params_at: u64) {
+        let stages = [(&p.attend, self.splits), (&p.merge, 1)];
+        for (pipeline, z) in stages.into_iter().take(if self.splits > 1 { 2 } else { 1 }) {
+            pass.set_pipeline(pipeline);
+            for d in 0..self.dispatches {
+                let queries = self.per_dispatch.min(self.t - d * self.per_dispatch);
+                pass.set_bind_group(0, group, &[(params_at + d as u64 * self.stride) as u32]);
+                pass.dispatch_workgroups(self.n_head, queries, z);
             }
         }
     }

@@ -1,0 +1,790 @@
+//! `blocks` on the wgpu device: every decoder block of a call in one command buffer, one
+//! submission and one readback. Only `x` and the rotation tables go up; the residual stream,
+//! the block's intermediate rows and its keys and values stay on the device between the steps,
+//! and `x` with every block's new keys and values comes back.
+//!
+//! The products are `matmul`'s kernels (chosen by `plan` for `t` as a call of its own would
+//! be), the activation `ffn`'s, attention `attention-cached`'s over the block's `kv-cache`; the
+//! norms, biases and rotations are the small kernels at the end of `shaders/matmul.wgsl`. The
+//! new keys and values reach the cache's ring by buffer copies, between compute passes.
+
+use super::attention::{Pipelines, Plan};
+use super::{
+    Dispatch, Kernel, PARAMS_BYTES, Params, WORKGROUP, WgpuBackend, align_up, binding, push_scopes,
+};
+use std::collections::HashMap;
+
+use crate::gpu::{
+    Activation, Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation,
+};
+
+/// `norm_rows` flags (NORM_* in the shader).
+const NORM_ACCUMULATE: u32 = 1;
+const NORM_IN_PLACE: u32 = 2;
+const NORM_NONE: u32 = 4;
+
+/// Buffers kept across `blocks` calls, grown when a call needs more.
+#[derive(Default)]
+pub(super) struct Buffers {
+    /// The residual stream `[t, n_embd]`, a normed copy of it, the queries, attention's output
+    /// (and partial sums), a product's output `[t, n_embd]`, the gate and up outputs, the
+    /// activations, and the keys and values of every block.
+    x: Option<wgpu::Buffer>,
+    h: Option<wgpu::Buffer>,
+    q: Option<wgpu::Buffer>,
+    a: Option<wgpu::Buffer>,
+    o: Option<wgpu::Buffer>,
+    mid: Option<wgpu::Buffer>,
+    hidden: Option<wgpu::Buffer>,
+    kv: Option<wgpu::Buffer>,
+    tables: Option<wgpu::Buffer>,
+    staging: Option<wgpu::Buffer>,
+    params: Option<wgpu::Buffer>,
+    attn_params: Option<wgpu::Buffer>,
+    /// Bind groups of earlier calls, by what they bind: a decode step binds what the one
+    /// before it bound (H200: making Gemma's 288 anew cost ~1 ms a step).
+    groups: HashMap<BindKey, wgpu::BindGroup>,
+    attention: HashMap<[(wgpu::Buffer, u64); 5], (wgpu::BindGroup, Pipelines)>,
+}
+
+/// What a bind group of `matmul.wgsl`'s layout binds: parameters, weights, scales, x and y.
+type BindKey = (
+    wgpu::Buffer,
+    wgpu::Buffer,
+    wgpu::Buffer,
+    (wgpu::Buffer, u64, u64),
+    (wgpu::Buffer, u64, u64),
+);
+
+/// Bind groups kept at most: past it, the cache starts again (it also keeps what it binds
+/// alive, so it is emptied whenever a weight or a cache is freed).
+const MAX_CACHED_GROUPS: usize = 4096;
+
+impl Buffers {
+    /// Forgets the cached bind groups (and so the buffers only they hold).
+    pub(super) fn forget_groups(&mut self) {
+        self.groups.clear();
+        self.attention.clear();
+    }
+}
+
+/// A bind group of `matmul.wgsl`'s layout: weights, scales, x and y (buffer, offset, bytes).
+#[derive(Clone)]
+struct Bind {
+    weights: wgpu::Buffer,
+    scales: wgpu::Buffer,
+    x: (wgpu::Buffer, u64, u64),
+    y: (wgpu::Buffer, u64, u64),
+}
+
+/// What the command buffer does, in order.
+enum Command {
+    /// Dispatches `dispatches[range]` of `matmul.wgsl`.
+    Kernels(std::ops::Range<usize>),
+    /// Block `b`'s attention.
+    Attention(usize),
+    /// `bytes` from one buffer to another: (source, offset), (destination, offset).
+    Copy(wgpu::Buffer, u64, wgpu::Buffer, u64, u64),
+}
+
+/// The commands of one call, with the bind groups and dispatches they use.
+#[derive(Default)]
+struct Recording {
+    binds: Vec<Bind>,
+    dispatches: Vec<Dispatch>,
+    /// The pipeline format of each dispatch (its bind's weight format).
+    formats: Vec<Format>,
+    commands: Vec<Command>,
+}
+
+impl Recording {
+    /// Adds a bind group; returns its index.
+    fn bind(&mut self, b: Bind) -> usize {
+        self.binds.push(b);
+        self.binds.len() - 1
+    }
+
+    /// Opens (or continues) a run of kernel dispatches ending at the current one.
+    fn close_kernels(&mut self, from: usize) {
+        let to = self.dispatches.len();
+        if to > from {
+            match self.commands.last_mut() {
+                Some(Command::Kernels(r)) if r.end == from => r.end = to,
+                _ => self.commands.push(Command::Kernels(from..to)),
+            }
+        }
+    }
+}
+
+fn whole(b: &wgpu::Buffer, bytes: u64) -> (wgpu::Buffer, u64, u64) {
+    (b.clone(), 0, bytes)
+}
+
+impl WgpuBackend {
+    /// See [`crate::gpu::Backend::blocks`]; the arguments are checked by `GpuCtx` already.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run_blocks(
+        &mut self,
+        x: &[f32],
+        t: u32,
+        pos: u32,
+        blocks: &[Block],
+        s: &BlocksShape,
+        rope: &[Vec<f32>],
+        return_kv: bool,
+    ) -> Result<BlocksOutput, GpuError> {
+        self.last_kernel_ns = None;
+        self.live()?;
+        let (e, ff, hd) = (s.n_embd as u64, s.n_ff as u64, s.head_dim as u64);
+        let (nq, nkv) = (s.n_head as u64 * hd, s.n_head_kv as u64 * hd);
+        // Rows feed the products as their x: whole steps of 8 values, no padding.
+        if [e, nq, ff].iter().any(|w| w % 8 != 0) {
+            return Err(GpuError::Unavailable(format!(
+                "blocks of widths {e}, {nq} and {ff} (this host runs them where each is a multiple of 8)"
+            )));
+        }
+        let t64 = t as u64;
+        let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let x_bytes = 4 * t64 * e;
+        let q_bytes = 4 * t64 * nq;
+        let part = 4 * t64 * ff;
+        let up_at = align_up(part, storage_align);
+        let mid_bytes = align_up(up_at + part, 16);
+        // Each block's keys, then each block's values, a whole aligned run each.
+        let kv_run = align_up(4 * t64 * nkv, storage_align);
+        let kv_bytes = 2 * blocks.len() as u64 * kv_run;
+        let table_run = align_up(4 * t64 * hd, storage_align);
+        let tables_bytes = align_up(table_run * rope.len().max(1) as u64, 16);
+        // Attention's plans (and so its output's size) first: they check the shapes.
+        let mut plans = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            let c = self
+                .attn
+                .caches
+                .get(&b.cache)
+                .ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {}", b.cache)))?;
+            let first = b.first_key(pos);
+            let shape = s.attention(t, pos + t - first, b.window);
+            plans.push(self.attention_plan(t64 * nq, &shape, first % c.slots, c.slots)?);
+        }
+        let a_bytes = plans.iter().map(|p| p.out_bytes).max().unwrap_or(q_bytes);
+        let max = self.info.max_weight_bytes;
+        if [x_bytes, q_bytes, a_bytes, mid_bytes, kv_bytes, tables_bytes]
+            .iter()
+            .any(|&b| b > max)
+        {
+            return Err(GpuError::OutOfMemory(format!(
+                "blocks over [{t}, {e}] need buffers past the device's limit"
+            )));
+        }
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let storage = wgpu::BufferUsages::STORAGE;
+        let (copy_src, copy_dst) = (wgpu::BufferUsages::COPY_SRC, wgpu::BufferUsages::COPY_DST);
+        let device = &self.device;
+        let m = &mut self.block_buffers;
+        let xb = Self::ensure(
+            device,
+            &mut m.x,
+            x_bytes,
+            cap,
+            storage | copy_src | copy_dst,
+            "blocks x",
+        );
+        let hb = Self::ensure(device, &mut m.h, x_bytes, cap, storage, "blocks normed x");
+        let qb = Self::ensure(device, &mut m.q, q_bytes, cap, storage, "blocks q");
+        let ab = Self::ensure(device, &mut m.a, a_bytes, cap, storage, "blocks attention");
+        let ob = Self::ensure(device, &mut m.o, x_bytes, cap, storage, "blocks output");
+        let mid = Self::ensure(
+            device,
+            &mut m.mid,
+            mid_bytes,
+            cap,
+            storage,
+            "blocks gate and up",
+        );
+        let hidden = Self::ensure(device, &mut m.hidden, part, cap, storage, "blocks hidden");
+        let kvb = Self::ensure(
+            device,
+            &mut m.kv,
+            kv_bytes,
+            cap,
+            storage | copy_src,
+            "blocks keys and values",
+        );
+        let tables = Self::ensure(
+            device,
+            &mut m.tables,
+            tables_bytes,
+            cap,
+            storage | copy_dst,
+            "blocks rotations",
+        );
+        let read = wgpu::BufferUsages::MAP_READ | copy_dst;
+        // The keys and values are read back only when asked for.
+        let back = if return_kv { kv_bytes } else { 0 };
+        let staging = Self::ensure(
+            device,
+            &mut m.staging,
+            x_bytes + back,
+            cap,
+            read,
+            "blocks staging",
+        );
+        self.queue.write_buffer(&xb, 0, bytemuck::cast_slice(x));
+        for (i, table) in rope.iter().enumerate() {
+            self.queue
+                .write_buffer(&tables, i as u64 * table_run, bytemuck::cast_slice(table));
+        }
+        self.finish(scopes)
+            .inspect_err(|_| self.block_buffers = Buffers::default())?;
+
+        let mut rec = Recording::default();
+        let placeholder = self.placeholder.clone();
+        let vector = |id: BufferId| -> Result<wgpu::Buffer, GpuError> {
+            self.weights
+                .get(&id)
+                .map(|w| w.data.clone())
+                .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))
+        };
+        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+        // One dispatch (split by rows) of a small kernel: `groups_x` workgroups a row.
+        let small =
+            |rec: &mut Recording, kernel: Kernel, bind: usize, params: Params, groups_x: u32| {
+                let mut r0 = 0;
+                while r0 < params.t {
+                    let rows = (params.t - r0).min(max_dim);
+                    rec.dispatches.push(Dispatch {
+                        job: bind,
+                        kernel,
+                        params: Params {
+                            t_base: r0,
+                            ..params
+                        },
+                        groups: (groups_x, rows),
+                    });
+                    rec.formats.push(Format::F32);
+                    r0 += rows;
+                }
+            };
+        let eps = s.eps.to_bits();
+        // The x (and weights) of a kernel that reads none: the tables, never written by a kernel.
+        let unread = whole(&tables, 16);
+        // norm_rows over `rows` runs of `n`: from `input` (None: in place) into `output`.
+        let norm = |rec: &mut Recording,
+                    w: Option<BufferId>,
+                    input: Option<(&wgpu::Buffer, u64)>,
+                    output: (&wgpu::Buffer, u64, u64),
+                    rows: u64,
+                    n: u64,
+                    accumulate: bool|
+         -> Result<(), GpuError> {
+            let weights = match w {
+                Some(id) => vector(id)?,
+                None => tables.clone(),
+            };
+            let mut flags = if accumulate { NORM_ACCUMULATE } else { 0 };
+            if w.is_none() {
+                flags |= NORM_NONE;
+            }
+            let x = match input {
+                Some((b, bytes)) => whole(b, bytes),
+                None => {
+                    flags |= NORM_IN_PLACE;
+                    unread.clone()
+                }
+            };
+            let bind = rec.bind(Bind {
+                weights,
+                scales: placeholder.clone(),
+                x,
+                y: (output.0.clone(), output.1, output.2),
+            });
+            let params = Params {
+                n_in: n as u32,
+                n_out: n as u32,
+                t: rows as u32,
+                row_quads: n as u32,
+                scale_row: flags,
+                row_base: eps,
+                t_base: 0,
+                x_stride: 0,
+            };
+            small(rec, Kernel::NormRows, bind, params, 1);
+            Ok(())
+        };
+        let bias = |rec: &mut Recording,
+                    b: Option<BufferId>,
+                    y: (&wgpu::Buffer, u64, u64),
+                    n: u64|
+         -> Result<(), GpuError> {
+            if let Some(id) = b {
+                let bind = rec.bind(Bind {
+                    weights: vector(id)?,
+                    scales: placeholder.clone(),
+                    x: unread.clone(),
+                    y: (y.0.clone(), y.1, y.2),
+                });
+                let params = Params {
+                    n_in: n as u32,
+                    n_out: n as u32,
+                    t,
+                    row_quads: 0,
+                    scale_row: 0,
+                    row_base: 0,
+                    t_base: 0,
+                    x_stride: 0,
+                };
+                small(
+                    rec,
+                    Kernel::BiasRows,
+                    bind,
+                    params,
+                    (n as u32).div_ceil(WORKGROUP),
+                );
+            }
+            Ok(())
+        };
+        let turn = |rec: &mut Recording, table: u64, y: (&wgpu::Buffer, u64, u64), heads: u64| {
+            let x = (
+                tables.clone(),
+                table * table_run,
+                align_up(4 * t64 * hd, 16),
+            );
+            let bind = rec.bind(Bind {
+                weights: tables.clone(),
+                scales: placeholder.clone(),
+                x,
+                y: (y.0.clone(), y.1, y.2),
+            });
+            let pairs = u32::from(s.rotation == Rotation::Pairs);
+            let params = Params {
+                n_in: hd as u32,
+                n_out: heads as u32,
+                t,
+                row_quads: 0,
+                scale_row: pairs,
+                row_base: 0,
+                t_base: 0,
+                x_stride: 0,
+            };
+            small(
+                rec,
+                Kernel::RopeRows,
+                bind,
+                params,
+                ((heads * hd / 2) as u32).div_ceil(WORKGROUP),
+            );
+        };
+
+        for (l, b) in blocks.iter().enumerate() {
+            let from = rec.dispatches.len();
+            let (k_at, v_at) = (l as u64 * kv_run, (blocks.len() + l) as u64 * kv_run);
+            let (k_out, v_out) = ((&kvb, k_at, 4 * t64 * nkv), (&kvb, v_at, 4 * t64 * nkv));
+            // h = norm(x); q, k, v = h W^T + bias; head norms; rotations.
+            norm(
+                &mut rec,
+                Some(b.attn_norm),
+                Some((&xb, x_bytes)),
+                (&hb, 0, x_bytes),
+                t64,
+                e,
+                false,
+            )?;
+            for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
+                self.product_into(&mut rec, id, (&hb, x_bytes), out, t, (e / 4) as u32)?;
+            }
+            bias(&mut rec, b.q_bias, (&qb, 0, q_bytes), nq)?;
+            bias(&mut rec, b.k_bias, k_out, nkv)?;
+            bias(&mut rec, b.v_bias, v_out, nkv)?;
+            if let Some(w) = b.q_norm {
+                norm(
+                    &mut rec,
+                    Some(w),
+                    None,
+                    (&qb, 0, q_bytes),
+                    t64 * s.n_head as u64,
+                    hd,
+                    false,
+                )?;
+            }
+            if let Some(w) = b.k_norm {
+                norm(
+                    &mut rec,
+                    Some(w),
+                    None,
+                    k_out,
+                    t64 * s.n_head_kv as u64,
+                    hd,
+                    false,
+                )?;
+            }
+            turn(&mut rec, b.rope as u64, (&qb, 0, q_bytes), s.n_head as u64);
+            turn(&mut rec, b.rope as u64, k_out, s.n_head_kv as u64);
+            rec.close_kernels(from);
+            // The new rows into the cache's ring (two runs where it wraps), then attention.
+            let c = &self.attn.caches[&b.cache];
+            let (slots, row) = (c.slots as u64, 4 * nkv);
+            let start = pos as u64 % slots;
+            let head = t64.min(slots - start);
+            for (src, dst) in [(k_at, &c.k), (v_at, &c.v)] {
+                rec.commands.push(Command::Copy(
+                    kvb.clone(),
+                    src,
+                    dst.clone(),
+                    start * row,
+                    head * row,
+                ));
+                if head < t64 {
+                    rec.commands.push(Command::Copy(
+                        kvb.clone(),
+                        src + head * row,
+                        dst.clone(),
+                        0,
+                        (t64 - head) * row,
+                    ));
+                }
+            }
+            rec.commands.push(Command::Attention(l));
+            // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)).
+            let from = rec.dispatches.len();
+            self.product_into(
+                &mut rec,
+                b.wo,
+                (&ab, q_bytes),
+                (&ob, 0, x_bytes),
+                t,
+                (nq / 4) as u32,
+            )?;
+            bias(&mut rec, b.o_bias, (&ob, 0, x_bytes), e)?;
+            norm(
+                &mut rec,
+                b.post_attn_norm,
+                Some((&ob, x_bytes)),
+                (&xb, 0, x_bytes),
+                t64,
+                e,
+                true,
+            )?;
+            norm(
+                &mut rec,
+                Some(b.ffn_norm),
+                Some((&xb, x_bytes)),
+                (&hb, 0, x_bytes),
+                t64,
+                e,
+                false,
+            )?;
+            self.product_into(
+                &mut rec,
+                b.gate,
+                (&hb, x_bytes),
+                (&mid, 0, part),
+                t,
+                (e / 4) as u32,
+            )?;
+            self.product_into(
+                &mut rec,
+                b.up,
+                (&hb, x_bytes),
+                (&mid, up_at, part),
+                t,
+                (e / 4) as u32,
+            )?;
+            let act = rec.bind(Bind {
+                weights: mid.clone(),
+                scales: placeholder.clone(),
+                x: whole(&mid, mid_bytes),
+                y: whole(&hidden, part),
+            });
+            let kernel = match s.act {
+                Activation::GeluTanh => Kernel::GateGelu,
+                Activation::Silu => Kernel::GateSilu,
+            };
+            let params = Params {
+                n_in: ff as u32,
+                n_out: ff as u32,
+                t,
+                row_quads: 0,
+                scale_row: 0,
+                row_base: (up_at / 4) as u32,
+                t_base: 0,
+                x_stride: (ff / 4) as u32,
+            };
+            small(
+                &mut rec,
+                kernel,
+                act,
+                params,
+                (ff as u32).div_ceil(WORKGROUP),
+            );
+            self.product_into(
+                &mut rec,
+                b.down,
+                (&hidden, part),
+                (&ob, 0, x_bytes),
+                t,
+                (ff / 4) as u32,
+            )?;
+            norm(
+                &mut rec,
+                b.post_ffn_norm,
+                Some((&ob, x_bytes)),
+                (&xb, 0, x_bytes),
+                t64,
+                e,
+                true,
+            )?;
+            rec.close_kernels(from);
+        }
+        rec.commands
+            .push(Command::Copy(xb.clone(), 0, staging.clone(), 0, x_bytes));
+        if return_kv {
+            rec.commands.push(Command::Copy(
+                kvb.clone(),
+                0,
+                staging.clone(),
+                x_bytes,
+                kv_bytes,
+            ));
+        }
+        let (n, run) = (blocks.len() as u64, (4 * t64 * nkv) as usize);
+        let read = |view: &[u8]| {
+            let floats = |at: u64, len: usize| {
+                bytemuck::pod_collect_to_vec::<u8, f32>(&view[at as usize..at as usize + len])
+            };
+            let rows = |first: u64| {
+                let mut all =
+                    Vec::with_capacity(if return_kv { blocks.len() * run / 4 } else { 0 });
+                for l in (first..first + n).filter(|_| return_kv) {
+                    all.extend_from_slice(&floats(x_bytes + l * kv_run, run));
+                }
+                all
+            };
+            BlocksOutput {
+                x: floats(0, x_bytes as usize),
+                keys: rows(0),
+                values: rows(n),
+            }
+        };
+        self.record_blocks(
+            rec,
+            &plans,
+            blocks,
+            (&qb, &ab),
+            (&staging, x_bytes + back),
+            read,
+        )
+        .inspect_err(|_| self.block_buffers = Buffers::default())
+    }
+
+    /// Adds weight `id`'s product over `input` (bytes bound; rows of `x_quads` quads) into
+    /// `output` (buffer, offset, bytes): its bind group and its dispatches as `matmul` plans
+    /// them.
+    fn product_into(
+        &self,
+        rec: &mut Recording,
+        id: BufferId,
+        input: (&wgpu::Buffer, u64),
+        output: (&wgpu::Buffer, u64, u64),
+        t: u32,
+        x_quads: u32,
+    ) -> Result<(), GpuError> {
+        let w = self
+            .weights
+            .get(&id)
+            .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        let bind = rec.bind(Bind {
+            weights: w.data.clone(),
+            scales: w.scales.clone().unwrap_or_else(|| self.placeholder.clone()),
+            x: whole(input.0, input.1),
+            y: (output.0.clone(), output.1, output.2),
+        });
+        let from = rec.dispatches.len();
+        self.plan(bind, w, t, x_quads, &mut rec.dispatches);
+        rec.formats
+            .extend(std::iter::repeat_n(w.format, rec.dispatches.len() - from));
+        Ok(())
+    }
+
+    /// Records `rec` in one command buffer (compute passes between the copies), submits it,
+    /// and gives the staging buffer's first `bytes` to `read`.
+    fn record_blocks<R>(
+        &mut self,
+        rec: Recording,
+        plans: &[Plan],
+        blocks: &[Block],
+        (q, a): (&wgpu::Buffer, &wgpu::Buffer),
+        (staging, bytes): (&wgpu::Buffer, u64),
+        read: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, GpuError> {
+        let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
+        let stride = align_up(PARAMS_BYTES, uniform_align);
+        let mut pipelines = std::collections::HashMap::new();
+        for (d, &format) in rec.dispatches.iter().zip(&rec.formats) {
+            if let std::collections::hash_map::Entry::Vacant(v) =
+                pipelines.entry((d.kernel, format))
+            {
+                v.insert(self.pipeline(d.kernel, format)?);
+            }
+        }
+        let mut params = vec![0u8; (stride * rec.dispatches.len() as u64) as usize];
+        for (i, d) in rec.dispatches.iter().enumerate() {
+            let at = i * stride as usize;
+            params[at..at + PARAMS_BYTES as usize].copy_from_slice(bytemuck::bytes_of(&d.params));
+        }
+        let mut attn_params = Vec::new();
+        let mut attn_at = Vec::with_capacity(plans.len());
+        for p in plans {
+            attn_at.push(attn_params.len() as u64);
+            attn_params.extend_from_slice(&p.params);
+        }
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let uniform = wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST;
+        let m = &mut self.block_buffers;
+        let pb = Self::ensure(
+            &self.device,
+            &mut m.params,
+            params.len() as u64,
+            cap,
+            uniform,
+            "blocks params",
+        );
+        let apb = Self::ensure(
+            &self.device,
+            &mut m.attn_params,
+            attn_params.len() as u64,
+            cap,
+            uniform,
+            "blocks attention params",
+        );
+        self.queue.write_buffer(&pb, 0, &params);
+        self.queue.write_buffer(&apb, 0, &attn_params);
+        let m = &mut self.block_buffers;
+        if m.groups.len() + rec.binds.len() > MAX_CACHED_GROUPS {
+            m.groups.clear();
+        }
+        let mut groups = Vec::with_capacity(rec.binds.len());
+        for b in &rec.binds {
+            let key = (
+                pb.clone(),
+                b.weights.clone(),
+                b.scales.clone(),
+                b.x.clone(),
+                b.y.clone(),
+            );
+            let group = m.groups.entry(key).or_insert_with(|| {
+                self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: Some("blocks"),
+                    layout: &self.bind_layout,
+                    entries: &[
+                        wgpu::BindGroupEntry {
+                            binding: 0,
+                            resource: binding(&pb, 0, PARAMS_BYTES),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 1,
+                            resource: b.weights.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 2,
+                            resource: b.scales.as_entire_binding(),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 3,
+                            resource: binding(&b.x.0, b.x.1, b.x.2),
+                        },
+                        wgpu::BindGroupEntry {
+                            binding: 4,
+                            resource: binding(&b.y.0, b.y.1, b.y.2),
+                        },
+                    ],
+                })
+            });
+            groups.push(group.clone());
+        }
+        let mut attention: Vec<(wgpu::BindGroup, Pipelines)> = Vec::with_capacity(plans.len());
+        for (p, b) in plans.iter().zip(blocks) {
+            let c = &self.attn.caches[&b.cache];
+            let (k, v, kv_bytes) = (
+                c.k.clone(),
+                c.v.clone(),
+                4 * c.slots as u64 * c.width as u64,
+            );
+            let key = [
+                (apb.clone(), 0),
+                (q.clone(), p.q_bytes),
+                (k.clone(), kv_bytes),
+                (v.clone(), kv_bytes),
+                (a.clone(), p.out_bytes),
+            ];
+            if let Some(g) = self.block_buffers.attention.get(&key) {
+                attention.push(g.clone());
+                continue;
+            }
+            let made = self.attention_group(p, &apb, q, (&k, &v, kv_bytes), a)?;
+            let m = &mut self.block_buffers;
+            if m.attention.len() >= MAX_CACHED_GROUPS {
+                m.attention.clear();
+            }
+            m.attention.insert(key, made.clone());
+            attention.push(made);
+        }
+
+        let mut encoder = self
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("blocks"),
+            });
+        let mut pass: Option<wgpu::ComputePass<'static>> = None;
+        for c in &rec.commands {
+            match c {
+                Command::Copy(src, from, dst, to, n) => {
+                    drop(pass.take());
+                    encoder.copy_buffer_to_buffer(src, *from, dst, *to, *n);
+                }
+                Command::Kernels(range) => {
+                    let p = pass.get_or_insert_with(|| {
+                        encoder
+                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                label: Some("blocks"),
+                                timestamp_writes: None,
+                            })
+                            .forget_lifetime()
+                    });
+                    for i in range.clone() {
+                        let d = &rec.dispatches[i];
+                        let Some(pipeline) = pipelines.get(&(d.kernel, rec.formats[i])) else {
+                            return Err(GpuError::Unavailable(format!(
+                                "no pipeline for {:?}",
+                                d.kernel
+                            )));
+                        };
+                        p.set_pipeline(pipeline);
+                        p.set_bind_group(0, &groups[d.job], &[(i as u64 * stride) as u32]);
+                        p.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                    }
+                }
+                Command::Attention(l) => {
+                    let p = pass.get_or_insert_with(|| {
+                        encoder
+                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
+                                label: Some("blocks"),
+                                timestamp_writes: None,
+                            })
+                            .forget_lifetime()
+                    });
+                    let (group, pipelines) = &attention[*l];
+                    plans[*l].record(p, pipelines, group, attn_at[*l]);
+                }
+            }
+        }
+        drop(pass);
+        self.queue.submit([encoder.finish()]);
+        let result = self.read_back(staging, bytes, read);
+        self.finish(scopes).and(result)
+    }
+}
