@@ -106,11 +106,79 @@ pub trait Device {
     ) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no kv-cache on this device".into()))
     }
+    /// The model's decoder blocks over `x[t, n_embd]` at positions `pos..` (the WIT `blocks`),
+    /// their new keys and values too with `return_kv`. A device without it says `Unavailable`.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        _x: &[f32],
+        _t: u32,
+        _pos: u32,
+        _blocks: &[DeviceBlock],
+        _shape: &BlocksShape,
+        _rope: &[Vec<f32>],
+        _return_kv: bool,
+    ) -> Result<BlocksOut, DeviceError> {
+        Err(DeviceError::Unavailable("no blocks on this device".into()))
+    }
     /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
     /// head_dim]`. A device without it says `Unavailable`.
     fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no attention on this device".into()))
     }
+}
+
+/// One decoder block's device ids for `blocks` (the WIT `block` less its cache): matrices are
+/// uploaded weights, vectors f32 weights of one row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockIds {
+    pub attn_norm: usize,
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub q_bias: Option<usize>,
+    pub k_bias: Option<usize>,
+    pub v_bias: Option<usize>,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+    pub wo: usize,
+    pub o_bias: Option<usize>,
+    pub post_attn_norm: Option<usize>,
+    pub ffn_norm: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+    pub post_ffn_norm: Option<usize>,
+}
+
+/// A block of a `blocks` call: its ids, its `kv-cache`, window (0: none) and rotation table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceBlock {
+    pub ids: BlockIds,
+    pub cache: usize,
+    pub window: u32,
+    pub rope: u32,
+}
+
+/// The WIT `blocks-shape`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlocksShape {
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub eps: f32,
+    pub scale: f32,
+    pub act: Act,
+    /// The rotation pairs `(h[2j], h[2j + 1])`, not the halves `(h[j], h[j + head_dim / 2])`.
+    pub pairs: bool,
+}
+
+/// The WIT `blocks-output`.
+#[derive(Debug, Clone, Default)]
+pub struct BlocksOut {
+    pub x: Vec<f32>,
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
 }
 
 /// The WIT `attention-shape`: `t` queries over `n_keys` keys, the last `t` the queries' own.
@@ -196,6 +264,96 @@ pub fn upload(dev: &dyn Device, w: &Linear) -> Result<usize, DeviceError> {
     Ok(id)
 }
 
+/// Uploads a vector (a norm weight, a bias) as an f32 weight of one row. Returns its device id.
+pub fn upload_vector(dev: &dyn Device, v: &[f32]) -> Result<usize, DeviceError> {
+    let id = dev.allocate(Format::F32, 1, v.len() as u32)?;
+    let data: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    if let Err(e) = dev.write_rows(id, 0, &data, &[]) {
+        dev.free(id);
+        return Err(e);
+    }
+    Ok(id)
+}
+
+/// The vectors of a block, in the order [`block_ids`] takes them: `attn_norm`, `q_bias`,
+/// `k_bias`, `v_bias`, `q_norm`, `k_norm`, `o_bias`, `post_attn_norm`, `ffn_norm`,
+/// `post_ffn_norm`.
+pub type BlockVectors<'a> = [Option<&'a [f32]>; 10];
+
+/// A decoder block's ids for `blocks`, its vectors uploaded now: `None` when one of its
+/// matrices (`wq`, `wk`, `wv`, `wo`, `gate`, `up`, `down`) is not on the device, a norm before
+/// attention or the feed-forward block is missing, or a vector cannot be uploaded (those
+/// uploaded are freed again).
+pub fn block_ids(gpu: &Gpu, m: [&Linear; 7], vectors: BlockVectors<'_>) -> Option<BlockIds> {
+    let [Some(wq), Some(wk), Some(wv), Some(wo), Some(gate), Some(up), Some(down)] = m.map(|w| w.gpu) else { return None };
+    let mut ids = [None; 10];
+    for (i, v) in vectors.iter().enumerate() {
+        if let Some(v) = v {
+            match upload_vector(gpu.device.as_ref(), v) {
+                Ok(id) => ids[i] = Some(id),
+                Err(e) => {
+                    ids.iter().flatten().for_each(|&id| gpu.device.free(id));
+                    if let DeviceError::Lost(why) = e {
+                        *gpu.lost.borrow_mut() = Some(why);
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+    let [attn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, o_bias, post_attn_norm, ffn_norm, post_ffn_norm] = ids;
+    let (Some(attn_norm), Some(ffn_norm)) = (attn_norm, ffn_norm) else {
+        ids.iter().flatten().for_each(|&id| gpu.device.free(id));
+        return None;
+    };
+    Some(BlockIds {
+        attn_norm,
+        wq,
+        wk,
+        wv,
+        q_bias,
+        k_bias,
+        v_bias,
+        q_norm,
+        k_norm,
+        wo,
+        o_bias,
+        post_attn_norm,
+        ffn_norm,
+        gate,
+        up,
+        down,
+        post_ffn_norm,
+    })
+}
+
+/// Frees the vectors [`block_ids`] uploaded.
+pub fn free_block_vectors(gpu: &Gpu, b: &BlockIds) {
+    let vectors = [b.attn_norm, b.ffn_norm].into_iter().map(Some);
+    let optional = [b.q_bias, b.k_bias, b.v_bias, b.q_norm, b.k_norm, b.o_bias, b.post_attn_norm, b.post_ffn_norm];
+    vectors.chain(optional).flatten().for_each(|id| gpu.device.free(id));
+}
+
+/// Every layer's [`block_ids`] (`layers` gives each one's matrices and vectors), or `None`
+/// (and nothing left uploaded) if one layer cannot have them. Only where the mode sends work
+/// to the device and the layers' matrices are there.
+pub fn place_blocks<'a>(gpu: &Gpu, layers: impl Iterator<Item = ([&'a Linear; 7], BlockVectors<'a>)>) -> Option<Vec<BlockIds>> {
+    if !gpu.usable() {
+        return None;
+    }
+    let mut all = Vec::new();
+    for (m, v) in layers {
+        match block_ids(gpu, m, v) {
+            Some(b) => all.push(b),
+            None => {
+                all.iter().for_each(|b| free_block_vectors(gpu, b));
+                return None;
+            }
+        }
+    }
+    Some(all)
+}
+
 /// Measured speeds, in FLOP/s and seconds, for the policy.
 #[derive(Debug, Clone, Copy)]
 pub struct Rates {
@@ -224,6 +382,8 @@ pub struct Gpu {
     /// The host answered `create-kv-cache` or `attention-cached` with `unavailable`: device
     /// attention sends its keys and values with each call.
     pub no_kv_cache: Cell<bool>,
+    /// The host answered `blocks` with `unavailable`: layers go call by call.
+    pub no_blocks: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
     pub cpu_attention: Cell<Option<f64>>,
     /// Seconds of a decode step's attention on the device over its `kv-cache`, a running
@@ -345,6 +505,9 @@ pub struct Dispatch {
     caches: Vec<Option<DeviceCache>>,
     /// A cache could not be made for this session (out of memory): attention sends its keys.
     no_caches: bool,
+    /// The first position whose keys and values only the device holds (`blocks` ran there
+    /// without returning them): the guest's own rings lack them from there on.
+    device_only_from: Option<usize>,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
 }
@@ -603,6 +766,92 @@ impl Dispatch {
             }
         }
         false
+    }
+
+    /// Every decoder block in one device call (the WIT `blocks`), where the policy sends the
+    /// batch's products (`flops` of them) to the device and the device holds every layer's keys
+    /// before `pos`: `x` (`[t, n_embd]`, exactly) at positions `pos..` through all of `blocks`
+    /// (each layer's ids and rotation table). `rope` makes the rotation tables (`t * head_dim`
+    /// values each). The new keys and values stay on the device alone (a 512-token prefill of
+    /// Gemma's would read back 20 MB): the guest's rings lack them from `pos` on, and if the
+    /// device fails later, the session runs its history again on its own ([`Dispatch::ring_holds`]).
+    /// Once they lack rows, the device runs every batch it can, whatever the policy says.
+    /// `false`, with nothing changed, when the layers must go one by one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn blocks(
+        &mut self,
+        x: &mut [f32],
+        t: usize,
+        pos: usize,
+        blocks: &[(BlockIds, u32)],
+        caches: &mut [LayerCache],
+        shape: BlocksShape,
+        flops: u64,
+        rope: impl FnOnce() -> Vec<Vec<f32>>,
+    ) -> bool {
+        let Some(gpu) = self.gpu.clone() else { return false };
+        if !gpu.usable() || gpu.no_blocks.get() || gpu.no_kv_cache.get() || self.no_caches || blocks.len() != caches.len() {
+            return false;
+        }
+        let e = x.len() / t.max(1);
+        let kv = (shape.n_head_kv * shape.head_dim) as usize;
+        if self.device_only_from.is_none() && !gpu.wants(t, flops, 8 * (t * e) as u64) {
+            return false;
+        }
+        // Each layer's device cache must hold the keys before the batch that its queries see.
+        let mut call = Vec::with_capacity(blocks.len());
+        for (l, (&(ids, table), cache)) in blocks.iter().zip(caches.iter()).enumerate() {
+            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let Some(c) = self.device_cache(&gpu, l, cache.cap, kv) else { return false };
+            if !(c.lo <= first && pos <= c.hi) {
+                return false;
+            }
+            let window = cache.window.unwrap_or(0) as u32;
+            call.push(DeviceBlock { ids, cache: c.id, window, rope: table });
+        }
+        let start = Instant::now();
+        let answer = gpu.device.blocks(&x[..t * e], t as u32, pos as u32, &call, &shape, &rope(), false);
+        match answer {
+            Ok(out) if out.x.len() == t * e && out.keys.is_empty() && out.values.is_empty() => {
+                x[..t * e].copy_from_slice(&out.x);
+                self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
+                for (l, c) in self.caches.iter_mut().enumerate().take(blocks.len()) {
+                    if let Some(c) = c {
+                        c.lo = c.lo.max((pos + t).saturating_sub(caches[l].cap));
+                        c.hi = pos + t;
+                    }
+                }
+                self.counters.gpu_calls += 1;
+                self.counters.gpu_flops += flops;
+                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+                self.counters.gpu_attention_calls += blocks.len() as u64;
+                true
+            }
+            other => {
+                // What the device's caches hold is unknown now.
+                for c in self.caches.iter_mut().flatten() {
+                    (c.lo, c.hi) = (0, 0);
+                }
+                if gpu.failed(other.err(), "blocks", Some(&gpu.no_blocks)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
+                false
+            }
+        }
+    }
+
+    /// Whether the guest's rings hold every key and value before `pos`, so that the batch at
+    /// `pos` can run layer by layer; `false` when the device alone holds some (see
+    /// [`Dispatch::blocks`]): the session must run its history again from position 0. A batch
+    /// that runs here from `pos` rewrites the rings from there on.
+    pub fn ring_holds(&mut self, pos: usize) -> bool {
+        match self.device_only_from {
+            Some(p) if p < pos => false,
+            _ => {
+                self.device_only_from = None;
+                true
+            }
+        }
     }
 
     /// The products on the guest's CPU kernels; returns the time they took.

@@ -196,6 +196,7 @@ impl Model {
                 no_attention: Default::default(),
                 no_ffn: Default::default(),
                 no_kv_cache: Default::default(),
+                no_blocks: Default::default(),
                 cpu_attention: Default::default(),
                 device_attention: Default::default(),
             })
@@ -205,6 +206,11 @@ impl Model {
             (Some(gpu), Arch::Qwen2 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (None, _) => 0,
         };
+        match (&gpu, &mut arch) {
+            (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => weights.place_blocks(gpu),
+            (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => weights.place_blocks(gpu),
+            _ => {}
+        }
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
         Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template })
     }

@@ -159,7 +159,7 @@ impl Session {
             let last = self.done + n == self.history.len();
             let tokens = &self.history[self.done..self.done + n];
             let d = &mut self.dispatch;
-            match (&model.arch, &mut self.state) {
+            let ran = match (&model.arch, &mut self.state) {
                 (Arch::Gemma3 { config, weights }, State::Gemma3(s)) => {
                     gemma3::forward(config, weights, s, d, tokens, self.done, last)
                 }
@@ -167,6 +167,12 @@ impl Session {
                     qwen2::forward(config, weights, s, d, tokens, self.done, last)
                 }
                 _ => return Err(Error::InvalidArgument("the session belongs to another model".into())),
+            };
+            if !ran {
+                // The device kept keys the guest's cache lacks, and cannot go on: the history
+                // runs again, here, from its start (the same tokens, later).
+                self.done = 0;
+                continue;
             }
             self.done += n;
         }

@@ -15,7 +15,7 @@
 use super::attention::Heads;
 use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, norm_rows, project_logits, vector};
-use crate::dispatch::Dispatch;
+use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::{Act, add, rms_norm};
 
@@ -88,6 +88,8 @@ pub struct Weights {
     /// `[n_embd]`
     pub output_norm: Vec<f32>,
     pub layers: Vec<Layer>,
+    /// Every layer's device ids for `blocks`, where they are all on the device.
+    pub blocks: Option<Vec<BlockIds>>,
 }
 
 impl Weights {
@@ -123,7 +125,24 @@ impl Weights {
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
+            blocks: None,
         })
+    }
+
+    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
+    pub fn place_blocks(&mut self, gpu: &Gpu) {
+        let layers = self.layers.iter().map(|l| {
+            let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
+            let n = [&l.attn_norm, &l.q_norm, &l.k_norm, &l.post_attn_norm, &l.ffn_norm, &l.post_ffn_norm].map(|v| Some(v.as_slice()));
+            (m, [n[0], None, None, None, n[1], n[2], None, n[3], n[4], n[5]])
+        });
+        self.blocks = dispatch::place_blocks(gpu, layers);
+    }
+
+    /// The products of one token's pass through every layer, in floating-point operations.
+    fn layer_flops(&self, t: usize) -> u64 {
+        let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
+        self.layers.iter().map(each).sum()
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
@@ -176,7 +195,9 @@ impl State {
 
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
 /// keys and values to the cache; with `want_logits`, fills `s.logits` for the last token.
-/// The caller checks that the tokens are in the vocabulary and fit in the context.
+/// The caller checks that the tokens are in the vocabulary and fit in the context. `false`,
+/// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
+/// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
 pub fn forward(
     c: &Config,
     w: &Weights,
@@ -185,7 +206,7 @@ pub fn forward(
     tokens: &[u32],
     pos: usize,
     want_logits: bool,
-) {
+) -> bool {
     let (cfg, c) = (c, &c.hp);
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
@@ -203,7 +224,27 @@ pub fn forward(
     s.rope_local.fill(&local, pos, t);
     s.rope_global.fill(&global, pos, t);
 
-    for (l, layer) in w.layers.iter().enumerate() {
+    // Every layer in one device call where the device has them all.
+    let on_device = w.blocks.as_ref().is_some_and(|ids| {
+        let blocks: Vec<(BlockIds, u32)> = ids.iter().enumerate().map(|(l, &b)| (b, u32::from(!cfg.is_sliding(l)))).collect();
+        let shape = BlocksShape {
+            n_head: c.n_head as u32,
+            n_head_kv: c.n_head_kv as u32,
+            head_dim: hd as u32,
+            eps: c.eps,
+            scale: heads.scale,
+            act: Act::GeluTanh,
+            pairs: false,
+        };
+        let (local, global) = (&s.rope_local, &s.rope_global);
+        d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![local.rows(t), global.rows(t)])
+    });
+
+    if !on_device && !d.ring_holds(pos) {
+        return false;
+    }
+
+    for (l, layer) in w.layers.iter().enumerate().filter(|_| !on_device) {
         let cache = &mut s.cache[l];
         let table = if cfg.is_sliding(l) { &s.rope_local } else { &s.rope_global };
 
@@ -244,4 +285,5 @@ pub fn forward(
     if want_logits {
         project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, c.eps, t, d);
     }
+    true
 }

@@ -16,7 +16,7 @@
 use super::attention::Heads;
 use super::rope::{self, Style};
 use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
-use crate::dispatch::Dispatch;
+use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::{Act, add};
 
@@ -101,6 +101,8 @@ pub struct Weights {
     pub layers: Vec<Layer>,
     /// RoPE frequencies, with the file's `rope_freqs.weight` (`[head_dim / 2]`) if it has one.
     pub rope: rope::Freqs,
+    /// Every layer's device ids for `blocks`, where they are all on the device.
+    pub blocks: Option<Vec<BlockIds>>,
 }
 
 impl Weights {
@@ -142,10 +144,28 @@ impl Weights {
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
+            blocks: None,
         })
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
+    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
+    pub fn place_blocks(&mut self, gpu: &Gpu) {
+        let layers = self.layers.iter().map(|l| {
+            let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
+            let norms = (Some(&l.attn_norm[..]), Some(&l.ffn_norm[..]));
+            let (bq, bk, bv, bo) = (l.bq.as_deref(), l.bk.as_deref(), l.bv.as_deref(), l.bo.as_deref());
+            (m, [norms.0, bq, bk, bv, None, None, bo, None, norms.1, None])
+        });
+        self.blocks = dispatch::place_blocks(gpu, layers);
+    }
+
+    /// The products of one token's pass through every layer, in floating-point operations.
+    fn layer_flops(&self, t: usize) -> u64 {
+        let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
+        self.layers.iter().map(each).sum()
+    }
+
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
         let mut v: Vec<&mut Linear> = Vec::new();
         for l in &mut self.layers {
@@ -195,7 +215,9 @@ fn add_bias(y: &mut [f32], bias: Option<&[f32]>) {
 
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
 /// keys and values to the cache; with `want_logits`, fills `s.buf.logits` for the last token.
-/// The caller checks that the tokens are in the vocabulary and fit in the context.
+/// The caller checks that the tokens are in the vocabulary and fit in the context. `false`,
+/// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
+/// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
 pub fn forward(
     c: &Config,
     w: &Weights,
@@ -204,7 +226,7 @@ pub fn forward(
     tokens: &[u32],
     pos: usize,
     want_logits: bool,
-) {
+) -> bool {
     let h = &c.hp;
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
@@ -217,7 +239,27 @@ pub fn forward(
     embed(&w.embd, tokens, &mut b.x);
     s.rope.fill(&w.rope, pos, t);
 
-    for (l, layer) in w.layers.iter().enumerate() {
+    // Every layer in one device call where the device has them all.
+    let on_device = w.blocks.as_ref().is_some_and(|ids| {
+        let blocks: Vec<(BlockIds, u32)> = ids.iter().map(|&b| (b, 0)).collect();
+        let shape = BlocksShape {
+            n_head: h.n_head as u32,
+            n_head_kv: h.n_head_kv as u32,
+            head_dim: hd as u32,
+            eps: h.eps,
+            scale: heads.scale,
+            act: Act::Silu,
+            pairs: c.rope_style == Style::Norm,
+        };
+        let table = &s.rope;
+        d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![table.rows(t)])
+    });
+
+    if !on_device && !d.ring_holds(pos) {
+        return false;
+    }
+
+    for (l, layer) in w.layers.iter().enumerate().filter(|_| !on_device) {
         let cache = &mut s.cache[l];
 
         // Attention: x = x + wo(attn(q, k, v)), (q, k, v) = W h + b, h = attn_norm(x)
@@ -253,4 +295,5 @@ pub fn forward(
     if want_logits {
         project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
     }
+    true
 }

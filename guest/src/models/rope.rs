@@ -92,6 +92,18 @@ impl Table {
         }
     }
 
+    /// The first `t` rows as the device's `blocks` takes a table: each row's cosines, then its
+    /// sines.
+    pub fn rows(&self, t: usize) -> Vec<f32> {
+        let half = self.dim / 2;
+        let mut out = Vec::with_capacity(t * self.dim);
+        for i in 0..t {
+            out.extend_from_slice(&self.cos[i * half..(i + 1) * half]);
+            out.extend_from_slice(&self.sin[i * half..(i + 1) * half]);
+        }
+        out
+    }
+
     /// Rotates one head (`[dim]`) of the batch's `i`-th token.
     pub fn rotate(&self, style: Style, i: usize, x: &mut [f32]) {
         let half = self.dim / 2;
