@@ -624,13 +624,14 @@ fn x8_at(xo: u32, k: u32) -> W8 {
     return W8(x_quad(xo + k), x_quad(xo + k + 4u));
 }
 
-// y[t, row] for the rows of W r..r+4 (the lanes of acc) that exist, t < params.t.
-fn store_tile(t: u32, r: u32, acc: vec4<f32>) {
+// y[t, row] for the rows of W r..r+4 (the lanes of acc) that exist, t < params.t, in the
+// plane of y from element `plane` (0 but for `gemm_wide` split over k).
+fn store_tile(plane: u32, t: u32, r: u32, acc: vec4<f32>) {
     if (t >= params.t) {
         return;
     }
     let n_out = params.n_out;
-    let i = t * n_out + r;
+    let i = plane + t * n_out + r;
     if (r < n_out) { y[i] = acc.x; }
     if (r + 1u < n_out) { y[i + 1u] = acc.y; }
     if (r + 2u < n_out) { y[i + 2u] = acc.z; }
@@ -673,10 +674,10 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
 
     let r = row0 + 4u * cr;
     let t = t0 + 4u * ct;
-    store_tile(t, r, acc0);
-    store_tile(t + 1u, r, acc1);
-    store_tile(t + 2u, r, acc2);
-    store_tile(t + 3u, r, acc3);
+    store_tile(0u, t, r, acc0);
+    store_tile(0u, t + 1u, r, acc1);
+    store_tile(0u, t + 2u, r, acc2);
+    store_tile(0u, t + 3u, r, acc3);
 }
 
 // ---- gemm_wide ------------------------------------------------------------------------------
@@ -689,6 +690,11 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
 // (a step of FMAs, ~2000 cycles, hides their latency), and are stored into the other after it;
 // one barrier a step. Each invocation stages eight values of one row of W and of x a step; a
 // warp's 32 stores go to 32 consecutive rows (distinct banks).
+//
+// Split over k: a dispatch of nz > 1 workgroups in z (few tiles, long rows: a product with few
+// output rows would leave most of a large GPU idle) gives workgroup z the z-th of nz runs of
+// whole steps, and its tile's partial sums go to plane z of y (t * n_out values a plane). The
+// planes are summed afterwards (`sum_planes`, or `norm_rows` as it reads them).
 
 const WT: u32 = 128u;
 const WK: u32 = 16u;
@@ -731,15 +737,19 @@ fn outer4(q: Quad4, w: vec4<f32>, v: vec4<f32>) -> Quad4 {
 }
 
 // y[t .. t + 4, r .. r + 4] from a Quad4, for the rows of each that exist.
-fn store_quad(t: u32, r: u32, q: Quad4) {
-    store_tile(t, r, q.t0);
-    store_tile(t + 1u, r, q.t1);
-    store_tile(t + 2u, r, q.t2);
-    store_tile(t + 3u, r, q.t3);
+fn store_quad(plane: u32, t: u32, r: u32, q: Quad4) {
+    store_tile(plane, t, r, q.t0);
+    store_tile(plane, t + 1u, r, q.t1);
+    store_tile(plane, t + 2u, r, q.t2);
+    store_tile(plane, t + 3u, r, q.t3);
 }
 
 @compute @workgroup_size(256)
-fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+fn gemm_wide(
+    @builtin(local_invocation_index) li: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
     let row0 = params.row_base + wid.x * WT;
     let t0 = params.t_base + wid.y * WT;
     // Staging: tile row li % 128 of W and of x, columns (li / 128) * 8 .. + 8 of the step.
@@ -756,9 +766,14 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     var ba = Quad4(zero, zero, zero, zero);
     var bb = Quad4(zero, zero, zero, zero);
 
-    let steps = (params.n_in + WK - 1u) / WK;
-    var wv = w8_at(wrow, lk);
-    var xv = x8_at(xo, lk);
+    // This workgroup's run of steps: first .. first + steps.
+    let all = (params.n_in + WK - 1u) / WK;
+    let run = (all + nwg.z - 1u) / nwg.z;
+    let first = min(wid.z * run, all);
+    let steps = min(run, all - first);
+    let k0 = first * WK;
+    var wv = w8_at(wrow, k0 + lk);
+    var xv = x8_at(xo, k0 + lk);
     stage8(0u, lr, lk, wv);
     stage8(WX, lr, lk, xv);
     workgroupBarrier();
@@ -766,7 +781,7 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         let cur = (s % 2u) * WBUF;
         let more = s + 1u < steps;
         if (more) {
-            let k = (s + 1u) * WK + lk;
+            let k = k0 + (s + 1u) * WK + lk;
             wv = w8_at(wrow, k);
             xv = x8_at(xo, k);
         }
@@ -791,10 +806,11 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 
     let r = row0 + 4u * tx;
     let t = t0 + 4u * ty;
-    store_quad(t, r, aa);
-    store_quad(t, r + 64u, ab);
-    store_quad(t + 64u, r, ba);
-    store_quad(t + 64u, r + 64u, bb);
+    let plane = wid.z * params.t * params.n_out;
+    store_quad(plane, t, r, aa);
+    store_quad(plane, t, r + 64u, ab);
+    store_quad(plane, t + 64u, r, ba);
+    store_quad(plane, t + 64u, r + 64u, bb);
 }
 
 // ---- the steps of `blocks` between its products ----------------------------------------------
@@ -808,6 +824,8 @@ fn gemm_wide(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 //   row_quads  norm_rows: the input's row stride, in elements
 //   scale_row  norm_rows: flags (NORM_*); rope_rows: 1 to turn pairs (2j, 2j + 1), 0 halves
 //   row_base   norm_rows: eps, as the bits of an f32
+//   x_stride   norm_rows, sum_planes: planes of `in` summed as it is read (t * row_quads
+//              values a plane; 0 or 1: one)
 
 // y = norm(in) * w (+ y with NORM_ACCUMULATE), `in` from x, or from y with NORM_IN_PLACE.
 const NORM_ACCUMULATE: u32 = 1u;
@@ -821,7 +839,18 @@ fn norm_in(in_place: bool, xi: u32, yi: u32) -> f32 {
     if (in_place) {
         return y[yi];
     }
-    return x[xi / 4u][xi % 4u];
+    return plane_sum(xi);
+}
+
+// x[i] summed over params.x_stride planes of params.t * params.row_quads values.
+fn plane_sum(i: u32) -> f32 {
+    let plane = params.t * params.row_quads;
+    var v = x[i / 4u][i % 4u];
+    for (var p = 1u; p < params.x_stride; p++) {
+        let at = p * plane + i;
+        v += x[at / 4u][at % 4u];
+    }
+    return v;
 }
 
 // norm(v) = v / sqrt(mean(v^2) + eps) * w: one workgroup a row, the sum of squares reduced
@@ -864,6 +893,18 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         }
         y[dst + j] = o;
     }
+}
+
+// y[r, j] = the sum of x's planes at [r, j]: the partial sums of a product split over k
+// (n_out, row_quads: the width of a row). One invocation an element.
+@compute @workgroup_size(64)
+fn sum_planes(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    if (r >= params.t || j >= params.n_out) {
+        return;
+    }
+    y[r * params.n_out + j] = plane_sum(r * params.row_quads + j);
 }
 
 // y[r, j] += w[j]: a bias on each row.

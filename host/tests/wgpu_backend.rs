@@ -6,7 +6,10 @@
 //! a run; every test prints its seed.
 
 use std::time::Instant;
-use wisp::{Activation, AttentionShape, Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, WgpuBackend};
+use wisp::{
+    Activation, AttentionShape, Backend, Block, BlocksShape, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, Rotation,
+    WgpuBackend,
+};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -660,6 +663,94 @@ fn tiled_gemm_matches_the_cpu() {
         let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
         check(&format!("{gemm:?} q8x32 [{n_out}, {n_in}] t={t}, split"), &[&w], &x, t, &got);
         gpu.free(id);
+    }
+}
+
+/// `blocks` with `gemm_wide` on every product of 4 rows or more gives the CPU reference's rows
+/// and keys: at t = 130 its products have 2 to 8 tiles, so each is split over k (2 to 4 runs)
+/// and the planes of partial sums are added by `sum_planes` (q, k, v, gate, up) or by the norm
+/// that reads them (`wo`, `down`); then a token, unsplit. A Gemma-like block (head norms, norms
+/// after attention and the FFN, GELU) and a Qwen-like one (biases, SiLU), matrices in every
+/// format. Tolerance: 1e-3 of each row's rms.
+#[test]
+fn blocks_split_over_k_match_the_cpu() {
+    let Some(mut gpu) = backend("blocks_split_over_k_match_the_cpu") else { return };
+    gpu.set_gemm(Gemm::Wide).expect("gemm");
+    let mut cpu = CpuBackend::new();
+    let mut rng = Rng::new("blocks_split_over_k_match_the_cpu");
+    let (e, ff, n_head, n_head_kv, hd, slots) = (256u32, 512u32, 4u32, 1u32, 64u32, 160u32);
+    let (nq, nkv) = (n_head * hd, n_head_kv * hd);
+    for gemma in [true, false] {
+        let shape = BlocksShape {
+            n_embd: e,
+            n_ff: ff,
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            eps: 1e-6,
+            scale: 0.01,
+            act: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            rotation: if gemma { Rotation::Halves } else { Rotation::Pairs },
+        };
+        let mut both = |w: &Weight| (upload(&mut gpu, w), upload(&mut cpu, w));
+        let mut f = Format::ALL.iter().cycle().skip(rng.range(0, 4) as usize);
+        let mut mat = |n_out, n_in| both(&Weight::random(&mut rng, *f.next().unwrap(), n_out, n_in));
+        let (wq, wk, wv, wo) = (mat(nq, e), mat(nkv, e), mat(nkv, e), mat(e, nq));
+        let (gate, up, down) = (mat(ff, e), mat(ff, e), mat(e, ff));
+        let mut vector = |n, on: bool| on.then(|| both(&Weight::random(&mut rng, Format::F32, 1, n)));
+        let (attn_norm, ffn_norm) = (vector(e, true).unwrap(), vector(e, true).unwrap());
+        let (q_bias, k_bias, v_bias, o_bias) = (vector(nq, !gemma), vector(nkv, !gemma), vector(nkv, !gemma), vector(e, !gemma));
+        let (q_norm, k_norm) = (vector(hd, gemma), vector(hd, gemma));
+        let (post_attn_norm, post_ffn_norm) = (vector(e, gemma), vector(e, gemma));
+        let caches = (gpu.create_cache(slots, nkv).expect("cache"), cpu.create_cache(slots, nkv).expect("cache"));
+        let block = |side: fn((u64, u64)) -> u64| Block {
+            attn_norm: side(attn_norm),
+            wq: side(wq),
+            wk: side(wk),
+            wv: side(wv),
+            q_bias: q_bias.map(side),
+            k_bias: k_bias.map(side),
+            v_bias: v_bias.map(side),
+            q_norm: q_norm.map(side),
+            k_norm: k_norm.map(side),
+            wo: side(wo),
+            o_bias: o_bias.map(side),
+            post_attn_norm: post_attn_norm.map(side),
+            ffn_norm: side(ffn_norm),
+            gate: side(gate),
+            up: side(up),
+            down: side(down),
+            post_ffn_norm: post_ffn_norm.map(side),
+            cache: side(caches),
+            slots,
+            window: 0,
+            rope: 0,
+        };
+        let (on_gpu, on_cpu) = ([block(|p| p.0)], [block(|p| p.1)]);
+        for (t, pos) in [(130u32, 0u32), (1, 130)] {
+            let x: Vec<f32> = (0..t * e).map(|_| rng.unit()).collect();
+            let mut table = vec![0f32; (t * hd) as usize];
+            for (r, row) in table.chunks_exact_mut(hd as usize).enumerate() {
+                for j in 0..hd as usize / 2 {
+                    let angle = (pos as usize + r) as f64 * 1e4f64.powf(-2.0 * j as f64 / hd as f64);
+                    (row[j], row[hd as usize / 2 + j]) = (angle.cos() as f32, angle.sin() as f32);
+                }
+            }
+            let rope = [table];
+            let got = gpu.blocks(&x, t, pos, &on_gpu, &shape, &rope, true).expect("gpu blocks");
+            let want = cpu.blocks(&x, t, pos, &on_cpu, &shape, &rope, true).expect("cpu blocks");
+            let what = format!("{} block, t {t} at {pos}", if gemma { "gemma-like" } else { "qwen-like" });
+            for (name, got, want, width) in
+                [("x", &got.x, &want.x, e), ("keys", &got.keys, &want.keys, nkv), ("values", &got.values, &want.values, nkv)]
+            {
+                assert_eq!(got.len(), want.len(), "{what}: {name}: lengths");
+                for (r, (g, c)) in got.chunks_exact(width as usize).zip(want.chunks_exact(width as usize)).enumerate() {
+                    let rms = (c.iter().map(|v| v * v).sum::<f32>() / width as f32).sqrt();
+                    let worst = g.iter().zip(c).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                    assert!(worst <= 1e-3 * rms, "{what}: {name} row {r}: off by {worst}, rms {rms}");
+                }
+            }
+        }
     }
 }
 

@@ -41,6 +41,16 @@ const TILE: u32 = 64;
 const WIDE_TILE: u32 = 128;
 /// Rows of x from which GPUs run `gemm_wide`: below, most of its 128-row tiles would be empty.
 const WIDE_MIN_T: u32 = 128;
+/// Workgroups from which a `gemm_wide` product is not split over k (`blocks` only): ~2 a
+/// multiprocessor of a large GPU (the H200 has 132). Fewer tiles than that (Gemma's `wo` and
+/// `down` at t = 512: 20) leave most of it idle; split, each tile's run of k is shared by up
+/// to MAX_SPLITS workgroups, each at least MIN_SPLIT_STEPS steps of 16 columns, and the partial
+/// sums are added afterwards.
+const SPLIT_GROUPS: u64 = 256;
+const MAX_SPLITS: u64 = 8;
+const MIN_SPLIT_STEPS: u64 = 8;
+/// Columns of one step of `gemm_wide` (WK in the shader).
+const WIDE_STEP: u64 = 16;
 /// Multiply-adds one dispatch may cover, so that no single dispatch runs for long on a slow
 /// device (a watchdog may take a device that does): on CPU devices (~1-10 GFLOP/s, so ~0.1 s),
 /// and on GPUs, where a small dispatch leaves most of the chip idle and each dispatch waits for
@@ -107,6 +117,7 @@ enum Kernel {
     NormRows,
     BiasRows,
     RopeRows,
+    SumPlanes,
 }
 
 impl Kernel {
@@ -122,6 +133,7 @@ impl Kernel {
             Kernel::NormRows => "norm_rows",
             Kernel::BiasRows => "bias_rows",
             Kernel::RopeRows => "rope_rows",
+            Kernel::SumPlanes => "sum_planes",
         }
     }
 }
@@ -172,7 +184,8 @@ struct Dispatch {
     job: usize,
     kernel: Kernel,
     params: Params,
-    groups: (u32, u32),
+    /// Workgroups in x, y and z (z: the runs of k of a product split over k).
+    groups: (u32, u32, u32),
 }
 
 /// One bind group of a submission: a weight's product (or `ffn`'s activation step) with the
@@ -736,13 +749,17 @@ impl WgpuBackend {
 
     /// The dispatches of one job (its kernel from [`Self::kernel_for`]), split so that no
     /// dispatch exceeds the device's workgroups per dimension or its multiply-add budget.
-    fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, out: &mut Vec<Dispatch>) {
+    /// With `may_split`, a `gemm_wide` product of few tiles is split over k (see
+    /// [`SPLIT_GROUPS`]): it writes that many planes of partial sums, `t * n_out` values each,
+    /// for the caller to add. Returns the planes (1: not split).
+    fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, may_split: bool, out: &mut Vec<Dispatch>) -> u32 {
         let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.format);
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
         let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
         let gy_total = (t as u64).div_ceil(t_per_group as u64);
-        let macs_per_group = rows_per_group as u64 * t_per_group as u64 * w.n_in as u64;
-        let groups_budget = (self.dispatch_macs / macs_per_group).max(1);
+        let splits = if may_split { self.k_splits(w, t) as u64 } else { 1 };
+        let macs_per_group = rows_per_group as u64 * t_per_group as u64 * (w.n_in as u64).div_ceil(splits);
+        let groups_budget = (self.dispatch_macs / macs_per_group / splits).max(1);
         let gx = gx_total.min(max_dim).min(groups_budget).max(1);
         let gy = gy_total.min(max_dim).min((groups_budget / gx).max(1));
         let base = Params {
@@ -766,11 +783,25 @@ impl WgpuBackend {
                     t_base: (y0 * t_per_group as u64) as u32,
                     ..base
                 };
-                out.push(Dispatch { job, kernel, params, groups: (nx as u32, ny as u32) });
+                out.push(Dispatch { job, kernel, params, groups: (nx as u32, ny as u32, splits as u32) });
                 x0 += nx;
             }
             y0 += ny;
         }
+        splits as u32
+    }
+
+    /// The runs of k `plan` splits a product of `t` rows by `w` into where it may (1: none).
+    fn k_splits(&self, w: &Weight, t: u32) -> u32 {
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.format);
+        if kernel != Kernel::GemmWide {
+            return 1;
+        }
+        let groups = (w.n_out as u64).div_ceil(rows_per_group as u64) * (t as u64).div_ceil(t_per_group as u64);
+        let by_groups = SPLIT_GROUPS.div_ceil(groups);
+        let by_steps = (w.n_in as u64).div_ceil(WIDE_STEP) / MIN_SPLIT_STEPS;
+        let max_dim = self.limits.max_compute_workgroups_per_dimension as u64;
+        by_groups.min(by_steps).min(MAX_SPLITS).min(max_dim).max(1) as u32
     }
 
     /// Runs `jobs` (all of whose outputs fit one output buffer) over the input already written
@@ -798,7 +829,7 @@ impl WgpuBackend {
         for (j, (id, &(offset, len))) in jobs.iter().zip(&offsets).enumerate() {
             let step = self.product(*id, (&input, x_bytes), (&output, offset, len * 4))?;
             let w = &self.weights[id];
-            self.plan(j, w, t, x_quads, &mut dispatches);
+            self.plan(j, w, t, x_quads, false, &mut dispatches);
             steps.push(step);
         }
         self.submit(&steps, &dispatches, &output, &offsets)
@@ -876,8 +907,8 @@ impl WgpuBackend {
             self.product(ids[2], (&hidden, hidden_bytes), (&output, 0, out_len * 4))?,
         ];
         let mut dispatches = Vec::new();
-        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, &mut dispatches);
-        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, &mut dispatches);
+        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, false, &mut dispatches);
+        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, false, &mut dispatches);
         let kernel = match act {
             Activation::GeluTanh => Kernel::GateGelu,
             Activation::Silu => Kernel::GateSilu,
@@ -900,10 +931,10 @@ impl WgpuBackend {
                 t_base: t0,
                 x_stride: (h_elems / 4) as u32,
             };
-            dispatches.push(Dispatch { job: 2, kernel, params, groups: (groups_x, rows) });
+            dispatches.push(Dispatch { job: 2, kernel, params, groups: (groups_x, rows, 1) });
             t0 += rows;
         }
-        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, &mut dispatches);
+        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, false, &mut dispatches);
         let mut out = self.submit(&steps, &dispatches, &output, &[(0, out_len)])?;
         Ok(out.pop().unwrap_or_default())
     }
@@ -1019,7 +1050,7 @@ impl WgpuBackend {
                     };
                     pass.set_pipeline(pipeline);
                     pass.set_bind_group(0, &groups[d.job], &[(i as u64 * params_stride) as u32]);
-                    pass.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                    pass.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
                 }
             }
         }
@@ -1491,7 +1522,7 @@ mod tests {
                 let id = b.create(format, n_out, n_in).unwrap();
                 let mut plan = Vec::new();
                 let w = &b.weights[&id];
-                b.plan(0, w, t, n_in.div_ceil(8) * 2, &mut plan);
+                b.plan(0, w, t, n_in.div_ceil(8) * 2, false, &mut plan);
                 let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
                     (true, _) => (gemv_rows(format) * WORKGROUP / lanes, 1),
                     (false, Gemm::BySize) if t >= WIDE_MIN_T => (WIDE_TILE, WIDE_TILE),

@@ -28,7 +28,9 @@ const NORM_NONE: u32 = 4;
 pub(super) struct Buffers {
     /// The residual stream `[t, n_embd]`, a normed copy of it, the queries, attention's output
     /// (and partial sums), a product's output `[t, n_embd]`, the gate and up outputs, the
-    /// activations, and the keys and values of every block.
+    /// activations, and the keys and values of every block; `o` holds a plane of partial sums
+    /// for each run of k of the `wo` and `down` products split over k, `parts` those of the
+    /// others.
     x: Option<wgpu::Buffer>,
     h: Option<wgpu::Buffer>,
     q: Option<wgpu::Buffer>,
@@ -36,6 +38,7 @@ pub(super) struct Buffers {
     o: Option<wgpu::Buffer>,
     mid: Option<wgpu::Buffer>,
     hidden: Option<wgpu::Buffer>,
+    parts: Option<wgpu::Buffer>,
     kv: Option<wgpu::Buffer>,
     tables: Option<wgpu::Buffer>,
     staging: Option<wgpu::Buffer>,
@@ -97,7 +100,36 @@ struct Recording {
     commands: Vec<Command>,
 }
 
+/// Where a product split over k (see `WgpuBackend::plan`) leaves its planes of partial sums.
+#[derive(Clone, Copy)]
+enum Planes<'a> {
+    /// In this buffer, added into the output by `sum_planes` right after.
+    Summed(&'a wgpu::Buffer),
+    /// In the output itself, from its offset on, for the next step to add as it reads them.
+    Kept,
+}
+
 impl Recording {
+    /// Dispatches of a kernel of one workgroup row a row of `params.t` (split where there are
+    /// more than `max_dim`), `groups_x` workgroups a row.
+    fn rows(&mut self, max_dim: u32, kernel: Kernel, bind: usize, params: Params, groups_x: u32) {
+        let mut r0 = 0;
+        while r0 < params.t {
+            let rows = (params.t - r0).min(max_dim);
+            self.dispatches.push(Dispatch {
+                job: bind,
+                kernel,
+                params: Params {
+                    t_base: r0,
+                    ..params
+                },
+                groups: (groups_x, rows, 1),
+            });
+            self.formats.push(Format::F32);
+            r0 += rows;
+        }
+    }
+
     /// Adds a bind group; returns its index.
     fn bind(&mut self, b: Bind) -> usize {
         self.binds.push(b);
@@ -168,10 +200,43 @@ impl WgpuBackend {
             plans.push(self.attention_plan(t64 * nq, &shape, first % c.slots, c.slots)?);
         }
         let a_bytes = plans.iter().map(|p| p.out_bytes).max().unwrap_or(q_bytes);
+        // The planes of the products split over k: `wo`'s and `down`'s in `o`, the others'
+        // in `parts`.
+        let splits = |id: BufferId| {
+            self.weights
+                .get(&id)
+                .map_or(1, |w| self.k_splits(w, t) as u64)
+        };
+        let (mut o_planes, mut parts_bytes) = (1, 16);
+        for b in blocks {
+            o_planes = o_planes.max(splits(b.wo)).max(splits(b.down));
+            let kv = 4 * t64 * nkv;
+            for (id, bytes) in [
+                (b.wq, q_bytes),
+                (b.wk, kv),
+                (b.wv, kv),
+                (b.gate, part),
+                (b.up, part),
+            ] {
+                if splits(id) > 1 {
+                    parts_bytes = parts_bytes.max(align_up(splits(id) * bytes, 16));
+                }
+            }
+        }
+        let o_bytes = o_planes * x_bytes;
         let max = self.info.max_weight_bytes;
-        if [x_bytes, q_bytes, a_bytes, mid_bytes, kv_bytes, tables_bytes]
-            .iter()
-            .any(|&b| b > max)
+        if [
+            x_bytes,
+            q_bytes,
+            a_bytes,
+            mid_bytes,
+            kv_bytes,
+            tables_bytes,
+            o_bytes,
+            parts_bytes,
+        ]
+        .iter()
+        .any(|&b| b > max)
         {
             return Err(GpuError::OutOfMemory(format!(
                 "blocks over [{t}, {e}] need buffers past the device's limit"
@@ -195,7 +260,15 @@ impl WgpuBackend {
         let hb = Self::ensure(device, &mut m.h, x_bytes, cap, storage, "blocks normed x");
         let qb = Self::ensure(device, &mut m.q, q_bytes, cap, storage, "blocks q");
         let ab = Self::ensure(device, &mut m.a, a_bytes, cap, storage, "blocks attention");
-        let ob = Self::ensure(device, &mut m.o, x_bytes, cap, storage, "blocks output");
+        let ob = Self::ensure(device, &mut m.o, o_bytes, cap, storage, "blocks output");
+        let parts = Self::ensure(
+            device,
+            &mut m.parts,
+            parts_bytes,
+            cap,
+            storage,
+            "blocks partial sums",
+        );
         let mid = Self::ensure(
             device,
             &mut m.mid,
@@ -249,32 +322,18 @@ impl WgpuBackend {
                 .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))
         };
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
-        // One dispatch (split by rows) of a small kernel: `groups_x` workgroups a row.
         let small =
             |rec: &mut Recording, kernel: Kernel, bind: usize, params: Params, groups_x: u32| {
-                let mut r0 = 0;
-                while r0 < params.t {
-                    let rows = (params.t - r0).min(max_dim);
-                    rec.dispatches.push(Dispatch {
-                        job: bind,
-                        kernel,
-                        params: Params {
-                            t_base: r0,
-                            ..params
-                        },
-                        groups: (groups_x, rows),
-                    });
-                    rec.formats.push(Format::F32);
-                    r0 += rows;
-                }
+                rec.rows(max_dim, kernel, bind, params, groups_x)
             };
         let eps = s.eps.to_bits();
         // The x (and weights) of a kernel that reads none: the tables, never written by a kernel.
         let unread = whole(&tables, 16);
-        // norm_rows over `rows` runs of `n`: from `input` (None: in place) into `output`.
+        // norm_rows over `rows` runs of `n`: from `input` (buffer, bytes of a plane, planes
+        // summed; None: in place) into `output`.
         let norm = |rec: &mut Recording,
                     w: Option<BufferId>,
-                    input: Option<(&wgpu::Buffer, u64)>,
+                    input: Option<(&wgpu::Buffer, u64, u32)>,
                     output: (&wgpu::Buffer, u64, u64),
                     rows: u64,
                     n: u64,
@@ -288,11 +347,11 @@ impl WgpuBackend {
             if w.is_none() {
                 flags |= NORM_NONE;
             }
-            let x = match input {
-                Some((b, bytes)) => whole(b, bytes),
+            let (x, planes) = match input {
+                Some((b, bytes, planes)) => (whole(b, bytes * planes as u64), planes),
                 None => {
                     flags |= NORM_IN_PLACE;
-                    unread.clone()
+                    (unread.clone(), 1)
                 }
             };
             let bind = rec.bind(Bind {
@@ -309,7 +368,7 @@ impl WgpuBackend {
                 scale_row: flags,
                 row_base: eps,
                 t_base: 0,
-                x_stride: 0,
+                x_stride: planes,
             };
             small(rec, Kernel::NormRows, bind, params, 1);
             Ok(())
@@ -386,14 +445,16 @@ impl WgpuBackend {
             norm(
                 &mut rec,
                 Some(b.attn_norm),
-                Some((&xb, x_bytes)),
+                Some((&xb, x_bytes, 1)),
                 (&hb, 0, x_bytes),
                 t64,
                 e,
                 false,
             )?;
+            let summed = Planes::Summed(&parts);
             for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
-                self.product_into(&mut rec, id, (&hb, x_bytes), out, t, (e / 4) as u32)?;
+                let x = (&hb, x_bytes);
+                self.product_into(&mut rec, id, x, out, t, (e / 4) as u32, summed)?;
             }
             bias(&mut rec, b.q_bias, (&qb, 0, q_bytes), nq)?;
             bias(&mut rec, b.k_bias, k_out, nkv)?;
@@ -449,19 +510,20 @@ impl WgpuBackend {
             rec.commands.push(Command::Attention(l));
             // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)).
             let from = rec.dispatches.len();
-            self.product_into(
+            let planes = self.product_into(
                 &mut rec,
                 b.wo,
                 (&ab, q_bytes),
                 (&ob, 0, x_bytes),
                 t,
                 (nq / 4) as u32,
+                Planes::Kept,
             )?;
             bias(&mut rec, b.o_bias, (&ob, 0, x_bytes), e)?;
             norm(
                 &mut rec,
                 b.post_attn_norm,
-                Some((&ob, x_bytes)),
+                Some((&ob, x_bytes, planes)),
                 (&xb, 0, x_bytes),
                 t64,
                 e,
@@ -470,7 +532,7 @@ impl WgpuBackend {
             norm(
                 &mut rec,
                 Some(b.ffn_norm),
-                Some((&xb, x_bytes)),
+                Some((&xb, x_bytes, 1)),
                 (&hb, 0, x_bytes),
                 t64,
                 e,
@@ -483,6 +545,7 @@ impl WgpuBackend {
                 (&mid, 0, part),
                 t,
                 (e / 4) as u32,
+                summed,
             )?;
             self.product_into(
                 &mut rec,
@@ -491,6 +554,7 @@ impl WgpuBackend {
                 (&mid, up_at, part),
                 t,
                 (e / 4) as u32,
+                summed,
             )?;
             let act = rec.bind(Bind {
                 weights: mid.clone(),
@@ -519,18 +583,19 @@ impl WgpuBackend {
                 params,
                 (ff as u32).div_ceil(WORKGROUP),
             );
-            self.product_into(
+            let planes = self.product_into(
                 &mut rec,
                 b.down,
                 (&hidden, part),
                 (&ob, 0, x_bytes),
                 t,
                 (ff / 4) as u32,
+                Planes::Kept,
             )?;
             norm(
                 &mut rec,
                 b.post_ffn_norm,
-                Some((&ob, x_bytes)),
+                Some((&ob, x_bytes, planes)),
                 (&xb, 0, x_bytes),
                 t64,
                 e,
@@ -581,7 +646,9 @@ impl WgpuBackend {
 
     /// Adds weight `id`'s product over `input` (bytes bound; rows of `x_quads` quads) into
     /// `output` (buffer, offset, bytes): its bind group and its dispatches as `matmul` plans
-    /// them.
+    /// them, split over k where it has few tiles, its planes of partial sums left as `planes`
+    /// says. Returns the planes left in `output` (1 where there is one sum).
+    #[allow(clippy::too_many_arguments)]
     fn product_into(
         &self,
         rec: &mut Recording,
@@ -590,22 +657,54 @@ impl WgpuBackend {
         output: (&wgpu::Buffer, u64, u64),
         t: u32,
         x_quads: u32,
-    ) -> Result<(), GpuError> {
+        planes: Planes,
+    ) -> Result<u32, GpuError> {
         let w = self
             .weights
             .get(&id)
             .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        let n = self.k_splits(w, t);
+        let bytes = output.2 * n as u64;
+        let y = match planes {
+            Planes::Summed(parts) if n > 1 => (parts.clone(), 0, align_up(bytes, 16)),
+            _ => (output.0.clone(), output.1, bytes),
+        };
         let bind = rec.bind(Bind {
             weights: w.data.clone(),
             scales: w.scales.clone().unwrap_or_else(|| self.placeholder.clone()),
             x: whole(input.0, input.1),
-            y: (output.0.clone(), output.1, output.2),
+            y: y.clone(),
         });
         let from = rec.dispatches.len();
-        self.plan(bind, w, t, x_quads, &mut rec.dispatches);
+        self.plan(bind, w, t, x_quads, true, &mut rec.dispatches);
         rec.formats
             .extend(std::iter::repeat_n(w.format, rec.dispatches.len() - from));
-        Ok(())
+        let Planes::Summed(_) = planes else {
+            return Ok(n);
+        };
+        if n > 1 {
+            // Bound as weights too, unread: a binding of at least 16 bytes, only ever read.
+            let sum = rec.bind(Bind {
+                weights: y.0.clone(),
+                scales: self.placeholder.clone(),
+                x: y,
+                y: (output.0.clone(), output.1, output.2),
+            });
+            let params = Params {
+                n_in: w.n_out,
+                n_out: w.n_out,
+                t,
+                row_quads: w.n_out,
+                scale_row: 0,
+                row_base: 0,
+                t_base: 0,
+                x_stride: n,
+            };
+            let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+            let groups_x = w.n_out.div_ceil(WORKGROUP);
+            rec.rows(max_dim, Kernel::SumPlanes, sum, params, groups_x);
+        }
+        Ok(1)
     }
 
     /// Records `rec` in one command buffer (compute passes between the copies), submits it,
@@ -765,7 +864,7 @@ impl WgpuBackend {
                         };
                         p.set_pipeline(pipeline);
                         p.set_bind_group(0, &groups[d.job], &[(i as u64 * stride) as u32]);
-                        p.dispatch_workgroups(d.groups.0, d.groups.1, 1);
+                        p.dispatch_workgroups(d.groups.0, d.groups.1, d.groups.2);
                     }
                 }
                 Command::Attention(l) => {
