@@ -256,6 +256,10 @@ pub struct WgpuBackend {
     lanes_set: Option<u32>,
     /// Whether a readback spins before it blocks (GPUs; see [`Self::spin_for`]).
     spin_wait: bool,
+    /// WISP_PROFILE=1, where the adapter offers timestamp queries: each `blocks` call times
+    /// every kernel in a pass of its own and prints the sums by kernel (a diagnostic: the
+    /// passes' boundaries slow the call).
+    profile: bool,
     /// Multiply-adds a dispatch may cover on this device.
     dispatch_macs: u64,
     /// The kernel of t >= 4.
@@ -516,6 +520,7 @@ impl WgpuBackend {
             lanes_k,
             lanes_set: None,
             spin_wait: ainfo.device_type != wgpu::DeviceType::Cpu,
+            profile: std::env::var("WISP_PROFILE").is_ok_and(|v| v == "1"),
             gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
             coop,
             coop_module: None,
