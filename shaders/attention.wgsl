@@ -129,25 +129,43 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     let sub = lid % G;
     for (var c = lo; c <= hi; c += WG) {
         // The chunk's keys scored G invocations a key, KEYS keys at a time: each reads every
-        // G-th dimension, so that a key's row is read in runs of G neighbouring values.
-        for (var kk = lid / G; kk < WG; kk += KEYS) {
-            let jk = c + kk;
-            var part = 0.0;
-            if jk <= hi {
-                let at = ((s.first_slot + jk) % s.slots) * kv_stride + kv_at;
-                // Four loads in flight, then the rest one at a time.
-                var d = sub;
-                var p4 = vec4<f32>(0.0);
-                for (; d + 3u * G < hd; d += 4u * G) {
-                    let kd = vec4<f32>(k[at + d], k[at + d + G], k[at + d + 2u * G], k[at + d + 3u * G]);
-                    p4 = fma(vec4<f32>(qs[d], qs[d + G], qs[d + 2u * G], qs[d + 3u * G]), kd, p4);
-                }
-                for (; d < hd; d += G) {
-                    p4.x += qs[d] * k[at + d];
-                }
-                part = (p4.x + p4.y) + (p4.z + p4.w);
+        // G-th dimension, so that a key's row is read in runs of G neighbouring values. Four
+        // such keys an invocation at once, four loads of each in flight (the walk is bound by
+        // the loads' latency); a key past `hi` is read (its row is in the ring) and dropped.
+        for (var kb = lid / G; kb < WG; kb += 4u * KEYS) {
+            let kk = vec4<u32>(kb, kb + KEYS, kb + 2u * KEYS, kb + 3u * KEYS);
+            let jk = vec4<u32>(c) + kk;
+            let at = ((vec4<u32>(s.first_slot) + jk) % vec4<u32>(s.slots)) * kv_stride + vec4<u32>(kv_at);
+            var d = sub;
+            var p0 = vec4<f32>(0.0);
+            var p1 = vec4<f32>(0.0);
+            var p2 = vec4<f32>(0.0);
+            var p3 = vec4<f32>(0.0);
+            for (; d + 3u * G < hd; d += 4u * G) {
+                let o = vec4<u32>(d, d + G, d + 2u * G, d + 3u * G);
+                let qv = vec4<f32>(qs[o.x], qs[o.y], qs[o.z], qs[o.w]);
+                p0 = fma(qv, vec4<f32>(k[at.x + o.x], k[at.x + o.y], k[at.x + o.z], k[at.x + o.w]), p0);
+                p1 = fma(qv, vec4<f32>(k[at.y + o.x], k[at.y + o.y], k[at.y + o.z], k[at.y + o.w]), p1);
+                p2 = fma(qv, vec4<f32>(k[at.z + o.x], k[at.z + o.y], k[at.z + o.z], k[at.z + o.w]), p2);
+                p3 = fma(qv, vec4<f32>(k[at.w + o.x], k[at.w + o.y], k[at.w + o.z], k[at.w + o.w]), p3);
             }
-            parts[kk * (G + 1u) + sub] = part;
+            for (; d < hd; d += G) {
+                p0.x += qs[d] * k[at.x + d];
+                p1.x += qs[d] * k[at.y + d];
+                p2.x += qs[d] * k[at.z + d];
+                p3.x += qs[d] * k[at.w + d];
+            }
+            let part = vec4<f32>(
+                (p0.x + p0.y) + (p0.z + p0.w),
+                (p1.x + p1.y) + (p1.z + p1.w),
+                (p2.x + p2.y) + (p2.z + p2.w),
+                (p3.x + p3.y) + (p3.z + p3.w),
+            );
+            let kept = select(vec4<f32>(0.0), part, jk <= vec4<u32>(hi));
+            parts[kk.x * (G + 1u) + sub] = kept.x;
+            parts[kk.y * (G + 1u) + sub] = kept.y;
+            parts[kk.z * (G + 1u) + sub] = kept.z;
+            parts[kk.w * (G + 1u) + sub] = kept.w;
         }
         workgroupBarrier();
         let j = c + lid;
@@ -173,9 +191,32 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         for (var r = 0u; r < PER; r++) {
             acc[r] *= rescale;
         }
-        // Four keys a step, their values loaded before any is added (four loads in flight, not
-        // one: the walk is bound by the loads' latency), then added in order of position.
+        // Eight keys a step, their values loaded before any is added (eight loads in flight,
+        // not one: the walk is bound by the loads' latency), then added in order of position.
         var jj = 0u;
+        for (; jj + 8u <= n; jj += 8u) {
+            let p = vec4<f32>(probs[jj], probs[jj + 1u], probs[jj + 2u], probs[jj + 3u]);
+            let q4 = vec4<f32>(probs[jj + 4u], probs[jj + 5u], probs[jj + 6u], probs[jj + 7u]);
+            let a = ((vec4<u32>(s.first_slot + c + jj) + vec4<u32>(0u, 1u, 2u, 3u)) % vec4<u32>(s.slots)) * kv_stride
+                + vec4<u32>(kv_at);
+            let b = ((vec4<u32>(s.first_slot + c + jj) + vec4<u32>(4u, 5u, 6u, 7u)) % vec4<u32>(s.slots)) * kv_stride
+                + vec4<u32>(kv_at);
+            for (var r = 0u; r < PER; r++) {
+                let d = lid + r * WG;
+                if d < hd {
+                    let va = vec4<f32>(v[a.x + d], v[a.y + d], v[a.z + d], v[a.w + d]);
+                    let vb = vec4<f32>(v[b.x + d], v[b.y + d], v[b.z + d], v[b.w + d]);
+                    acc[r] += p.x * va.x;
+                    acc[r] += p.y * va.y;
+                    acc[r] += p.z * va.z;
+                    acc[r] += p.w * va.w;
+                    acc[r] += q4.x * vb.x;
+                    acc[r] += q4.y * vb.y;
+                    acc[r] += q4.z * vb.z;
+                    acc[r] += q4.w * vb.w;
+                }
+            }
+        }
         for (; jj + 4u <= n; jj += 4u) {
             let p = vec4<f32>(probs[jj], probs[jj + 1u], probs[jj + 2u], probs[jj + 3u]);
             let a0 = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
