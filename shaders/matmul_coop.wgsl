@@ -11,7 +11,8 @@
 // step is multiplied, as in `gemm_wide`). Subgroup g multiplies rows 64 * (g / 4) .. + 64 of
 // x's tile by rows 32 * (g % 4) .. + 32 of W's: 4 x 2 matrices of 16 x 16, accumulated in f32.
 // Tiles inside y are stored straight from the matrices; at y's edges each matrix goes through
-// workgroup memory and only the elements inside y are written.
+// workgroup memory and only the elements inside y are written. Split over k as `gemm_wide`
+// is (workgroup z: the z-th of nz runs of steps, its partial sums in plane z of y).
 
 const CT: u32 = 128u;
 const CN: u32 = 128u;
@@ -53,7 +54,7 @@ fn stage16(at: u32, r: u32, k: u32, v0: W8, v1: W8) {
 
 // Writes the 16 x 16 matrix m of y at rows t, columns n, the elements inside y only, through
 // the subgroup's part of `ch`. Called from uniform control flow (it has barriers).
-fn store_edge(m: coop_mat16x16<f32, C>, g: u32, lane: u32, t: u32, n: u32) {
+fn store_edge(m: coop_mat16x16<f32, C>, g: u32, lane: u32, plane: u32, t: u32, n: u32) {
     var v = m;
     let at = g * 256u;
     coopStoreT(v, &ch[at], 16u);
@@ -63,7 +64,7 @@ fn store_edge(m: coop_mat16x16<f32, C>, g: u32, lane: u32, t: u32, n: u32) {
     if (t + r < params.t) {
         for (var c = c0; c < c0 + 8u; c++) {
             if (n + c < params.n_out) {
-                y[(t + r) * params.n_out + n + c] = ch[g * 256u + r * 16u + c];
+                y[plane + (t + r) * params.n_out + n + c] = ch[g * 256u + r * 16u + c];
             }
         }
     }
@@ -71,7 +72,11 @@ fn store_edge(m: coop_mat16x16<f32, C>, g: u32, lane: u32, t: u32, n: u32) {
 }
 
 @compute @workgroup_size(256)
-fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+fn gemm_coop(
+    @builtin(local_invocation_index) li: u32,
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+) {
     let row0 = params.row_base + wid.x * CN;
     let t0 = params.t_base + wid.y * CT;
     // Staging: row li / 2 of each tile, columns (li % 2) * 16 .. + 16 of the step.
@@ -92,11 +97,16 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     var c30 = coop_mat16x16<f32, C>();
     var c31 = coop_mat16x16<f32, C>();
 
-    let steps = (params.n_in + CK - 1u) / CK;
-    var w0 = w8_at(wrow, lk);
-    var w1 = w8_at(wrow, lk + 8u);
-    var x0 = x8_at(xo, lk);
-    var x1 = x8_at(xo, lk + 8u);
+    // This workgroup's run of steps: first .. first + steps.
+    let all = (params.n_in + CK - 1u) / CK;
+    let run = (all + nwg.z - 1u) / nwg.z;
+    let first = min(wid.z * run, all);
+    let steps = min(run, all - first);
+    let k0 = first * CK + lk;
+    var w0 = w8_at(wrow, k0);
+    var w1 = w8_at(wrow, k0 + 8u);
+    var x0 = x8_at(xo, k0);
+    var x1 = x8_at(xo, k0 + 8u);
     stage16(0u, lr, lk, w0, w1);
     stage16(CX, lr, lk, x0, x1);
     workgroupBarrier();
@@ -104,7 +114,7 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         let cur = (s % 2u) * CBUF;
         let more = s + 1u < steps;
         if (more) {
-            let k = (s + 1u) * CK + lk;
+            let k = k0 + (s + 1u) * CK;
             w0 = w8_at(wrow, k);
             w1 = w8_at(wrow, k + 8u);
             x0 = x8_at(xo, k);
@@ -145,9 +155,10 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     let t = t0 + gt;
     let n = row0 + gn;
     let n_out = params.n_out;
+    let plane = wid.z * params.t * n_out;
     // Uniform across the workgroup: the whole tile inside y, and rows 16-byte aligned.
     if (t0 + CT <= params.t && row0 + CN <= n_out && n_out % 4u == 0u) {
-        let i0 = t * n_out + n;
+        let i0 = plane + t * n_out + n;
         let i1 = i0 + 16u * n_out;
         let i2 = i0 + 32u * n_out;
         let i3 = i0 + 48u * n_out;
@@ -165,13 +176,13 @@ fn gemm_coop(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         coopStoreT(c31, &y[j3], n_out);
     } else {
         let lane = li % 32u;
-        store_edge(c00, g, lane, t, n);
-        store_edge(c01, g, lane, t, n + 16u);
-        store_edge(c10, g, lane, t + 16u, n);
-        store_edge(c11, g, lane, t + 16u, n + 16u);
-        store_edge(c20, g, lane, t + 32u, n);
-        store_edge(c21, g, lane, t + 32u, n + 16u);
-        store_edge(c30, g, lane, t + 48u, n);
-        store_edge(c31, g, lane, t + 48u, n + 16u);
+        store_edge(c00, g, lane, plane, t, n);
+        store_edge(c01, g, lane, plane, t, n + 16u);
+        store_edge(c10, g, lane, plane, t + 16u, n);
+        store_edge(c11, g, lane, plane, t + 16u, n + 16u);
+        store_edge(c20, g, lane, plane, t + 32u, n);
+        store_edge(c21, g, lane, plane, t + 32u, n + 16u);
+        store_edge(c30, g, lane, plane, t + 48u, n);
+        store_edge(c31, g, lane, plane, t + 48u, n + 16u);
     }
 }

@@ -41,16 +41,17 @@ const TILE: u32 = 64;
 const WIDE_TILE: u32 = 128;
 /// Rows of x from which GPUs run `gemm_wide`: below, most of its 128-row tiles would be empty.
 const WIDE_MIN_T: u32 = 128;
-/// Workgroups from which a `gemm_wide` product is not split over k (`blocks` only): ~2 a
-/// multiprocessor of a large GPU (the H200 has 132). Fewer tiles than that (Gemma's `wo` and
-/// `down` at t = 512: 20) leave most of it idle; split, each tile's run of k is shared by up
-/// to MAX_SPLITS workgroups, each at least MIN_SPLIT_STEPS steps of 16 columns, and the partial
-/// sums are added afterwards.
+/// Workgroups from which a `gemm_wide` or `gemm_coop` product is not split over k (`blocks`
+/// only): ~2 a multiprocessor of a large GPU (the H200 has 132). Fewer tiles than that
+/// (Gemma's `wo` and `down` at t = 512: 20) leave most of it idle; split, each tile's run of k
+/// is shared by up to MAX_SPLITS workgroups, each at least MIN_SPLIT_COLUMNS long, and the
+/// partial sums are added afterwards.
 const SPLIT_GROUPS: u64 = 256;
 const MAX_SPLITS: u64 = 8;
-const MIN_SPLIT_STEPS: u64 = 8;
-/// Columns of one step of `gemm_wide` (WK in the shader).
+const MIN_SPLIT_COLUMNS: u64 = 128;
+/// Columns of one step of `gemm_wide` (WK in the shader) and of `gemm_coop` (CK).
 const WIDE_STEP: u64 = 16;
+const COOP_STEP: u64 = 32;
 /// Multiply-adds one dispatch may cover, so that no single dispatch runs for long on a slow
 /// device (a watchdog may take a device that does): on CPU devices (~1-10 GFLOP/s, so ~0.1 s),
 /// and on GPUs, where a small dispatch leaves most of the chip idle and each dispatch waits for
@@ -799,12 +800,14 @@ impl WgpuBackend {
     /// The runs of k `plan` splits a product of `t` rows by `w` into where it may (1: none).
     fn k_splits(&self, w: &Weight, t: u32) -> u32 {
         let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.format);
-        if kernel != Kernel::GemmWide {
-            return 1;
-        }
+        let step = match kernel {
+            Kernel::GemmWide => WIDE_STEP,
+            Kernel::GemmCoop => COOP_STEP,
+            _ => return 1,
+        };
         let groups = (w.n_out as u64).div_ceil(rows_per_group as u64) * (t as u64).div_ceil(t_per_group as u64);
         let by_groups = SPLIT_GROUPS.div_ceil(groups);
-        let by_steps = (w.n_in as u64).div_ceil(WIDE_STEP) / MIN_SPLIT_STEPS;
+        let by_steps = (w.n_in as u64).div_ceil(step) / (MIN_SPLIT_COLUMNS / step);
         let max_dim = self.limits.max_compute_workgroups_per_dimension as u64;
         by_groups.min(by_steps).min(MAX_SPLITS).min(max_dim).max(1) as u32
     }
