@@ -1509,7 +1509,8 @@ mod tests {
 
     /// RELIABILITY 23: every product is split into dispatches of at most the device's budget
     /// multiply-adds (or one workgroup, when a single one is larger), within the device's
-    /// workgroup counts, that together cover every (row, t) tile of the output exactly once.
+    /// workgroup counts, that together cover every (row, t) tile of the output exactly once;
+    /// split over k (`blocks`), only `gemm_wide` and `gemm_coop`, in at most MAX_SPLITS runs.
     #[test]
     fn no_dispatch_runs_longer_than_its_budget() {
         let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
@@ -1526,38 +1527,49 @@ mod tests {
                 (Format::F32, 3, 8, 2, 1),
                 (Format::Q8x16, 1, 1 << 20, 64, 1),
             ] {
-                let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} {gemm:?}", format.name());
-                let id = b.create(format, n_out, n_in).unwrap();
-                let mut plan = Vec::new();
-                let w = &b.weights[&id];
-                b.plan(0, w, t, n_in.div_ceil(8) * 2, false, &mut plan);
-                let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
-                    (true, _) => (gemv_rows(format) * WORKGROUP / lanes, 1),
-                    (false, Gemm::BySize) if t >= WIDE_MIN_T => (WIDE_TILE, WIDE_TILE),
-                    (false, Gemm::Tiled | Gemm::BySize) => (TILE, TILE),
-                    (false, Gemm::Wide | Gemm::Coop) => (WIDE_TILE, WIDE_TILE),
-                    (false, Gemm::Blocked) => (GEMM_ROWS * WORKGROUP, 4),
-                };
-                assert!(plan.iter().all(|d| d.kernel == b.kernel_for(t, format).0), "{what}: one kernel a job");
-                let macs_per_group = rows_per_group as u64 * t_per_group as u64 * n_in as u64;
-                let (gx, gy) =
-                    ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
-                let mut covered = vec![0u8; (gx * gy) as usize];
-                for d in &plan {
-                    let (nx, ny) = (d.groups.0 as u64, d.groups.1 as u64);
-                    assert!(nx >= 1 && ny >= 1 && nx <= max_dim && ny <= max_dim, "{what}: groups {:?}", d.groups);
-                    let macs = nx * ny * macs_per_group;
-                    assert!(macs <= b.dispatch_macs.max(macs_per_group), "{what}: a dispatch of {macs} multiply-adds");
-                    let (x0, y0) = (d.params.row_base / rows_per_group, d.params.t_base / t_per_group);
-                    for x in x0 as u64..x0 as u64 + nx {
-                        for y in y0 as u64..y0 as u64 + ny {
-                            covered[(y * gx + x) as usize] += 1;
+                for split in [false, true] {
+                    let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} {gemm:?} split {split}", format.name());
+                    let id = b.create(format, n_out, n_in).unwrap();
+                    let mut plan = Vec::new();
+                    let w = &b.weights[&id];
+                    let planes = b.plan(0, w, t, n_in.div_ceil(8) * 2, split, &mut plan);
+                    let z = if split { b.k_splits(w, t) } else { 1 };
+                    let kernel = b.kernel_for(t, format).0;
+                    assert_eq!(planes, z, "{what}: planes");
+                    let splittable = matches!(kernel, Kernel::GemmWide | Kernel::GemmCoop);
+                    assert!(z as u64 <= MAX_SPLITS && (z == 1 || splittable), "{what}: {z} runs of k");
+                    let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
+                        (true, _) => (gemv_rows(format) * WORKGROUP / lanes, 1),
+                        (false, Gemm::BySize) if t >= WIDE_MIN_T => (WIDE_TILE, WIDE_TILE),
+                        (false, Gemm::Tiled | Gemm::BySize) => (TILE, TILE),
+                        (false, Gemm::Wide | Gemm::Coop) => (WIDE_TILE, WIDE_TILE),
+                        (false, Gemm::Blocked) => (GEMM_ROWS * WORKGROUP, 4),
+                    };
+                    assert!(plan.iter().all(|d| d.kernel == b.kernel_for(t, format).0), "{what}: one kernel a job");
+                    let macs_per_group = rows_per_group as u64 * t_per_group as u64 * (n_in as u64).div_ceil(z as u64);
+                    let (gx, gy) =
+                        ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
+                    let mut covered = vec![0u8; (gx * gy) as usize];
+                    for d in &plan {
+                        let (nx, ny) = (d.groups.0 as u64, d.groups.1 as u64);
+                        assert!(nx >= 1 && ny >= 1 && nx <= max_dim && ny <= max_dim, "{what}: groups {:?}", d.groups);
+                        assert_eq!(d.groups.2, z, "{what}: workgroups in z");
+                        let macs = nx * ny * z as u64 * macs_per_group;
+                        assert!(
+                            macs <= b.dispatch_macs.max(z as u64 * macs_per_group),
+                            "{what}: a dispatch of {macs} multiply-adds"
+                        );
+                        let (x0, y0) = (d.params.row_base / rows_per_group, d.params.t_base / t_per_group);
+                        for x in x0 as u64..x0 as u64 + nx {
+                            for y in y0 as u64..y0 as u64 + ny {
+                                covered[(y * gx + x) as usize] += 1;
+                            }
                         }
                     }
+                    assert!(covered.iter().all(|&c| c == 1), "{what}: tiles not covered exactly once");
+                    assert!(plan.len() >= min_dispatches, "{what}: {} dispatches", plan.len());
+                    b.free(id);
                 }
-                assert!(covered.iter().all(|&c| c == 1), "{what}: tiles not covered exactly once");
-                assert!(plan.len() >= min_dispatches, "{what}: {} dispatches", plan.len());
-                b.free(id);
             }
         }
     }
