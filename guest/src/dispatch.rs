@@ -662,8 +662,10 @@ impl Dispatch {
                 self.caches[layer] = Some(c);
                 Some(c)
             }
+            // A failed call: the layer's work runs on the CPU instead (a fallback).
             Err(DeviceError::Lost(why)) => {
                 *gpu.lost.borrow_mut() = Some(why);
+                self.counters.gpu_fallbacks += 1;
                 None
             }
             // Not offered: no session asks again. No room: this session does not.
@@ -673,6 +675,7 @@ impl Dispatch {
             }
             Err(_) => {
                 self.no_caches = true;
+                self.counters.gpu_fallbacks += 1;
                 None
             }
         }
