@@ -347,12 +347,91 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
-  // `blocks`: not offered by this host yet (the contract allows it): the guest runs its layers
-  // with the calls above, and the kit skips its blocks cases.
-  function blocks() {
+  // `blocks` (wit/gpu.wit), checked as host/src/gpu/mod.rs's `GpuCtx::blocks` checks it: the
+  // handles, each weight's shape (vectors f32 rows), the heads, the rotation tables, and that
+  // each block's keys fit its cache.
+  async function blocks(x, t, pos, list, shape, rope, returnKv) {
     const bad = ready();
     if (bad) return bad;
-    return err('unavailable', 'this host does not offer blocks');
+    const maxElems = BigInt(backend.info.maxActivationElements);
+    if (list.length === 0) return invalid('no blocks');
+    if (list.length > limits.handles) return invalid(`${list.length} blocks exceed the limit of ${limits.handles} a call`);
+    const { nHead, nHeadKv, headDim: hd } = shape;
+    if (nHead === 0 || nHeadKv === 0 || nHead % nHeadKv !== 0) {
+      return invalid(`${nHead} query heads cannot share ${nHeadKv} key/value heads`);
+    }
+    if (hd < 2 || hd % 2 !== 0 || hd > MAX_HEAD_DIM) return invalid(`head-dim ${hd} is not even within 2..=${MAX_HEAD_DIM}`);
+    const nEmbd = Weight.inner(list[0].wq)?.nIn ?? 0;
+    const nFf = Weight.inner(list[0].gate)?.nOut ?? 0;
+    const nq = nHead * hd;
+    const nkv = nHeadKv * hd;
+    if (t === 0 || nEmbd === 0 || x.length !== t * nEmbd) {
+      return invalid(`x has ${x.length} values for ${t} rows of the blocks' width ${nEmbd}`);
+    }
+    if (nq > 0xffffffff) return invalid('the attention width overflows');
+    for (let i = 0; i < rope.length; i++) {
+      if (rope[i].length !== t * hd) return invalid(`rotation table ${i} has ${rope[i].length} values, t * head-dim is ${t * hd}`);
+    }
+    const widest = BigInt(Math.max(nEmbd, nq, nFf)) * BigInt(t);
+    if (widest > maxElems || BigInt(t) * BigInt(hd) > maxElems) {
+      return oom(`activations of ${widest} values exceed the device's limit of ${maxElems}`);
+    }
+    const resolved = [];
+    for (let l = 0; l < list.length; l++) {
+      const b = list[l];
+      let refused = null;
+      const shaped = (h, what, rows, cols, vector) => {
+        if (refused) return null;
+        const w = Weight.inner(h);
+        if (!w) refused = invalid(`block ${l}: ${what}: not a live weight handle of this instance`);
+        else if (vector && w.format !== 'f32') refused = invalid(`block ${l}: ${what}: a vector must be an f32 weight, not ${w.format}`);
+        else if (w.nOut !== rows || w.nIn !== cols) {
+          refused = invalid(`block ${l}: ${what}: the weight is [${w.nOut}, ${w.nIn}], the block needs [${rows}, ${cols}]`);
+        }
+        return refused ? null : w;
+      };
+      const vector = (h, what, n) => shaped(h, what, 1, n, true);
+      const optional = (h, what, n) => (h == null ? null : vector(h, what, n));
+      const c = KvCache.inner(b.cache);
+      if (!c) return invalid(`block ${l}: not a live kv-cache handle of this instance`);
+      if (c.width !== nkv) return invalid(`block ${l}: a kv-cache of width ${c.width} for key/value rows of ${nkv}`);
+      if (b.rope >= rope.length) return invalid(`block ${l}: rotation table ${b.rope} of ${rope.length}`);
+      const block = {
+        attnNorm: vector(b.attnNorm, 'attn-norm', nEmbd),
+        wq: shaped(b.wq, 'wq', nq, nEmbd),
+        wk: shaped(b.wk, 'wk', nkv, nEmbd),
+        wv: shaped(b.wv, 'wv', nkv, nEmbd),
+        qBias: optional(b.qBias, 'q-bias', nq),
+        kBias: optional(b.kBias, 'k-bias', nkv),
+        vBias: optional(b.vBias, 'v-bias', nkv),
+        qNorm: optional(b.qNorm, 'q-norm', hd),
+        kNorm: optional(b.kNorm, 'k-norm', hd),
+        wo: shaped(b.wo, 'wo', nEmbd, nq),
+        oBias: optional(b.oBias, 'o-bias', nEmbd),
+        postAttnNorm: optional(b.postAttnNorm, 'post-attn-norm', nEmbd),
+        ffnNorm: vector(b.ffnNorm, 'ffn-norm', nEmbd),
+        gate: shaped(b.gate, 'gate', nFf, nEmbd),
+        up: shaped(b.up, 'up', nFf, nEmbd),
+        down: shaped(b.down, 'down', nEmbd, nFf),
+        postFfnNorm: optional(b.postFfnNorm, 'post-ffn-norm', nEmbd),
+        cache: c,
+        window: b.window,
+        rope: b.rope,
+      };
+      if (refused) return refused;
+      const first = b.window === 0 ? 0 : Math.max(0, pos + 1 - b.window);
+      const nKeys = pos + t - first;
+      if (t > c.slots || nKeys > c.slots || BigInt(nKeys) * BigInt(nkv) > maxElems) {
+        return invalid(`block ${l}: ${t} new rows and ${nKeys} keys do not fit a kv-cache of ${c.slots} slots`);
+      }
+      resolved.push(block);
+    }
+    const s = { ...shape, nEmbd, nFf };
+    try {
+      return ok(await backend.blocks(x, t, pos, resolved, s, rope, returnKv));
+    } catch (e) {
+      return failure(e);
+    }
   }
 
   return {

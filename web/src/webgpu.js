@@ -1,7 +1,9 @@
 // Device work on WebGPU for the `wisp:llm/gpu` imports: the browser's counterpart of
 // host/src/gpu/wgpu.rs, running the same shaders/matmul.wgsl (fetched at run time) with the same
 // bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan, and
-// the same shaders/attention.wgsl for `attention`.
+// the same shaders/attention.wgsl for `attention`; `blocks` records every decoder block of a
+// call in one command buffer, as host/src/gpu/wgpu/blocks.rs does (without its split over k:
+// the browser's products run `gemm`, whose tiles are small).
 //
 // Weights live in storage buffers in their upload format (the shader decodes them); f32 and
 // bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. A `matmul`
@@ -25,6 +27,10 @@ const WRITE_CHUNK = 64 << 20;
 /** Size of `Params` in the shader, and of `Shape` in attention.wgsl. */
 const PARAMS_BYTES = 32;
 const SHAPE_BYTES = 48;
+/** `norm_rows` flags (NORM_* in the shader). */
+const NORM_ACCUMULATE = 1;
+const NORM_IN_PLACE = 2;
+const NORM_NONE = 4;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {
@@ -606,15 +612,14 @@ export class WebGpuBackend {
     return this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, firstKey % c.slots, c.slots);
   }
 
-  /** shaders/attention.wgsl over `q` and keys and values in `kb`, `vb` (`kvBytes` bound), one
-   *  workgroup a (head, query), key j in row (firstSlot + j) % slots: the queries split over
-   *  dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one readback. */
-  async attendOver(q, kb, vb, kvBytes, s, firstSlot, slots) {
-    const qBytes = q.length * 4;
-    if (qBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${q.length} queries do not fit the device`);
+  /** The dispatches of attention of shape `s` over a ring of `slots` rows whose key 0 is row
+   *  `firstSlot`, `qLen` query values: the queries split over dispatches and the keys into runs
+   *  as host/src/gpu/wgpu/attention.rs's `attention_plan` does. */
+  attentionPlan(qLen, s, firstSlot, slots) {
+    const qBytes = qLen * 4;
+    if (qBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${qLen} queries do not fit the device`);
     const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
     if (s.nHead > maxDim) throw new GpuError('out-of-memory', `${s.nHead} heads exceed the device's ${maxDim} workgroups`);
-    const { layout, pipeline, merge } = await this.attentionKernel();
     const macs = 2 * s.nHead * s.nKeys * s.headDim;
     const perDispatch = Math.max(1, Math.min(maxDim, Math.floor(DISPATCH_MACS / Math.max(macs, 1))));
     const dispatches = Math.ceil(s.t / perDispatch);
@@ -634,40 +639,287 @@ export class WebGpuBackend {
       u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch, firstSlot, slots, splits, splitLen]);
       new Float32Array(shapes, d * stride + 24, 1)[0] = s.scale;
     }
+    return { shapes, stride, perDispatch, dispatches, splits, t: s.t, nHead: s.nHead, qBytes, outBytes };
+  }
+
+  /** Records `plan`'s dispatches in `pass`, its parameters at byte `at` of the group's
+   *  parameter buffer. */
+  recordAttention(pass, plan, kernels, group, at) {
+    const { pipeline, merge } = kernels;
+    for (const [p, z] of plan.splits > 1 ? [[pipeline, plan.splits], [merge, 1]] : [[pipeline, 1]]) {
+      pass.setPipeline(p);
+      for (let d = 0; d < plan.dispatches; d++) {
+        pass.setBindGroup(0, group, [at + d * plan.stride]);
+        pass.dispatchWorkgroups(plan.nHead, Math.min(plan.perDispatch, plan.t - d * plan.perDispatch), z);
+      }
+    }
+  }
+
+  /** An attention bind group: parameters from byte 0 of `params`, then q, k, v (`kvBytes`
+   *  bound) and the output, sized by `plan`. */
+  attentionGroup(layout, plan, params, qb, kb, vb, kvBytes, out) {
+    return this.device.createBindGroup({
+      label: 'attention',
+      layout,
+      entries: [
+        { binding: 0, resource: { buffer: params, offset: 0, size: SHAPE_BYTES } },
+        { binding: 1, resource: { buffer: qb, offset: 0, size: plan.qBytes } },
+        { binding: 2, resource: { buffer: kb, offset: 0, size: kvBytes } },
+        { binding: 3, resource: { buffer: vb, offset: 0, size: kvBytes } },
+        { binding: 4, resource: { buffer: out, offset: 0, size: plan.outBytes } },
+      ],
+    });
+  }
+
+  /** shaders/attention.wgsl over `q` and keys and values in `kb`, `vb` (`kvBytes` bound), one
+   *  workgroup a (head, query), key j in row (firstSlot + j) % slots: the queries split over
+   *  dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one readback. */
+  async attendOver(q, kb, vb, kvBytes, s, firstSlot, slots) {
+    const plan = this.attentionPlan(q.length, s, firstSlot, slots);
+    const kernels = await this.attentionKernel();
     try {
       return await this.scoped(async () => {
         const usage = GPUBufferUsage;
-        const qb = this.ensure('attention q', qBytes, usage.STORAGE | usage.COPY_DST);
+        const qb = this.ensure('attention q', plan.qBytes, usage.STORAGE | usage.COPY_DST);
         this.device.queue.writeBuffer(qb, 0, q);
-        const out = this.ensure('attention out', outBytes, usage.STORAGE | usage.COPY_SRC);
-        const staging = this.ensure('attention staging', qBytes, usage.MAP_READ | usage.COPY_DST);
-        const params = this.ensure('attention params', shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
-        this.device.queue.writeBuffer(params, 0, shapes);
-        const group = this.device.createBindGroup({
-          label: 'attention',
-          layout,
-          entries: [
-            { binding: 0, resource: { buffer: params, offset: 0, size: SHAPE_BYTES } },
-            { binding: 1, resource: { buffer: qb, offset: 0, size: qBytes } },
-            { binding: 2, resource: { buffer: kb, offset: 0, size: kvBytes } },
-            { binding: 3, resource: { buffer: vb, offset: 0, size: kvBytes } },
-            { binding: 4, resource: { buffer: out, offset: 0, size: outBytes } },
-          ],
-        });
+        const out = this.ensure('attention out', plan.outBytes, usage.STORAGE | usage.COPY_SRC);
+        const staging = this.ensure('attention staging', plan.qBytes, usage.MAP_READ | usage.COPY_DST);
+        const params = this.ensure('attention params', plan.shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
+        this.device.queue.writeBuffer(params, 0, plan.shapes);
+        const group = this.attentionGroup(kernels.layout, plan, params, qb, kb, vb, kvBytes, out);
         const encoder = this.device.createCommandEncoder({ label: 'attention' });
         const pass = encoder.beginComputePass({ label: 'attention' });
-        for (const [p, z] of splits > 1 ? [[pipeline, splits], [merge, 1]] : [[pipeline, 1]]) {
-          pass.setPipeline(p);
-          for (let d = 0; d < dispatches; d++) {
-            pass.setBindGroup(0, group, [d * stride]);
-            pass.dispatchWorkgroups(s.nHead, Math.min(perDispatch, s.t - d * perDispatch), z);
+        this.recordAttention(pass, plan, kernels, group, 0);
+        pass.end();
+        encoder.copyBufferToBuffer(out, 0, staging, 0, plan.qBytes);
+        this.device.queue.submit([encoder.finish()]);
+        const [result] = await this.readBack(staging, plan.qBytes, [[0, q.length]]);
+        return result;
+      });
+    } catch (e) {
+      this.dropScratch();
+      throw e;
+    }
+  }
+
+  /** `blocks` (wit/gpu.wit), as host/src/gpu/wgpu/blocks.rs runs it: every block of the call
+   *  in one command buffer (compute passes between the copies of the new keys and values into
+   *  the caches' rings), one readback of x (and, with `returnKv`, of every block's keys and
+   *  values). `blocks` hold the weights and caches themselves; `s` the checked shape with the
+   *  widths (gpu.js). */
+  async blocks(x, t, pos, blocks, s, rope, returnKv) {
+    this.live();
+    const e = s.nEmbd;
+    const ff = s.nFf;
+    const hd = s.headDim;
+    const nq = s.nHead * hd;
+    const nkv = s.nHeadKv * hd;
+    // Rows feed the products as their x: whole steps of 8 values, no padding.
+    if ([e, nq, ff].some((w) => w % 8 !== 0)) {
+      throw new GpuError('unavailable', `blocks of widths ${e}, ${nq} and ${ff} (this host runs them where each is a multiple of 8)`);
+    }
+    const align = this.storageAlign;
+    const xBytes = 4 * t * e;
+    const qBytes = 4 * t * nq;
+    const part = 4 * t * ff;
+    const upAt = alignUp(part, align);
+    const midBytes = alignUp(upAt + part, 16);
+    const kvRow = 4 * t * nkv;
+    const kvRun = alignUp(kvRow, align);
+    const kvBytes = 2 * blocks.length * kvRun;
+    const tableRun = alignUp(4 * t * hd, align);
+    const tablesBytes = alignUp(tableRun * Math.max(rope.length, 1), 16);
+    const plans = blocks.map((b) => {
+      const first = b.window === 0 ? 0 : Math.max(0, pos + 1 - b.window);
+      const shape = { t, nKeys: pos + t - first, nHead: s.nHead, nHeadKv: s.nHeadKv, headDim: hd, window: b.window, scale: s.scale };
+      return this.attentionPlan(t * nq, shape, first % b.cache.slots, b.cache.slots);
+    });
+    const aBytes = Math.max(qBytes, ...plans.map((p) => p.outBytes));
+    if ([xBytes, qBytes, aBytes, midBytes, kvBytes, tablesBytes].some((n) => n > this.info.maxWeightBytes)) {
+      throw new GpuError('out-of-memory', `blocks over [${t}, ${e}] need buffers past the device's limit`);
+    }
+    const kernels = await this.attentionKernel();
+    const usage = GPUBufferUsage;
+    const storage = usage.STORAGE;
+    const [xb, hb, qb, ab, ob, mid, hidden, kvb, tables, staging] = await this.buffers([
+      ['blocks x', xBytes, storage | usage.COPY_SRC | usage.COPY_DST],
+      ['blocks normed x', xBytes, storage],
+      ['blocks q', qBytes, storage],
+      ['blocks attention', aBytes, storage],
+      ['blocks output', xBytes, storage],
+      ['blocks gate and up', midBytes, storage],
+      ['blocks hidden', part, storage],
+      ['blocks keys and values', kvBytes, storage | usage.COPY_SRC],
+      ['blocks rotations', tablesBytes, storage | usage.COPY_DST],
+      ['blocks staging', xBytes + (returnKv ? kvBytes : 0), usage.MAP_READ | usage.COPY_DST],
+    ]);
+
+    // The commands in order: kernels (dispatches of matmul.wgsl, each with its bind), a
+    // block's attention, or a copy.
+    const binds = [];
+    const dispatches = [];
+    const commands = [];
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    const bind = (weights, scales, input, output) => binds.push({ weights, scales, input, output }) - 1;
+    const kernelsFrom = (from) => {
+      if (dispatches.length > from) commands.push({ kernels: [from, dispatches.length] });
+    };
+    // One dispatch (split by rows) of a small kernel: `groupsX` workgroups a row.
+    const small = (kernel, job, params, groupsX) => {
+      for (let r0 = 0; r0 < params[2]; r0 += maxDim) {
+        const p = params.slice();
+        p[6] = r0;
+        dispatches.push({ job, kernel, format: 'f32', params: p, groups: [groupsX, Math.min(maxDim, params[2] - r0)] });
+      }
+    };
+    const unread = [tables, 16];
+    const epsBits = new Uint32Array(new Float32Array([s.eps]).buffer)[0];
+    // norm_rows over `rows` runs of `n`: from `input` ([buffer, bytes]; null: in place) into
+    // `output` ([buffer, offset, bytes]); `w` null: no norm (a residual add).
+    const norm = (w, input, output, rows, n, accumulate) => {
+      let flags = accumulate ? NORM_ACCUMULATE : 0;
+      if (!w) flags |= NORM_NONE;
+      if (!input) flags |= NORM_IN_PLACE;
+      const job = bind(w ? w.data : tables, this.placeholder, input ?? unread, output);
+      // Params: n_in, n_out (output stride), t (rows), row_quads (input stride), flags, eps.
+      small('norm_rows', job, [n, n, rows, n, flags, epsBits, 0, 0], 1);
+    };
+    const bias = (w, output, n) => {
+      if (!w) return;
+      small('bias_rows', bind(w.data, this.placeholder, unread, output), [n, n, t, 0, 0, 0, 0, 0], Math.ceil(n / WORKGROUP));
+    };
+    const turn = (table, output, heads) => {
+      const job = bind(tables, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
+      const pairs = s.rotation === 'pairs' ? 1 : 0;
+      small('rope_rows', job, [hd, heads, t, 0, pairs, 0, 0, 0], Math.ceil((heads * hd) / 2 / WORKGROUP));
+    };
+    const product = (w, input, output, xQuads) => {
+      this.plan(bind(w.data, w.scales || this.placeholder, input, output), w, t, xQuads, dispatches);
+    };
+
+    blocks.forEach((b, l) => {
+      let from = dispatches.length;
+      const kAt = l * kvRun;
+      const vAt = (blocks.length + l) * kvRun;
+      const kOut = [kvb, kAt, kvRow];
+      const vOut = [kvb, vAt, kvRow];
+      // h = norm(x); q, k, v = h W^T + bias; head norms; rotations.
+      norm(b.attnNorm, [xb, xBytes], [hb, 0, xBytes], t, e, false);
+      product(b.wq, [hb, xBytes], [qb, 0, qBytes], e / 4);
+      product(b.wk, [hb, xBytes], kOut, e / 4);
+      product(b.wv, [hb, xBytes], vOut, e / 4);
+      bias(b.qBias, [qb, 0, qBytes], nq);
+      bias(b.kBias, kOut, nkv);
+      bias(b.vBias, vOut, nkv);
+      if (b.qNorm) norm(b.qNorm, null, [qb, 0, qBytes], t * s.nHead, hd, false);
+      if (b.kNorm) norm(b.kNorm, null, kOut, t * s.nHeadKv, hd, false);
+      turn(b.rope, [qb, 0, qBytes], s.nHead);
+      turn(b.rope, kOut, s.nHeadKv);
+      kernelsFrom(from);
+      // The new rows into the cache's ring (two runs where it wraps), then attention.
+      const c = b.cache;
+      const row = 4 * nkv;
+      const start = pos % c.slots;
+      const head = Math.min(t, c.slots - start);
+      for (const [src, dst] of [[kAt, c.k], [vAt, c.v]]) {
+        commands.push({ copy: [kvb, src, dst, start * row, head * row] });
+        if (head < t) commands.push({ copy: [kvb, src + head * row, dst, 0, (t - head) * row] });
+      }
+      commands.push({ attention: l });
+      // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)).
+      from = dispatches.length;
+      product(b.wo, [ab, qBytes], [ob, 0, xBytes], nq / 4);
+      bias(b.oBias, [ob, 0, xBytes], e);
+      norm(b.postAttnNorm, [ob, xBytes], [xb, 0, xBytes], t, e, true);
+      norm(b.ffnNorm, [xb, xBytes], [hb, 0, xBytes], t, e, false);
+      product(b.gate, [hb, xBytes], [mid, 0, part], e / 4);
+      product(b.up, [hb, xBytes], [mid, upAt, part], e / 4);
+      const act = bind(mid, this.placeholder, [mid, midBytes], [hidden, 0, part]);
+      // Params: n_in, n_out (the hidden width), t, -, -, row_base (up's first element), t_base, x_stride.
+      small(s.act === 'silu' ? 'gate_silu' : 'gate_gelu', act, [ff, ff, t, 0, 0, upAt / 4, 0, ff / 4], Math.ceil(ff / WORKGROUP));
+      product(b.down, [hidden, part], [ob, 0, xBytes], ff / 4);
+      norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], t, e, true);
+      kernelsFrom(from);
+    });
+    commands.push({ copy: [xb, 0, staging, 0, xBytes] });
+    if (returnKv) commands.push({ copy: [kvb, 0, staging, xBytes, kvBytes] });
+
+    const pipelines = new Map();
+    for (const d of dispatches) {
+      const key = `${d.kernel} ${d.format}`;
+      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
+    }
+    try {
+      return await this.scoped(async () => {
+        this.device.queue.writeBuffer(xb, 0, x);
+        rope.forEach((table, i) => this.device.queue.writeBuffer(tables, i * tableRun, table));
+        const paramsBytes = this.paramsStride * dispatches.length;
+        const paramsBuf = this.ensure('blocks params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
+        const params = new Uint32Array(paramsBytes / 4);
+        dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
+        this.device.queue.writeBuffer(paramsBuf, 0, params);
+        const attnAt = [];
+        let attnBytes = 0;
+        for (const p of plans) {
+          attnAt.push(attnBytes);
+          attnBytes += p.shapes.byteLength;
+        }
+        const attnParams = this.ensure('blocks attention params', attnBytes, usage.UNIFORM | usage.COPY_DST);
+        plans.forEach((p, i) => this.device.queue.writeBuffer(attnParams, attnAt[i], p.shapes));
+        const groups = binds.map((st) => this.device.createBindGroup({
+          label: 'blocks',
+          layout: this.bindLayout,
+          entries: [
+            { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
+            { binding: 1, resource: { buffer: st.weights } },
+            { binding: 2, resource: { buffer: st.scales } },
+            { binding: 3, resource: { buffer: st.input[0], offset: st.input[2] ?? 0, size: st.input[1] } },
+            { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
+          ],
+        }));
+        const attention = plans.map((p, l) => {
+          const c = blocks[l].cache;
+          return this.attentionGroup(kernels.layout, p, attnParams, qb, c.k, c.v, c.slots * c.width * 4, ab);
+        });
+        const encoder = this.device.createCommandEncoder({ label: 'blocks' });
+        let pass = null;
+        const open = () => (pass ??= encoder.beginComputePass({ label: 'blocks' }));
+        for (const c of commands) {
+          if (c.copy) {
+            pass?.end();
+            pass = null;
+            const [src, from, dst, to, n] = c.copy;
+            encoder.copyBufferToBuffer(src, from, dst, to, n);
+          } else if (c.kernels) {
+            const p = open();
+            for (let i = c.kernels[0]; i < c.kernels[1]; i++) {
+              const d = dispatches[i];
+              p.setPipeline(pipelines.get(`${d.kernel} ${d.format}`));
+              p.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
+              p.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
+            }
+          } else {
+            this.recordAttention(open(), plans[c.attention], kernels, attention[c.attention], attnAt[c.attention]);
           }
         }
-        pass.end();
-        encoder.copyBufferToBuffer(out, 0, staging, 0, qBytes);
+        pass?.end();
         this.device.queue.submit([encoder.finish()]);
-        const [result] = await this.readBack(staging, qBytes, [[0, q.length]]);
-        return result;
+        const reads = [[0, t * e]];
+        if (returnKv) {
+          for (let l = 0; l < 2 * blocks.length; l++) reads.push([xBytes + l * kvRun, t * nkv]);
+        }
+        const got = await this.readBack(staging, xBytes + (returnKv ? kvBytes : 0), reads);
+        const join = (parts) => {
+          const all = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
+          let at = 0;
+          for (const p of parts) {
+            all.set(p, at);
+            at += p.length;
+          }
+          return all;
+        };
+        const n = blocks.length;
+        return { x: got[0], keys: join(got.slice(1, 1 + n)), values: join(got.slice(1 + n)) };
       });
     } catch (e) {
       this.dropScratch();
