@@ -481,15 +481,21 @@ export class WebGpuBackend {
     return y;
   }
 
-  /** Records `dispatches` (each with step d.job's bind group) in one compute pass, copies
-   *  `output` to the staging buffer and reads back each `[byte offset, values]` of `reads`. */
-  async submit(steps, dispatches, output, reads) {
-    const outBytes = Math.max(...reads.map(([o, n]) => o + 4 * n));
+  /** The pipeline of each dispatch's kernel and format, by `${kernel} ${format}`. */
+  async pipelinesFor(dispatches) {
     const pipelines = new Map();
     for (const d of dispatches) {
       const key = `${d.kernel} ${d.format}`;
       if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
     }
+    return pipelines;
+  }
+
+  /** Records `dispatches` (each with step d.job's bind group) in one compute pass, copies
+   *  `output` to the staging buffer and reads back each `[byte offset, values]` of `reads`. */
+  async submit(steps, dispatches, output, reads) {
+    const outBytes = Math.max(...reads.map(([o, n]) => o + 4 * n));
+    const pipelines = await this.pipelinesFor(dispatches);
 
     try {
       return await this.scoped(async () => {
@@ -844,11 +850,7 @@ export class WebGpuBackend {
     commands.push({ copy: [xb, 0, staging, 0, xBytes] });
     if (returnKv) commands.push({ copy: [kvb, 0, staging, xBytes, kvBytes] });
 
-    const pipelines = new Map();
-    for (const d of dispatches) {
-      const key = `${d.kernel} ${d.format}`;
-      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
-    }
+    const pipelines = await this.pipelinesFor(dispatches);
     try {
       return await this.scoped(async () => {
         this.device.queue.writeBuffer(xb, 0, x);

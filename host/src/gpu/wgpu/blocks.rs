@@ -222,6 +222,16 @@ impl Profile {
     }
 }
 
+/// A compute pass of `blocks`, untimed.
+fn plain_pass(encoder: &mut wgpu::CommandEncoder) -> wgpu::ComputePass<'static> {
+    encoder
+        .begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("blocks"),
+            timestamp_writes: None,
+        })
+        .forget_lifetime()
+}
+
 fn whole(b: &wgpu::Buffer, bytes: u64) -> (wgpu::Buffer, u64, u64) {
     (b.clone(), 0, bytes)
 }
@@ -940,14 +950,7 @@ impl WgpuBackend {
                             let name = rec.dispatches[i].kernel.entry();
                             pass = Some(prof.pass(&mut encoder, name));
                         }
-                        let p = pass.get_or_insert_with(|| {
-                            encoder
-                                .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                                    label: Some("blocks"),
-                                    timestamp_writes: None,
-                                })
-                                .forget_lifetime()
-                        });
+                        let p = pass.get_or_insert_with(|| plain_pass(&mut encoder));
                         let d = &rec.dispatches[i];
                         let Some(pipeline) = pipelines.get(&(d.kernel, rec.formats[i])) else {
                             return Err(GpuError::Unavailable(format!(
@@ -965,14 +968,7 @@ impl WgpuBackend {
                         drop(pass.take());
                         pass = Some(prof.pass(&mut encoder, "attention"));
                     }
-                    let p = pass.get_or_insert_with(|| {
-                        encoder
-                            .begin_compute_pass(&wgpu::ComputePassDescriptor {
-                                label: Some("blocks"),
-                                timestamp_writes: None,
-                            })
-                            .forget_lifetime()
-                    });
+                    let p = pass.get_or_insert_with(|| plain_pass(&mut encoder));
                     let (group, pipelines) = &attention[*l];
                     plans[*l].record(p, pipelines, group, attn_at[*l]);
                 }
