@@ -22,7 +22,8 @@ pub struct BenchArgs {
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
-    /// Size of the square weight of the per-format matmul benchmark (with `--gpu on`).
+    /// Size of the square weight of the per-format matmul benchmark (with `--gpu on`); 0 skips
+    /// it.
     #[arg(long, default_value_t = 2048)]
     matmul_size: u32,
 }
@@ -251,7 +252,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         last = Some(after);
     }
     let (p, d) = (median(prefill), median(decode));
-    let matmuls = if matches!(a.model.gpu, super::GpuArg::On) { device_matmuls(&a)? } else { None };
+    let matmuls = if matches!(a.model.gpu, super::GpuArg::On) && a.matmul_size > 0 { device_matmuls(&a)? } else { None };
     let Some(s) = last else { anyhow::bail!("no run") };
     if a.json {
         println!(
