@@ -818,29 +818,22 @@ fn gemm_wide(
 // Each reads and writes f32 rows (a row of `t` at wid.y + params.t_base); the fields of Params
 // mean, for these entry points:
 //   n_in     the width of a row (a run of values normed, a head turned)
-//   n_out    norm_rows: the output's row stride; bias_rows: the width of a row; rope_rows:
-//            the heads a row
+//   n_out    norm_rows: the output's row stride; bias_rows, sum_planes: the width of a row;
+//            rope_rows, norm_rope_rows: the heads a row
 //   t        rows
-//   row_quads  norm_rows: the input's row stride, in elements
-//   scale_row  norm_rows: flags (NORM_*); rope_rows: 1 to turn pairs (2j, 2j + 1), 0 halves
-//   row_base   norm_rows: eps, as the bits of an f32
+//   row_quads  norm_rows, sum_planes: the input's row stride, in elements
+//   scale_row  norm_rows: flags (NORM_*); rope_rows, norm_rope_rows: 1 to turn pairs
+//              (2j, 2j + 1), 0 halves
+//   row_base   norm_rows, norm_rope_rows: eps, as the bits of an f32
 //   x_stride   norm_rows, sum_planes: planes of `in` summed as it is read (t * row_quads
 //              values a plane; 0 or 1: one)
 
-// y = norm(in) * w (+ y with NORM_ACCUMULATE), `in` from x, or from y with NORM_IN_PLACE.
+// y = norm(in) * w (+ y with NORM_ACCUMULATE), `in` from x (its planes summed).
 const NORM_ACCUMULATE: u32 = 1u;
-const NORM_IN_PLACE: u32 = 2u;
 // y = in (+ y): no norm, no weight (a residual add).
 const NORM_NONE: u32 = 4u;
 
 var<workgroup> norm_sums: array<f32, WG>;
-
-fn norm_in(in_place: bool, xi: u32, yi: u32) -> f32 {
-    if (in_place) {
-        return y[yi];
-    }
-    return plane_sum(xi);
-}
 
 // x[i] summed over params.x_stride planes of params.t * params.row_quads values.
 fn plane_sum(i: u32) -> f32 {
@@ -863,14 +856,13 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     }
     let n = params.n_in;
     let flags = params.scale_row;
-    let in_place = (flags & NORM_IN_PLACE) != 0u;
     let src = r * params.row_quads;
     let dst = r * params.n_out;
     var scale = 1.0;
     if ((flags & NORM_NONE) == 0u) {
         var ss = 0.0;
         for (var j = li; j < n; j += WG) {
-            let v = norm_in(in_place, src + j, dst + j);
+            let v = plane_sum(src + j);
             ss += v * v;
         }
         norm_sums[li] = ss;
@@ -884,7 +876,7 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         scale = 1.0 / sqrt(norm_sums[0] / f32(n) + bitcast<f32>(params.row_base));
     }
     for (var j = li; j < n; j += WG) {
-        var o = norm_in(in_place, src + j, dst + j);
+        var o = plane_sum(src + j);
         if ((flags & NORM_NONE) == 0u) {
             o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
         }
@@ -943,4 +935,49 @@ fn rope_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
     let vb = y[b];
     y[a] = va * c - vb * s;
     y[b] = va * s + vb * c;
+}
+
+// A head norm and the rotation after it, in one pass (Gemma 3's q and k): each head of row r of
+// y is normed as norm_rows norms a run (params.row_base: eps; the weights: the head's norm) and
+// then turned by row r of the table in x as rope_rows turns it. Workgroup (head, row); each
+// invocation owns the pairs li, li + WG, ... of the head, both of whose values it reads and
+// writes. n_in: head_dim; n_out: heads a row; scale_row: 1 to turn pairs (2j, 2j + 1).
+@compute @workgroup_size(64)
+fn norm_rope_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let h = wid.x;
+    if (r >= params.t || h >= params.n_out) {
+        return;
+    }
+    let hd = params.n_in;
+    let half = hd / 2u;
+    let head = (r * params.n_out + h) * hd;
+    let pairs = params.scale_row == 1u;
+    var ss = 0.0;
+    for (var j = li; j < half; j += WG) {
+        let ja = select(j, 2u * j, pairs);
+        let jb = select(j + half, 2u * j + 1u, pairs);
+        let va = y[head + ja];
+        let vb = y[head + jb];
+        ss += va * va + vb * vb;
+    }
+    norm_sums[li] = ss;
+    workgroupBarrier();
+    for (var k = WG / 2u; k > 0u; k /= 2u) {
+        if (li < k) {
+            norm_sums[li] += norm_sums[li + k];
+        }
+        workgroupBarrier();
+    }
+    let scale = 1.0 / sqrt(norm_sums[0] / f32(hd) + bitcast<f32>(params.row_base));
+    for (var j = li; j < half; j += WG) {
+        let ja = select(j, 2u * j, pairs);
+        let jb = select(j + half, 2u * j + 1u, pairs);
+        let va = y[head + ja] * scale * bitcast<f32>(weights[ja / 4u][ja % 4u]);
+        let vb = y[head + jb] * scale * bitcast<f32>(weights[jb / 4u][jb % 4u]);
+        let c = x[(r * hd + j) / 4u][(r * hd + j) % 4u];
+        let s = x[(r * hd + half + j) / 4u][(r * hd + half + j) % 4u];
+        y[head + ja] = va * c - vb * s;
+        y[head + jb] = va * s + vb * c;
+    }
 }

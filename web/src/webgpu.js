@@ -29,7 +29,6 @@ const PARAMS_BYTES = 32;
 const SHAPE_BYTES = 48;
 /** `norm_rows` flags (NORM_* in the shader). */
 const NORM_ACCUMULATE = 1;
-const NORM_IN_PLACE = 2;
 const NORM_NONE = 4;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
@@ -780,24 +779,26 @@ export class WebGpuBackend {
     };
     const unread = [tables, 16];
     const epsBits = new Uint32Array(new Float32Array([s.eps]).buffer)[0];
-    // norm_rows over `rows` runs of `n`: from `input` ([buffer, bytes]; null: in place) into
+    // norm_rows over the t rows of the residual's width: from `input` ([buffer, bytes]) into
     // `output` ([buffer, offset, bytes]); `w` null: no norm (a residual add).
-    const norm = (w, input, output, rows, n, accumulate) => {
+    const norm = (w, input, output, accumulate) => {
       let flags = accumulate ? NORM_ACCUMULATE : 0;
       if (!w) flags |= NORM_NONE;
-      if (!input) flags |= NORM_IN_PLACE;
-      const job = bind(w ? w.data : tables, this.placeholder, input ?? unread, output);
+      const job = bind(w ? w.data : tables, this.placeholder, input, output);
       // Params: n_in, n_out (output stride), t (rows), row_quads (input stride), flags, eps.
-      small('norm_rows', job, [n, n, rows, n, flags, epsBits, 0, 0], 1);
+      small('norm_rows', job, [e, e, t, e, flags, epsBits, 0, 0], 1);
     };
     const bias = (w, output, n) => {
       if (!w) return;
       small('bias_rows', bind(w.data, this.placeholder, unread, output), [n, n, t, 0, 0, 0, 0, 0], Math.ceil(n / WORKGROUP));
     };
-    const turn = (table, output, heads) => {
-      const job = bind(tables, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
-      const pairs = s.rotation === 'pairs' ? 1 : 0;
-      small('rope_rows', job, [hd, heads, t, 0, pairs, 0, 0, 0], Math.ceil((heads * hd) / 2 / WORKGROUP));
+    // Each head of `output` turned by table `table`, normed first by `w` where there is one
+    // (one kernel for both, norm_rope_rows).
+    const turn = (w, table, output, heads) => {
+      const job = bind(w ? w.data : tables, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
+      const params = [hd, heads, t, 0, s.rotation === 'pairs' ? 1 : 0, epsBits, 0, 0];
+      if (w) small('norm_rope_rows', job, params, heads);
+      else small('rope_rows', job, params, Math.ceil((heads * hd) / 2 / WORKGROUP));
     };
     const product = (w, input, output, xQuads) => {
       this.plan(bind(w.data, w.scales || this.placeholder, input, output), w, t, xQuads, dispatches);
@@ -810,17 +811,15 @@ export class WebGpuBackend {
       const kOut = [kvb, kAt, kvRow];
       const vOut = [kvb, vAt, kvRow];
       // h = norm(x); q, k, v = h W^T + bias; head norms; rotations.
-      norm(b.attnNorm, [xb, xBytes], [hb, 0, xBytes], t, e, false);
+      norm(b.attnNorm, [xb, xBytes], [hb, 0, xBytes], false);
       product(b.wq, [hb, xBytes], [qb, 0, qBytes], e / 4);
       product(b.wk, [hb, xBytes], kOut, e / 4);
       product(b.wv, [hb, xBytes], vOut, e / 4);
       bias(b.qBias, [qb, 0, qBytes], nq);
       bias(b.kBias, kOut, nkv);
       bias(b.vBias, vOut, nkv);
-      if (b.qNorm) norm(b.qNorm, null, [qb, 0, qBytes], t * s.nHead, hd, false);
-      if (b.kNorm) norm(b.kNorm, null, kOut, t * s.nHeadKv, hd, false);
-      turn(b.rope, [qb, 0, qBytes], s.nHead);
-      turn(b.rope, kOut, s.nHeadKv);
+      turn(b.qNorm, b.rope, [qb, 0, qBytes], s.nHead);
+      turn(b.kNorm, b.rope, kOut, s.nHeadKv);
       kernelsFrom(from);
       // The new rows into the cache's ring (two runs where it wraps), then attention.
       const c = b.cache;
@@ -836,15 +835,15 @@ export class WebGpuBackend {
       from = dispatches.length;
       product(b.wo, [ab, qBytes], [ob, 0, xBytes], nq / 4);
       bias(b.oBias, [ob, 0, xBytes], e);
-      norm(b.postAttnNorm, [ob, xBytes], [xb, 0, xBytes], t, e, true);
-      norm(b.ffnNorm, [xb, xBytes], [hb, 0, xBytes], t, e, false);
+      norm(b.postAttnNorm, [ob, xBytes], [xb, 0, xBytes], true);
+      norm(b.ffnNorm, [xb, xBytes], [hb, 0, xBytes], false);
       product(b.gate, [hb, xBytes], [mid, 0, part], e / 4);
       product(b.up, [hb, xBytes], [mid, upAt, part], e / 4);
       const act = bind(mid, this.placeholder, [mid, midBytes], [hidden, 0, part]);
       // Params: n_in, n_out (the hidden width), t, -, -, row_base (up's first element), t_base, x_stride.
       small(s.act === 'silu' ? 'gate_silu' : 'gate_gelu', act, [ff, ff, t, 0, 0, upAt / 4, 0, ff / 4], Math.ceil(ff / WORKGROUP));
       product(b.down, [hidden, part], [ob, 0, xBytes], ff / 4);
-      norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], t, e, true);
+      norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], true);
       kernelsFrom(from);
     });
     commands.push({ copy: [xb, 0, staging, 0, xBytes] });

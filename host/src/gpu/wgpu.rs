@@ -118,6 +118,7 @@ enum Kernel {
     NormRows,
     BiasRows,
     RopeRows,
+    NormRopeRows,
     SumPlanes,
 }
 
@@ -134,6 +135,7 @@ impl Kernel {
             Kernel::NormRows => "norm_rows",
             Kernel::BiasRows => "bias_rows",
             Kernel::RopeRows => "rope_rows",
+            Kernel::NormRopeRows => "norm_rope_rows",
             Kernel::SumPlanes => "sum_planes",
         }
     }

@@ -20,7 +20,6 @@ use crate::gpu::{
 
 /// `norm_rows` flags (NORM_* in the shader).
 const NORM_ACCUMULATE: u32 = 1;
-const NORM_IN_PLACE: u32 = 2;
 const NORM_NONE: u32 = 4;
 
 /// Buffers kept across `blocks` calls, grown when a call needs more.
@@ -413,14 +412,12 @@ impl WgpuBackend {
         let eps = s.eps.to_bits();
         // The x (and weights) of a kernel that reads none: the tables, never written by a kernel.
         let unread = whole(&tables, 16);
-        // norm_rows over `rows` runs of `n`: from `input` (buffer, bytes of a plane, planes
-        // summed; None: in place) into `output`.
+        // norm_rows over the `t` rows of the residual's width: from `input` (buffer, bytes of a
+        // plane, planes summed) into `output`; `w` None: no norm (a residual add).
         let norm = |rec: &mut Recording,
                     w: Option<BufferId>,
-                    input: Option<(&wgpu::Buffer, u64, u32)>,
+                    (input, bytes, planes): (&wgpu::Buffer, u64, u32),
                     output: (&wgpu::Buffer, u64, u64),
-                    rows: u64,
-                    n: u64,
                     accumulate: bool|
          -> Result<(), GpuError> {
             let weights = match w {
@@ -431,24 +428,17 @@ impl WgpuBackend {
             if w.is_none() {
                 flags |= NORM_NONE;
             }
-            let (x, planes) = match input {
-                Some((b, bytes, planes)) => (whole(b, bytes * planes as u64), planes),
-                None => {
-                    flags |= NORM_IN_PLACE;
-                    (unread.clone(), 1)
-                }
-            };
             let bind = rec.bind(Bind {
                 weights,
                 scales: placeholder.clone(),
-                x,
+                x: whole(input, bytes * planes as u64),
                 y: (output.0.clone(), output.1, output.2),
             });
             let params = Params {
-                n_in: n as u32,
-                n_out: n as u32,
-                t: rows as u32,
-                row_quads: n as u32,
+                n_in: e as u32,
+                n_out: e as u32,
+                t,
+                row_quads: e as u32,
                 scale_row: flags,
                 row_base: eps,
                 t_base: 0,
@@ -489,14 +479,25 @@ impl WgpuBackend {
             }
             Ok(())
         };
-        let turn = |rec: &mut Recording, table: u64, y: (&wgpu::Buffer, u64, u64), heads: u64| {
+        // Each head of `y` turned by table `table`, normed first by `norm` where there is one
+        // (one kernel for both, `norm_rope_rows`).
+        let turn = |rec: &mut Recording,
+                    norm: Option<BufferId>,
+                    table: u64,
+                    y: (&wgpu::Buffer, u64, u64),
+                    heads: u64|
+         -> Result<(), GpuError> {
             let x = (
                 tables.clone(),
                 table * table_run,
                 align_up(4 * t64 * hd, 16),
             );
+            let weights = match norm {
+                Some(id) => vector(id)?,
+                None => tables.clone(),
+            };
             let bind = rec.bind(Bind {
-                weights: tables.clone(),
+                weights,
                 scales: placeholder.clone(),
                 x,
                 y: (y.0.clone(), y.1, y.2),
@@ -508,17 +509,21 @@ impl WgpuBackend {
                 t,
                 row_quads: 0,
                 scale_row: pairs,
-                row_base: 0,
+                row_base: eps,
                 t_base: 0,
                 x_stride: 0,
             };
-            small(
-                rec,
-                Kernel::RopeRows,
-                bind,
-                params,
-                ((heads * hd / 2) as u32).div_ceil(WORKGROUP),
-            );
+            match norm {
+                Some(_) => small(rec, Kernel::NormRopeRows, bind, params, heads as u32),
+                None => small(
+                    rec,
+                    Kernel::RopeRows,
+                    bind,
+                    params,
+                    ((heads * hd / 2) as u32).div_ceil(WORKGROUP),
+                ),
+            }
+            Ok(())
         };
 
         for (l, b) in blocks.iter().enumerate() {
@@ -529,10 +534,8 @@ impl WgpuBackend {
             norm(
                 &mut rec,
                 Some(b.attn_norm),
-                Some((&xb, x_bytes, 1)),
+                (&xb, x_bytes, 1),
                 (&hb, 0, x_bytes),
-                t64,
-                e,
                 false,
             )?;
             let summed = Planes::Summed(&parts);
@@ -543,30 +546,9 @@ impl WgpuBackend {
             bias(&mut rec, b.q_bias, (&qb, 0, q_bytes), nq)?;
             bias(&mut rec, b.k_bias, k_out, nkv)?;
             bias(&mut rec, b.v_bias, v_out, nkv)?;
-            if let Some(w) = b.q_norm {
-                norm(
-                    &mut rec,
-                    Some(w),
-                    None,
-                    (&qb, 0, q_bytes),
-                    t64 * s.n_head as u64,
-                    hd,
-                    false,
-                )?;
-            }
-            if let Some(w) = b.k_norm {
-                norm(
-                    &mut rec,
-                    Some(w),
-                    None,
-                    k_out,
-                    t64 * s.n_head_kv as u64,
-                    hd,
-                    false,
-                )?;
-            }
-            turn(&mut rec, b.rope as u64, (&qb, 0, q_bytes), s.n_head as u64);
-            turn(&mut rec, b.rope as u64, k_out, s.n_head_kv as u64);
+            let q_out = (&qb, 0, q_bytes);
+            turn(&mut rec, b.q_norm, b.rope as u64, q_out, s.n_head as u64)?;
+            turn(&mut rec, b.k_norm, b.rope as u64, k_out, s.n_head_kv as u64)?;
             rec.close_kernels(from);
             // The new rows into the cache's ring (two runs where it wraps), then attention.
             let c = &self.attn.caches[&b.cache];
@@ -607,19 +589,15 @@ impl WgpuBackend {
             norm(
                 &mut rec,
                 b.post_attn_norm,
-                Some((&ob, x_bytes, planes)),
+                (&ob, x_bytes, planes),
                 (&xb, 0, x_bytes),
-                t64,
-                e,
                 true,
             )?;
             norm(
                 &mut rec,
                 Some(b.ffn_norm),
-                Some((&xb, x_bytes, 1)),
+                (&xb, x_bytes, 1),
                 (&hb, 0, x_bytes),
-                t64,
-                e,
                 false,
             )?;
             self.product_into(
@@ -679,10 +657,8 @@ impl WgpuBackend {
             norm(
                 &mut rec,
                 b.post_ffn_norm,
-                Some((&ob, x_bytes, planes)),
+                (&ob, x_bytes, planes),
                 (&xb, 0, x_bytes),
-                t64,
-                e,
                 true,
             )?;
             rec.close_kernels(from);
