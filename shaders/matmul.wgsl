@@ -835,6 +835,20 @@ const NORM_NONE: u32 = 4u;
 
 var<workgroup> norm_sums: array<f32, WG>;
 
+// The sum of `v` over the workgroup, through `norm_sums` (from uniform control flow: it has
+// barriers).
+fn workgroup_total(li: u32, v: f32) -> f32 {
+    norm_sums[li] = v;
+    workgroupBarrier();
+    for (var k = WG / 2u; k > 0u; k /= 2u) {
+        if (li < k) {
+            norm_sums[li] += norm_sums[li + k];
+        }
+        workgroupBarrier();
+    }
+    return norm_sums[0];
+}
+
 // x[i] summed over params.x_stride planes of params.t * params.row_quads values.
 fn plane_sum(i: u32) -> f32 {
     let plane = params.t * params.row_quads;
@@ -865,15 +879,7 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             let v = plane_sum(src + j);
             ss += v * v;
         }
-        norm_sums[li] = ss;
-        workgroupBarrier();
-        for (var k = WG / 2u; k > 0u; k /= 2u) {
-            if (li < k) {
-                norm_sums[li] += norm_sums[li + k];
-            }
-            workgroupBarrier();
-        }
-        scale = 1.0 / sqrt(norm_sums[0] / f32(n) + bitcast<f32>(params.row_base));
+        scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(n) + bitcast<f32>(params.row_base));
     }
     for (var j = li; j < n; j += WG) {
         var o = plane_sum(src + j);
@@ -961,15 +967,7 @@ fn norm_rope_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
         let vb = y[head + jb];
         ss += va * va + vb * vb;
     }
-    norm_sums[li] = ss;
-    workgroupBarrier();
-    for (var k = WG / 2u; k > 0u; k /= 2u) {
-        if (li < k) {
-            norm_sums[li] += norm_sums[li + k];
-        }
-        workgroupBarrier();
-    }
-    let scale = 1.0 / sqrt(norm_sums[0] / f32(hd) + bitcast<f32>(params.row_base));
+    let scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(hd) + bitcast<f32>(params.row_base));
     for (var j = li; j < half; j += WG) {
         let ja = select(j, 2u * j, pairs);
         let jb = select(j + half, 2u * j + 1u, pairs);

@@ -757,7 +757,7 @@ impl WgpuBackend {
 
     /// The dispatches of one job (its kernel from [`Self::kernel_for`]), split so that no
     /// dispatch exceeds the device's workgroups per dimension or its multiply-add budget.
-    /// With `may_split`, a `gemm_wide` product of few tiles is split over k (see
+    /// With `may_split`, a `gemm_wide` or `gemm_coop` product of few tiles is split over k (see
     /// [`SPLIT_GROUPS`]): it writes that many planes of partial sums, `t * n_out` values each,
     /// for the caller to add. Returns the planes (1: not split).
     fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, may_split: bool, out: &mut Vec<Dispatch>) -> u32 {
