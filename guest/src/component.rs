@@ -70,17 +70,12 @@ impl dispatch::Device for HostGpu {
     }
 
     fn write_rows(&self, id: usize, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), DeviceError> {
-        let ws = self.weights.borrow();
-        let w = ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")))?;
-        Ok(w.write_rows(first_row, data, scales)?)
+        Ok(weight(&self.weights.borrow(), id)?.write_rows(first_row, data, scales)?)
     }
 
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError> {
         let ws = self.weights.borrow();
-        let handles = jobs
-            .iter()
-            .map(|&id| ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}"))))
-            .collect::<Result<Vec<&gpu::Weight>, _>>()?;
+        let handles = jobs.iter().map(|&id| weight(&ws, id)).collect::<Result<Vec<&gpu::Weight>, _>>()?;
         Ok(gpu::matmul(x, t, n_in, &handles)?)
     }
 
@@ -92,9 +87,7 @@ impl dispatch::Device for HostGpu {
 
     fn ffn(&self, x: &[f32], t: u32, n_in: u32, [g, u, d]: [usize; 3], act: Act) -> Result<Vec<f32>, DeviceError> {
         let ws = self.weights.borrow();
-        let handle = |id: usize| {
-            ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")))
-        };
+        let handle = |id: usize| weight(&ws, id);
         let act = match act {
             Act::GeluTanh => gpu::Activation::GeluTanh,
             Act::Silu => gpu::Activation::Silu,
@@ -130,7 +123,7 @@ impl dispatch::Device for HostGpu {
         s: &AttentionShape,
     ) -> Result<Vec<f32>, DeviceError> {
         let cs = self.caches.borrow();
-        let c = cs.get(cache).and_then(|c| c.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no kv-cache {cache}")))?;
+        let c = kv_cache(&cs, cache)?;
         Ok(gpu::attention_cached(q, k_new, v_new, first_new, c, first_key, wit_shape(s))?)
     }
 
@@ -145,7 +138,7 @@ impl dispatch::Device for HostGpu {
         return_kv: bool,
     ) -> Result<BlocksOut, DeviceError> {
         let (ws, cs) = (self.weights.borrow(), self.caches.borrow());
-        let w = |id: usize| ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")));
+        let w = |id: usize| weight(&ws, id);
         let ow = |id: Option<usize>| id.map(w).transpose();
         let mut call = Vec::with_capacity(blocks.len());
         for b in blocks {
@@ -168,7 +161,7 @@ impl dispatch::Device for HostGpu {
                 up: w(i.up)?,
                 down: w(i.down)?,
                 post_ffn_norm: ow(i.post_ffn_norm)?,
-                cache: cs.get(b.cache).and_then(|c| c.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no kv-cache {}", b.cache)))?,
+                cache: kv_cache(&cs, b.cache)?,
                 window: b.window,
                 rope: b.rope,
             });
@@ -188,6 +181,16 @@ impl dispatch::Device for HostGpu {
         let out = gpu::blocks(x, t, pos, &call, shape, rope, return_kv)?;
         Ok(BlocksOut { x: out.x, keys: out.keys, values: out.values })
     }
+}
+
+/// The live weight `id` of this instance's list, or `invalid-argument`.
+fn weight(ws: &[Option<gpu::Weight>], id: usize) -> Result<&gpu::Weight, DeviceError> {
+    ws.get(id).and_then(|w| w.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no weight {id}")))
+}
+
+/// The live kv-cache `id` of this instance's list, or `invalid-argument`.
+fn kv_cache(cs: &[Option<gpu::KvCache>], id: usize) -> Result<&gpu::KvCache, DeviceError> {
+    cs.get(id).and_then(|c| c.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no kv-cache {id}")))
 }
 
 fn wit_shape(s: &AttentionShape) -> gpu::AttentionShape {
