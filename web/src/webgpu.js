@@ -490,6 +490,29 @@ export class WebGpuBackend {
     return pipelines;
   }
 
+  /** Writes each dispatch's parameters (a `paramsStride` each) into the scratch buffer `slot`
+   *  and makes a bind group of matmul.wgsl's layout for each step: `weights`, `scales`,
+   *  `input` ([buffer, bytes, offset (default 0)]) and `output` ([buffer, offset, bytes]).
+   *  Inside error scopes. */
+  matmulGroups(slot, dispatches, steps) {
+    const paramsBytes = this.paramsStride * dispatches.length;
+    const paramsBuf = this.ensure(slot, paramsBytes, GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST);
+    const params = new Uint32Array(paramsBytes / 4);
+    dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
+    this.device.queue.writeBuffer(paramsBuf, 0, params);
+    return steps.map((st) => this.device.createBindGroup({
+      label: 'matmul',
+      layout: this.bindLayout,
+      entries: [
+        { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
+        { binding: 1, resource: { buffer: st.weights } },
+        { binding: 2, resource: { buffer: st.scales } },
+        { binding: 3, resource: { buffer: st.input[0], offset: st.input[2] ?? 0, size: st.input[1] } },
+        { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
+      ],
+    }));
+  }
+
   /** Records `dispatches` (each with step d.job's bind group) in one compute pass, copies
    *  `output` to the staging buffer and reads back each `[byte offset, values]` of `reads`. */
   async submit(steps, dispatches, output, reads) {
@@ -500,23 +523,7 @@ export class WebGpuBackend {
       return await this.scoped(async () => {
         const usage = GPUBufferUsage;
         const staging = this.ensure('staging', outBytes, usage.MAP_READ | usage.COPY_DST);
-        const paramsBytes = this.paramsStride * dispatches.length;
-        const paramsBuf = this.ensure('params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
-        const params = new Uint32Array(paramsBytes / 4);
-        dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
-        this.device.queue.writeBuffer(paramsBuf, 0, params);
-
-        const groups = steps.map((st) => this.device.createBindGroup({
-          label: 'matmul',
-          layout: this.bindLayout,
-          entries: [
-            { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
-            { binding: 1, resource: { buffer: st.weights } },
-            { binding: 2, resource: { buffer: st.scales } },
-            { binding: 3, resource: { buffer: st.input[0], offset: 0, size: st.input[1] } },
-            { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
-          ],
-        }));
+        const groups = this.matmulGroups('params', dispatches, steps);
         const encoder = this.device.createCommandEncoder({ label: 'matmul' });
         const pass = encoder.beginComputePass({ label: 'matmul' });
         dispatches.forEach((d, i) => {
@@ -854,11 +861,7 @@ export class WebGpuBackend {
       return await this.scoped(async () => {
         this.device.queue.writeBuffer(xb, 0, x);
         rope.forEach((table, i) => this.device.queue.writeBuffer(tables, i * tableRun, table));
-        const paramsBytes = this.paramsStride * dispatches.length;
-        const paramsBuf = this.ensure('blocks params', paramsBytes, usage.UNIFORM | usage.COPY_DST);
-        const params = new Uint32Array(paramsBytes / 4);
-        dispatches.forEach((d, i) => params.set(d.params, (i * this.paramsStride) / 4));
-        this.device.queue.writeBuffer(paramsBuf, 0, params);
+        const groups = this.matmulGroups('blocks params', dispatches, binds);
         const attnAt = [];
         let attnBytes = 0;
         for (const p of plans) {
@@ -867,17 +870,6 @@ export class WebGpuBackend {
         }
         const attnParams = this.ensure('blocks attention params', attnBytes, usage.UNIFORM | usage.COPY_DST);
         plans.forEach((p, i) => this.device.queue.writeBuffer(attnParams, attnAt[i], p.shapes));
-        const groups = binds.map((st) => this.device.createBindGroup({
-          label: 'blocks',
-          layout: this.bindLayout,
-          entries: [
-            { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
-            { binding: 1, resource: { buffer: st.weights } },
-            { binding: 2, resource: { buffer: st.scales } },
-            { binding: 3, resource: { buffer: st.input[0], offset: st.input[2] ?? 0, size: st.input[1] } },
-            { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
-          ],
-        }));
         const attention = plans.map((p, l) => {
           const c = blocks[l].cache;
           return this.attentionGroup(kernels.layout, p, attnParams, qb, c.k, c.v, c.slots * c.width * 4, ab);
