@@ -61,7 +61,7 @@ step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-token
 step matmul-4096-coop env WISP_COOP=1 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
 step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
 if [ -n "${WISP_TESTS:-}" ]; then
-    step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 "$WISP_TESTS" --test-threads 1
+    step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 WISP_REQUIRE_LARGE=1 "$WISP_TESTS" --test-threads 1
     step kernel-sweep env WISP_COOP=1 WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
     # GEMV over 768 MB of q4x32 (f32 and bf16 do not fit one binding there), the size of the copy below.
     step gemv-sweep-32768 env WISP_SWEEP_N=32768 WISP_SWEEP_M=256 "$WISP_TESTS" --ignored --nocapture kernel_sweep

@@ -635,14 +635,25 @@ fn gemv_row_sharing_matches_the_cpu() {
     }
 }
 
-/// The tiled kernels (the GPU's paths for t >= 4: 64 x 64 tiles, and 128 x 128 double-buffered)
-/// give the CPU's results for every format, with ragged tiles in rows, in t and in the columns,
-/// and when a call is split into dispatches.
+/// The tiled kernels (the GPU's paths for t >= 4: 64 x 64 tiles, 128 x 128 double-buffered, and
+/// 128 x 256 where the adapter offers 48 KiB of workgroup memory) give the CPU's results for
+/// every format, with ragged tiles in rows, in t and in the columns, and when a call is split
+/// into dispatches. Where `gemm_large` cannot run (lavapipe), asking for it is a clear error and
+/// it is skipped, saying so; `WISP_REQUIRE_LARGE=1` (bench/gpu.sh on the GPU machine) makes
+/// that a failure.
 #[test]
 fn tiled_gemm_matches_the_cpu() {
     let Some(mut gpu) = backend("tiled_gemm_matches_the_cpu") else { return };
     let mut rng = Rng::new("tiled_gemm_matches_the_cpu");
-    for gemm in [Gemm::Tiled, Gemm::Wide] {
+    let large = gpu.has_large().then_some(Gemm::Large);
+    if large.is_none() {
+        let required = std::env::var("WISP_REQUIRE_LARGE").is_ok_and(|v| v == "1");
+        assert!(!required, "tiled_gemm_matches_the_cpu: gemm_large cannot run here, and WISP_REQUIRE_LARGE=1");
+        let e = gpu.set_gemm(Gemm::Large).expect_err("gemm_large on an adapter without its workgroup memory");
+        assert!(e.to_string().contains("workgroup memory"), "{e}");
+        println!("tiled_gemm_matches_the_cpu: gemm_large skipped: {e}");
+    }
+    for gemm in [Gemm::Tiled, Gemm::Wide].into_iter().chain(large) {
         gpu.set_gemm(gemm).expect("gemm");
         for format in Format::ALL {
             let n_in = random_n_in(&mut rng, format, 12);
@@ -846,7 +857,8 @@ fn kernel_sweep() {
         for t in [512, m] {
             let x = random_x(&mut rng, t, m);
             let coop = gpu.has_coop().then_some(Gemm::Coop);
-            for gemm in [Some(Gemm::Tiled), Some(Gemm::Wide), coop].into_iter().flatten() {
+            let large = gpu.has_large().then_some(Gemm::Large);
+            for gemm in [Some(Gemm::Tiled), Some(Gemm::Wide), large, coop].into_iter().flatten() {
                 gpu.set_gemm(gemm).expect("gemm");
                 let ns = best_ns(&mut gpu, &x, t, m, id);
                 let tflops = 2.0 * t as f64 * m as f64 * m as f64 / ns / 1e3;

@@ -25,6 +25,18 @@ const SHADER: &str = include_str!("../../../shaders/matmul.wgsl");
 /// `gemm_coop`, built after matmul.wgsl (whose bindings and decoders it uses) on adapters that
 /// offer cooperative matrices (see [`offers_coop`]).
 const COOP_SHADER: &str = include_str!("../../../shaders/matmul_coop.wgsl");
+/// `gemm_large`, built after matmul.wgsl (whose bindings and decoders it uses) where the adapter
+/// offers its workgroup memory.
+const LARGE_SHADER: &str = include_str!("../../../shaders/matmul_large.wgsl");
+/// Workgroup memory of `gemm_large`: two buffers of 16 columns of 128 + 256 rows, f32.
+const LARGE_WORKGROUP_BYTES: u32 = 2 * 16 * 384 * 4;
+/// Rows of x of one workgroup's output tile in `gemm_large` (its rows of W: WIDE_TILE).
+const LARGE_T: u32 = 256;
+/// Workgroups (tiles of 128 x 256) from which GPUs run `gemm_large` rather than `gemm_wide`:
+/// it runs one workgroup a multiprocessor, so below ~2 waves of a large GPU (the H200 has 132)
+/// `gemm_wide`'s twice as many tiles keep more of it busy (H200, [4096, 4096]: t = 512, 64
+/// tiles, 18 TFLOP/s against 30; t = 4096, 512 tiles, 36-38 against 30).
+const LARGE_MIN_GROUPS: u64 = 256;
 /// Workgroup memory of `gemm_coop`: two buffers of 128 x 40 f16 for x and for W, and
 /// 8 x 16 x 16 f32.
 const COOP_WORKGROUP_BYTES: u32 = 4 * 10240 + 4 * 2048;
@@ -93,8 +105,12 @@ pub enum Gemm {
     /// `gemm_coop`: 128 x 128 tiles on cooperative matrices (f16 inputs, f32 sums), where the
     /// adapter offers them.
     Coop,
-    /// `gemm_tiled` below WIDE_MIN_T rows of x, from there `gemm_wide`, or `gemm_coop` where
-    /// the adapter offers cooperative matrices and WISP_COOP=1 asks for them (GPUs).
+    /// `gemm_large`: 128 x 256 tiles, 8 x 16 an invocation, double-buffered, where the adapter
+    /// offers 48 KiB of workgroup memory.
+    Large,
+    /// `gemm_tiled` below WIDE_MIN_T rows of x, from there `gemm_wide` (`gemm_large` for
+    /// products of at least LARGE_MIN_GROUPS of its tiles, where it can run), or `gemm_coop`
+    /// where the adapter offers cooperative matrices and WISP_COOP=1 asks for them (GPUs).
     BySize,
 }
 
@@ -113,6 +129,7 @@ enum Kernel {
     GemmTiled,
     GemmWide,
     GemmCoop,
+    GemmLarge,
     GateGelu,
     GateSilu,
     NormRows,
@@ -132,6 +149,7 @@ impl Kernel {
             Kernel::GemmTiled => "gemm_tiled",
             Kernel::GemmWide => "gemm_wide",
             Kernel::GemmCoop => "gemm_coop",
+            Kernel::GemmLarge => "gemm_large",
             Kernel::NormRows => "norm_rows",
             Kernel::BiasRows => "bias_rows",
             Kernel::RopeRows => "rope_rows",
@@ -271,6 +289,8 @@ pub struct WgpuBackend {
     coop: bool,
     /// matmul.wgsl with `gemm_coop`, where `coop`.
     coop_module: Option<wgpu::ShaderModule>,
+    /// matmul.wgsl with `gemm_large`.
+    large_module: Option<wgpu::ShaderModule>,
     module: Option<wgpu::ShaderModule>,
     bind_layout: wgpu::BindGroupLayout,
     pipeline_layout: wgpu::PipelineLayout,
@@ -527,6 +547,7 @@ impl WgpuBackend {
             gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
             coop,
             coop_module: None,
+            large_module: None,
             dispatch_macs: if ainfo.device_type == wgpu::DeviceType::Cpu { DISPATCH_MACS } else { GPU_DISPATCH_MACS },
             module: None,
             bind_layout,
@@ -582,10 +603,17 @@ impl WgpuBackend {
     /// The kernel of products of t >= 4. `new` picks [`Gemm::CPU`] on CPU devices and
     /// [`Gemm::GPU`] elsewhere; this overrides it, so that every path can be tested (or
     /// measured) on any device. [`Gemm::Coop`] is refused where the adapter offers no
-    /// cooperative matrices.
+    /// cooperative matrices, [`Gemm::Large`] where it offers too little workgroup memory.
     pub fn set_gemm(&mut self, gemm: Gemm) -> Result<(), GpuError> {
         if gemm == Gemm::Coop && !self.coop {
             return Err(GpuError::InvalidArgument(format!("{} offers no cooperative matrices", self.info.name)));
+        }
+        if gemm == Gemm::Large && !self.has_large() {
+            let bytes = self.limits.max_compute_workgroup_storage_size;
+            return Err(GpuError::InvalidArgument(format!(
+                "{} offers {bytes} bytes of workgroup memory, gemm_large needs {LARGE_WORKGROUP_BYTES}",
+                self.info.name
+            )));
         }
         self.gemm = gemm;
         Ok(())
@@ -604,16 +632,27 @@ impl WgpuBackend {
         self.coop
     }
 
-    /// The kernel of a product of `t` rows of x by weights in `format`, and the rows of W and
-    /// of x one workgroup of it covers.
-    fn kernel_for(&self, t: u32, format: Format) -> (Kernel, u32, u32) {
+    /// Whether `gemm_large` can run here: the adapter offers its workgroup memory (GPUs
+    /// with 48 KiB; not lavapipe, which offers 32).
+    pub fn has_large(&self) -> bool {
+        self.limits.max_compute_workgroup_storage_size >= LARGE_WORKGROUP_BYTES
+    }
+
+    /// The kernel of a product of `t` rows of x by `n_out` rows of weights in `format`, and the
+    /// rows of W and of x one workgroup of it covers.
+    fn kernel_for(&self, t: u32, n_out: u32, format: Format) -> (Kernel, u32, u32) {
         if t < GEMM_MIN_T {
             return (Kernel::Gemv, gemv_rows(format) * WORKGROUP / self.gemv_lanes(format), 1);
         }
+        let large_groups = (n_out as u64).div_ceil(WIDE_TILE as u64) * (t as u64).div_ceil(LARGE_T as u64);
         match self.gemm {
             Gemm::Coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
             Gemm::BySize if t >= WIDE_MIN_T && self.coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
             Gemm::Wide => (Kernel::GemmWide, WIDE_TILE, WIDE_TILE),
+            Gemm::Large => (Kernel::GemmLarge, WIDE_TILE, LARGE_T),
+            Gemm::BySize if t >= WIDE_MIN_T && large_groups >= LARGE_MIN_GROUPS && self.has_large() => {
+                (Kernel::GemmLarge, WIDE_TILE, LARGE_T)
+            }
             Gemm::BySize if t >= WIDE_MIN_T => (Kernel::GemmWide, WIDE_TILE, WIDE_TILE),
             Gemm::Tiled | Gemm::BySize => (Kernel::GemmTiled, TILE, TILE),
             Gemm::Blocked => (Kernel::Gemm, GEMM_ROWS * WORKGROUP, 4),
@@ -677,6 +716,9 @@ impl WgpuBackend {
                 "matmul_coop.wgsl",
                 format!("enable f16;\nenable wgpu_cooperative_matrix;\n{SHADER}\n{COOP_SHADER}").into(),
             ),
+            Kernel::GemmLarge => {
+                (&mut self.large_module, "matmul_large.wgsl", format!("{SHADER}\n{LARGE_SHADER}").into())
+            }
             _ => (&mut self.module, "matmul.wgsl", SHADER.into()),
         };
         let module = match slot {
@@ -721,6 +763,7 @@ impl WgpuBackend {
             // A module that failed to build is not kept either.
             match kernel {
                 Kernel::GemmCoop => self.coop_module = None,
+                Kernel::GemmLarge => self.large_module = None,
                 _ => self.module = None,
             }
             return Err(e);
@@ -761,7 +804,7 @@ impl WgpuBackend {
     /// [`SPLIT_GROUPS`]): it writes that many planes of partial sums, `t * n_out` values each,
     /// for the caller to add. Returns the planes (1: not split).
     fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, may_split: bool, out: &mut Vec<Dispatch>) -> u32 {
-        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.format);
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format);
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
         let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
         let gy_total = (t as u64).div_ceil(t_per_group as u64);
@@ -801,7 +844,7 @@ impl WgpuBackend {
 
     /// The runs of k `plan` splits a product of `t` rows by `w` into where it may (1: none).
     fn k_splits(&self, w: &Weight, t: u32) -> u32 {
-        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.format);
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format);
         let step = match kernel {
             Kernel::GemmWide => WIDE_STEP,
             Kernel::GemmCoop => COOP_STEP,
@@ -1517,7 +1560,13 @@ mod tests {
     fn no_dispatch_runs_longer_than_its_budget() {
         let Some(mut b) = backend("no_dispatch_runs_longer_than_its_budget") else { return };
         let max_dim = b.limits.max_compute_workgroups_per_dimension as u64;
-        for (lanes, gemm) in [(1, Gemm::CPU), (32, Gemm::CPU), (1, Gemm::GPU), (32, Gemm::Tiled), (4, Gemm::Wide)] {
+        // Plans only, nothing is dispatched: as if the adapter offered `gemm_large`'s workgroup
+        // memory, so that its plans are checked everywhere.
+        let wg_bytes = &mut b.limits.max_compute_workgroup_storage_size;
+        *wg_bytes = (*wg_bytes).max(LARGE_WORKGROUP_BYTES);
+        let gemms =
+            [(1, Gemm::CPU), (32, Gemm::CPU), (1, Gemm::GPU), (32, Gemm::Tiled), (4, Gemm::Wide), (8, Gemm::Large)];
+        for (lanes, gemm) in gemms {
             b.set_gemv_lanes(lanes).unwrap();
             b.set_gemm(gemm).unwrap();
             for (format, n_out, n_in, t, min_dispatches) in [
@@ -1528,6 +1577,8 @@ mod tests {
                 (Format::F32, 700, 2048, 301, 2),
                 (Format::F32, 3, 8, 2, 1),
                 (Format::Q8x16, 1, 1 << 20, 64, 1),
+                // 32 x 16 = 512 tiles of `gemm_large`: what Gemm::GPU runs it on.
+                (Format::Q4x32, 4096, 4096, 4096, 1),
             ] {
                 for split in [false, true] {
                     let what = format!("{} [{n_out}, {n_in}] t={t} lanes={lanes} {gemm:?} split {split}", format.name());
@@ -1536,18 +1587,23 @@ mod tests {
                     let w = &b.weights[&id];
                     let planes = b.plan(0, w, t, n_in.div_ceil(8) * 2, split, &mut plan);
                     let z = if split { b.k_splits(w, t) } else { 1 };
-                    let kernel = b.kernel_for(t, format).0;
+                    let kernel = b.kernel_for(t, n_out, format).0;
                     assert_eq!(planes, z, "{what}: planes");
                     let splittable = matches!(kernel, Kernel::GemmWide | Kernel::GemmCoop);
                     assert!(z as u64 <= MAX_SPLITS && (z == 1 || splittable), "{what}: {z} runs of k");
+                    let large_groups = n_out.div_ceil(WIDE_TILE) as u64 * t.div_ceil(LARGE_T) as u64;
                     let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
                         (true, _) => (gemv_rows(format) * WORKGROUP / lanes, 1),
+                        (false, Gemm::BySize) if t >= WIDE_MIN_T && large_groups >= LARGE_MIN_GROUPS => {
+                            (WIDE_TILE, LARGE_T)
+                        }
+                        (false, Gemm::Large) => (WIDE_TILE, LARGE_T),
                         (false, Gemm::BySize) if t >= WIDE_MIN_T => (WIDE_TILE, WIDE_TILE),
                         (false, Gemm::Tiled | Gemm::BySize) => (TILE, TILE),
                         (false, Gemm::Wide | Gemm::Coop) => (WIDE_TILE, WIDE_TILE),
                         (false, Gemm::Blocked) => (GEMM_ROWS * WORKGROUP, 4),
                     };
-                    assert!(plan.iter().all(|d| d.kernel == b.kernel_for(t, format).0), "{what}: one kernel a job");
+                    assert!(plan.iter().all(|d| d.kernel == kernel), "{what}: one kernel a job");
                     let macs_per_group = rows_per_group as u64 * t_per_group as u64 * (n_in as u64).div_ceil(z as u64);
                     let (gx, gy) =
                         ((n_out as u64).div_ceil(rows_per_group as u64), (t as u64).div_ceil(t_per_group as u64));
