@@ -851,7 +851,11 @@ fn workgroup_total(li: u32, v: f32) -> f32 {
 
 // x[i] summed over params.x_stride planes of params.t * params.row_quads values.
 fn plane_sum(i: u32) -> f32 {
-    let plane = params.t * params.row_quads;
+    return planes_at(i, params.t * params.row_quads);
+}
+
+// x[i] summed over params.x_stride planes of `plane` values.
+fn planes_at(i: u32, plane: u32) -> f32 {
     var v = x[i / 4u][i % 4u];
     for (var p = 1u; p < params.x_stride; p++) {
         let at = p * plane + i;
@@ -890,6 +894,56 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             o += y[dst + j];
         }
         y[dst + j] = o;
+    }
+}
+
+// norm_pair_rows: the residual stream x and a normed copy h are both in y (x's rows at
+// y[r * n_out], h's at y[row_quads + r * n_out]): x += norm(in) * w (NORM_NONE: x += in;
+// PAIR_KEEP: x as it is), then h = norm(x) * w2: the norm after a block's product, its residual
+// add and the norm before the next product in one kernel. `in` from x (its planes summed, rows of
+// n_out), w in weights, w2 in scales. One workgroup a row, as norm_rows.
+const PAIR_KEEP: u32 = 8u;
+
+@compute @workgroup_size(64)
+fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    if (r >= params.t) {
+        return;
+    }
+    let n = params.n_in;
+    let flags = params.scale_row;
+    let at = r * params.n_out;
+    let plane = params.t * params.n_out;
+    let eps = bitcast<f32>(params.row_base);
+    let add = (flags & PAIR_KEEP) == 0u;
+    let normed = (flags & NORM_NONE) == 0u;
+    var scale = 1.0;
+    if (add && normed) {
+        var ss = 0.0;
+        for (var j = li; j < n; j += WG) {
+            let v = planes_at(at + j, plane);
+            ss += v * v;
+        }
+        scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(n) + eps);
+    }
+    var ss2 = 0.0;
+    for (var j = li; j < n; j += WG) {
+        var v = y[at + j];
+        if (add) {
+            var o = planes_at(at + j, plane);
+            if (normed) {
+                o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
+            }
+            v = o + v;
+            y[at + j] = v;
+        }
+        ss2 += v * v;
+    }
+    // Every invocation has read the first total before `norm_sums` is written again.
+    workgroupBarrier();
+    let scale2 = 1.0 / sqrt(workgroup_total(li, ss2) / f32(n) + eps);
+    for (var j = li; j < n; j += WG) {
+        y[params.row_quads + at + j] = y[at + j] * scale2 * scales[j];
     }
 }
 

@@ -136,6 +136,7 @@ enum Kernel {
     BiasRows,
     RopeRows,
     NormRopeRows,
+    NormPairRows,
     SumPlanes,
 }
 
@@ -154,6 +155,7 @@ impl Kernel {
             Kernel::BiasRows => "bias_rows",
             Kernel::RopeRows => "rope_rows",
             Kernel::NormRopeRows => "norm_rope_rows",
+            Kernel::NormPairRows => "norm_pair_rows",
             Kernel::SumPlanes => "sum_planes",
         }
     }

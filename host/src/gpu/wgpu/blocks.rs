@@ -18,20 +18,20 @@ use crate::gpu::{
     Activation, Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation,
 };
 
-/// `norm_rows` flags (NORM_* in the shader).
+/// `norm_rows` and `norm_pair_rows` flags (NORM_*, PAIR_KEEP in the shader).
 const NORM_ACCUMULATE: u32 = 1;
 const NORM_NONE: u32 = 4;
+const PAIR_KEEP: u32 = 8;
 
 /// Buffers kept across `blocks` calls, grown when a call needs more.
 #[derive(Default)]
 pub(super) struct Buffers {
-    /// The residual stream `[t, n_embd]`, a normed copy of it, the queries, attention's output
-    /// (and partial sums), a product's output `[t, n_embd]`, the gate and up outputs, the
-    /// activations, and the keys and values of every block; `o` holds a plane of partial sums
-    /// for each run of k of the `wo` and `down` products split over k, `parts` those of the
-    /// others.
+    /// The residual stream `[t, n_embd]` and a normed copy of it (in one buffer, so that
+    /// `norm_pair_rows` writes both), the queries, attention's output (and partial sums), a
+    /// product's output `[t, n_embd]`, the gate and up outputs, the activations, and the keys
+    /// and values of every block; `o` holds a plane of partial sums for each run of k of the
+    /// `wo` and `down` products split over k, `parts` those of the others.
     x: Option<wgpu::Buffer>,
-    h: Option<wgpu::Buffer>,
     q: Option<wgpu::Buffer>,
     a: Option<wgpu::Buffer>,
     o: Option<wgpu::Buffer>,
@@ -261,6 +261,8 @@ impl WgpuBackend {
         let t64 = t as u64;
         let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
         let x_bytes = 4 * t64 * e;
+        // The normed copy of x, after x in the same buffer.
+        let h_at = align_up(x_bytes, storage_align);
         let q_bytes = 4 * t64 * nq;
         let part = 4 * t64 * ff;
         let up_at = align_up(part, storage_align);
@@ -309,7 +311,7 @@ impl WgpuBackend {
         let o_bytes = o_planes * x_bytes;
         let max = self.info.max_weight_bytes;
         if [
-            x_bytes,
+            h_at + x_bytes,
             q_bytes,
             a_bytes,
             mid_bytes,
@@ -335,12 +337,11 @@ impl WgpuBackend {
         let xb = Self::ensure(
             device,
             &mut m.x,
-            x_bytes,
+            h_at + x_bytes,
             cap,
             storage | copy_src | copy_dst,
-            "blocks x",
+            "blocks x and normed x",
         );
-        let hb = Self::ensure(device, &mut m.h, x_bytes, cap, storage, "blocks normed x");
         let qb = Self::ensure(device, &mut m.q, q_bytes, cap, storage, "blocks q");
         let ab = Self::ensure(device, &mut m.a, a_bytes, cap, storage, "blocks attention");
         let ob = Self::ensure(device, &mut m.o, o_bytes, cap, storage, "blocks output");
@@ -526,22 +527,53 @@ impl WgpuBackend {
             Ok(())
         };
 
+        // norm_pair_rows: x += norm(input) * first (first None: x += input; input None: x as
+        // it is), then h = norm(x) * second.
+        let norm_pair = |rec: &mut Recording,
+                         first: Option<BufferId>,
+                         second: BufferId,
+                         input: Option<(&wgpu::Buffer, u64, u32)>|
+         -> Result<(), GpuError> {
+            let mut flags = if first.is_none() { NORM_NONE } else { 0 };
+            if input.is_none() {
+                flags |= PAIR_KEEP;
+            }
+            let bind = rec.bind(Bind {
+                weights: first.map_or_else(|| Ok(tables.clone()), vector)?,
+                scales: vector(second)?,
+                x: input.map_or_else(
+                    || unread.clone(),
+                    |(b, bytes, planes)| whole(b, bytes * planes as u64),
+                ),
+                y: whole(&xb, h_at + x_bytes),
+            });
+            let params = Params {
+                n_in: e as u32,
+                n_out: e as u32,
+                t,
+                row_quads: (h_at / 4) as u32,
+                scale_row: flags,
+                row_base: eps,
+                t_base: 0,
+                x_stride: input.map_or(1, |i| i.2),
+            };
+            small(rec, Kernel::NormPairRows, bind, params, 1);
+            Ok(())
+        };
+        let h_in = (&xb, h_at, x_bytes);
+
         for (l, b) in blocks.iter().enumerate() {
             let from = rec.dispatches.len();
             let (k_at, v_at) = (l as u64 * kv_run, (blocks.len() + l) as u64 * kv_run);
             let (k_out, v_out) = ((&kvb, k_at, 4 * t64 * nkv), (&kvb, v_at, 4 * t64 * nkv));
-            // h = norm(x); q, k, v = h W^T + bias; head norms; rotations.
-            norm(
-                &mut rec,
-                Some(b.attn_norm),
-                (&xb, x_bytes, 1),
-                (&hb, 0, x_bytes),
-                false,
-            )?;
+            // h = norm(x) (the block before made it, but for the first); q, k, v = h W^T +
+            // bias; head norms; rotations.
+            if l == 0 {
+                norm_pair(&mut rec, None, b.attn_norm, None)?;
+            }
             let summed = Planes::Summed(&parts);
             for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
-                let x = (&hb, x_bytes);
-                self.product_into(&mut rec, id, x, out, t, (e / 4) as u32, summed)?;
+                self.product_into(&mut rec, id, h_in, out, t, (e / 4) as u32, summed)?;
             }
             bias(&mut rec, b.q_bias, (&qb, 0, q_bytes), nq)?;
             bias(&mut rec, b.k_bias, k_out, nkv)?;
@@ -574,36 +606,25 @@ impl WgpuBackend {
                 }
             }
             rec.commands.push(Command::Attention(l));
-            // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)).
+            // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)); h = the next block's
+            // norm(x).
             let from = rec.dispatches.len();
             let planes = self.product_into(
                 &mut rec,
                 b.wo,
-                (&ab, q_bytes),
+                (&ab, 0, q_bytes),
                 (&ob, 0, x_bytes),
                 t,
                 (nq / 4) as u32,
                 Planes::Kept,
             )?;
             bias(&mut rec, b.o_bias, (&ob, 0, x_bytes), e)?;
-            norm(
-                &mut rec,
-                b.post_attn_norm,
-                (&ob, x_bytes, planes),
-                (&xb, 0, x_bytes),
-                true,
-            )?;
-            norm(
-                &mut rec,
-                Some(b.ffn_norm),
-                (&xb, x_bytes, 1),
-                (&hb, 0, x_bytes),
-                false,
-            )?;
+            let o = (&ob, x_bytes, planes);
+            norm_pair(&mut rec, b.post_attn_norm, b.ffn_norm, Some(o))?;
             self.product_into(
                 &mut rec,
                 b.gate,
-                (&hb, x_bytes),
+                h_in,
                 (&mid, 0, part),
                 t,
                 (e / 4) as u32,
@@ -612,7 +633,7 @@ impl WgpuBackend {
             self.product_into(
                 &mut rec,
                 b.up,
-                (&hb, x_bytes),
+                h_in,
                 (&mid, up_at, part),
                 t,
                 (e / 4) as u32,
@@ -648,19 +669,17 @@ impl WgpuBackend {
             let planes = self.product_into(
                 &mut rec,
                 b.down,
-                (&hidden, part),
+                (&hidden, 0, part),
                 (&ob, 0, x_bytes),
                 t,
                 (ff / 4) as u32,
                 Planes::Kept,
             )?;
-            norm(
-                &mut rec,
-                b.post_ffn_norm,
-                (&ob, x_bytes, planes),
-                (&xb, 0, x_bytes),
-                true,
-            )?;
+            let o = (&ob, x_bytes, planes);
+            match blocks.get(l + 1) {
+                Some(next) => norm_pair(&mut rec, b.post_ffn_norm, next.attn_norm, Some(o))?,
+                None => norm(&mut rec, b.post_ffn_norm, o, (&xb, 0, x_bytes), true)?,
+            }
             rec.close_kernels(from);
             if (l + 1) % SUBMIT_BLOCKS == 0 && l + 1 < blocks.len() {
                 rec.commands.push(Command::Submit);
@@ -707,7 +726,7 @@ impl WgpuBackend {
         .inspect_err(|_| self.block_buffers = Buffers::default())
     }
 
-    /// Adds weight `id`'s product over `input` (bytes bound; rows of `x_quads` quads) into
+    /// Adds weight `id`'s product over `input` (buffer, offset, bytes; rows of `x_quads` quads) into
     /// `output` (buffer, offset, bytes): its bind group and its dispatches as `matmul` plans
     /// them, split over k where it has few tiles, its planes of partial sums left as `planes`
     /// says. Returns the planes left in `output` (1 where there is one sum).
@@ -716,7 +735,7 @@ impl WgpuBackend {
         &self,
         rec: &mut Recording,
         id: BufferId,
-        input: (&wgpu::Buffer, u64),
+        input: (&wgpu::Buffer, u64, u64),
         output: (&wgpu::Buffer, u64, u64),
         t: u32,
         x_quads: u32,
@@ -735,7 +754,7 @@ impl WgpuBackend {
         let bind = rec.bind(Bind {
             weights: w.data.clone(),
             scales: w.scales.clone().unwrap_or_else(|| self.placeholder.clone()),
-            x: whole(input.0, input.1),
+            x: (input.0.clone(), input.1, input.2),
             y: y.clone(),
         });
         let from = rec.dispatches.len();
