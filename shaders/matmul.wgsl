@@ -971,7 +971,8 @@ fn bias_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
 }
 
 // Turns each head of row r of y by row r of the table in x (its cosines, then its sines): pair
-// j (a, b) becomes (a c - b s, a s + b c). One invocation a pair.
+// j (a, b) becomes (a c - b s, a s + b c); with row_quads 1, the bias in weights (one value a
+// column of the row) is added first (bias_rows and rope_rows in one pass). One invocation a pair.
 @compute @workgroup_size(64)
 fn rope_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
@@ -991,8 +992,13 @@ fn rope_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
     }
     let c = x[(r * hd + j) / 4u][(r * hd + j) % 4u];
     let s = x[(r * hd + half + j) / 4u][(r * hd + half + j) % 4u];
-    let va = y[a];
-    let vb = y[b];
+    var va = y[a];
+    var vb = y[b];
+    if (params.row_quads == 1u) {
+        let row = r * params.n_out * hd;
+        va += bitcast<f32>(weights[(a - row) / 4u][(a - row) % 4u]);
+        vb += bitcast<f32>(weights[(b - row) / 4u][(b - row) % 4u]);
+    }
     y[a] = va * c - vb * s;
     y[b] = va * s + vb * c;
 }

@@ -480,22 +480,31 @@ impl WgpuBackend {
             }
             Ok(())
         };
-        // Each head of `y` turned by table `table`, normed first by `norm` where there is one
-        // (one kernel for both, `norm_rope_rows`).
+        // Each head of `y` turned by table `table`, first given its bias where there is one,
+        // then normed by `norm` where there is one: the bias and the rotation in one kernel
+        // (`rope_rows`) where there is no norm, the norm and the rotation (`norm_rope_rows`)
+        // where there is.
         let turn = |rec: &mut Recording,
+                    bias_id: Option<BufferId>,
                     norm: Option<BufferId>,
                     table: u64,
                     y: (&wgpu::Buffer, u64, u64),
                     heads: u64|
          -> Result<(), GpuError> {
+            if norm.is_some() {
+                bias(rec, bias_id, y, heads * hd)?;
+            }
             let x = (
                 tables.clone(),
                 table * table_run,
                 align_up(4 * t64 * hd, 16),
             );
-            let weights = match norm {
-                Some(id) => vector(id)?,
-                None => tables.clone(),
+            // The head norm's weights, or else the bias's (rope_rows adds it where row_quads
+            // is 1).
+            let (weights, with_bias) = match (norm, bias_id) {
+                (Some(id), _) => (vector(id)?, false),
+                (None, Some(id)) => (vector(id)?, true),
+                (None, None) => (tables.clone(), false),
             };
             let bind = rec.bind(Bind {
                 weights,
@@ -508,7 +517,7 @@ impl WgpuBackend {
                 n_in: hd as u32,
                 n_out: heads as u32,
                 t,
-                row_quads: 0,
+                row_quads: u32::from(with_bias),
                 scale_row: pairs,
                 row_base: eps,
                 t_base: 0,
@@ -575,12 +584,18 @@ impl WgpuBackend {
             for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
                 self.product_into(&mut rec, id, h_in, out, t, (e / 4) as u32, summed)?;
             }
-            bias(&mut rec, b.q_bias, (&qb, 0, q_bytes), nq)?;
-            bias(&mut rec, b.k_bias, k_out, nkv)?;
             bias(&mut rec, b.v_bias, v_out, nkv)?;
             let q_out = (&qb, 0, q_bytes);
-            turn(&mut rec, b.q_norm, b.rope as u64, q_out, s.n_head as u64)?;
-            turn(&mut rec, b.k_norm, b.rope as u64, k_out, s.n_head_kv as u64)?;
+            let table = b.rope as u64;
+            turn(&mut rec, b.q_bias, b.q_norm, table, q_out, s.n_head as u64)?;
+            turn(
+                &mut rec,
+                b.k_bias,
+                b.k_norm,
+                table,
+                k_out,
+                s.n_head_kv as u64,
+            )?;
             rec.close_kernels(from);
             // The new rows into the cache's ring (two runs where it wraps), then attention.
             let c = &self.attn.caches[&b.cache];
