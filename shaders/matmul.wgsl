@@ -138,9 +138,27 @@ fn q4_exact(word: u32) -> W8 {
     return W8(lo, hi);
 }
 
+// How the products read x: 0, as it is; 1 and 2, x holds a gated feed-forward block's gate
+// outputs g (params.t rows of x_stride quads) and then its up outputs u (the same shape, from
+// the first multiple of X_ALIGN elements past g: where a binding of them may start), and is
+// read as h = act(g) * u, act the tanh GELU (1) or SiLU (2) as `gate_step` computes it: the
+// down product does the activation step as it reads (`blocks`).
+override X_ACT: u32 = 0u;
+override X_ALIGN: u32 = 4u;
+
 // x[i .. i + 4], i a multiple of 4.
 fn x_quad(i: u32) -> vec4<f32> {
-    return x[i / 4u];
+    let g = x[i / 4u];
+    if (X_ACT == 0u) {
+        return g;
+    }
+    let up = (params.t * 4u * params.x_stride + X_ALIGN - 1u) / X_ALIGN * X_ALIGN;
+    let u = x[(i + up) / 4u];
+    var a = g;
+    if (X_ACT == 1u) {
+        a = 1.5957691216 * (g + 0.044715 * g * g * g);
+    }
+    return g / (1.0 + exp(-a)) * u;
 }
 
 // ---- gemv ---------------------------------------------------------------------------------

@@ -161,6 +161,18 @@ impl Kernel {
     }
 }
 
+/// X_ACT in the shader: products read x as it is.
+const X_PLAIN: u32 = 0;
+
+/// X_ACT in the shader for a product that reads a gated block's gate and up outputs as
+/// act(gate) * up.
+fn x_act(act: Activation) -> u32 {
+    match act {
+        Activation::GeluTanh => 1,
+        Activation::Silu => 2,
+    }
+}
+
 /// FORMAT in the shader.
 fn format_id(format: Format) -> f64 {
     match format {
@@ -296,7 +308,7 @@ pub struct WgpuBackend {
     module: Option<wgpu::ShaderModule>,
     bind_layout: wgpu::BindGroupLayout,
     pipeline_layout: wgpu::PipelineLayout,
-    pipelines: HashMap<(Kernel, Format), wgpu::ComputePipeline>,
+    pipelines: HashMap<(Kernel, Format, u32), wgpu::ComputePipeline>,
     placeholder: wgpu::Buffer,
     weights: HashMap<BufferId, Weight>,
     next: BufferId,
@@ -585,7 +597,7 @@ impl WgpuBackend {
         }
         if self.lanes_set != Some(lanes) {
             self.lanes_set = Some(lanes);
-            self.pipelines.retain(|(kernel, _), _| *kernel != Kernel::Gemv);
+            self.pipelines.retain(|(kernel, _, _), _| *kernel != Kernel::Gemv);
         }
         Ok(())
     }
@@ -707,8 +719,10 @@ impl WgpuBackend {
         }
     }
 
-    fn pipeline(&mut self, kernel: Kernel, format: Format) -> Result<wgpu::ComputePipeline, GpuError> {
-        if let Some(p) = self.pipelines.get(&(kernel, format)) {
+    /// The pipeline of `kernel` for weights in `format`, reading x as `x_act` says (X_ACT in
+    /// the shader: [`X_PLAIN`], or [`x_act`]'s gated reads).
+    fn pipeline(&mut self, kernel: Kernel, format: Format, x_act: u32) -> Result<wgpu::ComputePipeline, GpuError> {
+        if let Some(p) = self.pipelines.get(&(kernel, format, x_act)) {
             return Ok(p.clone());
         }
         let scopes = push_scopes(&self.device);
@@ -748,6 +762,8 @@ impl WgpuBackend {
             ("FORMAT", format_id(format)),
             ("LANES_K", self.gemv_lanes(format) as f64),
             ("GEMV_BLOCKS", gemv_blocks(format) as f64),
+            ("X_ACT", x_act as f64),
+            ("X_ALIGN", (self.limits.min_storage_buffer_offset_alignment.max(16) / 4) as f64),
         ];
         let label = format!("matmul {} {}", kernel.entry(), format.name());
         let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -770,7 +786,7 @@ impl WgpuBackend {
             }
             return Err(e);
         }
-        self.pipelines.insert((kernel, format), pipeline.clone());
+        self.pipelines.insert((kernel, format, x_act), pipeline.clone());
         Ok(pipeline)
     }
 
@@ -1023,7 +1039,7 @@ impl WgpuBackend {
         for d in dispatches {
             let format = steps[d.job].format;
             if let std::collections::hash_map::Entry::Vacant(e) = pipelines.entry((d.kernel, format)) {
-                e.insert(self.pipeline(d.kernel, format)?);
+                e.insert(self.pipeline(d.kernel, format, X_PLAIN)?);
             }
         }
 

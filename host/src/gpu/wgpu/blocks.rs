@@ -4,19 +4,20 @@
 //! and `x` with every block's new keys and values comes back.
 //!
 //! The products are `matmul`'s kernels (chosen by `plan` for `t` as a call of its own would
-//! be), the activation `ffn`'s, attention `attention-cached`'s over the block's `kv-cache`; the
-//! norms, biases and rotations are the small kernels at the end of `shaders/matmul.wgsl`. The
-//! new keys and values reach the cache's ring by buffer copies, between compute passes.
+//! be; `down` computes the activation step as it reads its x, X_ACT in the shader), attention
+//! `attention-cached`'s over the block's `kv-cache`; the norms, biases and rotations are the
+//! small kernels at the end of `shaders/matmul.wgsl` (a norm, the residual add after it and
+//! the next norm in one, `norm_pair_rows`). The new keys and values reach the cache's ring by
+//! buffer copies, between compute passes.
 
 use super::attention::{Pipelines, Plan};
 use super::{
-    Dispatch, Kernel, PARAMS_BYTES, Params, WORKGROUP, WgpuBackend, align_up, binding, push_scopes,
+    Dispatch, Kernel, PARAMS_BYTES, Params, WORKGROUP, WgpuBackend, X_PLAIN, align_up, binding,
+    push_scopes, x_act,
 };
 use std::collections::HashMap;
 
-use crate::gpu::{
-    Activation, Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation,
-};
+use crate::gpu::{Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation};
 
 /// `norm_rows` and `norm_pair_rows` flags (NORM_*, PAIR_KEEP in the shader).
 const NORM_ACCUMULATE: u32 = 1;
@@ -36,7 +37,6 @@ pub(super) struct Buffers {
     a: Option<wgpu::Buffer>,
     o: Option<wgpu::Buffer>,
     mid: Option<wgpu::Buffer>,
-    hidden: Option<wgpu::Buffer>,
     parts: Option<wgpu::Buffer>,
     kv: Option<wgpu::Buffer>,
     tables: Option<wgpu::Buffer>,
@@ -102,8 +102,9 @@ const SUBMIT_BLOCKS: usize = 3;
 struct Recording {
     binds: Vec<Bind>,
     dispatches: Vec<Dispatch>,
-    /// The pipeline format of each dispatch (its bind's weight format).
-    formats: Vec<Format>,
+    /// The pipeline of each dispatch besides its kernel: its bind's weight format and how it
+    /// reads x (X_ACT).
+    formats: Vec<(Format, u32)>,
     commands: Vec<Command>,
 }
 
@@ -132,7 +133,7 @@ impl Recording {
                 },
                 groups: (groups_x, rows, 1),
             });
-            self.formats.push(Format::F32);
+            self.formats.push((Format::F32, X_PLAIN));
             r0 += rows;
         }
     }
@@ -361,7 +362,6 @@ impl WgpuBackend {
             storage,
             "blocks gate and up",
         );
-        let hidden = Self::ensure(device, &mut m.hidden, part, cap, storage, "blocks hidden");
         let kvb = Self::ensure(
             device,
             &mut m.kv,
@@ -582,7 +582,7 @@ impl WgpuBackend {
             }
             let summed = Planes::Summed(&parts);
             for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
-                self.product_into(&mut rec, id, h_in, out, t, (e / 4) as u32, summed)?;
+                self.product_into(&mut rec, id, h_in, out, t, (e / 4) as u32, summed, X_PLAIN)?;
             }
             bias(&mut rec, b.v_bias, v_out, nkv)?;
             let q_out = (&qb, 0, q_bytes);
@@ -632,6 +632,7 @@ impl WgpuBackend {
                 t,
                 (nq / 4) as u32,
                 Planes::Kept,
+                X_PLAIN,
             )?;
             bias(&mut rec, b.o_bias, (&ob, 0, x_bytes), e)?;
             let o = (&ob, x_bytes, planes);
@@ -644,6 +645,7 @@ impl WgpuBackend {
                 t,
                 (e / 4) as u32,
                 summed,
+                X_PLAIN,
             )?;
             self.product_into(
                 &mut rec,
@@ -653,42 +655,18 @@ impl WgpuBackend {
                 t,
                 (e / 4) as u32,
                 summed,
+                X_PLAIN,
             )?;
-            let act = rec.bind(Bind {
-                weights: mid.clone(),
-                scales: placeholder.clone(),
-                x: whole(&mid, mid_bytes),
-                y: whole(&hidden, part),
-            });
-            let kernel = match s.act {
-                Activation::GeluTanh => Kernel::GateGelu,
-                Activation::Silu => Kernel::GateSilu,
-            };
-            let params = Params {
-                n_in: ff as u32,
-                n_out: ff as u32,
-                t,
-                row_quads: 0,
-                scale_row: 0,
-                row_base: (up_at / 4) as u32,
-                t_base: 0,
-                x_stride: (ff / 4) as u32,
-            };
-            small(
-                &mut rec,
-                kernel,
-                act,
-                params,
-                (ff as u32).div_ceil(WORKGROUP),
-            );
+            // down reads act(gate) * up as its x (X_ACT).
             let planes = self.product_into(
                 &mut rec,
                 b.down,
-                (&hidden, 0, part),
+                (&mid, 0, mid_bytes),
                 (&ob, 0, x_bytes),
                 t,
                 (ff / 4) as u32,
                 Planes::Kept,
+                x_act(s.act),
             )?;
             let o = (&ob, x_bytes, planes);
             match blocks.get(l + 1) {
@@ -741,10 +719,11 @@ impl WgpuBackend {
         .inspect_err(|_| self.block_buffers = Buffers::default())
     }
 
-    /// Adds weight `id`'s product over `input` (buffer, offset, bytes; rows of `x_quads` quads) into
-    /// `output` (buffer, offset, bytes): its bind group and its dispatches as `matmul` plans
-    /// them, split over k where it has few tiles, its planes of partial sums left as `planes`
-    /// says. Returns the planes left in `output` (1 where there is one sum).
+    /// Adds weight `id`'s product over `input` (buffer, offset, bytes; rows of `x_quads` quads,
+    /// read as `x_act` says: X_ACT in the shader) into `output` (buffer, offset, bytes): its
+    /// bind group and its dispatches as `matmul` plans them, split over k where it has few
+    /// tiles, its planes of partial sums left as `planes` says. Returns the planes left in
+    /// `output` (1 where there is one sum).
     #[allow(clippy::too_many_arguments)]
     fn product_into(
         &self,
@@ -755,6 +734,7 @@ impl WgpuBackend {
         t: u32,
         x_quads: u32,
         planes: Planes,
+        x_act: u32,
     ) -> Result<u32, GpuError> {
         let w = self
             .weights
@@ -774,8 +754,10 @@ impl WgpuBackend {
         });
         let from = rec.dispatches.len();
         self.plan(bind, w, t, x_quads, true, &mut rec.dispatches);
-        rec.formats
-            .extend(std::iter::repeat_n(w.format, rec.dispatches.len() - from));
+        rec.formats.extend(std::iter::repeat_n(
+            (w.format, x_act),
+            rec.dispatches.len() - from,
+        ));
         let Planes::Summed(_) = planes else {
             return Ok(n);
         };
@@ -818,11 +800,11 @@ impl WgpuBackend {
         let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
         let stride = align_up(PARAMS_BYTES, uniform_align);
         let mut pipelines = std::collections::HashMap::new();
-        for (d, &format) in rec.dispatches.iter().zip(&rec.formats) {
+        for (d, &(format, x_act)) in rec.dispatches.iter().zip(&rec.formats) {
             if let std::collections::hash_map::Entry::Vacant(v) =
-                pipelines.entry((d.kernel, format))
+                pipelines.entry((d.kernel, format, x_act))
             {
-                v.insert(self.pipeline(d.kernel, format)?);
+                v.insert(self.pipeline(d.kernel, format, x_act)?);
             }
         }
         let mut params = vec![0u8; (stride * rec.dispatches.len() as u64) as usize];
@@ -962,7 +944,9 @@ impl WgpuBackend {
                         }
                         let p = pass.get_or_insert_with(|| plain_pass(&mut encoder));
                         let d = &rec.dispatches[i];
-                        let Some(pipeline) = pipelines.get(&(d.kernel, rec.formats[i])) else {
+                        let Some(pipeline) =
+                            pipelines.get(&(d.kernel, rec.formats[i].0, rec.formats[i].1))
+                        else {
                             return Err(GpuError::Unavailable(format!(
                                 "no pipeline for {:?}",
                                 d.kernel
