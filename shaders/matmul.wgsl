@@ -851,14 +851,18 @@ const NORM_ACCUMULATE: u32 = 1u;
 // y = in (+ y): no norm, no weight (a residual add).
 const NORM_NONE: u32 = 4u;
 
-var<workgroup> norm_sums: array<f32, WG>;
+// Invocations of `norm_pair_rows`: a row's loads in flight at once (a decode step's rows of
+// 640 took ten dependent rounds with WG).
+const PAIR_WG: u32 = 256u;
 
-// The sum of `v` over the workgroup, through `norm_sums` (from uniform control flow: it has
-// barriers).
-fn workgroup_total(li: u32, v: f32) -> f32 {
+var<workgroup> norm_sums: array<f32, PAIR_WG>;
+
+// The sum of `v` over a workgroup of `size` invocations (a power of two, at most PAIR_WG),
+// through `norm_sums` (from uniform control flow: it has barriers).
+fn workgroup_total(li: u32, v: f32, size: u32) -> f32 {
     norm_sums[li] = v;
     workgroupBarrier();
-    for (var k = WG / 2u; k > 0u; k /= 2u) {
+    for (var k = size / 2u; k > 0u; k /= 2u) {
         if (li < k) {
             norm_sums[li] += norm_sums[li + k];
         }
@@ -901,7 +905,7 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
             let v = plane_sum(src + j);
             ss += v * v;
         }
-        scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(n) + bitcast<f32>(params.row_base));
+        scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(n) + bitcast<f32>(params.row_base));
     }
     for (var j = li; j < n; j += WG) {
         var o = plane_sum(src + j);
@@ -919,10 +923,10 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
 // y[r * n_out], h's at y[row_quads + r * n_out]): x += norm(in) * w (NORM_NONE: x += in;
 // PAIR_KEEP: x as it is), then h = norm(x) * w2: the norm after a block's product, its residual
 // add and the norm before the next product in one kernel. `in` from x (its planes summed, rows of
-// n_out), w in weights, w2 in scales. One workgroup a row, as norm_rows.
+// n_out), w in weights, w2 in scales. One workgroup (of PAIR_WG) a row.
 const PAIR_KEEP: u32 = 8u;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(256)
 fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
     if (r >= params.t) {
@@ -938,14 +942,14 @@ fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
     var scale = 1.0;
     if (add && normed) {
         var ss = 0.0;
-        for (var j = li; j < n; j += WG) {
+        for (var j = li; j < n; j += PAIR_WG) {
             let v = planes_at(at + j, plane);
             ss += v * v;
         }
-        scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(n) + eps);
+        scale = 1.0 / sqrt(workgroup_total(li, ss, PAIR_WG) / f32(n) + eps);
     }
     var ss2 = 0.0;
-    for (var j = li; j < n; j += WG) {
+    for (var j = li; j < n; j += PAIR_WG) {
         var v = y[at + j];
         if (add) {
             var o = planes_at(at + j, plane);
@@ -959,8 +963,8 @@ fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
     }
     // Every invocation has read the first total before `norm_sums` is written again.
     workgroupBarrier();
-    let scale2 = 1.0 / sqrt(workgroup_total(li, ss2) / f32(n) + eps);
-    for (var j = li; j < n; j += WG) {
+    let scale2 = 1.0 / sqrt(workgroup_total(li, ss2, PAIR_WG) / f32(n) + eps);
+    for (var j = li; j < n; j += PAIR_WG) {
         y[params.row_quads + at + j] = y[at + j] * scale2 * scales[j];
     }
 }
@@ -1045,7 +1049,7 @@ fn norm_rope_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
         let vb = y[head + jb];
         ss += va * va + vb * vb;
     }
-    let scale = 1.0 / sqrt(workgroup_total(li, ss) / f32(hd) + bitcast<f32>(params.row_base));
+    let scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(hd) + bitcast<f32>(params.row_base));
     for (var j = li; j < half; j += WG) {
         let ja = select(j, 2u * j, pairs);
         let jb = select(j + half, 2u * j + 1u, pairs);
