@@ -273,7 +273,9 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 // Combines the splits' partials of (query i, head h): each weighted by exp(m - max m), as the
 // single pass rescales its running sums. The host makes at most WG splits: invocation sp reads
 // split sp's maximum and sum, and the weights go through workgroup memory, so that the walk
-// over the splits of each dimension is one load and one multiply-add a split.
+// over the splits of each dimension is one load and one multiply-add a split, four splits'
+// loads in flight at once (one at a time, a decode step's 36 splits were 36 round trips to
+// memory a dimension), added in the splits' order.
 @compute @workgroup_size(64)
 fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let h = wg.x;
@@ -296,10 +298,25 @@ fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     probs[lid] = weight;
     workgroupBarrier();
     let q_at = (i * s.n_head + h) * hd;
+    // Split sp's values of (i, h) start at base + sp * (hd + 2).
+    let base = partial_at(i, h, 0u, hd) + 2u;
+    let step = hd + 2u;
     for (var d = lid; d < hd; d += WG) {
         var a = 0.0;
-        for (var sp = 0u; sp < n; sp++) {
-            a += probs[sp] * out[partial_at(i, h, sp, hd) + 2u + d];
+        var sp = 0u;
+        for (; sp + 4u <= n; sp += 4u) {
+            let at = base + sp * step + d;
+            let v0 = out[at];
+            let v1 = out[at + step];
+            let v2 = out[at + 2u * step];
+            let v3 = out[at + 3u * step];
+            a += probs[sp] * v0;
+            a += probs[sp + 1u] * v1;
+            a += probs[sp + 2u] * v2;
+            a += probs[sp + 3u] * v3;
+        }
+        for (; sp < n; sp++) {
+            a += probs[sp] * out[base + sp * step + d];
         }
         out[q_at + d] = a / total;
     }
