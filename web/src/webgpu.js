@@ -30,6 +30,10 @@ const SHAPE_BYTES = 48;
 /** `norm_rows` flags (NORM_* in the shader). */
 const NORM_ACCUMULATE = 1;
 const NORM_NONE = 4;
+// norm_pair_rows: x as it is (only its normed copy made).
+const PAIR_KEEP = 8;
+// X_ACT in matmul.wgsl: how a product reads x (0: as it is; 1, 2: act(gate) * up, GELU or SiLU).
+const X_ACT = { none: 0, gelu_tanh: 1, silu: 2 };
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {
@@ -68,6 +72,8 @@ export class GpuError extends Error {
 }
 
 const alignUp = (n, a) => Math.ceil(n / a) * a;
+// A dispatch's pipeline in a `pipelinesFor` map: its kernel, format and X_ACT.
+const pipelineKey = (d) => `${d.kernel} ${d.format} ${d.xAct ?? X_ACT.none}`;
 
 /** What the adapter is, for `device-info` and the choice of LANES_K. */
 export function describeAdapter(adapter) {
@@ -226,8 +232,9 @@ export class WebGpuBackend {
     }
   }
 
-  async pipeline(kernel, format) {
-    const key = `${kernel} ${format}`;
+  /** The pipeline of `kernel` for weights in `format`, reading x as `xAct` says (X_ACT). */
+  async pipeline(kernel, format, xAct = X_ACT.none) {
+    const key = `${kernel} ${format} ${xAct}`;
     const cached = this.pipelines.get(key);
     if (cached) return cached;
     let pipeline;
@@ -240,7 +247,12 @@ export class WebGpuBackend {
           compute: {
             module: this.module,
             entryPoint: kernel,
-            constants: { FORMAT: FORMATS[format].id, LANES_K: this.lanesK },
+            constants: {
+              FORMAT: FORMATS[format].id,
+              LANES_K: this.lanesK,
+              X_ACT: xAct,
+              X_ALIGN: Math.max(this.storageAlign, 16) / 4,
+            },
           },
         });
       });
@@ -484,8 +496,8 @@ export class WebGpuBackend {
   async pipelinesFor(dispatches) {
     const pipelines = new Map();
     for (const d of dispatches) {
-      const key = `${d.kernel} ${d.format}`;
-      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
+      const key = pipelineKey(d);
+      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format, d.xAct));
     }
     return pipelines;
   }
@@ -527,7 +539,7 @@ export class WebGpuBackend {
         const encoder = this.device.createCommandEncoder({ label: 'matmul' });
         const pass = encoder.beginComputePass({ label: 'matmul' });
         dispatches.forEach((d, i) => {
-          pass.setPipeline(pipelines.get(`${d.kernel} ${d.format}`));
+          pass.setPipeline(pipelines.get(pipelineKey(d)));
           pass.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
           pass.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
         });
@@ -732,6 +744,8 @@ export class WebGpuBackend {
     }
     const align = this.storageAlign;
     const xBytes = 4 * t * e;
+    // The normed copy of x, after x in the same buffer (norm_pair_rows writes both).
+    const hAt = alignUp(xBytes, align);
     const qBytes = 4 * t * nq;
     const part = 4 * t * ff;
     const upAt = alignUp(part, align);
@@ -747,20 +761,18 @@ export class WebGpuBackend {
       return this.attentionPlan(t * nq, shape, first % b.cache.slots, b.cache.slots);
     });
     const aBytes = Math.max(qBytes, ...plans.map((p) => p.outBytes));
-    if ([xBytes, qBytes, aBytes, midBytes, kvBytes, tablesBytes].some((n) => n > this.info.maxWeightBytes)) {
+    if ([hAt + xBytes, qBytes, aBytes, midBytes, kvBytes, tablesBytes].some((n) => n > this.info.maxWeightBytes)) {
       throw new GpuError('out-of-memory', `blocks over [${t}, ${e}] need buffers past the device's limit`);
     }
     const kernels = await this.attentionKernel();
     const usage = GPUBufferUsage;
     const storage = usage.STORAGE;
-    const [xb, hb, qb, ab, ob, mid, hidden, kvb, tables, staging] = await this.buffers([
-      ['blocks x', xBytes, storage | usage.COPY_SRC | usage.COPY_DST],
-      ['blocks normed x', xBytes, storage],
+    const [xb, qb, ab, ob, mid, kvb, tables, staging] = await this.buffers([
+      ['blocks x and normed x', hAt + xBytes, storage | usage.COPY_SRC | usage.COPY_DST],
       ['blocks q', qBytes, storage],
       ['blocks attention', aBytes, storage],
       ['blocks output', xBytes, storage],
       ['blocks gate and up', midBytes, storage],
-      ['blocks hidden', part, storage],
       ['blocks keys and values', kvBytes, storage | usage.COPY_SRC],
       ['blocks rotations', tablesBytes, storage | usage.COPY_DST],
       ['blocks staging', xBytes + (returnKv ? kvBytes : 0), usage.MAP_READ | usage.COPY_DST],
@@ -799,16 +811,32 @@ export class WebGpuBackend {
       if (!w) return;
       small('bias_rows', bind(w.data, this.placeholder, unread, output), [n, n, t, 0, 0, 0, 0, 0], Math.ceil(n / WORKGROUP));
     };
-    // Each head of `output` turned by table `table`, normed first by `w` where there is one
-    // (one kernel for both, norm_rope_rows).
-    const turn = (w, table, output, heads) => {
-      const job = bind(w ? w.data : tables, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
-      const params = [hd, heads, t, 0, s.rotation === 'pairs' ? 1 : 0, epsBits, 0, 0];
+    // Each head of `output` turned by table `table`, first given its bias `b` where there is
+    // one, then normed by `w` where there is one: the bias and the rotation in one kernel
+    // (rope_rows, row_quads 1) where there is no norm, the norm and the rotation (norm_rope_rows)
+    // where there is.
+    const turn = (b, w, table, output, heads) => {
+      if (w) bias(b, output, heads * hd);
+      const withBias = !w && b;
+      const weights = w ? w.data : withBias ? b.data : tables;
+      const job = bind(weights, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
+      const params = [hd, heads, t, withBias ? 1 : 0, s.rotation === 'pairs' ? 1 : 0, epsBits, 0, 0];
       if (w) small('norm_rope_rows', job, params, heads);
       else small('rope_rows', job, params, Math.ceil((heads * hd) / 2 / WORKGROUP));
     };
-    const product = (w, input, output, xQuads) => {
+    // norm_pair_rows: x += norm(input) * first (first null: x += input; input null: x as it
+    // is), then h = norm(x) * second; x at 0 and h at hAt of xb.
+    const normPair = (first, second, input) => {
+      const flags = (first ? 0 : NORM_NONE) | (input ? 0 : PAIR_KEEP);
+      const job = bind(first ? first.data : tables, second.data, input ?? unread, [xb, 0, hAt + xBytes]);
+      // Params: n_in, n_out (row stride), t, row_quads (h's first element), flags, eps.
+      small('norm_pair_rows', job, [e, e, t, hAt / 4, flags, epsBits, 0, 1], 1);
+    };
+    const hIn = [xb, xBytes, hAt];
+    const product = (w, input, output, xQuads, xAct = X_ACT.none) => {
+      const from = dispatches.length;
       this.plan(bind(w.data, w.scales || this.placeholder, input, output), w, t, xQuads, dispatches);
+      for (let i = from; i < dispatches.length; i++) dispatches[i].xAct = xAct;
     };
 
     blocks.forEach((b, l) => {
@@ -817,16 +845,15 @@ export class WebGpuBackend {
       const vAt = (blocks.length + l) * kvRun;
       const kOut = [kvb, kAt, kvRow];
       const vOut = [kvb, vAt, kvRow];
-      // h = norm(x); q, k, v = h W^T + bias; head norms; rotations.
-      norm(b.attnNorm, [xb, xBytes], [hb, 0, xBytes], false);
-      product(b.wq, [hb, xBytes], [qb, 0, qBytes], e / 4);
-      product(b.wk, [hb, xBytes], kOut, e / 4);
-      product(b.wv, [hb, xBytes], vOut, e / 4);
-      bias(b.qBias, [qb, 0, qBytes], nq);
-      bias(b.kBias, kOut, nkv);
+      // h = norm(x) (the block before made it, but for the first); q, k, v = h W^T + bias;
+      // head norms; rotations.
+      if (l === 0) normPair(null, b.attnNorm, null);
+      product(b.wq, hIn, [qb, 0, qBytes], e / 4);
+      product(b.wk, hIn, kOut, e / 4);
+      product(b.wv, hIn, vOut, e / 4);
       bias(b.vBias, vOut, nkv);
-      turn(b.qNorm, b.rope, [qb, 0, qBytes], s.nHead);
-      turn(b.kNorm, b.rope, kOut, s.nHeadKv);
+      turn(b.qBias, b.qNorm, b.rope, [qb, 0, qBytes], s.nHead);
+      turn(b.kBias, b.kNorm, b.rope, kOut, s.nHeadKv);
       kernelsFrom(from);
       // The new rows into the cache's ring (two runs where it wraps), then attention.
       const c = b.cache;
@@ -838,19 +865,17 @@ export class WebGpuBackend {
         if (head < t) commands.push({ copy: [kvb, src + head * row, dst, 0, (t - head) * row] });
       }
       commands.push({ attention: l });
-      // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)).
+      // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)); h = the next block's norm(x).
       from = dispatches.length;
       product(b.wo, [ab, qBytes], [ob, 0, xBytes], nq / 4);
       bias(b.oBias, [ob, 0, xBytes], e);
-      norm(b.postAttnNorm, [ob, xBytes], [xb, 0, xBytes], true);
-      norm(b.ffnNorm, [xb, xBytes], [hb, 0, xBytes], false);
-      product(b.gate, [hb, xBytes], [mid, 0, part], e / 4);
-      product(b.up, [hb, xBytes], [mid, upAt, part], e / 4);
-      const act = bind(mid, this.placeholder, [mid, midBytes], [hidden, 0, part]);
-      // Params: n_in, n_out (the hidden width), t, -, -, row_base (up's first element), t_base, x_stride.
-      small(s.act === 'silu' ? 'gate_silu' : 'gate_gelu', act, [ff, ff, t, 0, 0, upAt / 4, 0, ff / 4], Math.ceil(ff / WORKGROUP));
-      product(b.down, [hidden, part], [ob, 0, xBytes], ff / 4);
-      norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], true);
+      normPair(b.postAttnNorm, b.ffnNorm, [ob, xBytes]);
+      product(b.gate, hIn, [mid, 0, part], e / 4);
+      product(b.up, hIn, [mid, upAt, part], e / 4);
+      // down reads act(gate) * up as its x (X_ACT).
+      product(b.down, [mid, midBytes], [ob, 0, xBytes], ff / 4, s.act === 'silu' ? X_ACT.silu : X_ACT.gelu_tanh);
+      if (l + 1 < blocks.length) normPair(b.postFfnNorm, blocks[l + 1].attnNorm, [ob, xBytes]);
+      else norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], true);
       kernelsFrom(from);
     });
     commands.push({ copy: [xb, 0, staging, 0, xBytes] });
@@ -887,7 +912,7 @@ export class WebGpuBackend {
             const p = open();
             for (let i = c.kernels[0]; i < c.kernels[1]; i++) {
               const d = dispatches[i];
-              p.setPipeline(pipelines.get(`${d.kernel} ${d.format}`));
+              p.setPipeline(pipelines.get(pipelineKey(d)));
               p.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
               p.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
             }

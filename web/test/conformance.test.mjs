@@ -132,9 +132,9 @@ describe('the kit in Chromium against the WebGPU host', () => {
       assert.ok(c?.passed, `matmul-${f} did not pass: ${c?.message}`);
       assert.ok(c.maxError > 0, `matmul-${f} compared no product`);
     }
-    // The browser host offers ffn, attention and kv-caches (the same shaders): they must pass,
-    // not skip.
-    for (const name of ['ffn', 'attention', 'kv-cache', 'hostile-ffn', 'hostile-attention', 'hostile-kv-cache']) {
+    // The browser host offers ffn, attention, kv-caches and blocks (the same shaders): they
+    // must pass, not skip.
+    for (const name of ['ffn', 'attention', 'kv-cache', 'blocks', 'hostile-ffn', 'hostile-attention', 'hostile-kv-cache', 'hostile-blocks']) {
       const c = r.results.find((x) => x.name === name);
       assert.ok(c?.passed, `${name} did not pass on the browser host: ${c?.message}`);
       if (!name.startsWith('hostile')) assert.ok(c.maxError > 0, `${name} compared nothing`);
