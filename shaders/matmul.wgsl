@@ -846,9 +846,8 @@ fn gemm_wide(
 //   x_stride   norm_rows, sum_planes: planes of `in` summed as it is read (t * row_quads
 //              values a plane; 0 or 1: one)
 
-// y = norm(in) * w (+ y with NORM_ACCUMULATE), `in` from x (its planes summed).
-const NORM_ACCUMULATE: u32 = 1u;
-// y = in (+ y): no norm, no weight (a residual add).
+// A flag (scale_row) of norm_rows and norm_pair_rows: no norm and no weight, the input added
+// as it is (a residual add).
 const NORM_NONE: u32 = 4u;
 
 // Invocations of `norm_pair_rows`: a row's loads in flight at once (a decode step's rows of
@@ -886,8 +885,8 @@ fn planes_at(i: u32, plane: u32) -> f32 {
     return v;
 }
 
-// norm(v) = v / sqrt(mean(v^2) + eps) * w: one workgroup a row, the sum of squares reduced
-// through workgroup memory.
+// y += norm(in) * w, `in` from x (its planes summed), norm(v) = v / sqrt(mean(v^2) + eps): one
+// workgroup a row, the sum of squares reduced through workgroup memory.
 @compute @workgroup_size(64)
 fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
@@ -912,10 +911,7 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
         if ((flags & NORM_NONE) == 0u) {
             o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
         }
-        if ((flags & NORM_ACCUMULATE) != 0u) {
-            o += y[dst + j];
-        }
-        y[dst + j] = o;
+        y[dst + j] = o + y[dst + j];
     }
 }
 

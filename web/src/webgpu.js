@@ -28,7 +28,6 @@ const WRITE_CHUNK = 64 << 20;
 const PARAMS_BYTES = 32;
 const SHAPE_BYTES = 48;
 /** `norm_rows` flags (NORM_* in the shader). */
-const NORM_ACCUMULATE = 1;
 const NORM_NONE = 4;
 // norm_pair_rows: x as it is (only its normed copy made).
 const PAIR_KEEP = 8;
@@ -798,12 +797,11 @@ export class WebGpuBackend {
     };
     const unread = [tables, 16];
     const epsBits = new Uint32Array(new Float32Array([s.eps]).buffer)[0];
-    // norm_rows over the t rows of the residual's width: from `input` ([buffer, bytes]) into
-    // `output` ([buffer, offset, bytes]); `w` null: no norm (a residual add).
-    const norm = (w, input, output, accumulate) => {
-      let flags = accumulate ? NORM_ACCUMULATE : 0;
-      if (!w) flags |= NORM_NONE;
-      const job = bind(w ? w.data : tables, this.placeholder, input, output);
+    // norm_rows over the t rows of the residual stream: x += norm(input) * w (input: [buffer,
+    // bytes]); `w` null: x += input.
+    const norm = (w, input) => {
+      const job = bind(w ? w.data : tables, this.placeholder, input, [xb, 0, xBytes]);
+      const flags = w ? 0 : NORM_NONE;
       // Params: n_in, n_out (output stride), t (rows), row_quads (input stride), flags, eps.
       small('norm_rows', job, [e, e, t, e, flags, epsBits, 0, 0], 1);
     };
@@ -875,7 +873,7 @@ export class WebGpuBackend {
       // down reads act(gate) * up as its x (X_ACT).
       product(b.down, [mid, midBytes], [ob, 0, xBytes], ff / 4, s.act === 'silu' ? X_ACT.silu : X_ACT.gelu_tanh);
       if (l + 1 < blocks.length) normPair(b.postFfnNorm, blocks[l + 1].attnNorm, [ob, xBytes]);
-      else norm(b.postFfnNorm, [ob, xBytes], [xb, 0, xBytes], true);
+      else norm(b.postFfnNorm, [ob, xBytes]);
       kernelsFrom(from);
     });
     commands.push({ copy: [xb, 0, staging, 0, xBytes] });

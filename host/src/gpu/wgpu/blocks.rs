@@ -19,8 +19,7 @@ use std::collections::HashMap;
 
 use crate::gpu::{Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation};
 
-/// `norm_rows` and `norm_pair_rows` flags (NORM_*, PAIR_KEEP in the shader).
-const NORM_ACCUMULATE: u32 = 1;
+/// `norm_rows` and `norm_pair_rows` flags (NORM_NONE, PAIR_KEEP in the shader).
 const NORM_NONE: u32 = 4;
 const PAIR_KEEP: u32 = 8;
 
@@ -413,27 +412,22 @@ impl WgpuBackend {
         let eps = s.eps.to_bits();
         // The x (and weights) of a kernel that reads none: the tables, never written by a kernel.
         let unread = whole(&tables, 16);
-        // norm_rows over the `t` rows of the residual's width: from `input` (buffer, bytes of a
-        // plane, planes summed) into `output`; `w` None: no norm (a residual add).
+        // norm_rows over the `t` rows of the residual stream: x += norm(input) * w (input: buffer,
+        // bytes of a plane, planes summed); `w` None: x += input.
         let norm = |rec: &mut Recording,
                     w: Option<BufferId>,
-                    (input, bytes, planes): (&wgpu::Buffer, u64, u32),
-                    output: (&wgpu::Buffer, u64, u64),
-                    accumulate: bool|
+                    (input, bytes, planes): (&wgpu::Buffer, u64, u32)|
          -> Result<(), GpuError> {
             let weights = match w {
                 Some(id) => vector(id)?,
                 None => tables.clone(),
             };
-            let mut flags = if accumulate { NORM_ACCUMULATE } else { 0 };
-            if w.is_none() {
-                flags |= NORM_NONE;
-            }
+            let flags = if w.is_none() { NORM_NONE } else { 0 };
             let bind = rec.bind(Bind {
                 weights,
                 scales: placeholder.clone(),
                 x: whole(input, bytes * planes as u64),
-                y: (output.0.clone(), output.1, output.2),
+                y: whole(&xb, x_bytes),
             });
             let params = Params {
                 n_in: e as u32,
@@ -671,7 +665,7 @@ impl WgpuBackend {
             let o = (&ob, x_bytes, planes);
             match blocks.get(l + 1) {
                 Some(next) => norm_pair(&mut rec, b.post_ffn_norm, next.attn_norm, Some(o))?,
-                None => norm(&mut rec, b.post_ffn_norm, o, (&xb, 0, x_bytes), true)?,
+                None => norm(&mut rec, b.post_ffn_norm, o)?,
             }
             rec.close_kernels(from);
             if (l + 1) % SUBMIT_BLOCKS == 0 && l + 1 < blocks.len() {
