@@ -885,6 +885,18 @@ fn planes_at(i: u32, plane: u32) -> f32 {
     return v;
 }
 
+// 1 / sqrt(mean(v^2) + eps) of the n values v of a row from x[at] (its planes of `plane` values
+// summed), eps = params.row_base, over a workgroup of `size` invocations (from uniform control
+// flow: it has barriers).
+fn rms_scale(li: u32, at: u32, n: u32, plane: u32, size: u32) -> f32 {
+    var ss = 0.0;
+    for (var j = li; j < n; j += size) {
+        let v = planes_at(at + j, plane);
+        ss += v * v;
+    }
+    return 1.0 / sqrt(workgroup_total(li, ss, size) / f32(n) + bitcast<f32>(params.row_base));
+}
+
 // y += norm(in) * w, `in` from x (its planes summed), norm(v) = v / sqrt(mean(v^2) + eps): one
 // workgroup a row, the sum of squares reduced through workgroup memory.
 @compute @workgroup_size(64)
@@ -899,12 +911,7 @@ fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wi
     let dst = r * params.n_out;
     var scale = 1.0;
     if ((flags & NORM_NONE) == 0u) {
-        var ss = 0.0;
-        for (var j = li; j < n; j += WG) {
-            let v = plane_sum(src + j);
-            ss += v * v;
-        }
-        scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(n) + bitcast<f32>(params.row_base));
+        scale = rms_scale(li, src, n, params.t * params.row_quads, WG);
     }
     for (var j = li; j < n; j += WG) {
         var o = plane_sum(src + j);
@@ -937,12 +944,7 @@ fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
     let normed = (flags & NORM_NONE) == 0u;
     var scale = 1.0;
     if (add && normed) {
-        var ss = 0.0;
-        for (var j = li; j < n; j += PAIR_WG) {
-            let v = planes_at(at + j, plane);
-            ss += v * v;
-        }
-        scale = 1.0 / sqrt(workgroup_total(li, ss, PAIR_WG) / f32(n) + eps);
+        scale = rms_scale(li, at, n, plane, PAIR_WG);
     }
     var ss2 = 0.0;
     for (var j = li; j < n; j += PAIR_WG) {
