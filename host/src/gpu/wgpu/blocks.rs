@@ -28,9 +28,10 @@ const PAIR_KEEP: u32 = 8;
 pub(super) struct Buffers {
     /// The residual stream `[t, n_embd]` and a normed copy of it (in one buffer, so that
     /// `norm_pair_rows` writes both), the queries, attention's output (and partial sums), a
-    /// product's output `[t, n_embd]`, the gate and up outputs, the activations, and the keys
-    /// and values of every block; `o` holds a plane of partial sums for each run of k of the
-    /// `wo` and `down` products split over k, `parts` those of the others.
+    /// product's output `[t, n_embd]`, the gate and up outputs (`down` reads them as its
+    /// activations), and the keys and values of every block; `o` holds a plane of partial sums
+    /// for each run of k of the `wo` and `down` products split over k, `parts` those of the
+    /// others.
     x: Option<wgpu::Buffer>,
     q: Option<wgpu::Buffer>,
     a: Option<wgpu::Buffer>,
@@ -404,6 +405,8 @@ impl WgpuBackend {
                 .map(|w| w.data.clone())
                 .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))
         };
+        // A norm's weights; None (no norm): the tables, bound but never read.
+        let norm_weights = |id: Option<BufferId>| id.map_or_else(|| Ok(tables.clone()), vector);
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
         let small =
             |rec: &mut Recording, kernel: Kernel, bind: usize, params: Params, groups_x: u32| {
@@ -418,13 +421,9 @@ impl WgpuBackend {
                     w: Option<BufferId>,
                     (input, bytes, planes): (&wgpu::Buffer, u64, u32)|
          -> Result<(), GpuError> {
-            let weights = match w {
-                Some(id) => vector(id)?,
-                None => tables.clone(),
-            };
             let flags = if w.is_none() { NORM_NONE } else { 0 };
             let bind = rec.bind(Bind {
-                weights,
+                weights: norm_weights(w)?,
                 scales: placeholder.clone(),
                 x: whole(input, bytes * planes as u64),
                 y: whole(&xb, x_bytes),
@@ -542,7 +541,7 @@ impl WgpuBackend {
                 flags |= PAIR_KEEP;
             }
             let bind = rec.bind(Bind {
-                weights: first.map_or_else(|| Ok(tables.clone()), vector)?,
+                weights: norm_weights(first)?,
                 scales: vector(second)?,
                 x: input.map_or_else(
                     || unread.clone(),
