@@ -102,10 +102,7 @@ impl Chat {
                 return Err(e);
             }
         };
-        // A template that writes BOS itself and a tokenizer that adds one: keep one (as llama.cpp).
-        if tokens.len() >= 2 && Some(tokens[0]) == self.bos && tokens[1] == tokens[0] {
-            tokens.remove(0);
-        }
+        super::drop_doubled_bos(&mut tokens, self.bos);
         if tokens.len() as u32 >= self.capacity {
             self.messages.pop();
             let why = format!(

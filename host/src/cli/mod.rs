@@ -4,6 +4,7 @@ mod bench;
 mod chat;
 mod conformance;
 mod eval;
+mod serve;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -70,6 +71,17 @@ enum Command {
                             Exit codes: 0 every case passed or was skipped, 3 a kit case or a golden case \
                             failed, 1 the kit or the golden check could not run.")]
     Conformance(conformance::ConformanceArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
+    /// streaming, /v1/models, /tokenize, /detokenize, /health, /metrics, /openapi.json).
+    #[command(after_help = "Examples:\n  wisp serve                                   (the default model on http://127.0.0.1:8080)\n  \
+                            wisp serve --model qwen2.5-coder-0.5b --port 9000 --api-key secret\n  \
+                            wisp serve --parallel 16 --queue 128 --ctx 8192\n\n\
+                            Then, for example:\n  \
+                            curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
+                            -d '{\"model\": \"NAME\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'\n\n\
+                            NAME is the model's file name without .gguf (GET /v1/models lists it), or --alias.\n\
+                            SIGTERM or Ctrl-C stops taking requests, lets those in flight finish (--shutdown-timeout) and exits 0.")]
+    Serve(serve::ServeArgs),
 }
 
 /// Where matrix products run.
@@ -310,6 +322,14 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     Ok(Loaded { inst, model, path, load_s })
 }
 
+/// A rendered chat that begins with BOS (the template writes it) tokenized with BOS added (the
+/// tokenizer adds it): keep one, as llama.cpp does.
+pub fn drop_doubled_bos(tokens: &mut Vec<u32>, bos: Option<u32>) {
+    if tokens.len() >= 2 && Some(tokens[0]) == bos && tokens[1] == tokens[0] {
+        tokens.remove(0);
+    }
+}
+
 /// Writes the longest valid UTF-8 prefix of `pending` and keeps the rest for later.
 fn flush_utf8(out: &mut impl Write, pending: &mut Vec<u8>) -> std::io::Result<()> {
     let valid = match std::str::from_utf8(pending) {
@@ -496,6 +516,7 @@ pub fn main() -> ExitCode {
         Command::Fetch(a) => fetch_cmd(a),
         Command::Chat(a) => chat::chat(a),
         Command::Conformance(a) => conformance::conformance(a),
+        Command::Serve(a) => serve::serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

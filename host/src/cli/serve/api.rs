@@ -1,0 +1,701 @@
+//! The OpenAI-shaped wire format of `wisp serve`: request bodies read and checked into a
+//! [`Generation`], response bodies and stream chunks built from what the scheduler produced,
+//! errors in OpenAI's shape. Nothing here knows about HTTP servers or threads, so that another
+//! front (a `wasi:http` component) can share it.
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use wisp::Sampling;
+
+/// The most messages a chat request may carry.
+pub const MAX_MESSAGES: usize = 4096;
+/// The most stop sequences a request may give (OpenAI's limit).
+pub const MAX_STOPS: usize = 4;
+/// The longest stop sequence, in bytes.
+pub const MAX_STOP_BYTES: usize = 1024;
+/// The most token ids a prompt or a `/detokenize` request may carry.
+pub const MAX_TOKEN_IDS: usize = 1 << 20;
+
+/// A failed request, as OpenAI's API reports one: an HTTP status and
+/// `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: u16,
+    pub kind: &'static str,
+    pub message: String,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+}
+
+impl ApiError {
+    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError { status, kind, message: message.into(), param: None, code: None }
+    }
+
+    /// 400: the request is malformed or a value is out of range.
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(400, "invalid_request_error", message)
+    }
+
+    /// 400 naming the field at fault.
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> ApiError {
+        ApiError { param: Some(param.to_string()), ..ApiError::invalid(message) }
+    }
+
+    /// 401: no or a wrong API key.
+    pub fn unauthorized() -> ApiError {
+        ApiError {
+            code: Some("invalid_api_key"),
+            ..ApiError::new(401, "authentication_error", "missing or wrong API key (Authorization: Bearer KEY)")
+        }
+    }
+
+    /// 404: no such path or model.
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(404, "not_found_error", message)
+    }
+
+    /// 404 for a model this server does not serve.
+    pub fn unknown_model(name: &str, served: &str) -> ApiError {
+        ApiError {
+            param: Some("model".into()),
+            code: Some("model_not_found"),
+            ..ApiError::not_found(format!("the model {name:?} does not exist; this server serves {served:?}"))
+        }
+    }
+
+    /// 405: the path exists, the method does not.
+    pub fn method_not_allowed() -> ApiError {
+        ApiError::new(405, "invalid_request_error", "method not allowed on this path")
+    }
+
+    /// 413: the body is past the cap.
+    pub fn too_large(cap: usize) -> ApiError {
+        ApiError::new(413, "invalid_request_error", format!("the request body is larger than {cap} bytes"))
+    }
+
+    /// 429: the queue is full.
+    pub fn queue_full(queued: usize) -> ApiError {
+        ApiError {
+            code: Some("queue_full"),
+            ..ApiError::new(429, "rate_limit_error", format!("the server is busy ({queued} requests queued); retry later"))
+        }
+    }
+
+    /// 503: the server is stopping.
+    pub fn shutting_down() -> ApiError {
+        ApiError::new(503, "server_error", "the server is shutting down")
+    }
+
+    /// 408: the client did not send its request in time.
+    pub fn request_timeout() -> ApiError {
+        ApiError::new(408, "invalid_request_error", "the request body did not arrive in time")
+    }
+
+    /// 504: the request ran past its time limit.
+    pub fn timed_out(limit: std::time::Duration) -> ApiError {
+        ApiError {
+            code: Some("timeout"),
+            ..ApiError::new(504, "timeout_error", format!("the request ran past its time limit of {} s", limit.as_secs()))
+        }
+    }
+
+    /// 500: the engine failed.
+    pub fn internal(message: impl Into<String>) -> ApiError {
+        ApiError::new(500, "server_error", message)
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl From<wisp::EngineError> for ApiError {
+    fn from(e: wisp::EngineError) -> ApiError {
+        use wisp::EngineError as E;
+        match e {
+            E::InvalidArgument(_) | E::ContextFull(_) => ApiError::invalid(e.to_string()),
+            E::Unsupported(_) => ApiError::invalid(e.to_string()),
+            _ => ApiError::internal(e.to_string()),
+        }
+    }
+}
+
+/// Parses `bytes` as `T`, naming the field at fault in the error (`messages[1].content: invalid
+/// type ...`).
+pub fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ApiError> {
+    let de = &mut serde_json::Deserializer::from_slice(bytes);
+    let value: T = serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        let what = if inner.is_syntax() || inner.is_eof() { "malformed JSON" } else { "invalid request" };
+        match path.as_str() {
+            "." | "" => ApiError::invalid(format!("{what}: {inner}")),
+            p => ApiError::invalid_param(p, format!("{what}: {p}: {inner}")),
+        }
+    })?;
+    Ok(value)
+}
+
+/// What the prompt is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// `(role, content)` messages, rendered with the model's chat template.
+    Chat(Vec<(String, String)>),
+    /// Text, tokenized with the model's BOS.
+    Text(String),
+    /// Token ids, fed as they are.
+    Tokens(Vec<u32>),
+}
+
+/// A checked request to generate.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub model: String,
+    pub prompt: Prompt,
+    /// Tokens to generate at most; `None` runs to the end of generation or of the context.
+    pub max_tokens: Option<u32>,
+    pub sampling: Sampling,
+    /// Generation ends before the first of these (which is not returned).
+    pub stop: Vec<String>,
+    pub stream: bool,
+    /// A streamed response ends with a chunk of usage counts.
+    pub include_usage: bool,
+}
+
+/// `stop`: one string or a list.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: Option<bool>,
+}
+
+/// The fields that chat and text completions share. Unknown fields are ignored, as OpenAI's
+/// newer fields are by older servers; known ones wisp does not offer are refused when set.
+#[derive(Deserialize)]
+struct Common {
+    model: String,
+    #[serde(default)]
+    max_tokens: Option<Integer>,
+    #[serde(default)]
+    max_completion_tokens: Option<Integer>,
+    #[serde(default)]
+    temperature: Option<f64>,
+    #[serde(default)]
+    top_p: Option<f64>,
+    #[serde(default)]
+    top_k: Option<Integer>,
+    #[serde(default)]
+    min_p: Option<f64>,
+    #[serde(default)]
+    repeat_penalty: Option<f64>,
+    #[serde(default)]
+    presence_penalty: Option<f64>,
+    #[serde(default)]
+    frequency_penalty: Option<f64>,
+    #[serde(default)]
+    seed: Option<Integer>,
+    #[serde(default)]
+    stop: Option<Stop>,
+    #[serde(default)]
+    stream: Option<bool>,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    n: Option<Integer>,
+    #[serde(default)]
+    logprobs: Option<Value>,
+    #[serde(default)]
+    top_logprobs: Option<Value>,
+    #[serde(default)]
+    echo: Option<bool>,
+    #[serde(default)]
+    best_of: Option<Integer>,
+    #[serde(default)]
+    suffix: Option<String>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    response_format: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<Message>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: PromptField,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<TokenId>),
+}
+
+/// A chat completion request (`POST /v1/chat/completions`).
+pub fn chat_request(bytes: &[u8]) -> Result<Generation, ApiError> {
+    let body: ChatBody = parse(bytes)?;
+    if body.messages.is_empty() {
+        return Err(ApiError::invalid_param("messages", "messages must hold at least one message"));
+    }
+    if body.messages.len() > MAX_MESSAGES {
+        return Err(ApiError::invalid_param("messages", format!("more than {MAX_MESSAGES} messages")));
+    }
+    let mut messages = Vec::with_capacity(body.messages.len());
+    for (i, m) in body.messages.into_iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "user" | "assistant" => m.role,
+            "developer" => "system".to_string(),
+            other => {
+                return Err(ApiError::invalid_param(
+                    &format!("messages[{i}].role"),
+                    format!("role {other:?} is not supported (system, developer, user, assistant)"),
+                ));
+            }
+        };
+        let content = match m.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t,
+            Some(Content::Parts(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => text.push_str(&t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid_param(
+                                &format!("messages[{i}].content"),
+                                format!("content parts of type {kind:?} are not supported (only \"text\", with its text)"),
+                            ));
+                        }
+                    }
+                }
+                text
+            }
+        };
+        messages.push((role, content));
+    }
+    generation(parse(bytes)?, Prompt::Chat(messages))
+}
+
+/// A text completion request (`POST /v1/completions`).
+pub fn completion_request(bytes: &[u8]) -> Result<Generation, ApiError> {
+    let body: CompletionBody = parse(bytes)?;
+    let prompt = match body.prompt {
+        PromptField::Text(t) => Prompt::Text(t),
+        PromptField::Texts(mut t) if t.len() == 1 => Prompt::Text(t.remove(0)),
+        PromptField::Texts(_) => return Err(ApiError::invalid_param("prompt", "a list of prompts must hold exactly one")),
+        PromptField::Tokens(t) if t.is_empty() => return Err(ApiError::invalid_param("prompt", "the prompt has no tokens")),
+        PromptField::Tokens(t) if t.len() > MAX_TOKEN_IDS => {
+            return Err(ApiError::invalid_param("prompt", format!("more than {MAX_TOKEN_IDS} tokens")));
+        }
+        PromptField::Tokens(t) => Prompt::Tokens(t.into_iter().map(|t| t.0).collect()),
+    };
+    let common: Common = parse(bytes)?;
+    for (set, name) in [(common.echo == Some(true), "echo"), (common.suffix.is_some(), "suffix")] {
+        if set {
+            return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
+        }
+    }
+    if common.best_of.is_some_and(|b| b.0 != 1) {
+        return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
+    }
+    generation(common, prompt)
+}
+
+fn range(name: &str, v: Option<f64>, lo: f64, hi: f64, default: f32) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && (lo..=hi).contains(&x) => Ok(x as f32),
+        Some(x) => Err(ApiError::invalid_param(name, format!("{name} must be between {lo} and {hi}, not {x}"))),
+    }
+}
+
+fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
+    if c.n.is_some_and(|n| n.0 != 1) {
+        return Err(ApiError::invalid_param("n", "n must be 1: one choice per request"));
+    }
+    // Chat's logprobs is a flag, the text completion's a count: off is false, 0 or null.
+    let zero = |v: &Value| v.as_f64() == Some(0.0);
+    if c.logprobs.as_ref().is_some_and(|v| !(v.is_null() || *v == Value::Bool(false) || zero(v))) {
+        return Err(ApiError::invalid_param("logprobs", "logprobs are not supported"));
+    }
+    if c.top_logprobs.as_ref().is_some_and(|v| !(v.is_null() || zero(v))) {
+        return Err(ApiError::invalid_param("top_logprobs", "logprobs are not supported"));
+    }
+    if c.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::invalid_param("tools", "tools are not supported"));
+    }
+    if let Some(f) = &c.response_format {
+        let kind = f.get("type").and_then(Value::as_str);
+        if !(f.is_null() || kind == Some("text")) {
+            return Err(ApiError::invalid_param("response_format", "only response_format {\"type\": \"text\"} is supported"));
+        }
+    }
+    // OpenAI's penalties are additive on logits; wisp's sampler has llama.cpp's multiplicative
+    // repeat_penalty instead. Zero (OpenAI's default) is accepted, anything else refused.
+    for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
+        let v = range(name, v, -2.0, 2.0, 0.0)?;
+        if v != 0.0 {
+            return Err(ApiError::invalid_param(name, format!("{name} is not supported (use repeat_penalty)")));
+        }
+    }
+    let mut max_tokens = None;
+    // Both are checked; the newer name wins where both are given.
+    for (name, v) in [("max_tokens", c.max_tokens), ("max_completion_tokens", c.max_completion_tokens)] {
+        match v.map(|n| n.0) {
+            None => {}
+            Some(n) if (1..=i32::MAX as i64).contains(&n) => max_tokens = Some(n as u32),
+            Some(n) => return Err(ApiError::invalid_param(name, format!("{name} must be between 1 and {}, not {n}", i32::MAX))),
+        }
+    }
+    let default = Sampling::default();
+    let temperature = range("temperature", c.temperature, 0.0, 2.0, 1.0)?;
+    let top_p = range("top_p", c.top_p, 0.0, 1.0, 1.0)?;
+    let min_p = range("min_p", c.min_p, 0.0, 1.0, 0.0)?;
+    let repeat_penalty = range("repeat_penalty", c.repeat_penalty, 0.01, 10.0, 1.0)?;
+    let top_k = match c.top_k.map(|k| k.0) {
+        None => 0,
+        Some(k) if (0..=u32::MAX as i64).contains(&k) => k as u32,
+        Some(k) => return Err(ApiError::invalid_param("top_k", format!("top_k must be 0 or more, not {k}"))),
+    };
+    // Without a seed, each request draws its own (the same seed gives the same text).
+    let seed = match c.seed {
+        Some(Integer(s)) => s as u64,
+        None => fresh_seed(),
+    };
+    let stop = match c.stop {
+        None => Vec::new(),
+        Some(Stop::One(s)) => vec![s],
+        Some(Stop::Many(v)) => v,
+    };
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::invalid_param("stop", format!("at most {MAX_STOPS} stop sequences")));
+    }
+    if let Some(s) = stop.iter().find(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        let why = if s.is_empty() { "a stop sequence is empty".to_string() } else { format!("a stop sequence is longer than {MAX_STOP_BYTES} bytes") };
+        return Err(ApiError::invalid_param("stop", why));
+    }
+    let stream = c.stream.unwrap_or(false);
+    let include_usage = stream && c.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    Ok(Generation {
+        model: c.model,
+        prompt,
+        max_tokens,
+        sampling: Sampling { temperature, top_k, top_p, min_p, repeat_penalty, seed, ..default },
+        stop,
+        stream,
+        include_usage,
+    })
+}
+
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// The model's end of generation, or a stop sequence.
+    Stop,
+    /// `max_tokens`, or the end of the context.
+    Length,
+}
+
+impl Finish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+}
+
+impl Usage {
+    pub fn json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        })
+    }
+}
+
+/// Chat or text completion: the two response shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Chat,
+    Text,
+}
+
+/// The identity every chunk of one response repeats.
+#[derive(Debug, Clone)]
+pub struct Head {
+    pub kind: Kind,
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Head {
+    pub fn new(kind: Kind, model: &str) -> Head {
+        let prefix = match kind {
+            Kind::Chat => "chatcmpl",
+            Kind::Text => "cmpl",
+        };
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        Head { kind, id: format!("{prefix}-{:x}{:08x}", now.as_nanos(), fresh_seed() as u32), created: now.as_secs(), model: model.to_string() }
+    }
+
+    /// The whole response of a request that was not streamed.
+    pub fn response(&self, text: &str, finish: Finish, usage: Usage) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0, "message": {"role": "assistant", "content": text},
+                "finish_reason": finish.as_str(), "logprobs": null,
+            }),
+            Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}),
+        };
+        json!({
+            "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
+            "choices": [choice], "usage": usage.json(),
+        })
+    }
+
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        }
+    }
+
+    fn chunk_with(&self, choices: Value, usage: Option<Value>) -> Value {
+        let mut v = json!({"id": self.id, "object": self.object(true), "created": self.created, "model": self.model, "choices": choices});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
+    }
+
+    /// The first chunk of a streamed chat (the role), or `None` for text completions.
+    pub fn opening_chunk(&self) -> Option<Value> {
+        (self.kind == Kind::Chat).then(|| {
+            self.chunk_with(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]), None)
+        })
+    }
+
+    /// A chunk carrying text.
+    pub fn text_chunk(&self, text: &str) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": null, "logprobs": null}),
+            Kind::Text => json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null}),
+        };
+        self.chunk_with(json!([choice]), None)
+    }
+
+    /// The chunk that says why the generation ended.
+    pub fn finish_chunk(&self, finish: Finish) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": finish.as_str(), "logprobs": null}),
+            Kind::Text => json!({"index": 0, "text": "", "finish_reason": finish.as_str(), "logprobs": null}),
+        };
+        self.chunk_with(json!([choice]), None)
+    }
+
+    /// The last chunk when the client asked for usage: no choices, the counts.
+    pub fn usage_chunk(&self, usage: Usage) -> Value {
+        self.chunk_with(json!([]), Some(usage.json()))
+    }
+}
+
+/// `POST /tokenize`, as llama.cpp's server has it.
+#[derive(Deserialize)]
+pub struct TokenizeRequest {
+    pub content: String,
+    #[serde(default)]
+    pub add_special: bool,
+    #[serde(default)]
+    pub parse_special: bool,
+    #[serde(default)]
+    pub with_pieces: bool,
+}
+
+/// `POST /detokenize`.
+#[derive(Deserialize)]
+pub struct DetokenizeRequest {
+    pub tokens: Vec<TokenId>,
+}
+
+/// A JSON integer, also when written as a number with a zero fraction (`5.0`), as JSON Schema
+/// counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Integer(pub i64);
+
+/// A token id: an [`Integer`] in `0..2^32`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenId(pub u32);
+
+struct IntegerVisitor;
+
+impl serde::de::Visitor<'_> for IntegerVisitor {
+    type Value = Integer;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("an integer")
+    }
+
+    fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Integer, E> {
+        Ok(Integer(v))
+    }
+
+    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Integer, E> {
+        i64::try_from(v).map(Integer).map_err(|_| E::custom(format!("{v} is out of range")))
+    }
+
+    fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<Integer, E> {
+        // Past 2^53 a float no longer says which integer it was (JSON integers past i64's
+        // range arrive here too): refused rather than rounded.
+        if v.fract() == 0.0 && v.abs() <= (1u64 << 53) as f64 {
+            Ok(Integer(v as i64))
+        } else {
+            Err(E::custom(format!("{v} is not an integer in range")))
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Integer {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Integer, D::Error> {
+        d.deserialize_any(IntegerVisitor)
+    }
+}
+
+impl<'de> Deserialize<'de> for TokenId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TokenId, D::Error> {
+        let Integer(v) = Integer::deserialize(d)?;
+        u32::try_from(v).map(TokenId).map_err(|_| serde::de::Error::custom(format!("token id {v} is out of range")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chat_request_with_every_setting_reads_into_a_generation() {
+        let body = br#"{"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}],
+            "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 10, "min_p": 0.1, "seed": 3,
+            "stop": ["\n", "END"], "stream": true, "stream_options": {"include_usage": true},
+            "presence_penalty": 0, "user": "ignored"}"#;
+        let g = chat_request(body).unwrap();
+        assert_eq!(g.prompt, Prompt::Chat(vec![("system".into(), "Be brief.".into()), ("user".into(), "Hi!".into())]));
+        assert_eq!((g.max_tokens, g.sampling.top_k, g.sampling.seed, g.stream, g.include_usage), (Some(5), 10, 3, true, true));
+        assert_eq!((g.sampling.temperature, g.sampling.top_p, g.sampling.min_p), (0.5, 0.9, 0.1));
+        assert_eq!(g.stop, vec!["\n".to_string(), "END".to_string()]);
+    }
+
+    #[test]
+    fn bad_requests_are_400_naming_the_field() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"{", "malformed JSON"),
+            (b"[]", "invalid request"),
+            (br#"{"messages": [{"role": "user", "content": "x"}]}"#, "model"),
+            (br#"{"model": "m"}"#, "messages"),
+            (br#"{"model": "m", "messages": []}"#, "messages"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": 3}]}"#, "messages[0].content"),
+            (br#"{"model": "m", "messages": [{"role": "robot", "content": "x"}]}"#, "messages[0].role"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#, "max_tokens"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}"#, "max_tokens"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}"#, "temperature"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": -1}"#, "top_p"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}"#, "n"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}"#, "presence_penalty"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}"#, "stop"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ""}"#, "stop"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "seed": -9223372036854775809}"#, "seed"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2.5}"#, "max_tokens"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2147483648}"#, "max_tokens"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "max_completion_tokens": 5}"#, "max_tokens"),
+        ];
+        for (body, field) in cases {
+            let e = chat_request(body).unwrap_err();
+            assert_eq!(e.status, 400, "{}", String::from_utf8_lossy(body));
+            let named = e.param.as_deref() == Some(*field) || e.message.contains(field);
+            assert!(named, "{} -> {e:?} does not name {field}", String::from_utf8_lossy(body));
+            assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+    }
+
+    #[test]
+    fn completion_prompts_are_text_one_text_or_tokens() {
+        let g = completion_request(br#"{"model": "m", "prompt": ["Hello"]}"#).unwrap();
+        assert_eq!(g.prompt, Prompt::Text("Hello".into()));
+        let g = completion_request(br#"{"model": "m", "prompt": [1, 2.0, 3], "max_tokens": 4.0}"#).unwrap();
+        assert_eq!(g.max_tokens, Some(4));
+        assert_eq!(g.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert_eq!(completion_request(br#"{"model": "m", "prompt": ["a", "b"]}"#).unwrap_err().status, 400);
+        assert_eq!(completion_request(br#"{"model": "m", "prompt": []}"#).unwrap_err().status, 400);
+        assert_eq!(completion_request(br#"{"model": "m", "prompt": "x", "echo": true}"#).unwrap_err().status, 400);
+    }
+
+    #[test]
+    fn responses_and_chunks_have_openai_shapes() {
+        let h = Head::new(Kind::Chat, "m");
+        let r = h.response("hi", Finish::Length, Usage { prompt_tokens: 3, completion_tokens: 2 });
+        assert_eq!(r["object"], "chat.completion");
+        assert_eq!(r["choices"][0]["message"]["content"], "hi");
+        assert_eq!(r["choices"][0]["finish_reason"], "length");
+        assert_eq!(r["usage"]["total_tokens"], 5);
+        assert_eq!(h.text_chunk("x")["choices"][0]["delta"]["content"], "x");
+        assert_eq!(h.usage_chunk(Usage::default())["choices"], json!([]));
+        let t = Head::new(Kind::Text, "m");
+        assert!(t.opening_chunk().is_none());
+        assert_eq!(t.finish_chunk(Finish::Stop)["choices"][0]["finish_reason"], "stop");
+        assert!(t.id.starts_with("cmpl-") && h.id.starts_with("chatcmpl-"));
+    }
+}

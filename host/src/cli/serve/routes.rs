@@ -1,0 +1,348 @@
+//! The HTTP routes of `wisp serve` (axum): bodies read under a size cap and a time limit, the
+//! API key checked before anything else, requests handed to the scheduler, its events turned
+//! into a JSON response or a stream of server-sent events.
+
+use super::api::{self, ApiError, Generation, Head, Kind};
+use super::metrics::Metrics;
+use super::scheduler::{Event, Job, Scheduler, Task};
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{MethodRouter, get, post};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// The OpenAPI document of every route (`GET /openapi.json`).
+pub const OPENAPI: &str = include_str!("openapi.json");
+
+/// What every handler shares.
+pub struct App {
+    pub scheduler: Arc<Scheduler>,
+    pub metrics: Arc<Metrics>,
+    /// The id clients name the model by.
+    pub model_id: String,
+    /// When the model was loaded (seconds since the epoch), for `/v1/models`.
+    pub created: u64,
+    /// The SHA-256 of the API key, when one is required.
+    pub api_key: Option<[u8; 32]>,
+    pub max_body: usize,
+    /// Longest a request body may take to arrive.
+    pub read_timeout: Duration,
+    /// Longest a request may take, queue included.
+    pub request_timeout: Duration,
+    /// The OpenAPI document, naming the served model.
+    pub openapi: String,
+}
+
+/// [`OPENAPI`] with what depends on the served model: its id as the one value of the requests'
+/// `model`, its vocabulary as the bound of token ids.
+pub fn openapi(model_id: &str, n_vocab: u32) -> String {
+    let Ok(mut doc) = serde_json::from_str::<Value>(OPENAPI) else { return OPENAPI.to_string() };
+    for request in ["ChatCompletionRequest", "CompletionRequest"] {
+        if let Some(m) = doc.pointer_mut(&format!("/components/schemas/{request}/properties/model")) {
+            m["enum"] = json!([model_id]);
+        }
+    }
+    let id = doc.pointer_mut("/components/schemas/TokenId");
+    if let Some(id) = id {
+        id["maximum"] = json!(n_vocab.saturating_sub(1));
+    }
+    doc.to_string()
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, axum::Json(self.body())).into_response();
+        match self.status {
+            429 | 503 => {
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            401 => {
+                r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
+        }
+        r
+    }
+}
+
+/// Every route, with the API key check and the request counter around them.
+pub fn router(app: Arc<App>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", only(post(chat)))
+        .route("/v1/completions", only(post(completions)))
+        .route("/v1/models", only(get(models)))
+        .route("/v1/models/{id}", only(get(model)))
+        .route("/tokenize", only(post(tokenize)))
+        .route("/detokenize", only(post(detokenize)))
+        .route("/metrics", only(get(metrics)))
+        .route_layer(middleware::from_fn_with_state(app.clone(), authorize));
+    Router::new()
+        .merge(v1)
+        .route("/health", only(get(health)))
+        .route("/openapi.json", only(get(openapi_json)))
+        .fallback(|| async { ApiError::not_found("no such path; see GET /openapi.json") })
+        .layer(middleware::from_fn_with_state(app.clone(), count))
+        .with_state(app)
+}
+
+/// A route's other methods answer `405` with a JSON error.
+fn only(r: MethodRouter<Arc<App>>) -> MethodRouter<Arc<App>> {
+    r.fallback(|| async { ApiError::method_not_allowed() })
+}
+
+/// The route's name in the metrics (a fixed set, whatever paths clients send).
+fn endpoint(path: &str) -> &'static str {
+    const KNOWN: [&str; 9] = [
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/metrics",
+        "/health",
+        "/openapi.json",
+        "/v1/models/{id}",
+    ];
+    KNOWN.iter().find(|k| **k == path).copied().unwrap_or(if path.starts_with("/v1/models/") { KNOWN[8] } else { "other" })
+}
+
+async fn count(State(app): State<Arc<App>>, req: Request, next: Next) -> Response {
+    let name = endpoint(req.uri().path());
+    let r = next.run(req).await;
+    app.metrics.answered(name, r.status().as_u16());
+    r
+}
+
+async fn authorize(State(app): State<Arc<App>>, headers: HeaderMap, req: Request, next: Next) -> Response {
+    if let Some(want) = app.api_key {
+        let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        // Digests compared, so the time taken says nothing of the key.
+        let ok = given.is_some_and(|k| <[u8; 32]>::from(Sha256::digest(k.trim().as_bytes())) == want);
+        if !ok {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// The body, whole: `413` past the cap (at once when `Content-Length` says so), `408` when it
+/// trickles in slower than the read timeout.
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > app.max_body as u64) {
+        return Err(ApiError::too_large(app.max_body));
+    }
+    match tokio::time::timeout(app.read_timeout, axum::body::to_bytes(body, app.max_body)).await {
+        Err(_) => Err(ApiError::request_timeout()),
+        Ok(Ok(b)) => Ok(b),
+        Ok(Err(e)) => {
+            let too_large = std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
+                .any(|e| e.is::<http_body_util::LengthLimitError>());
+            Err(if too_large { ApiError::too_large(app.max_body) } else { ApiError::invalid(format!("reading the body: {e}")) })
+        }
+    }
+}
+
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let bytes = read_body(&app, &headers, body).await?;
+    generate(app, api::chat_request(&bytes)?, Kind::Chat).await
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let bytes = read_body(&app, &headers, body).await?;
+    generate(app, api::completion_request(&bytes)?, Kind::Text).await
+}
+
+/// Queues a generation, waits for its prompt to be accepted, then answers with the whole text
+/// or streams it. The receiver of the job's events lives in the response: a client that goes
+/// away drops it, and the worker ends the job at its next turn.
+async fn generate(app: Arc<App>, g: Generation, kind: Kind) -> Result<Response, ApiError> {
+    if g.model != app.model_id {
+        return Err(ApiError::unknown_model(&g.model, &app.model_id));
+    }
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let arrived = Instant::now();
+    let deadline = arrived + app.request_timeout;
+    let job = Job {
+        prompt: g.prompt,
+        max_tokens: g.max_tokens,
+        sampling: g.sampling,
+        stop: g.stop,
+        events: tx,
+        arrived,
+        deadline,
+        time_limit: app.request_timeout,
+    };
+    app.scheduler.submit(job)?;
+    let timed_out = || ApiError::timed_out(app.request_timeout);
+    let gone = || ApiError::internal("the engine stopped before the request ended");
+    match tokio::time::timeout_at(deadline.into(), rx.recv()).await.map_err(|_| timed_out())? {
+        Some(Event::Started) => {}
+        Some(Event::Failed(e)) => return Err(e),
+        _ => return Err(gone()),
+    }
+    let head = Head::new(kind, &app.model_id);
+    if g.stream {
+        return Ok(stream(head, rx, g.include_usage).into_response());
+    }
+    let mut text = String::new();
+    loop {
+        match tokio::time::timeout_at(deadline.into(), rx.recv()).await.map_err(|_| timed_out())? {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done { finish, usage }) => return Ok(axum::Json(head.response(&text, finish, usage)).into_response()),
+            Some(Event::Failed(e)) => return Err(e),
+            Some(Event::Started) => {}
+            None => return Err(gone()),
+        }
+    }
+}
+
+/// The events of one generation as server-sent events: the role, the text, the finish reason,
+/// the usage when asked, then `data: [DONE]`. An error after the first byte is a `data:`
+/// object with `error` (as OpenAI's API streams one), then `[DONE]`.
+fn stream(head: Head, rx: mpsc::UnboundedReceiver<Event>, include_usage: bool) -> impl IntoResponse {
+    struct State {
+        rx: mpsc::UnboundedReceiver<Event>,
+        head: Head,
+        include_usage: bool,
+        out: VecDeque<SseEvent>,
+        done: bool,
+    }
+    let data = |v: Value| SseEvent::default().data(v.to_string());
+    let mut out = VecDeque::new();
+    out.extend(head.opening_chunk().map(data));
+    let state = State { rx, head, include_usage, out, done: false };
+    let events = futures_util::stream::unfold(state, move |mut s| async move {
+        loop {
+            if let Some(e) = s.out.pop_front() {
+                return Some((Ok::<_, Infallible>(e), s));
+            }
+            if s.done {
+                return None;
+            }
+            let end = |s: &mut State, last: Vec<Value>| {
+                s.out.extend(last.into_iter().map(data));
+                s.out.push_back(SseEvent::default().data("[DONE]"));
+                s.done = true;
+            };
+            match s.rx.recv().await {
+                Some(Event::Text(t)) => s.out.push_back(data(s.head.text_chunk(&t))),
+                Some(Event::Done { finish, usage }) => {
+                    let mut last = vec![s.head.finish_chunk(finish)];
+                    if s.include_usage {
+                        last.push(s.head.usage_chunk(usage));
+                    }
+                    end(&mut s, last);
+                }
+                Some(Event::Failed(e)) => end(&mut s, vec![e.body()]),
+                Some(Event::Started) => {}
+                None => end(&mut s, vec![ApiError::internal("the engine stopped before the request ended").body()]),
+            }
+        }
+    });
+    Sse::new(events)
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
+}
+
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    if id != app.model_id {
+        return Err(ApiError::unknown_model(&id, &app.model_id));
+    }
+    Ok(axum::Json(model_object(&app)).into_response())
+}
+
+fn model_object(app: &App) -> Value {
+    json!({"id": app.model_id, "object": "model", "created": app.created, "owned_by": "wisp"})
+}
+
+async fn health() -> Response {
+    axum::Json(json!({"status": "ok"})).into_response()
+}
+
+async fn openapi_json(State(app): State<Arc<App>>) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], app.openapi.clone()).into_response()
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], app.metrics.encode()).into_response()
+}
+
+/// Hands a task to the scheduler and waits for its answer within the request's time limit.
+async fn task<T>(app: &App, make: impl FnOnce(oneshot::Sender<Result<T, ApiError>>) -> Task) -> Result<T, ApiError> {
+    let (tx, rx) = oneshot::channel();
+    app.scheduler.task(make(tx))?;
+    match tokio::time::timeout(app.request_timeout, rx).await {
+        Err(_) => Err(ApiError::timed_out(app.request_timeout)),
+        Ok(Err(_)) => Err(ApiError::internal("the engine stopped before the request ended")),
+        Ok(Ok(r)) => r,
+    }
+}
+
+async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let bytes = read_body(&app, &headers, body).await?;
+    let r: api::TokenizeRequest = api::parse(&bytes)?;
+    let pieces = task(&app, |reply| Task::Tokenize {
+        text: r.content,
+        add_special: r.add_special,
+        parse_special: r.parse_special,
+        with_pieces: r.with_pieces,
+        reply,
+    })
+    .await?;
+    let tokens: Vec<Value> = pieces
+        .into_iter()
+        .map(|(id, piece)| match piece {
+            Some(piece) => json!({"id": id, "piece": piece}),
+            None => json!(id),
+        })
+        .collect();
+    Ok(axum::Json(json!({"tokens": tokens})).into_response())
+}
+
+async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let bytes = read_body(&app, &headers, body).await?;
+    let r: api::DetokenizeRequest = api::parse(&bytes)?;
+    if r.tokens.len() > api::MAX_TOKEN_IDS {
+        return Err(ApiError::invalid_param("tokens", format!("more than {} tokens", api::MAX_TOKEN_IDS)));
+    }
+    let tokens = r.tokens.into_iter().map(|t| t.0).collect();
+    let content = task(&app, |reply| Task::Detokenize { tokens, reply }).await?;
+    Ok(axum::Json(json!({"content": content})).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_openapi_document_describes_every_route_and_names_the_model() {
+        let doc: Value = serde_json::from_str(&openapi("m", 10)).unwrap();
+        let paths = doc["paths"].as_object().unwrap();
+        for p in ["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/models/{model}", "/tokenize", "/detokenize", "/health", "/metrics", "/openapi.json"] {
+            assert!(paths.contains_key(p), "{p} is not documented");
+        }
+        assert_eq!(doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"], json!(["m"]));
+        assert_eq!(doc["components"]["schemas"]["TokenId"]["maximum"], json!(9));
+    }
+
+    #[test]
+    fn metrics_name_known_routes_and_fold_the_rest() {
+        assert_eq!(endpoint("/v1/completions"), "/v1/completions");
+        assert_eq!(endpoint("/v1/models/abc"), "/v1/models/{id}");
+        assert_eq!(endpoint("/anything/else"), "other");
+    }
+}

@@ -1,0 +1,537 @@
+//! The engine side of `wisp serve`: a bounded queue of generation requests and the workers that
+//! serve them, each owning one guest instance with the model open.
+//!
+//! A worker keeps up to its share of `--parallel` requests in flight, each in a session of its
+//! own, and advances them in turns: every round feeds each request one chunk of its prompt or
+//! samples one token of it. How a round is formed is the one thing continuous batching changes
+//! (all the rows of a round in one forward pass); admission, the queue, cancellation and the
+//! events a request receives stay as they are.
+//!
+//! A request's text depends only on its own tokens and settings: its prompt is fed in chunks
+//! of a fixed size whatever else is in flight, and its session is its own.
+
+use super::api::{ApiError, Finish, Prompt, Usage};
+use super::metrics::Metrics;
+use super::text::{StopMatcher, Utf8Stream};
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+use wisp::{Instance, Model, ModelInfo, Outcome, Sampling, Session};
+
+/// How much a worker takes on.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Requests in flight at once, over all workers.
+    pub parallel: usize,
+    /// Requests waiting for a slot; past it, `429`.
+    pub queue: usize,
+    /// A request's context (prompt and generated tokens) at most.
+    pub ctx: u32,
+    /// Prompt tokens fed in one turn.
+    pub prefill_chunk: usize,
+}
+
+/// What a generation request hears from its worker, in order: `Started` or `Failed`, then
+/// `Text` pieces, then `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    /// The prompt is accepted: it fits, and a session holds it.
+    Started,
+    /// Text to send (whole characters, nothing of a stop sequence).
+    Text(String),
+    Done { finish: Finish, usage: Usage },
+    Failed(ApiError),
+}
+
+/// A generation request.
+pub struct Job {
+    pub prompt: Prompt,
+    pub max_tokens: Option<u32>,
+    pub sampling: Sampling,
+    pub stop: Vec<String>,
+    /// Where the events go; when the receiver is gone (the client left), the job ends.
+    pub events: mpsc::UnboundedSender<Event>,
+    pub arrived: Instant,
+    pub deadline: Instant,
+    /// The limit the deadline comes from, for the error's message.
+    pub time_limit: Duration,
+}
+
+/// Token ids, each with its text when asked for (`/tokenize` with `with_pieces`).
+pub type Pieces = Vec<(u32, Option<String>)>;
+
+/// A short request that needs the model but no session.
+pub enum Task {
+    Tokenize {
+        text: String,
+        add_special: bool,
+        parse_special: bool,
+        with_pieces: bool,
+        reply: oneshot::Sender<Result<Pieces, ApiError>>,
+    },
+    Detokenize { tokens: Vec<u32>, reply: oneshot::Sender<Result<String, ApiError>> },
+}
+
+/// Opens a guest instance with the model loaded (called on the worker's own thread).
+pub type Open = Arc<dyn Fn() -> anyhow::Result<(Instance, Model)> + Send + Sync>;
+
+struct Queue {
+    jobs: VecDeque<Job>,
+    tasks: VecDeque<Task>,
+    /// No new requests; workers end when their queue and slots are empty.
+    stopping: bool,
+    /// Every request in flight or queued ends now, with `503`.
+    cancel: bool,
+}
+
+struct Shared {
+    queue: Mutex<Queue>,
+    wake: Condvar,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        // A worker that panicked holding the lock left the queue consistent (every change is
+        // one push or pop): go on with it.
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// The queue and its workers.
+pub struct Scheduler {
+    shared: Arc<Shared>,
+    workers: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Scheduler {
+    /// Starts `instances` workers, each opening its guest instance with `open`, and returns
+    /// once all have the model loaded (or the first error), with what the model is.
+    pub fn start(instances: usize, limits: Limits, metrics: Arc<Metrics>, open: Open) -> anyhow::Result<(Scheduler, ModelInfo)> {
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), tasks: VecDeque::new(), stopping: false, cancel: false }),
+            wake: Condvar::new(),
+            limits,
+            metrics,
+        });
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let mut workers = Vec::new();
+        for id in 0..instances {
+            // Each worker's share of the slots; together they hold `parallel`.
+            let slots = limits.parallel / instances + usize::from(id < limits.parallel % instances);
+            let (shared, open, ready) = (shared.clone(), open.clone(), ready_tx.clone());
+            let handle = std::thread::Builder::new().name(format!("wisp-worker-{id}")).spawn(move || {
+                let opened = open().and_then(|(mut inst, model)| {
+                    let info = inst.model_info(model)?;
+                    Ok((inst, model, info))
+                });
+                let _ = ready.send(opened.as_ref().map(|o| o.2.clone()).map_err(|e| format!("{e:#}")));
+                if let Ok((inst, model, info)) = opened {
+                    let ctx = limits.ctx.min(info.n_ctx_train);
+                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, active: Vec::new() }.run();
+                }
+            })?;
+            workers.push(handle);
+        }
+        drop(ready_tx);
+        let scheduler = Scheduler { shared, workers: Mutex::new(workers) };
+        let mut info = None;
+        for _ in 0..instances {
+            match ready_rx.recv() {
+                Ok(Ok(i)) => info = Some(i),
+                Ok(Err(e)) => {
+                    scheduler.stop(true);
+                    anyhow::bail!("{e}");
+                }
+                Err(_) => {
+                    scheduler.stop(true);
+                    anyhow::bail!("a worker ended while loading the model");
+                }
+            }
+        }
+        let info = info.ok_or_else(|| anyhow::anyhow!("no instance to serve with"))?;
+        Ok((scheduler, info))
+    }
+
+    /// Queues a generation; `429` when the queue is full, `503` when stopping.
+    pub fn submit(&self, job: Job) -> Result<(), ApiError> {
+        let mut q = self.shared.lock();
+        if q.stopping {
+            return Err(ApiError::shutting_down());
+        }
+        if q.jobs.len() >= self.shared.limits.queue {
+            return Err(ApiError::queue_full(q.jobs.len()));
+        }
+        q.jobs.push_back(job);
+        self.shared.metrics.queue_depth.set(q.jobs.len() as i64);
+        drop(q);
+        self.shared.wake.notify_all();
+        Ok(())
+    }
+
+    /// Queues a short task, served between two rounds of generation.
+    pub fn task(&self, task: Task) -> Result<(), ApiError> {
+        let mut q = self.shared.lock();
+        if q.stopping {
+            return Err(ApiError::shutting_down());
+        }
+        if q.tasks.len() >= self.shared.limits.queue {
+            return Err(ApiError::queue_full(q.tasks.len()));
+        }
+        q.tasks.push_back(task);
+        drop(q);
+        self.shared.wake.notify_all();
+        Ok(())
+    }
+
+    /// Takes no new requests. With `cancel`, what is in flight or queued ends now (`503`);
+    /// without, it runs to its end.
+    pub fn stop(&self, cancel: bool) {
+        let mut q = self.shared.lock();
+        q.stopping = true;
+        q.cancel |= cancel;
+        drop(q);
+        self.shared.wake.notify_all();
+    }
+
+    /// Waits for every worker to end (after [`Scheduler::stop`]).
+    pub fn join(&self) {
+        let workers = std::mem::take(&mut *self.workers.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in workers {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A request holding a session.
+struct Active {
+    job: Job,
+    session: Session,
+    prompt: Vec<u32>,
+    /// Prompt tokens fed so far.
+    fed: usize,
+    /// Tokens it may still generate.
+    budget: u32,
+    generated: u32,
+    utf8: Utf8Stream,
+    stops: StopMatcher,
+    last_token: Option<Instant>,
+}
+
+/// How a guest call went wrong: the request's fault (or limit), or the instance's end.
+enum Failure {
+    Request(ApiError),
+    Trap(anyhow::Error),
+}
+
+fn guest<T>(r: Outcome<T>) -> Result<T, Failure> {
+    match r {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(Failure::Request(e.into())),
+        Err(e) => Err(Failure::Trap(e)),
+    }
+}
+
+fn trapped<T>(r: anyhow::Result<T>) -> Result<T, Failure> {
+    r.map_err(Failure::Trap)
+}
+
+/// What one turn of a request came to.
+enum Turn {
+    Continue,
+    Ended,
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    open: Open,
+    inst: Instance,
+    model: Model,
+    slots: usize,
+    /// A request's context at most: `--ctx`, or the model's training context if smaller.
+    ctx: u32,
+    active: Vec<Active>,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            let (tasks, jobs, cancel) = {
+                let mut q = self.shared.lock();
+                loop {
+                    let free = self.slots - self.active.len();
+                    if q.cancel || !q.tasks.is_empty() || (free > 0 && !q.jobs.is_empty()) || !self.active.is_empty() {
+                        break;
+                    }
+                    if q.stopping {
+                        return;
+                    }
+                    q = self.shared.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+                let take = if q.cancel { q.jobs.len() } else { (self.slots - self.active.len()).min(q.jobs.len()) };
+                let jobs: Vec<Job> = q.jobs.drain(..take).collect();
+                self.shared.metrics.queue_depth.set(q.jobs.len() as i64);
+                (std::mem::take(&mut q.tasks), jobs, q.cancel)
+            };
+            if cancel {
+                for job in jobs {
+                    let _ = job.events.send(Event::Failed(ApiError::shutting_down()));
+                }
+                for a in std::mem::take(&mut self.active) {
+                    let _ = a.job.events.send(Event::Failed(ApiError::shutting_down()));
+                    self.release(a.session);
+                }
+                self.shared.metrics.in_flight.set(0);
+                for t in tasks {
+                    refuse(t, ApiError::shutting_down());
+                }
+                // Only a stop cancels, and a stop is for good.
+                return;
+            }
+            for t in tasks {
+                self.task(t);
+            }
+            for job in jobs {
+                self.admit(job);
+            }
+            self.round();
+        }
+    }
+
+    fn task(&mut self, t: Task) {
+        match t {
+            Task::Tokenize { text, add_special, parse_special, with_pieces, reply } => {
+                let r = self.tokenize(&text, add_special, parse_special, with_pieces);
+                let _ = reply.send(r.map_err(|f| self.failed(f)));
+            }
+            Task::Detokenize { tokens, reply } => {
+                let r = guest(self.inst.detokenize(self.model, &tokens, true));
+                let _ = reply.send(r.map_err(|f| self.failed(f)));
+            }
+        }
+    }
+
+    fn tokenize(&mut self, text: &str, add_special: bool, parse_special: bool, with_pieces: bool) -> Result<Pieces, Failure> {
+        let ids = guest(self.inst.tokenize(self.model, text, add_special, parse_special))?;
+        let mut out = Vec::with_capacity(ids.len());
+        for id in ids {
+            let piece = match with_pieces {
+                true => Some(String::from_utf8_lossy(&guest(self.inst.token_piece(self.model, id, true))?).into_owned()),
+                false => None,
+            };
+            out.push((id, piece));
+        }
+        Ok(out)
+    }
+
+    /// The error a request hears; a trap also replaces the instance.
+    fn failed(&mut self, f: Failure) -> ApiError {
+        match f {
+            Failure::Request(e) => e,
+            Failure::Trap(e) => {
+                let message = format!("the engine failed: {e:#}");
+                tracing::error!("{message}; opening a new instance");
+                self.restart(&message);
+                ApiError::internal(message)
+            }
+        }
+    }
+
+    /// After a trap the instance cannot be used: every request in it fails, a new one opens.
+    fn restart(&mut self, why: &str) {
+        for a in std::mem::take(&mut self.active) {
+            let _ = a.job.events.send(Event::Failed(ApiError::internal(why.to_string())));
+            self.shared.metrics.in_flight.dec();
+        }
+        match (self.open)() {
+            Ok((inst, model)) => (self.inst, self.model) = (inst, model),
+            Err(e) => {
+                // Nothing to serve with: the other workers go on; this one ends.
+                tracing::error!("cannot reopen the model: {e:#}; a worker is gone");
+                self.slots = 0;
+            }
+        }
+    }
+
+    fn prompt_tokens(&mut self, prompt: &Prompt) -> Result<Vec<u32>, Failure> {
+        match prompt {
+            Prompt::Tokens(t) => Ok(t.clone()),
+            Prompt::Text(t) => guest(self.inst.tokenize(self.model, t, true, false)),
+            Prompt::Chat(messages) => {
+                let text = guest(self.inst.apply_chat_template(self.model, messages, true)).map_err(|f| match f {
+                    Failure::Request(e) => Failure::Request(ApiError::invalid_param("messages", e.message)),
+                    other => other,
+                })?;
+                let mut tokens = guest(self.inst.tokenize(self.model, &text, true, true))?;
+                let bos = trapped(self.inst.model_info(self.model))?.bos;
+                super::super::drop_doubled_bos(&mut tokens, bos);
+                Ok(tokens)
+            }
+        }
+    }
+
+    /// Takes a queued request into a session, or fails it.
+    fn admit(&mut self, job: Job) {
+        if job.events.is_closed() {
+            self.shared.metrics.cancelled.inc();
+            return;
+        }
+        if Instant::now() >= job.deadline {
+            let _ = job.events.send(Event::Failed(ApiError::timed_out(job.time_limit)));
+            return;
+        }
+        match self.open_session(&job) {
+            Ok((session, prompt, budget)) => {
+                let _ = job.events.send(Event::Started);
+                self.shared.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+                self.shared.metrics.in_flight.inc();
+                let stops = StopMatcher::new(job.stop.clone());
+                self.active.push(Active {
+                    job,
+                    session,
+                    prompt,
+                    fed: 0,
+                    budget,
+                    generated: 0,
+                    utf8: Utf8Stream::default(),
+                    stops,
+                    last_token: None,
+                });
+            }
+            Err(f) => {
+                let e = self.failed(f);
+                let _ = job.events.send(Event::Failed(e));
+            }
+        }
+    }
+
+    fn open_session(&mut self, job: &Job) -> Result<(Session, Vec<u32>, u32), Failure> {
+        let prompt = self.prompt_tokens(&job.prompt)?;
+        let ctx = self.ctx;
+        if prompt.is_empty() {
+            return Err(Failure::Request(ApiError::invalid_param("prompt", "the prompt has no tokens")));
+        }
+        if prompt.len() >= ctx as usize {
+            let e = ApiError {
+                code: Some("context_length_exceeded"),
+                ..ApiError::invalid_param(
+                    "messages",
+                    format!("the prompt is {} tokens, and a request's context holds {ctx} (--ctx)", prompt.len()),
+                )
+            };
+            return Err(Failure::Request(e));
+        }
+        let wanted = job.max_tokens.map_or(u64::MAX, u64::from);
+        let n_ctx = (prompt.len() as u64).saturating_add(wanted).min(ctx as u64) as u32;
+        let session = guest(self.inst.new_session(self.model, n_ctx))?;
+        Ok((session, prompt.clone(), n_ctx - prompt.len() as u32))
+    }
+
+    /// One turn for every request in flight.
+    fn round(&mut self) {
+        if self.active.is_empty() {
+            return;
+        }
+        self.shared.metrics.batch_size.observe(self.active.len() as f64);
+        let mut i = 0;
+        while i < self.active.len() {
+            match self.turn(i) {
+                Ok(Turn::Continue) => i += 1,
+                Ok(Turn::Ended) => {
+                    let a = self.active.swap_remove(i);
+                    self.shared.metrics.in_flight.dec();
+                    self.release(a.session);
+                }
+                Err(Failure::Request(e)) => {
+                    let a = self.active.swap_remove(i);
+                    self.shared.metrics.in_flight.dec();
+                    let _ = a.job.events.send(Event::Failed(e));
+                    self.release(a.session);
+                }
+                Err(trap) => {
+                    // Every request of the instance fails with it; the round ends.
+                    self.failed(trap);
+                    return;
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, session: Session) {
+        if let Err(e) = self.inst.drop_session(session) {
+            let message = format!("freeing a session: {e:#}");
+            self.restart(&message);
+        }
+    }
+
+    fn turn(&mut self, i: usize) -> Result<Turn, Failure> {
+        let chunk = self.shared.limits.prefill_chunk;
+        let a = &mut self.active[i];
+        if a.job.events.is_closed() {
+            self.shared.metrics.cancelled.inc();
+            return Ok(Turn::Ended);
+        }
+        if Instant::now() >= a.job.deadline {
+            let _ = a.job.events.send(Event::Failed(ApiError::timed_out(a.job.time_limit)));
+            return Ok(Turn::Ended);
+        }
+        if a.fed < a.prompt.len() {
+            let end = (a.fed + chunk).min(a.prompt.len());
+            guest(self.inst.feed(a.session, &a.prompt[a.fed..end]))?;
+            a.fed = end;
+            return Ok(Turn::Continue);
+        }
+        let step = guest(self.inst.next(a.session, &a.job.sampling))?;
+        let now = Instant::now();
+        let m = &self.shared.metrics;
+        match a.last_token {
+            None => m.time_to_first_token.observe((now - a.job.arrived).as_secs_f64()),
+            Some(t) => m.time_per_token.observe((now - t).as_secs_f64()),
+        }
+        a.last_token = Some(now);
+        a.generated += 1;
+        m.generated_tokens.inc();
+        let usage = Usage { prompt_tokens: a.prompt.len() as u32, completion_tokens: a.generated };
+        if step.end_of_generation {
+            return Ok(finish(a, Finish::Stop, usage));
+        }
+        let text = a.utf8.push(&step.piece);
+        let released = a.stops.push(&text);
+        if !released.text.is_empty() {
+            let _ = a.job.events.send(Event::Text(released.text));
+        }
+        if released.stopped {
+            let _ = a.job.events.send(Event::Done { finish: Finish::Stop, usage });
+            return Ok(Turn::Ended);
+        }
+        if a.generated >= a.budget {
+            return Ok(finish(a, Finish::Length, usage));
+        }
+        Ok(Turn::Continue)
+    }
+}
+
+/// Sends what is held back, then the end.
+fn finish(a: &mut Active, why: Finish, usage: Usage) -> Turn {
+    let tail = a.utf8.finish();
+    let released = a.stops.push(&tail);
+    let (text, why) = if released.stopped { (released.text, Finish::Stop) } else { (released.text + &a.stops.finish(), why) };
+    if !text.is_empty() {
+        let _ = a.job.events.send(Event::Text(text));
+    }
+    let _ = a.job.events.send(Event::Done { finish: why, usage });
+    Turn::Ended
+}
+
+fn refuse(t: Task, e: ApiError) {
+    match t {
+        Task::Tokenize { reply, .. } => {
+            let _ = reply.send(Err(e));
+        }
+        Task::Detokenize { reply, .. } => {
+            let _ = reply.send(Err(e));
+        }
+    }
+}
