@@ -205,6 +205,48 @@ fn wit_shape(s: &AttentionShape) -> gpu::AttentionShape {
     }
 }
 
+thread_local! {
+    /// The model `preload` loaded, and its path (a pre-initialized guest starts with it).
+    static PRELOADED: RefCell<Option<(String, Rc<Model>)>> = const { RefCell::new(None) };
+}
+
+unsafe extern "C" {
+    /// wasi-libc: forgets the preopened directories it has looked up, so that the next file
+    /// access asks the host again (their handles belong to the instance that looked them up).
+    fn __wasilibc_reset_preopens();
+}
+
+impl crate::bindings::Guest for Component {
+    fn preload(path: String) -> Result<(), String> {
+        let mut bytes = read_file(&path).map_err(|e| match e {
+            wit::Error::InvalidModel(m)
+            | wit::Error::Unsupported(m)
+            | wit::Error::Io(m)
+            | wit::Error::InvalidArgument(m)
+            | wit::Error::ContextFull(m)
+            | wit::Error::OutOfMemory(m) => m,
+        })?;
+        let model = Model::load_with(&bytes, None).map_err(|e| e.to_string())?;
+        // Freed memory is not cleared: zeroes keep the file's copy out of the snapshot, which
+        // stores the pages that are not zero.
+        bytes.fill(0);
+        drop(bytes);
+        // SAFETY: no file or directory of wasi-libc's is in use here (the model file is closed).
+        unsafe { __wasilibc_reset_preopens() };
+        PRELOADED.with(|p| *p.borrow_mut() = Some((path, Rc::new(model))));
+        Ok(())
+    }
+}
+
+/// The preloaded model, if it is `path`'s and the guest will not use a device for it.
+fn preloaded(path: &str, options: &wit::LoadOptions) -> Option<wit::Model> {
+    if !(matches!(options.gpu, wit::GpuMode::Off) || gpu::available().is_none()) {
+        return None;
+    }
+    let model = PRELOADED.with(|p| p.borrow().as_ref().filter(|(p, _)| p == path).map(|(_, m)| m.clone()))?;
+    Some(wit::Model::new(ModelRes { model, device: None }))
+}
+
 fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
     let device = gpu::available();
     let mode = match options.gpu {
@@ -243,6 +285,9 @@ fn read_file(path: &str) -> Result<Vec<u8>, wit::Error> {
 
 impl wit::GuestModel for ModelRes {
     fn open(path: String, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
+        if let Some(m) = preloaded(&path, &options) {
+            return Ok(m);
+        }
         open(&read_file(&path)?, options)
     }
 

@@ -23,7 +23,7 @@ mod component;
 mod bindings {
     wit_bindgen::generate!({
         path: "../wit",
-        world: "inference",
+        world: "inference-preinit",
     });
 
     use crate::component::Component;

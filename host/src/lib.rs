@@ -24,6 +24,7 @@ pub mod conformance;
 pub mod fetch;
 pub mod golden;
 pub mod gpu;
+mod preinit;
 mod runtime;
 
 pub use gpu::{

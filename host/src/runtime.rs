@@ -243,6 +243,26 @@ pub struct HostState {
     limits: MemoryLimit,
 }
 
+impl HostState {
+    /// The store data of an instance offered `gpu`, seeing `model_dir` (read-only) and
+    /// stderr, its memory capped at `max_memory` bytes.
+    pub(crate) fn new(gpu: GpuCtx, model_dir: Option<&Path>, max_memory: usize) -> Result<HostState> {
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.inherit_stderr();
+        if let Some(dir) = model_dir {
+            wasi.preopened_dir(dir, GUEST_MODEL_DIR, FsPerms::ReadOnly)
+                .map_err(|e| anyhow::Error::from(e).context(format!("opening {}", dir.display())))?;
+        }
+        let limits = MemoryLimit { max: max_memory, refused: None };
+        Ok(HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits })
+    }
+
+    /// The instance's `gpu` context (what [`gpu::add_to_linker`] is given).
+    pub(crate) fn gpu(&mut self) -> &mut GpuCtx {
+        &mut self.gpu
+    }
+}
+
 impl WasiView for HostState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView { ctx: &mut self.wasi, table: &mut self.table }
@@ -258,12 +278,30 @@ pub struct Wisp {
 }
 
 fn compile(engine: &Engine, bytes: &[u8], cache: Option<&Path>) -> Result<Component> {
-    let Some(dir) = cache else { return Component::new(engine, bytes).map_err(Into::into) };
     let mut h = std::collections::hash_map::DefaultHasher::new();
     bytes.hash(&mut h);
+    compile_keyed(engine, "wisp", h.finish(), cache, || Ok(bytes.to_vec()))
+}
+
+/// The component `make` gives, compiled, or read from the cache under `key` (which must say
+/// everything `make`'s bytes depend on). Its file is `{name}-{hash}.cwasm`; writing one removes
+/// the other files of that `name` when it is not plain `wisp` (a pre-initialized guest's file is
+/// as large as its model: one is kept per model).
+fn compile_keyed(
+    engine: &Engine,
+    name: &str,
+    key: u64,
+    cache: Option<&Path>,
+    make: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<Component> {
+    let Some(dir) = cache else { return Component::new(engine, make()?).map_err(Into::into) };
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
     engine.precompile_compatibility_hash().hash(&mut h);
+    // Settings the compatibility hash leaves out: how memory images are made.
+    "dense images up to 4 GiB".hash(&mut h);
     env!("CARGO_PKG_VERSION").hash(&mut h);
-    let path = dir.join(format!("wisp-{:016x}.cwasm", h.finish()));
+    let path = dir.join(format!("{name}-{:016x}.cwasm", h.finish()));
     if path.exists() {
         // SAFETY: the file was written by `Component::serialize` of this very build (its name
         // hashes the component, the engine's settings and this crate's version) into wisp's own
@@ -272,15 +310,70 @@ fn compile(engine: &Engine, bytes: &[u8], cache: Option<&Path>) -> Result<Compon
             return Ok(c);
         }
     }
-    let component = Component::new(engine, bytes)?;
+    let component = Component::new(engine, make()?)?;
     if let Ok(bytes) = component.serialize() {
         let _ = std::fs::create_dir_all(dir);
+        if name != "wisp" {
+            let stale = std::fs::read_dir(dir).into_iter().flatten().flatten().filter(|e| {
+                let n = e.file_name();
+                let n = n.to_string_lossy();
+                n.starts_with(&format!("{name}-")) && n.ends_with(".cwasm")
+            });
+            for e in stale {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, bytes).is_ok() {
-            let _ = std::fs::rename(&tmp, &path);
+        if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
+            // Read back, so that a large memory image is mapped from the file rather than held
+            // in this process's own memory.
+            // SAFETY: as above: written just now, by this build.
+            if let Ok(c) = unsafe { Component::deserialize_file(engine, &path) } {
+                return Ok(c);
+            }
         }
     }
     Ok(component)
+}
+
+/// The engine every instance of a runtime shares (with its epoch ticker when calls have a time
+/// limit) and a linker with WASI and the `gpu` interface.
+fn engine_and_linker(options: &Options) -> Result<(Engine, Linker<HostState>)> {
+    let mut config = Config::new();
+    config.wasm_component_model(true);
+    config.max_wasm_stack(options.max_stack);
+    config.epoch_interruption(options.call_timeout.is_some());
+    // A pre-initialized guest's memory image (the model's weights, with the gaps its loading
+    // left) is mapped copy-on-write into each instance however sparse it is, never copied:
+    // up to the whole of wasm32's 4 GiB.
+    config.memory_guaranteed_dense_image_size(4 << 30);
+    // For profiling the guest with `perf`: WISP_PERFMAP=1 writes /tmp/perf-PID.map, which
+    // names the compiled guest functions in `perf report`.
+    if std::env::var_os("WISP_PERFMAP").is_some_and(|v| v == "1") {
+        config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+    }
+    let engine = Engine::new(&config)?;
+    if options.call_timeout.is_some() {
+        // One tick every EPOCH_TICK; the thread ends with the engine.
+        let weak = engine.weak();
+        std::thread::spawn(move || {
+            while let Some(engine) = weak.upgrade() {
+                engine.increment_epoch();
+                drop(engine);
+                std::thread::sleep(EPOCH_TICK);
+            }
+        });
+    }
+    let mut linker = Linker::new(&engine);
+    wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
+    gpu::add_to_linker(&mut linker, |s: &mut HostState| &mut s.gpu)?;
+    Ok((engine, linker))
+}
+
+/// Where the guest sees `path`, a file in `dir` (which the host preopens as [`GUEST_MODEL_DIR`]).
+fn guest_path(dir: &Path, path: &Path) -> Result<String> {
+    let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
+    Ok(format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?))
 }
 
 impl Wisp {
@@ -297,47 +390,40 @@ impl Wisp {
         }
     }
 
+    /// The runtime with wisp's guest pre-initialized with the model at `model` loaded (with the
+    /// GPU off): every instance starts with the model in its memory, its pages shared with the
+    /// others until written, and `open_model` of that path (with [`GpuMode::Off`], or without
+    /// a device) returns at once. The pre-initialized component is compiled once and cached
+    /// (with the options' `cache_dir`) under the guest's and the file's identity (path, size,
+    /// modification time).
+    pub fn preloaded(model: &Path, options: Options) -> Result<Wisp> {
+        let meta = std::fs::metadata(model).with_context(|| format!("reading {}", model.display()))?;
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        GUEST_WASM.hash(&mut h);
+        (model, meta.len(), meta.modified().ok()).hash(&mut h);
+        "preloaded".hash(&mut h);
+        let (engine, linker) = engine_and_linker(&options)?;
+        let dir = model.parent().context("the model path has no directory")?;
+        let guest_path = guest_path(dir, model)?;
+        let make = || crate::preinit::preinitialize(GUEST_WASM, dir, &guest_path);
+        let stem = model.file_stem().map(|s| s.to_string_lossy().replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_"));
+        let name = format!("wisp-preloaded-{}", stem.unwrap_or_default());
+        let component = compile_keyed(&engine, &name, h.finish(), options.cache_dir.as_deref(), make)
+            .context("pre-initializing the guest")?;
+        Ok(Wisp { engine, component, linker, options })
+    }
+
     /// The runtime with another build of a component of the `inference` world.
     pub fn with_component(bytes: &[u8], options: Options) -> Result<Wisp> {
-        let mut config = Config::new();
-        config.wasm_component_model(true);
-        config.max_wasm_stack(options.max_stack);
-        config.epoch_interruption(options.call_timeout.is_some());
-        // For profiling the guest with `perf`: WISP_PERFMAP=1 writes /tmp/perf-PID.map, which
-        // names the compiled guest functions in `perf report`.
-        if std::env::var_os("WISP_PERFMAP").is_some_and(|v| v == "1") {
-            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
-        }
-        let engine = Engine::new(&config)?;
-        if options.call_timeout.is_some() {
-            // One tick every EPOCH_TICK; the thread ends with the engine.
-            let weak = engine.weak();
-            std::thread::spawn(move || {
-                while let Some(engine) = weak.upgrade() {
-                    engine.increment_epoch();
-                    drop(engine);
-                    std::thread::sleep(EPOCH_TICK);
-                }
-            });
-        }
+        let (engine, linker) = engine_and_linker(&options)?;
         let component = compile(&engine, bytes, options.cache_dir.as_deref()).context("compiling the guest component")?;
-        let mut linker = Linker::new(&engine);
-        wasmtime_wasi::p2::add_to_linker_sync(&mut linker)?;
-        gpu::add_to_linker(&mut linker, |s: &mut HostState| &mut s.gpu)?;
         Ok(Wisp { engine, component, linker, options })
     }
 
     /// A fresh guest instance. `model_dir`, if given, is preopened read-only: the only part of
     /// the host's file system the guest can see.
     pub fn instantiate(&self, gpu: GpuCtx, model_dir: Option<&Path>) -> Result<Instance> {
-        let mut wasi = WasiCtxBuilder::new();
-        wasi.inherit_stderr();
-        if let Some(dir) = model_dir {
-            wasi.preopened_dir(dir, GUEST_MODEL_DIR, FsPerms::ReadOnly)
-                .map_err(|e| anyhow::Error::from(e).context(format!("opening {}", dir.display())))?;
-        }
-        let limits = MemoryLimit { max: self.options.max_memory, refused: None };
-        let state = HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits };
+        let state = HostState::new(gpu, model_dir, self.options.max_memory)?;
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
         let deadline = self.options.call_timeout.map(|t| (t.as_millis() / EPOCH_TICK.as_millis()).max(1) as u64);
@@ -456,7 +542,7 @@ impl Instance {
         if std::fs::metadata(dir.join(rel)).is_ok_and(|m| !m.is_file()) {
             return Ok(Err(EngineError::Io(format!("{} is not a regular file", path.display()))));
         }
-        let guest_path = format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?);
+        let guest_path = guest_path(dir, path)?;
         let options = wit::LoadOptions { gpu: mode(gpu) };
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_open(st, &guest_path, options))?;
         Ok(r.map(Model).map_err(Into::into))

@@ -103,10 +103,19 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     };
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.enable_steady_tick(Duration::from_millis(120));
-    spinner.set_message(format!("loading {} in {instances} instance(s)", path.display()));
-    let wisp = Arc::new(Wisp::new(a.model.options())?);
-    let (margs, mpath) = (a.model.clone(), path.clone());
     let mode: GpuMode = a.model.gpu.into();
+    // Several instances on the CPU share one copy of the weights: the guest pre-initialized
+    // with the model loaded, its memory image mapped into every instance.
+    let shared = instances > 1 && (mode == GpuMode::Off || !has_gpu(&a.model)?);
+    let wisp = if shared {
+        spinner.set_message(format!("pre-initializing the guest with {} (once per model and build)", path.display()));
+        Wisp::preloaded(&path, a.model.options())?
+    } else {
+        Wisp::new(a.model.options())?
+    };
+    spinner.set_message(format!("loading {} in {instances} instance(s)", path.display()));
+    let wisp = Arc::new(wisp);
+    let (margs, mpath) = (a.model.clone(), path.clone());
     let open: Open = Arc::new(move || {
         let mut inst = wisp.instantiate(gpu_ctx(&margs)?, mpath.parent())?;
         let model = engine(inst.open_model(&mpath, mode)?).with_context(|| format!("cannot load {}", mpath.display()))?;
