@@ -26,6 +26,6 @@ for port in 18080 18081; do
     for _ in $(seq 600); do curl -sf "http://127.0.0.1:$port/health" >/dev/null && break; sleep 0.2; done
 done
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%FT%TZ); wisp $(git rev-parse --short HEAD)"
-echo "wisp: $(head -n 1 /tmp/wisp-serve.log)"
+head -n 1 /tmp/wisp-serve.log
 python3 bench/serve_load.py --server wisp=http://127.0.0.1:18080 --server llama.cpp=http://127.0.0.1:18081 \
     --clients "$clients" --tokens "$tokens" --rounds "$rounds"
