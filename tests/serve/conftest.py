@@ -47,13 +47,21 @@ class Server:
     def v1(self):
         return self.url + "/v1"
 
-    def rss_kib(self):
-        """Resident memory of the server process, in KiB."""
-        with open(f"/proc/{self.proc.pid}/status") as f:
+    def proc_kib(self, file, key):
+        """A figure in KiB from the server's /proc/PID/`file` (`status`, `smaps_rollup`)."""
+        with open(f"/proc/{self.proc.pid}/{file}") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1])
-        raise RuntimeError("no VmRSS")
+        raise RuntimeError(f"no {key} in /proc/PID/{file}")
+
+    def rss_kib(self):
+        """Resident memory of the server process."""
+        return self.proc_kib("status", "VmRSS")
+
+    def pss_kib(self):
+        """Proportional resident memory: a page shared by N mappings counted 1/N."""
+        return self.proc_kib("smaps_rollup", "Pss")
 
     def stop(self, sig=signal.SIGTERM, timeout=120):
         """Sends `sig` and returns the exit code."""

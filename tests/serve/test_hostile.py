@@ -312,3 +312,21 @@ def test_sigterm_under_load_finishes_what_is_in_flight_and_exits_0(start):
     for text, finish in results.values():
         assert finish in ("stop", "length") and text, results
     assert "stopped" in s.stderr()
+
+
+# Every request has a time limit (--request-timeout): 504 with an OpenAI error, or an error
+# event in a stream; the server goes on.
+def test_a_request_past_its_time_limit_ends_with_504_or_an_error_event(start):
+    s = start("--request-timeout", "2", "--instances", "1")
+    body = {"model": s.model, "prompt": "The alphabet:", "max_tokens": 100000, "temperature": 0}
+    t0 = time.time()
+    e = assert_error(post(s, "/v1/completions", body), 504, "timeout_error")
+    assert e["code"] == "timeout" and time.time() - t0 < 30
+    events = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=dict(body, stream=True), timeout=60) as r:
+        assert r.status_code == 200
+        events = [l[6:] for l in r.iter_lines() if l.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["type"] == "timeout_error", events[-3:]
+    r = post(s, "/v1/completions", {"model": s.model, "prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text

@@ -6,15 +6,6 @@ import threading
 import httpx
 
 
-def pss_kib(server):
-    """Proportional resident memory: shared pages counted once."""
-    with open(f"/proc/{server.proc.pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    raise RuntimeError("no Pss")
-
-
 def busy(server, n):
     """`n` requests at once (a slot on every instance); their texts."""
     out = [None] * n
@@ -36,6 +27,6 @@ def test_three_instances_hold_one_copy_of_the_weights(start):
     texts_one, texts_three = busy(one, 3), busy(three, 3)
     # Every instance of the pre-initialized guest computes what a freshly loaded one does.
     assert texts_one == texts_three, (texts_one, texts_three)
-    a, b = pss_kib(one), pss_kib(three)
+    a, b = one.pss_kib(), three.pss_kib()
     # Three copies of the weights would be about three times one instance's memory.
     assert b < 1.3 * a, (a, b)

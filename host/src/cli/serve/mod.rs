@@ -24,7 +24,7 @@ use sha2::{Digest, Sha256};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
-use wisp::{GpuMode, Wisp};
+use wisp::{GpuCtx, GpuMode, Wisp};
 
 #[derive(Args)]
 pub struct ServeArgs {
@@ -96,17 +96,20 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         Some(a) => a.clone(),
         None => path.file_stem().and_then(|s| s.to_str()).unwrap_or("model").to_string(),
     };
+    let mode: GpuMode = a.model.gpu.into();
+    let gpu_found = mode != GpuMode::Off && has_gpu(&a.model)?;
     let instances = match a.instances {
         Some(n) => n as usize,
-        None if has_gpu(&a.model)? => 1,
+        None if gpu_found => 1,
         None => std::thread::available_parallelism().map_or(1, |n| n.get()).min(8),
     };
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.enable_steady_tick(Duration::from_millis(120));
-    let mode: GpuMode = a.model.gpu.into();
     // Several instances on the CPU share one copy of the weights: the guest pre-initialized
-    // with the model loaded, its memory image mapped into every instance.
-    let shared = instances > 1 && (mode == GpuMode::Off || !has_gpu(&a.model)?);
+    // with the model loaded, its memory image mapped into every instance. They are offered no
+    // device (a CPU adapter such as lavapipe would only take the CPU's own time); `--gpu on`
+    // keeps each instance's device and its own copy.
+    let shared = instances > 1 && (mode == GpuMode::Off || (mode == GpuMode::Auto && !gpu_found));
     let wisp = if shared {
         spinner.set_message(format!("pre-initializing the guest with {} (once per model and build)", path.display()));
         Wisp::preloaded(&path, a.model.options())?
@@ -117,7 +120,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let wisp = Arc::new(wisp);
     let (margs, mpath) = (a.model.clone(), path.clone());
     let open: Open = Arc::new(move || {
-        let mut inst = wisp.instantiate(gpu_ctx(&margs)?, mpath.parent())?;
+        let gpu = if shared { GpuCtx::none() } else { gpu_ctx(&margs)? };
+        let mut inst = wisp.instantiate(gpu, mpath.parent())?;
         let model = engine(inst.open_model(&mpath, mode)?).with_context(|| format!("cannot load {}", mpath.display()))?;
         Ok((inst, model))
     });

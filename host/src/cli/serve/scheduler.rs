@@ -157,30 +157,25 @@ impl Scheduler {
 
     /// Queues a generation; `429` when the queue is full, `503` when stopping.
     pub fn submit(&self, job: Job) -> Result<(), ApiError> {
-        let mut q = self.shared.lock();
-        if q.stopping {
-            return Err(ApiError::shutting_down());
-        }
-        if q.jobs.len() >= self.shared.limits.queue {
-            return Err(ApiError::queue_full(q.jobs.len()));
-        }
-        q.jobs.push_back(job);
-        self.shared.metrics.queue_depth.set(q.jobs.len() as i64);
-        drop(q);
-        self.shared.wake.notify_all();
-        Ok(())
+        self.enqueue(job, |q| &mut q.jobs)
     }
 
-    /// Queues a short task, served between two rounds of generation.
+    /// Queues a short task, served between two rounds of generation (its own queue, as long).
     pub fn task(&self, task: Task) -> Result<(), ApiError> {
+        self.enqueue(task, |q| &mut q.tasks)
+    }
+
+    fn enqueue<T>(&self, item: T, queue: impl FnOnce(&mut Queue) -> &mut VecDeque<T>) -> Result<(), ApiError> {
         let mut q = self.shared.lock();
         if q.stopping {
             return Err(ApiError::shutting_down());
         }
-        if q.tasks.len() >= self.shared.limits.queue {
-            return Err(ApiError::queue_full(q.tasks.len()));
+        let items = queue(&mut q);
+        if items.len() >= self.shared.limits.queue {
+            return Err(ApiError::queue_full(items.len()));
         }
-        q.tasks.push_back(task);
+        items.push_back(item);
+        self.shared.metrics.queue_depth.set(q.jobs.len() as i64);
         drop(q);
         self.shared.wake.notify_all();
         Ok(())
