@@ -370,9 +370,14 @@ fn engine_and_linker(options: &Options) -> Result<(Engine, Linker<HostState>)> {
     Ok((engine, linker))
 }
 
-/// Where the guest sees `path`, a file in `dir` (which the host preopens as [`GUEST_MODEL_DIR`]).
-fn guest_path(dir: &Path, path: &Path) -> Result<String> {
-    let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
+/// `path` relative to `dir`, the directory the host preopens as [`GUEST_MODEL_DIR`] (or its
+/// file name, when it is elsewhere).
+fn relative<'a>(dir: &Path, path: &'a Path) -> Result<&'a Path> {
+    path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")
+}
+
+/// Where the guest sees the file at `rel` inside the preopened directory.
+fn guest_path(rel: &Path) -> Result<String> {
     Ok(format!("{GUEST_MODEL_DIR}/{}", rel.to_str().context("model path is not UTF-8")?))
 }
 
@@ -404,7 +409,7 @@ impl Wisp {
         "preloaded".hash(&mut h);
         let (engine, linker) = engine_and_linker(&options)?;
         let dir = model.parent().context("the model path has no directory")?;
-        let guest_path = guest_path(dir, model)?;
+        let guest_path = guest_path(relative(dir, model)?)?;
         let make = || crate::preinit::preinitialize(GUEST_WASM, dir, &guest_path);
         let stem = model.file_stem().map(|s| s.to_string_lossy().replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_"));
         let name = format!("wisp-preloaded-{}", stem.unwrap_or_default());
@@ -538,11 +543,11 @@ impl Instance {
     /// read of a pipe would block, and of a device might never end.
     pub fn open_model(&mut self, path: &Path, gpu: GpuMode) -> Outcome<Model> {
         let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
-        let rel = path.strip_prefix(dir).ok().or_else(|| path.file_name().map(Path::new)).context("model path has no file name")?;
+        let rel = relative(dir, path)?;
         if std::fs::metadata(dir.join(rel)).is_ok_and(|m| !m.is_file()) {
             return Ok(Err(EngineError::Io(format!("{} is not a regular file", path.display()))));
         }
-        let guest_path = guest_path(dir, path)?;
+        let guest_path = guest_path(rel)?;
         let options = wit::LoadOptions { gpu: mode(gpu) };
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_open(st, &guest_path, options))?;
         Ok(r.map(Model).map_err(Into::into))

@@ -130,7 +130,7 @@ impl Scheduler {
                 let _ = ready.send(opened.as_ref().map(|o| o.2.clone()).map_err(|e| format!("{e:#}")));
                 if let Ok((inst, model, info)) = opened {
                     let ctx = limits.ctx.min(info.n_ctx_train);
-                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, active: Vec::new() }.run();
+                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, bos: info.bos, active: Vec::new() }.run();
                 }
             })?;
             workers.push(handle);
@@ -229,10 +229,6 @@ fn guest<T>(r: Outcome<T>) -> Result<T, Failure> {
     }
 }
 
-fn trapped<T>(r: anyhow::Result<T>) -> Result<T, Failure> {
-    r.map_err(Failure::Trap)
-}
-
 /// What one turn of a request came to.
 enum Turn {
     Continue,
@@ -247,6 +243,8 @@ struct Worker {
     slots: usize,
     /// A request's context at most: `--ctx`, or the model's training context if smaller.
     ctx: u32,
+    /// The model's BOS token (a rendered chat may begin with it).
+    bos: Option<u32>,
     active: Vec<Active>,
 }
 
@@ -360,8 +358,7 @@ impl Worker {
                     other => other,
                 })?;
                 let mut tokens = guest(self.inst.tokenize(self.model, &text, true, true))?;
-                let bos = trapped(self.inst.model_info(self.model))?.bos;
-                super::super::drop_doubled_bos(&mut tokens, bos);
+                super::super::drop_doubled_bos(&mut tokens, self.bos);
                 Ok(tokens)
             }
         }
