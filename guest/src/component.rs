@@ -4,6 +4,7 @@
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
 use crate::dispatch::{self, AttentionShape, BlocksOut, BlocksShape, DeviceBlock, DeviceError, DeviceLimits, Format, Mode};
+use crate::constraint::Spec;
 use crate::engine::{DeviceOffer, Error, Model};
 use crate::kernels::Act;
 use crate::sampler::Params;
@@ -22,6 +23,7 @@ impl From<Error> for wit::Error {
             Error::InvalidArgument(m) => wit::Error::InvalidArgument(m),
             Error::ContextFull(m) => wit::Error::ContextFull(m),
             Error::OutOfMemory(m) => wit::Error::OutOfMemory(m),
+            Error::InvalidConstraint(m) => wit::Error::InvalidConstraint(m),
         }
     }
 }
@@ -224,9 +226,14 @@ impl crate::bindings::Guest for Component {
             | wit::Error::Io(m)
             | wit::Error::InvalidArgument(m)
             | wit::Error::ContextFull(m)
-            | wit::Error::OutOfMemory(m) => m,
+            | wit::Error::OutOfMemory(m)
+            | wit::Error::InvalidConstraint(m) => m,
         })?;
         let model = Model::load_with(&bytes, None).map_err(|e| e.to_string())?;
+        // The constraint compiler's view of the vocabulary (~2 s to build in wasm for 262,144
+        // tokens) goes into the snapshot too; a model without an end token has none, and says
+        // so when a constraint is asked for.
+        let _ = model.grammars();
         // Freed memory is not cleared: zeroes keep the file's copy out of the snapshot, which
         // stores the pages that are not zero.
         bytes.fill(0);
@@ -389,7 +396,21 @@ impl wit::GuestSession for SessionRes {
 
     fn next(&self, sampling: wit::Sampling) -> Result<wit::Step, wit::Error> {
         let step = self.0.borrow_mut().next(&sampling.into())?;
-        Ok(wit::Step { token: step.token, piece: step.piece, end_of_generation: step.end_of_generation })
+        Ok(wit::Step {
+            token: step.token,
+            piece: step.piece,
+            end_of_generation: step.end_of_generation,
+            dead_end: step.dead_end,
+        })
+    }
+
+    fn constrain(&self, constraint: Option<wit::Constraint>) -> Result<(), wit::Error> {
+        let spec = constraint.map(|c| match c {
+            wit::Constraint::JsonSchema(s) => Spec::JsonSchema(s),
+            wit::Constraint::Regex(s) => Spec::Regex(s),
+            wit::Constraint::Lark(s) => Spec::Lark(s),
+        });
+        Ok(self.0.borrow_mut().constrain(spec.as_ref())?)
     }
 
     fn logits(&self) -> Result<Vec<f32>, wit::Error> {

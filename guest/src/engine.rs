@@ -2,13 +2,16 @@
 //! component bindings, so that it is tested natively too.
 
 use crate::chat;
+use crate::constraint::Grammars;
 use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
 use crate::models::{Hparams, LoadError, gemma3, qwen2};
 use crate::quant;
 use crate::tokenizer::Tokenizer;
+use std::cell::OnceCell;
 use std::fmt;
 use std::rc::Rc;
+use std::sync::Arc;
 
 /// An engine failure, mapped one to one onto the WIT `error` variant.
 #[derive(Debug, Clone, PartialEq)]
@@ -19,6 +22,7 @@ pub enum Error {
     InvalidArgument(String),
     ContextFull(String),
     OutOfMemory(String),
+    InvalidConstraint(String),
 }
 
 impl fmt::Display for Error {
@@ -30,6 +34,7 @@ impl fmt::Display for Error {
             Error::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             Error::ContextFull(m) => write!(f, "context full: {m}"),
             Error::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+            Error::InvalidConstraint(m) => write!(f, "invalid constraint: {m}"),
         }
     }
 }
@@ -82,7 +87,7 @@ pub struct Summary {
 
 pub struct Model {
     pub arch: Arch,
-    pub tokenizer: Tokenizer,
+    pub tokenizer: Arc<Tokenizer>,
     pub summary: Summary,
     /// The host's device, when the mode allows it and the host has one.
     pub gpu: Option<Rc<Gpu>>,
@@ -90,6 +95,8 @@ pub struct Model {
     pub gpu_weights: usize,
     /// The chat template (the file's, or a built-in one for a known family), if any.
     pub chat_template: Option<chat::Template>,
+    /// The vocabulary as the constraint compiler sees it, built on the first constraint.
+    grammars: OnceCell<Result<Grammars, String>>,
 }
 
 /// The device a model may use, as the component hands it over.
@@ -212,7 +219,14 @@ impl Model {
             _ => {}
         }
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
-        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template })
+        let tokenizer = Arc::new(tokenizer);
+        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new() })
+    }
+
+    /// The constraint compiler of this model's vocabulary (`unsupported` without an
+    /// end-of-generation token).
+    pub fn grammars(&self) -> Result<&Grammars, Error> {
+        self.grammars.get_or_init(|| Grammars::new(&self.tokenizer)).as_ref().map_err(|m| Error::Unsupported(m.clone()))
     }
 
     pub fn n_vocab(&self) -> usize {

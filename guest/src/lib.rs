@@ -2,10 +2,12 @@
 //!
 //! It parses GGUF (`gguf`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
 //! transformer (`models`) on its own CPU kernels (`kernels`), decides which products go to the
-//! host's GPU (`dispatch`), samples (`sampler`), and renders chat templates (`chat`).
+//! host's GPU (`dispatch`), samples (`sampler`) under a constraint if asked (`constraint`), and
+//! renders chat templates (`chat`).
 //! `component` is the WIT glue.
 
 pub mod chat;
+pub mod constraint;
 pub mod dispatch;
 pub mod engine;
 pub mod gguf;

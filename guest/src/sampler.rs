@@ -154,7 +154,7 @@ fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
 }
 
 /// `c` = the `k` best `(id, logit)` of `logits` in `by_logit` order (all of them for `k` 0),
-/// NaNs left out. One pass that keeps at most `2k` candidates: when full, the best `k` stay and
+/// NaNs and minus infinities left out. One pass that keeps at most `2k` candidates: when full, the best `k` stay and
 /// the worst of them becomes the bar a later logit must pass (a later equal logit has a larger
 /// id: it ranks below). Not a list of the whole vocabulary selected down (262,144 pairs each
 /// step: ~5 ms a token in wasm).
@@ -163,7 +163,8 @@ fn top_candidates(logits: &[f32], k: usize, c: &mut Vec<(u32, f32)>) {
     let cap = if k > 0 { (2 * k).max(64) } else { usize::MAX };
     let mut bar: Option<f32> = None;
     for (i, &l) in logits.iter().enumerate() {
-        if l.is_nan() || bar.is_some_and(|b| l <= b) {
+        // NaN has no rank, and minus infinity no probability (a constraint's masked tokens).
+        if l.is_nan() || l == f32::NEG_INFINITY || bar.is_some_and(|b| l <= b) {
             continue;
         }
         c.push((i as u32, l));
@@ -268,7 +269,7 @@ mod tests {
                         })
                         .collect();
                     let mut want: Vec<(u32, f32)> =
-                        logits.iter().enumerate().filter(|(_, l)| !l.is_nan()).map(|(i, &l)| (i as u32, l)).collect();
+                        logits.iter().enumerate().filter(|(_, l)| !l.is_nan() && **l != f32::NEG_INFINITY).map(|(i, &l)| (i as u32, l)).collect();
                     want.sort_by(by_logit);
                     if k > 0 {
                         want.truncate(k);
@@ -357,6 +358,21 @@ mod tests {
                 })
                 .collect();
             assert_eq!(got, want, "top_p={top_p} min_p={min_p}");
+        }
+    }
+
+    #[test]
+    fn tokens_at_minus_infinity_are_never_drawn() {
+        // A constraint's mask: two tokens allowed among 1,000.
+        let mut logits = vec![f32::NEG_INFINITY; 1000];
+        logits[17] = -3.0;
+        logits[600] = -3.5;
+        for (top_k, top_p, min_p) in [(40, 1.0, 0.0), (0, 1.0, 0.0), (0, 0.999, 0.0), (0, 1.0, 0.01), (2, 1.0, 0.0)] {
+            for seed in 0..200 {
+                let p = Params { temperature: 1.5, top_k, top_p, min_p, seed, ..Params::greedy() };
+                let t = Sampler::default().sample(&logits, &[], &p);
+                assert!(t == 17 || t == 600, "{p:?} drew {t}");
+            }
         }
     }
 

@@ -1,5 +1,6 @@
 //! A session: one KV cache, the logits of its last position, the tokens so far, counters.
 
+use crate::constraint::{Allowed, Constraint, Spec};
 use crate::dispatch::{Counters, Dispatch};
 use crate::engine::{Arch, Error, Model, can_allocate};
 use crate::models::{gemma3, qwen2};
@@ -55,6 +56,8 @@ pub struct Session {
     state: State,
     dispatch: Dispatch,
     sampler: Sampler,
+    /// What the generated tokens must spell, if anything.
+    constraint: Option<Constraint>,
     /// Every token in the context, the pending one included.
     history: Vec<u32>,
     /// Tokens whose forward pass has run (`history[..done]`).
@@ -66,6 +69,8 @@ pub struct Step {
     pub token: u32,
     pub piece: Vec<u8>,
     pub end_of_generation: bool,
+    /// The constraint admitted no token: nothing was appended.
+    pub dead_end: bool,
 }
 
 impl Session {
@@ -96,6 +101,7 @@ impl Session {
             state,
             dispatch,
             sampler: Sampler::default(),
+            constraint: None,
             history: Vec::new(),
             done: 0,
             stats: Stats::default(),
@@ -113,6 +119,16 @@ impl Session {
     pub fn reset(&mut self) {
         self.history.clear();
         self.done = 0;
+        self.constraint = None;
+    }
+
+    /// Constrains the tokens of the following `next` calls (none: unconstrained).
+    pub fn constrain(&mut self, spec: Option<&Spec>) -> Result<(), Error> {
+        self.constraint = match spec {
+            None => None,
+            Some(spec) => Some(self.model.grammars()?.compile(spec).map_err(Error::InvalidConstraint)?),
+        };
+        Ok(())
     }
 
     pub fn stats(&self) -> Stats {
@@ -201,7 +217,20 @@ impl Session {
         let model = Rc::clone(&self.model);
         self.logits()?;
         let logits = self.state.logits();
-        let token = self.sampler.sample(logits, &self.history, params);
+        let token = match &mut self.constraint {
+            None => self.sampler.sample(logits, &self.history, params),
+            Some(c) => match c.allowed(logits).map_err(Error::InvalidConstraint)? {
+                Allowed::Logits(masked) => {
+                    let token = self.sampler.sample(masked, &self.history, params);
+                    c.consume(token).map_err(Error::InvalidConstraint)?;
+                    token
+                }
+                Allowed::None => {
+                    let eos = model.tokenizer.eos.unwrap_or(0);
+                    return Ok(Step { token: eos, piece: Vec::new(), end_of_generation: true, dead_end: true });
+                }
+            },
+        };
         self.history.push(token);
         // Decode time includes the deferred forward pass of the previous generated token.
         self.stats.decode_ns += start.elapsed().as_nanos() as u64;
@@ -210,6 +239,7 @@ impl Session {
             token,
             piece: model.tokenizer.piece(token, false),
             end_of_generation: model.tokenizer.is_eog(token),
+            dead_end: false,
         })
     }
 }

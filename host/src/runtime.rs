@@ -17,7 +17,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.1.0";
+const WIT_VERSION: &str = "0.2.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -39,6 +39,9 @@ pub enum EngineError {
     ContextFull(String),
     /// The guest's memory (see [`Options::max_memory`]) cannot hold what was asked.
     OutOfMemory(String),
+    /// A [`Constraint`] that does not compile, is longer than 256 KiB or exceeds the compiler's
+    /// limits (at [`Instance::constrain`], or at a step of [`Instance::next`]).
+    InvalidConstraint(String),
 }
 
 impl std::fmt::Display for EngineError {
@@ -50,6 +53,7 @@ impl std::fmt::Display for EngineError {
             EngineError::InvalidArgument(m) => write!(f, "invalid argument: {m}"),
             EngineError::ContextFull(m) => write!(f, "context full: {m}"),
             EngineError::OutOfMemory(m) => write!(f, "out of memory: {m}"),
+            EngineError::InvalidConstraint(m) => write!(f, "invalid constraint: {m}"),
         }
     }
 }
@@ -65,6 +69,7 @@ impl From<wit::Error> for EngineError {
             wit::Error::InvalidArgument(m) => EngineError::InvalidArgument(m),
             wit::Error::ContextFull(m) => EngineError::ContextFull(m),
             wit::Error::OutOfMemory(m) => EngineError::OutOfMemory(m),
+            wit::Error::InvalidConstraint(m) => EngineError::InvalidConstraint(m),
         }
     }
 }
@@ -116,6 +121,22 @@ pub struct Step {
     pub piece: Vec<u8>,
     /// The token ends generation (end of sequence, end of turn); its piece is empty.
     pub end_of_generation: bool,
+    /// The session's constraint admitted no token (a dead end): nothing was appended, `token`
+    /// is the end-of-sequence id, and `end_of_generation` is set.
+    pub dead_end: bool,
+}
+
+/// What a generation must spell (the WIT `constraint`), compiled inside the guest by
+/// llguidance: see [`Instance::constrain`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    /// A JSON schema as JSON text; `{"type": "object"}` asks for any object. Written compactly
+    /// unless the schema's `x-guidance` options say otherwise.
+    JsonSchema(String),
+    /// A regular expression (Rust `regex` syntax) the whole output matches.
+    Regex(String),
+    /// A grammar in llguidance's Lark dialect; its `start` rule is the output.
+    Lark(String),
 }
 
 /// What a model is (the WIT `model-info`).
@@ -641,7 +662,21 @@ impl Instance {
             seed: sampling.seed,
         };
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_next(st, s.0, p))?;
-        Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation }).map_err(Into::into))
+        Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation, dead_end: s.dead_end })
+            .map_err(Into::into))
+    }
+
+    /// Constrains the tokens that the following [`Instance::next`] calls produce (`None`
+    /// removes the constraint, as [`Instance::reset`] does). Compiled here, once:
+    /// [`EngineError::InvalidConstraint`] names what is wrong with it.
+    pub fn constrain(&mut self, s: Session, constraint: Option<&Constraint>) -> Outcome<()> {
+        let c = constraint.map(|c| match c {
+            Constraint::JsonSchema(t) => wit::Constraint::JsonSchema(t.clone()),
+            Constraint::Regex(t) => wit::Constraint::Regex(t.clone()),
+            Constraint::Lark(t) => wit::Constraint::Lark(t.clone()),
+        });
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_constrain(st, s.0, c.as_ref()))?;
+        Ok(r.map_err(Into::into))
     }
 
     /// All logits after the last token (the vocabulary's size).

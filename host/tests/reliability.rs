@@ -248,7 +248,8 @@ fn message(e: &EngineError) -> &str {
         | EngineError::Io(m)
         | EngineError::InvalidArgument(m)
         | EngineError::ContextFull(m)
-        | EngineError::OutOfMemory(m) => m,
+        | EngineError::OutOfMemory(m)
+        | EngineError::InvalidConstraint(m) => m,
     }
 }
 
@@ -494,12 +495,12 @@ fn a_component_of_another_world_is_refused_clearly() {
     still_serves(&Wisp::new(Options::default()).unwrap(), &model());
 }
 
-/// The real guest with every `wisp:llm/<interface>@0.1.0` renamed to `@0.<minor>.0`: a component
+/// The real guest with every `wisp:llm/<interface>@0.2.0` renamed to `@0.<minor>.0`: a component
 /// built for another version of the WIT package (same length, so the binary stays valid).
 fn guest_of_version(minor: u8) -> Vec<u8> {
     let mut bytes = wisp::GUEST_WASM.to_vec();
     let mut n = 0;
-    for iface in [&b"wisp:llm/gpu@0.1.0"[..], b"wisp:llm/engine@0.1.0"] {
+    for iface in [&b"wisp:llm/gpu@0.2.0"[..], b"wisp:llm/engine@0.2.0"] {
         let mut to = iface.to_vec();
         let at = to.len() - 3;
         to[at] = b'0' + minor;
@@ -516,18 +517,19 @@ fn guest_of_version(minor: u8) -> Vec<u8> {
 
 #[test]
 fn a_component_built_for_another_wit_version_is_refused_clearly() {
-    let wisp = Wisp::with_component(&guest_of_version(2), Options { cache_dir: None, ..Options::default() }).unwrap();
+    // A guest of the previous version (0.1: no constraints) names it.
+    let wisp = Wisp::with_component(&guest_of_version(1), Options { cache_dir: None, ..Options::default() }).unwrap();
     let err = match wisp.instantiate(GpuCtx::none(), None) {
-        Ok(_) => panic!("a component of wisp:llm@0.2.0 instantiated"),
+        Ok(_) => panic!("a component of wisp:llm@0.1.0 instantiated"),
         Err(e) => format!("{e:#}"),
     };
-    assert!(err.contains("built for wisp:llm@0.2.0"), "{err}");
-    assert!(err.contains("this host implements wisp:llm@0.1.0"), "{err}");
+    assert!(err.contains("built for wisp:llm@0.1.0"), "{err}");
+    assert!(err.contains("this host implements wisp:llm@0.2.0"), "{err}");
     // The CLI says so in one line.
     let dir = std::env::temp_dir().join(format!("wisp-version-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let component = dir.join("guest-0.2.wasm");
-    std::fs::write(&component, guest_of_version(2)).unwrap();
+    let component = dir.join("guest-0.3.wasm");
+    std::fs::write(&component, guest_of_version(3)).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_wisp"))
         .env("WISP_COMPONENT", &component)
         .args(["run", "--gpu", "off", "--model"])
@@ -539,7 +541,7 @@ fn a_component_built_for_another_wit_version_is_refused_clearly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line: {stderr}");
-    assert!(lines[0].starts_with("wisp: error:") && lines[0].contains("built for wisp:llm@0.2.0"), "{stderr}");
+    assert!(lines[0].starts_with("wisp: error:") && lines[0].contains("built for wisp:llm@0.3.0"), "{stderr}");
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     // The right version still serves, on the same host.
     still_serves(&Wisp::new(Options::default()).unwrap(), &model());
@@ -575,4 +577,63 @@ fn ctrl_c_stops_generation_and_keeps_the_output() {
     assert!(err.contains("[interrupted]"), "{err}");
     assert!(err.contains("decode:"), "stats are still printed: {err}");
     assert!(out.status.success(), "{:?} {err}", out.status);
+}
+
+/// RELIABILITY 36 through the embedding API: a bad constraint is `InvalidConstraint` and leaves
+/// the session as it was; a dead end appends nothing; `reset` and `None` lift a constraint.
+#[test]
+fn constraints_through_the_api_fail_typed_and_lift_cleanly() {
+    use wisp::Constraint;
+    let path = model();
+    let wisp = Wisp::new(Options::default()).unwrap();
+    let mut inst = wisp.instantiate(GpuCtx::none(), path.parent()).unwrap();
+    let m = inst.open_model(&path, GpuMode::Off).unwrap().unwrap();
+    let s = inst.new_session(m, 64).unwrap().unwrap();
+    let prompt = inst.tokenize(m, "Is the sky blue? Answer:", true, false).unwrap().unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    let bad = [
+        Constraint::JsonSchema("{\"type\": \"integer\", \"minimum\": 5, \"maximum\": 3}".into()),
+        Constraint::JsonSchema("not json".into()),
+        Constraint::Regex("(".into()),
+        Constraint::Lark("start: missing".into()),
+        Constraint::Regex("a".repeat(256 * 1024 + 1)),
+    ];
+    for c in &bad {
+        match inst.constrain(s, Some(c)).unwrap() {
+            Err(EngineError::InvalidConstraint(m)) => assert!(m.contains("does not compile") || m.contains("not JSON") || m.contains("over the limit"), "{m}"),
+            other => panic!("{c:?}: {other:?}"),
+        }
+    }
+    // The failed constraints left none: the session generates as it would have.
+    let free = inst.next(s, &Sampling::default()).unwrap().unwrap();
+    inst.reset(s).unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    inst.constrain(s, Some(&Constraint::Regex(" (yes|no)".into()))).unwrap().unwrap();
+    let mut text = Vec::new();
+    loop {
+        let step = inst.next(s, &Sampling::default()).unwrap().unwrap();
+        if step.end_of_generation {
+            assert!(!step.dead_end);
+            break;
+        }
+        text.extend(step.piece);
+        assert!(text.len() <= 4, "{}", String::from_utf8_lossy(&text));
+    }
+    assert!(text == b" yes" || text == b" no", "{}", String::from_utf8_lossy(&text));
+    // A dead end appends nothing.
+    let before = inst.position(s).unwrap();
+    inst.constrain(s, Some(&Constraint::Regex("[^\\s\\S]".into()))).unwrap().unwrap();
+    let step = inst.next(s, &Sampling::default()).unwrap().unwrap();
+    assert!(step.dead_end && step.end_of_generation && step.piece.is_empty(), "{step:?}");
+    assert_eq!(inst.position(s).unwrap(), before);
+    // `None` lifts it: the same first token as unconstrained.
+    inst.constrain(s, None).unwrap().unwrap();
+    inst.reset(s).unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    assert_eq!(inst.next(s, &Sampling::default()).unwrap().unwrap().token, free.token);
+    // And `reset` lifts it too.
+    inst.constrain(s, Some(&Constraint::Regex("[^\\s\\S]".into()))).unwrap().unwrap();
+    inst.reset(s).unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    assert_eq!(inst.next(s, &Sampling::default()).unwrap().unwrap().token, free.token);
 }

@@ -71,6 +71,7 @@ export function wasiImports() {
     'wasi:io/poll': io.poll,
     'wasi:io/streams': io.streams,
     'wasi:random/insecure-seed': random.insecureSeed,
+    'wasi:random/random': random.random,
   };
 }
 

@@ -206,6 +206,14 @@ impl Tokenizer {
         self.eog.contains(&id)
     }
 
+    /// Whether a token is a control, unknown or unused one: text never spells it.
+    pub fn is_control(&self, id: u32) -> bool {
+        matches!(
+            self.types.get(id as usize),
+            Some(TokenType::Control | TokenType::Unknown | TokenType::Unused)
+        )
+    }
+
     pub fn token_text(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(|s| s.as_str())
     }

@@ -118,6 +118,9 @@ impl GuestSession for Session {
     fn next(&self, _: Sampling) -> Result<Step, Error> {
         match *self {}
     }
+    fn constrain(&self, _: Option<bindings::exports::wisp::llm::engine::Constraint>) -> Result<(), Error> {
+        match *self {}
+    }
     fn logits(&self) -> Result<Vec<f32>, Error> {
         match *self {}
     }
