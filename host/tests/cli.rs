@@ -329,3 +329,123 @@ fn conformance_fails_with_exit_code_3_when_a_golden_case_fails() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("has no case \"no-such-case\"; its cases: capital, story"), "{}", stderr(&o));
 }
+
+/// A JSON schema written to a file of the test's own directory.
+fn schema_file(name: &str, schema: &Value) -> PathBuf {
+    let path = tempdir(name).join("schema.json");
+    std::fs::write(&path, schema.to_string()).unwrap();
+    path
+}
+
+#[test]
+fn run_and_chat_follow_a_json_schema() {
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 150},
+            "job": {"enum": ["engineer", "doctor", "artist"]}
+        },
+        "required": ["name", "age", "job"],
+        "additionalProperties": false
+    });
+    let file = schema_file("json-schema", &schema);
+    let m = model().to_str().unwrap();
+    let prompt = "Describe Alice, a 30 year old engineer, as JSON:";
+    let o = wisp(&["run", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", prompt]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let v: Value = serde_json::from_str(out.strip_prefix(prompt).unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(v["name"].is_string() && v["age"].as_u64().is_some_and(|a| a <= 150), "{v}");
+    assert!(["engineer", "doctor", "artist"].contains(&v["job"].as_str().unwrap()), "{v}");
+    // The properties in the schema's order, written compactly.
+    assert!(out.contains("{\"name\":\""), "{out}");
+    // A chat reply too.
+    let o = wisp(&["chat", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", "Describe Bob, a doctor aged 52."]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
+    assert!(v["age"].is_u64() && v["job"].is_string(), "{v}");
+}
+
+#[test]
+fn run_follows_a_regex_and_a_lark_grammar() {
+    let m = model().to_str().unwrap();
+    let o = wisp(&["run", "--model", m, "--regex", "[0-9]{3}-[0-9]{4}", "-n", "20", "Her phone number is"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let number = out.strip_prefix("Her phone number is").unwrap().trim_end();
+    assert!(number.len() == 8 && number.as_bytes()[3] == b'-', "{out}");
+    assert!(number.chars().filter(|c| c.is_ascii_digit()).count() == 7, "{out}");
+    let grammar = tempdir("lark").join("answer.lark");
+    std::fs::write(&grammar, "start: ANSWER \" because \" REASON \".\"\nANSWER: \"yes\" | \"no\"\nREASON: /[a-z ]{1,40}/\n").unwrap();
+    let o = wisp(&["chat", "--model", m, "--grammar", grammar.to_str().unwrap(), "-n", "40", "Is water wet?"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let reply = out.trim_end();
+    assert!(reply.starts_with("yes because ") || reply.starts_with("no because "), "{out}");
+    assert!(reply.ends_with('.'), "{out}");
+}
+
+/// RELIABILITY 36 through the CLI: every bad constraint is one line on stderr and exit code 2;
+/// a dead end ends the output with a notice and exit code 0.
+#[test]
+fn bad_constraints_fail_with_one_line() {
+    let m = model().to_str().unwrap();
+    let big: Vec<String> = (0..3000).map(|i| format!("{}{i}", "x".repeat(100))).collect();
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("unsatisfiable", serde_json::json!({"type": "integer", "minimum": 5, "maximum": 3}), "does not compile"),
+        ("unknown-type", serde_json::json!({"type": "nonsense"}), "does not compile"),
+        ("too-big", serde_json::json!({"enum": big}), "over the limit of 262144"),
+    ];
+    for (name, schema, words) in cases {
+        let file = schema_file(name, &schema);
+        let o = wisp(&["run", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "4", "Hi"]);
+        let err = stderr(&o);
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(o.status.code(), Some(2), "{name}: {err}");
+        assert_eq!(lines.len(), 1, "{name}: {err}");
+        assert!(lines[0].starts_with("wisp: error: invalid constraint:") && lines[0].contains(words), "{name}: {err}");
+    }
+    let not_json = tempdir("not-json").join("schema.json");
+    std::fs::write(&not_json, "{\"type\": ").unwrap();
+    let o = wisp(&["run", "--model", m, "--json-schema", not_json.to_str().unwrap(), "Hi"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("not JSON"), "{}", stderr(&o));
+    let o = wisp(&["run", "--model", m, "--regex", "(unclosed", "Hi"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("regular expression does not compile"), "{}", stderr(&o));
+    // A grammar that a step cannot follow (a lexer past its limits): an error, not a hang.
+    let start = std::time::Instant::now();
+    let o = wisp(&["run", "--model", m, "--regex", "(\\w+\\s?){1000}", "-n", "32", "Hello"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("invalid constraint"), "{}", stderr(&o));
+    assert!(start.elapsed().as_secs() < 60);
+    // A missing file, and two constraints at once.
+    let o = wisp(&["run", "--model", m, "--grammar", "/no/such/file.lark", "Hi"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot read /no/such/file.lark"), "{}", stderr(&o));
+    let o = wisp(&["run", "--model", m, "--regex", "a", "--grammar", "x.lark", "Hi"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+    // No text matches: the generation ends at once, saying why.
+    let o = wisp(&["run", "--model", m, "--regex", "[^\\s\\S]", "-n", "8", "Hello"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o).trim_end(), "Hello");
+    assert!(stderr(&o).contains("the constraint admits no further token"), "{}", stderr(&o));
+}
+
+#[test]
+fn bench_times_decoding_under_a_constraint() {
+    let file = schema_file("bench", &serde_json::json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}}));
+    let o = wisp(&[
+        "bench", "--model", model().to_str().unwrap(), "--runs", "1", "--prompt-tokens", "8", "--decode-tokens", "8",
+        "--json-schema", file.to_str().unwrap(), "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let c = &v["constrained"];
+    for key in ["ms_per_token", "unconstrained_ms_per_token", "ratio", "first_compile_ms"] {
+        assert!(c[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {c}");
+    }
+    assert!(c["compiles"].as_u64().is_some_and(|n| n >= 1), "{c}");
+}

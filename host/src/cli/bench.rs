@@ -4,7 +4,7 @@ use super::{ModelArgs, engine, load};
 use anyhow::Result;
 use clap::Args;
 use std::time::Instant;
-use wisp::{Format, Sampling, Stats};
+use wisp::{Constraint, Format, Instance, Sampling, Session, Stats};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -26,6 +26,48 @@ pub struct BenchArgs {
     /// it.
     #[arg(long, default_value_t = 2048)]
     matmul_size: u32,
+    /// With a constraint, decoding is also timed under it, interleaved with the unconstrained
+    /// decode of each run.
+    #[command(flatten)]
+    constraint: super::ConstraintArgs,
+}
+
+/// Constrained decoding timed: the `next` calls alone, greedy, `n` tokens after `prompt`.
+/// Where the constraint is complete (an end-of-generation token or a dead end), it is compiled
+/// again and the generation goes on. The compile times are returned apart.
+#[derive(Default)]
+struct Constrained {
+    tokens: u64,
+    next_ns: u64,
+    compiles_ns: Vec<u64>,
+}
+
+impl Constrained {
+    fn run(&mut self, inst: &mut Instance, session: Session, prompt: &[u32], c: &Constraint, n: u32) -> Result<()> {
+        inst.reset(session)?;
+        engine(inst.feed(session, prompt)?)?;
+        let compile = |inst: &mut Instance, times: &mut Vec<u64>| -> Result<()> {
+            let start = Instant::now();
+            engine(inst.constrain(session, Some(c))?)?;
+            times.push(start.elapsed().as_nanos() as u64);
+            Ok(())
+        };
+        compile(inst, &mut self.compiles_ns)?;
+        for _ in 0..n {
+            let start = Instant::now();
+            let step = engine(inst.next(session, &Sampling::default())?)?;
+            self.next_ns += start.elapsed().as_nanos() as u64;
+            self.tokens += 1;
+            if step.end_of_generation {
+                compile(inst, &mut self.compiles_ns)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn ms_per_token(&self) -> f64 {
+        self.next_ns as f64 / self.tokens.max(1) as f64 / 1e6
+    }
 }
 
 /// GFLOP/s of the device's matmul per upload format and batch size, and the round trip of a
@@ -212,6 +254,8 @@ const TEXT: &str = "The quick brown fox jumps over the lazy dog. A journey of a 
                     with a single step. To be or not to be, that is the question. ";
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    let constraint = a.constraint.constraint()?;
+    let mut constrained = Constrained::default();
     let mut l = load(&a.model)?;
     let (inst, model) = (&mut l.inst, l.model);
     // The model's special prefix (BOS, if it adds one), then the text repeated.
@@ -250,10 +294,26 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             eprintln!("run {}: prefill {:.1} tok/s, decode {:.1} tok/s", run + 1, prefill[run], decode[run]);
         }
         last = Some(after);
+        if let Some(c) = &constraint {
+            constrained.run(inst, session, &prompt, c, a.decode_tokens)?;
+        }
     }
     let (p, d) = (median(prefill), median(decode));
     let matmuls = if matches!(a.model.gpu, super::GpuArg::On) && a.matmul_size > 0 { device_matmuls(&a)? } else { None };
     let Some(s) = last else { anyhow::bail!("no run") };
+    // Per token, constrained against unconstrained: both timed over all runs' `next` calls.
+    let plain_ms = decode_stages.ms(decode_stages.wall_ns);
+    let constrained_json = constraint.as_ref().map(|_| {
+        let c = &constrained.compiles_ns;
+        serde_json::json!({
+            "ms_per_token": constrained.ms_per_token(),
+            "unconstrained_ms_per_token": plain_ms,
+            "ratio": constrained.ms_per_token() / plain_ms,
+            "first_compile_ms": c.first().copied().unwrap_or(0) as f64 / 1e6,
+            "compile_ms": median(c.iter().skip(1).map(|&ns| ns as f64 / 1e6).collect()),
+            "compiles": c.len(),
+        })
+    });
     if a.json {
         println!(
             "{}",
@@ -263,6 +323,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls,
                 "gpu_attention_calls": s.gpu_attention_calls, "device_matmul": matmuls,
                 "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
+                "constrained": constrained_json,
             })
         );
     } else {
@@ -277,6 +338,18 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             s.gpu_attention_calls,
             a.runs.max(1)
         );
+        if let Some(c) = &constrained_json {
+            println!(
+                "constrained decode: {:.2} ms/token against {:.2} unconstrained ({:.2}x); compiled {} times: \
+                 first {:.0} ms (the vocabulary's grammar environment built), then {:.1} ms (median)",
+                c["ms_per_token"].as_f64().unwrap_or(0.0),
+                plain_ms,
+                c["ratio"].as_f64().unwrap_or(0.0),
+                c["compiles"],
+                c["first_compile_ms"].as_f64().unwrap_or(0.0),
+                c["compile_ms"].as_f64().unwrap_or(0.0),
+            );
+        }
         println!("where the time goes (all runs):");
         println!("  {}", prefill_stages.line("prefill"));
         println!("  {}", decode_stages.line("decode"));

@@ -4,13 +4,13 @@
 //! The session's KV cache carries over between turns: each turn renders the whole conversation,
 //! and only the tokens past what the cache already holds are fed.
 
-use super::{ModelArgs, SamplingArgs, engine, flush_utf8, load};
+use super::{DEAD_END, ModelArgs, SamplingArgs, engine, flush_utf8, load};
 use anyhow::Result;
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use wisp::{EngineError, Instance, Model, Sampling, Session};
+use wisp::{Constraint, EngineError, Instance, Model, Sampling, Session};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -50,6 +50,8 @@ struct Chat {
     /// Every token in the session's context, in order.
     context: Vec<u32>,
     sampling: Sampling,
+    /// What each reply must spell, compiled anew for each.
+    constraint: Option<Constraint>,
     n_predict: u32,
     stats: bool,
     show_prompt: bool,
@@ -128,6 +130,7 @@ impl Chat {
             0
         };
         engine(self.inst.feed(self.session, &tokens[kept..])?)?;
+        engine(self.inst.constrain(self.session, self.constraint.as_ref())?)?;
         self.context = tokens;
         let budget = self.n_predict.min(self.capacity - self.context.len() as u32);
         let (mut reply, mut pending) = (Vec::new(), Vec::new());
@@ -139,6 +142,11 @@ impl Chat {
                 break;
             }
             let step = engine(self.inst.next(self.session, &self.sampling)?)?;
+            if step.dead_end {
+                eprintln!("\n{DEAD_END}");
+                ended = true;
+                break;
+            }
             self.context.push(step.token);
             if step.end_of_generation {
                 ended = true;
@@ -178,6 +186,7 @@ impl Chat {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
+    let constraint = a.sampling.constraint.constraint()?;
     let loaded = load(&a.model)?;
     let (mut inst, model) = (loaded.inst, loaded.model);
     let info = inst.model_info(model)?;
@@ -194,6 +203,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         messages: Vec::new(),
         context: Vec::new(),
         sampling,
+        constraint,
         n_predict: a.n_predict,
         stats: a.stats,
         show_prompt: a.show_prompt,

@@ -12,7 +12,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use wisp::{Budget, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, WgpuBackend, Wisp, fetch};
+use wisp::{Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, WgpuBackend, Wisp, fetch};
 
 #[derive(Parser)]
 #[command(
@@ -35,14 +35,17 @@ enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     #[command(after_help = "Examples:\n  wisp run \"The capital of France is\"\n  \
                             wisp run -n 64 --temp 0.8 --top-k 40 --seed 1 \"Once upon a time\"\n  \
-                            wisp run --model ./my.gguf --gpu off \"Hello\"")]
+                            wisp run --model ./my.gguf --gpu off \"Hello\"\n  \
+                            wisp run --json-schema person.json \"Describe Alice, 30, as JSON:\"\n  \
+                            wisp run --regex \"(yes|no)\" \"Is the sky blue? Answer:\"")]
     Run(RunArgs),
     /// Teacher-forced comparison against a golden reference file.
     #[command(after_help = "Examples:\n  wisp eval --golden tests/golden/gemma3-270m.json\n  \
                             wisp eval --golden tests/golden/gemma3-270m.json --json --top 5")]
     Eval(eval::EvalArgs),
     /// Measure prefill and decode speed.
-    #[command(after_help = "Examples:\n  wisp bench\n  wisp bench --runs 5 --json")]
+    #[command(after_help = "Examples:\n  wisp bench\n  wisp bench --runs 5 --json\n  \
+                            wisp bench --json-schema person.json   (decode with and without the constraint)")]
     Bench(bench::BenchArgs),
     /// Print the token ids of a text.
     #[command(after_help = "Examples:\n  wisp tokenize \"Hello world\"\n  wisp tokenize --json \"Hello world\"")]
@@ -57,7 +60,8 @@ enum Command {
     #[command(after_help = "Examples:\n  wisp chat --model qwen2.5-coder-0.5b \"Write a binary search in Rust\"\n  \
                             wisp chat --model ./my.gguf --system \"Answer briefly.\" -n 128 \"What is a mutex?\"\n  \
                             wisp chat --model qwen2.5-coder-0.5b      (interactive: one message per line)\n  \
-                            echo \"Hello\" | wisp chat --model qwen2.5-coder-0.5b --temp 0.7 --seed 1")]
+                            echo \"Hello\" | wisp chat --model qwen2.5-coder-0.5b --temp 0.7 --seed 1\n  \
+                            wisp chat --grammar answer.lark \"Is water wet?\"   (every reply follows the grammar)")]
     Chat(chat::ChatArgs),
     /// Check a host's `gpu` interface with the conformance kit (every upload format, batches,
     /// handles, budgets and hostile calls, held to the contract in wit/gpu.wit), then the engine
@@ -180,6 +184,36 @@ pub struct SamplingArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    #[command(flatten)]
+    pub constraint: ConstraintArgs,
+}
+
+/// The structured-output flags: at most one.
+#[derive(Args, Clone)]
+#[group(multiple = false)]
+pub struct ConstraintArgs {
+    /// Constrain the output to JSON that validates against the JSON schema in FILE.
+    #[arg(long, value_name = "FILE", help_heading = "Structured output")]
+    json_schema: Option<PathBuf>,
+    /// Constrain the output to the grammar in FILE, in llguidance's Lark dialect (`start: ...`).
+    #[arg(long, value_name = "FILE", help_heading = "Structured output")]
+    grammar: Option<PathBuf>,
+    /// Constrain the output to match the regular expression (Rust `regex` syntax) as a whole.
+    #[arg(long, value_name = "PATTERN", help_heading = "Structured output")]
+    regex: Option<String>,
+}
+
+impl ConstraintArgs {
+    /// The constraint the flags ask for, its file read.
+    pub fn constraint(&self) -> Result<Option<Constraint>> {
+        let read = |p: &PathBuf| std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()));
+        Ok(match (&self.json_schema, &self.grammar, &self.regex) {
+            (Some(p), _, _) => Some(Constraint::JsonSchema(read(p)?)),
+            (_, Some(p), _) => Some(Constraint::Lark(read(p)?)),
+            (_, _, Some(r)) => Some(Constraint::Regex(r.clone())),
+            _ => None,
+        })
+    }
 }
 
 impl SamplingArgs {
@@ -195,6 +229,9 @@ impl SamplingArgs {
         }
     }
 }
+
+/// Said on stderr when a constraint admits no token: the generation ends there.
+pub const DEAD_END: &str = "[the constraint admits no further token: the output ends here]";
 
 #[derive(Args)]
 struct RunArgs {
@@ -346,6 +383,7 @@ fn flush_utf8(out: &mut impl Write, pending: &mut Vec<u8>) -> std::io::Result<()
 }
 
 fn run(a: RunArgs) -> Result<()> {
+    let constraint = a.sampling.constraint.constraint()?;
     let Loaded { mut inst, model, .. } = load(&a.model)?;
     let prompt = engine(inst.tokenize(model, &a.prompt, true, false)?)?;
     let info = inst.model_info(model)?;
@@ -353,6 +391,7 @@ fn run(a: RunArgs) -> Result<()> {
     let session = engine(inst.new_session(model, n_ctx)?)?;
     engine(inst.feed(session, &prompt)?)?;
     let sampling = a.sampling.sampling();
+    engine(inst.constrain(session, constraint.as_ref())?)?;
     let mut out = std::io::stdout().lock();
     write!(out, "{}", a.prompt)?;
     out.flush()?;
@@ -372,6 +411,9 @@ fn run(a: RunArgs) -> Result<()> {
             break;
         }
         let step = engine(inst.next(session, &sampling)?)?;
+        if step.dead_end {
+            eprintln!("\n{DEAD_END}");
+        }
         if step.end_of_generation {
             break;
         }
