@@ -16,13 +16,13 @@ fn ci() -> bool {
 
 #[test]
 fn the_server_passes_its_client_suite() {
-    let probe = Command::new("python3").args(["-c", "import openai, httpx, pytest, schemathesis"]).output();
+    let probe = Command::new("python3").args(["-c", "import openai, httpx, pytest, schemathesis, jsonschema"]).output();
     if !probe.as_ref().is_ok_and(|o| o.status.success()) {
         let why = match &probe {
             Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
             Err(e) => e.to_string(),
         };
-        assert!(!ci(), "the server's client suite needs python3 with openai, pytest and schemathesis (pip), and CI=true requires it: {why}");
+        assert!(!ci(), "the server's client suite needs python3 with openai, pytest, schemathesis and jsonschema (pip), and CI=true requires it: {why}");
         eprintln!("skipping: {why}");
         return;
     }

@@ -5,7 +5,7 @@
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use wisp::Sampling;
+use wisp::{Constraint, Sampling};
 
 /// The most messages a chat request may carry.
 pub const MAX_MESSAGES: usize = 4096;
@@ -15,6 +15,8 @@ pub const MAX_STOPS: usize = 4;
 pub const MAX_STOP_BYTES: usize = 1024;
 /// The most token ids a prompt or a `/detokenize` request may carry.
 pub const MAX_TOKEN_IDS: usize = 1 << 20;
+/// The longest JSON schema or grammar a request may carry, in bytes (the guest's own cap).
+pub const MAX_CONSTRAINT_BYTES: usize = 256 * 1024;
 
 /// A failed request, as OpenAI's API reports one: an HTTP status and
 /// `{"error": {"message", "type", "param", "code"}}`.
@@ -117,6 +119,7 @@ impl From<wisp::EngineError> for ApiError {
         match e {
             E::InvalidArgument(_) | E::ContextFull(_) => ApiError::invalid(e.to_string()),
             E::Unsupported(_) => ApiError::invalid(e.to_string()),
+            E::InvalidConstraint(_) => ApiError::invalid(e.to_string()),
             _ => ApiError::internal(e.to_string()),
         }
     }
@@ -162,6 +165,9 @@ pub struct Generation {
     pub stream: bool,
     /// A streamed response ends with a chunk of usage counts.
     pub include_usage: bool,
+    /// What the output must spell, and the field that asked for it (`response_format`,
+    /// `json_schema`, `grammar`, `regex`), which an error names.
+    pub constraint: Option<(&'static str, Constraint)>,
 }
 
 /// `stop`: one string or a list.
@@ -225,6 +231,15 @@ struct Common {
     tools: Option<Vec<Value>>,
     #[serde(default)]
     response_format: Option<Value>,
+    /// llama.cpp's extension: a JSON schema as an object.
+    #[serde(default)]
+    json_schema: Option<Value>,
+    /// wisp's extension: a grammar in llguidance's Lark dialect.
+    #[serde(default)]
+    grammar: Option<String>,
+    /// wisp's extension: a regular expression the whole output matches.
+    #[serde(default)]
+    regex: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -360,12 +375,7 @@ fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
     if c.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid_param("tools", "tools are not supported"));
     }
-    if let Some(f) = &c.response_format {
-        let kind = f.get("type").and_then(Value::as_str);
-        if !(f.is_null() || kind == Some("text")) {
-            return Err(ApiError::invalid_param("response_format", "only response_format {\"type\": \"text\"} is supported"));
-        }
-    }
+    let constraint = constraint(&c)?;
     // OpenAI's penalties are additive on logits; wisp's sampler has llama.cpp's multiplicative
     // repeat_penalty instead. Zero (OpenAI's default) is accepted, anything else refused.
     for (name, v) in [("presence_penalty", c.presence_penalty), ("frequency_penalty", c.frequency_penalty)] {
@@ -420,7 +430,79 @@ fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
         stop,
         stream,
         include_usage,
+        constraint,
     })
+}
+
+/// The constraint a request asks for: OpenAI's `response_format` (`json_object`, `json_schema`
+/// with its `schema`; llama.cpp's `json_object` with a `schema` too), llama.cpp's `json_schema`,
+/// or wisp's `grammar` (Lark) and `regex`; at most one of them.
+fn constraint(c: &Common) -> Result<Option<(&'static str, Constraint)>, ApiError> {
+    let schema_text = |param: &str, schema: &Value| -> Result<Constraint, ApiError> {
+        if !(schema.is_object() || schema.is_boolean()) {
+            return Err(ApiError::invalid_param(param, format!("{param}: a JSON schema is an object")));
+        }
+        Ok(Constraint::JsonSchema(schema.to_string()))
+    };
+    let mut found: Vec<(&'static str, Constraint)> = Vec::new();
+    if let Some(f) = c.response_format.as_ref().filter(|f| !f.is_null()) {
+        let param = "response_format";
+        let kind = f.get("type").and_then(Value::as_str);
+        let any_object = || Constraint::JsonSchema(r#"{"type":"object"}"#.to_string());
+        match kind {
+            Some("text") => {}
+            Some("json_object") => match f.get("schema").filter(|s| !s.is_null()) {
+                Some(s) => found.push((param, schema_text("response_format.schema", s)?)),
+                None => found.push((param, any_object())),
+            },
+            Some("json_schema") => {
+                let Some(js) = f.get("json_schema").filter(|j| j.is_object()) else {
+                    return Err(ApiError::invalid_param(
+                        "response_format.json_schema",
+                        "response_format of type json_schema needs a json_schema object ({\"name\": ..., \"schema\": {...}})",
+                    ));
+                };
+                if js.get("name").is_some_and(|n| !n.is_string()) {
+                    return Err(ApiError::invalid_param("response_format.json_schema.name", "the name is a string"));
+                }
+                match js.get("schema").filter(|s| !s.is_null()) {
+                    Some(s) => found.push((param, schema_text("response_format.json_schema.schema", s)?)),
+                    // No schema: any JSON value.
+                    None => found.push((param, Constraint::JsonSchema("{}".to_string()))),
+                }
+            }
+            _ => {
+                return Err(ApiError::invalid_param(
+                    param,
+                    "response_format's type is one of \"text\", \"json_object\" and \"json_schema\"",
+                ));
+            }
+        }
+    }
+    if let Some(s) = c.json_schema.as_ref().filter(|s| !s.is_null()) {
+        found.push(("json_schema", schema_text("json_schema", s)?));
+    }
+    if let Some(g) = &c.grammar {
+        found.push(("grammar", Constraint::Lark(g.clone())));
+    }
+    if let Some(r) = &c.regex {
+        found.push(("regex", Constraint::Regex(r.clone())));
+    }
+    if found.len() > 1 {
+        let names: Vec<&str> = found.iter().map(|(p, _)| *p).collect();
+        return Err(ApiError::invalid_param(names[1], format!("one constraint at most, not {}", names.join(" and "))));
+    }
+    let Some((param, constraint)) = found.pop() else { return Ok(None) };
+    let len = match &constraint {
+        Constraint::JsonSchema(t) | Constraint::Lark(t) | Constraint::Regex(t) => t.len(),
+    };
+    if len > MAX_CONSTRAINT_BYTES {
+        return Err(ApiError::invalid_param(
+            param,
+            format!("the constraint is {len} bytes, over the limit of {MAX_CONSTRAINT_BYTES}"),
+        ));
+    }
+    Ok(Some((param, constraint)))
 }
 
 fn fresh_seed() -> u64 {
@@ -437,6 +519,9 @@ pub enum Finish {
     Stop,
     /// `max_tokens`, or the end of the context.
     Length,
+    /// The request's constraint admitted no further token, not even an end (a dead end of its
+    /// grammar): the output ends where it stood and may not parse. wisp's own value.
+    Constraint,
 }
 
 impl Finish {
@@ -444,6 +529,7 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::Constraint => "constraint",
         }
     }
 }
@@ -669,6 +755,45 @@ mod tests {
             assert!(named, "{} -> {e:?} does not name {field}", String::from_utf8_lossy(body));
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
         }
+    }
+
+    #[test]
+    fn constraints_come_from_response_format_json_schema_grammar_or_regex() {
+        let chat = |extra: &str| chat_request(format!(r#"{{"model": "m", "messages": [{{"role": "user", "content": "x"}}]{extra}}}"#).as_bytes());
+        let schema = |g: Generation| match g.constraint {
+            Some((param, Constraint::JsonSchema(s))) => (param, serde_json::from_str::<Value>(&s).unwrap()),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(chat("").unwrap().constraint, None);
+        assert_eq!(chat(r#", "response_format": {"type": "text"}"#).unwrap().constraint, None);
+        assert_eq!(schema(chat(r#", "response_format": {"type": "json_object"}"#).unwrap()), ("response_format", json!({"type": "object"})));
+        let g = chat(r#", "response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": true, "schema": {"type": "object", "properties": {"b": {}, "a": {}}}}}"#);
+        let (param, s) = schema(g.unwrap());
+        assert_eq!(param, "response_format");
+        // The client's order of properties is kept.
+        assert_eq!(s["properties"].as_object().unwrap().keys().collect::<Vec<_>>(), ["b", "a"]);
+        assert_eq!(schema(chat(r#", "response_format": {"type": "json_schema", "json_schema": {"name": "any"}}"#).unwrap()).1, json!({}));
+        assert_eq!(schema(chat(r#", "response_format": {"type": "json_object", "schema": {"type": "array"}}"#).unwrap()).1, json!({"type": "array"}));
+        assert_eq!(schema(chat(r#", "json_schema": {"type": "string"}"#).unwrap()), ("json_schema", json!({"type": "string"})));
+        let g = completion_request(br#"{"model": "m", "prompt": "x", "grammar": "start: \"a\""}"#).unwrap();
+        assert_eq!(g.constraint, Some(("grammar", Constraint::Lark("start: \"a\"".into()))));
+        let g = completion_request(br#"{"model": "m", "prompt": "x", "regex": "[0-9]+"}"#).unwrap();
+        assert_eq!(g.constraint, Some(("regex", Constraint::Regex("[0-9]+".into()))));
+        let bad: &[(&str, &str)] = &[
+            (r#", "response_format": {"type": "xml"}"#, "response_format"),
+            (r#", "response_format": {"type": "json_schema"}"#, "response_format.json_schema"),
+            (r#", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}"#, "response_format.json_schema.schema"),
+            (r#", "response_format": {"type": "json_schema", "json_schema": {"name": 3}}"#, "response_format.json_schema.name"),
+            (r#", "json_schema": "x""#, "json_schema"),
+            (r#", "regex": "a", "json_schema": {}"#, "regex"),
+        ];
+        for (extra, param) in bad {
+            let e = chat(extra).unwrap_err();
+            assert_eq!((e.status, e.param.as_deref()), (400, Some(*param)), "{extra}: {e:?}");
+        }
+        let big = format!(r#", "regex": "{}""#, "a".repeat(MAX_CONSTRAINT_BYTES + 1));
+        let e = chat(&big).unwrap_err();
+        assert!(e.param.as_deref() == Some("regex") && e.message.contains("over the limit"), "{e:?}");
     }
 
     #[test]

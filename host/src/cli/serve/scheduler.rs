@@ -17,7 +17,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use wisp::{Instance, Model, ModelInfo, Outcome, Sampling, Session};
+use wisp::{Constraint, EngineError, Instance, Model, ModelInfo, Outcome, Sampling, Session};
 
 /// How much a worker takes on.
 #[derive(Debug, Clone, Copy)]
@@ -50,6 +50,9 @@ pub struct Job {
     pub max_tokens: Option<u32>,
     pub sampling: Sampling,
     pub stop: Vec<String>,
+    /// What the output must spell, and the request's field that gave it (for errors):
+    /// compiled when the request is admitted.
+    pub constraint: Option<(&'static str, Constraint)>,
     /// Where the events go; when the receiver is gone (the client left), the job ends.
     pub events: mpsc::UnboundedSender<Event>,
     pub arrived: Instant,
@@ -226,6 +229,14 @@ fn guest<T>(r: Outcome<T>) -> Result<T, Failure> {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(Failure::Request(e.into())),
         Err(e) => Err(Failure::Trap(e)),
+    }
+}
+
+/// `guest`, where a constraint's error names the request's field that gave the constraint.
+fn constrained<T>(r: Outcome<T>, param: &str) -> Result<T, Failure> {
+    match r {
+        Ok(Err(e @ EngineError::InvalidConstraint(_))) => Err(Failure::Request(ApiError::invalid_param(param, e.to_string()))),
+        r => guest(r),
     }
 }
 
@@ -418,6 +429,12 @@ impl Worker {
         let wanted = job.max_tokens.map_or(u64::MAX, u64::from);
         let n_ctx = (prompt.len() as u64).saturating_add(wanted).min(ctx as u64) as u32;
         let session = guest(self.inst.new_session(self.model, n_ctx))?;
+        if let Some((param, c)) = &job.constraint
+            && let Err(f) = constrained(self.inst.constrain(session, Some(c)), param)
+        {
+            self.release(session);
+            return Err(f);
+        }
         Ok((session, prompt.clone(), n_ctx - prompt.len() as u32))
     }
 
@@ -475,7 +492,12 @@ impl Worker {
             a.fed = end;
             return Ok(Turn::Continue);
         }
-        let step = guest(self.inst.next(a.session, &a.job.sampling))?;
+        let param = a.job.constraint.as_ref().map_or("response_format", |c| c.0);
+        let step = constrained(self.inst.next(a.session, &a.job.sampling), param)?;
+        if step.dead_end {
+            let usage = Usage { prompt_tokens: a.prompt.len() as u32, completion_tokens: a.generated };
+            return Ok(finish(a, Finish::Constraint, usage));
+        }
         let now = Instant::now();
         let m = &self.shared.metrics;
         match a.last_token {
