@@ -150,8 +150,27 @@ function nextFrame() {
   });
 }
 
-/** Generates from `prompt`, streaming into the page. Resolves to the text and the stats. */
-function generate({ prompt = $('prompt').value, maxTokens = Number($('max-tokens').value), sampling } = {}) {
+/**
+ * The WIT `constraint` of `generate`'s `constraint` option: `{ jsonSchema }` (a schema object or
+ * its JSON text), `{ regex }` (Rust regex syntax) or `{ grammar }` (llguidance's Lark dialect).
+ */
+function witConstraint(c) {
+  if (c === undefined || c === null) return undefined;
+  if (c.jsonSchema !== undefined) {
+    return { tag: 'json-schema', val: typeof c.jsonSchema === 'string' ? c.jsonSchema : JSON.stringify(c.jsonSchema) };
+  }
+  if (typeof c.regex === 'string') return { tag: 'regex', val: c.regex };
+  if (typeof c.grammar === 'string') return { tag: 'lark', val: c.grammar };
+  throw new Error('a constraint is { jsonSchema }, { regex } or { grammar }');
+}
+
+/**
+ * Generates from `prompt`, streaming into the page, under `constraint` if given (see
+ * `witConstraint`). Resolves to the text, the stats, the token count and why it ended: `stop`
+ * (the end of generation), `length` (`maxTokens` or the context) or `constraint` (the constraint
+ * admitted no further token).
+ */
+function generate({ prompt = $('prompt').value, maxTokens = Number($('max-tokens').value), sampling, constraint } = {}) {
   return serial.run(async () => {
     if (!state.model) throw new Error('no model loaded');
     const sample = sampling ?? {
@@ -179,17 +198,23 @@ function generate({ prompt = $('prompt').value, maxTokens = Number($('max-tokens
     out.append(shown, gen);
     const decoder = new TextDecoder();
     let text = '';
+    let finish = 'length';
     let session;
     try {
+      const wanted = witConstraint(constraint);
       const tokens = state.model.tokenize(prompt, true, false);
       const nCtx = Math.min(tokens.length + maxTokens + 1, state.info.nCtxTrain || Infinity);
       session = state.model.newSession(nCtx);
       await session.feed(tokens);
+      session.constrain(wanted);
       showStats(stats(session));
       await nextFrame();
       for (let i = 0; i < maxTokens && !state.stop; i++) {
         const step = await session.next(sample);
-        if (step.endOfGeneration) break;
+        if (step.endOfGeneration) {
+          finish = step.deadEnd ? 'constraint' : 'stop';
+          break;
+        }
         const piece = decoder.decode(step.piece, { stream: true });
         text += piece;
         gen.textContent = text;
@@ -204,7 +229,7 @@ function generate({ prompt = $('prompt').value, maxTokens = Number($('max-tokens
       gen.textContent = text;
       const s = stats(session);
       showStats(s);
-      return { text, stats: s, tokens: state.streamLog.length };
+      return { text, stats: s, tokens: state.streamLog.length, finish };
     } catch (e) {
       gen.textContent = `${text}\n[error: ${describeError(e)}]`;
       throw new Error(describeError(e));

@@ -214,6 +214,48 @@ describe('in Chromium with WebGPU and JSPI', () => {
     t.diagnostic(`screenshots in ${OUT}; ${elapsed()}`);
   });
 
+  test('generate follows a JSON schema, a regex and a grammar; a bad one is a typed error', { timeout: 5 * MINUTE }, async (t) => {
+    if (skip || !existsSync(modelPath())) return unavailable(t, skip ?? `no model at ${modelPath()}`);
+    const greedy = { temperature: 0, topK: 0, topP: 1, minP: 0, repeatPenalty: 1, repeatLastN: 64, seed: 0n };
+    const schema = {
+      type: 'object',
+      properties: { name: { type: 'string', maxLength: 20 }, age: { type: 'integer', minimum: 0, maximum: 150 } },
+      required: ['name', 'age'],
+      additionalProperties: false,
+    };
+    const r = await inPage(([schema, greedy]) => window.wisp.generate({
+      prompt: 'Describe Alice, a 30 year old engineer, as JSON:', maxTokens: 64, sampling: greedy, constraint: { jsonSchema: schema },
+    }), [schema, greedy]);
+    t.diagnostic(`JSON schema: ${r.text} (${r.finish}, ${r.tokens} tokens)`);
+    assert.equal(r.finish, 'stop');
+    const v = JSON.parse(r.text);
+    assert.deepEqual(Object.keys(v), ['name', 'age']);
+    assert.ok(typeof v.name === 'string' && v.name.length <= 20 && Number.isInteger(v.age) && v.age >= 0 && v.age <= 150, r.text);
+
+    const re = await inPage((greedy) => window.wisp.generate({
+      prompt: 'Her phone number is', maxTokens: 20, sampling: greedy, constraint: { regex: '[0-9]{3}-[0-9]{4}' },
+    }), greedy);
+    assert.match(re.text, /^[0-9]{3}-[0-9]{4}$/);
+    assert.equal(re.finish, 'stop');
+    const lark = await inPage((greedy) => window.wisp.generate({
+      prompt: 'Is water wet? Answer:', maxTokens: 8, sampling: greedy, constraint: { grammar: 'start: " " ("yes" | "no")' },
+    }), greedy);
+    assert.match(lark.text, /^ (yes|no)$/);
+    // No text matches: the generation ends at once, with its own reason.
+    const dead = await inPage((greedy) => window.wisp.generate({
+      prompt: 'Hello', maxTokens: 8, sampling: greedy, constraint: { regex: '[^\\s\\S]' },
+    }), greedy);
+    assert.deepEqual([dead.text, dead.finish], ['', 'constraint']);
+    // A schema that does not compile: the guest's typed error, and the page goes on.
+    const bad = await inPage(() => window.wisp.generate({
+      prompt: 'Hello', maxTokens: 4, constraint: { jsonSchema: { type: 'integer', minimum: 5, maximum: 3 } },
+    }).then(() => 'resolved', (e) => e.message));
+    assert.match(bad, /invalid-constraint.*does not compile/);
+    const after = await inPage((greedy) => window.wisp.generate({ prompt: 'Hello', maxTokens: 2, sampling: greedy }), greedy);
+    assert.equal(after.tokens, 2);
+    t.diagnostic(elapsed());
+  });
+
   test('without JSPI the page says so and runs on the CPU', { timeout: 3 * MINUTE }, async (t) => {
     if (skip || !existsSync(modelPath())) return unavailable(t, skip ?? `no model at ${modelPath()}`);
     const p = await browser.newPage();
