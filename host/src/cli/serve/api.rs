@@ -128,6 +128,10 @@ impl From<wisp::EngineError> for ApiError {
 /// Parses `bytes` as `T`, naming the field at fault in the error (`messages[1].content: invalid
 /// type ...`).
 pub fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ApiError> {
+    // serde reads a struct from a JSON array too (its fields in order): every body is an object.
+    if bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[') {
+        return Err(ApiError::invalid("invalid request: the body is a JSON array, not an object"));
+    }
     let de = &mut serde_json::Deserializer::from_slice(bytes);
     let value: T = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
@@ -730,6 +734,7 @@ mod tests {
         let cases: &[(&[u8], &str)] = &[
             (b"{", "malformed JSON"),
             (b"[]", "invalid request"),
+            (br#"["m", [{"role": "user", "content": "x"}]]"#, "invalid request"),
             (br#"{"messages": [{"role": "user", "content": "x"}]}"#, "model"),
             (br#"{"model": "m"}"#, "messages"),
             (br#"{"model": "m", "messages": []}"#, "messages"),
@@ -794,6 +799,16 @@ mod tests {
         let big = format!(r#", "regex": "{}""#, "a".repeat(MAX_CONSTRAINT_BYTES + 1));
         let e = chat(&big).unwrap_err();
         assert!(e.param.as_deref() == Some("regex") && e.message.contains("over the limit"), "{e:?}");
+    }
+
+    #[test]
+    fn tokenize_and_detokenize_bodies_are_objects() {
+        for body in [&b"[[]]"[..], b" [[1, 2]]", b"[\"text\"]"] {
+            let Err(e) = parse::<DetokenizeRequest>(body) else { panic!("{body:?} read as a detokenize request") };
+            assert!(e.status == 400 && e.message.contains("not an object"), "{e:?}");
+            assert!(parse::<TokenizeRequest>(body).is_err());
+        }
+        assert!(parse::<DetokenizeRequest>(br#"{"tokens": [1, 2]}"#).is_ok());
     }
 
     #[test]
