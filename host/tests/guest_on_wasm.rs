@@ -1,16 +1,20 @@
-//! The guest's own unit tests, built for wasm32-wasip2 (so its simd128 kernels are the ones
-//! tested against their scalar references) and run under wasmtime.
+//! The guest's own tests, built for wasm32-wasip2 (so its simd128 kernels are the ones tested
+//! against their scalar references) and run under wasmtime: its library's unit tests and
+//! `guest/tests/gguf_hostile.rs`.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 use std::process::Command;
 use wasmtime::component::{Component, Linker, ResourceTable};
-use wasmtime::{Config, Engine, Store};
+use wasmtime::{Config, Engine, Store, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 struct State {
     wasi: WasiCtx,
     table: ResourceTable,
     gpu: wisp::GpuCtx,
+    limits: StoreLimits,
 }
 
 impl WasiView for State {
@@ -19,41 +23,50 @@ impl WasiView for State {
     }
 }
 
-/// Builds the guest's library tests for wasm32-wasip2 and returns the test component's path.
-fn build_guest_tests() -> PathBuf {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .map(|p| if p.is_absolute() { p } else { root.join(p) })
-        .unwrap_or_else(|| root.join("target"))
-        .join("guest-tests");
-    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let out = Command::new(cargo)
-        .current_dir(root)
-        .args(["test", "--release", "--locked", "-p", "wisp-guest", "--lib", "--no-run"])
-        .args(["--target", "wasm32-wasip2", "--message-format=json"])
-        .arg("--target-dir")
-        .arg(&target_dir)
-        .env_remove("CARGO_ENCODED_RUSTFLAGS")
-        .env_remove("RUSTFLAGS")
-        .output()
-        .expect("running cargo");
-    assert!(out.status.success(), "building the guest tests failed:\n{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["profile"]["test"] == true)
-        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .expect("cargo reported no test executable")
+/// Builds the guest's tests for wasm32-wasip2 (its library's unit tests and its integration
+/// tests) and returns the test components' paths by name (`wisp_guest`, `gguf_hostile`). Each is
+/// built once per test binary: the tests below share one cargo run.
+fn guest_tests() -> &'static HashMap<String, PathBuf> {
+    static TESTS: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
+    TESTS.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
+        let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .map(|p| if p.is_absolute() { p } else { root.join(p) })
+            .unwrap_or_else(|| root.join("target"))
+            // The directory where the build script built the guest: its dependencies, built for
+            // the same target with the same features, are reused.
+            .join("guest");
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let out = Command::new(cargo)
+            .current_dir(root)
+            // The build script's packages, so that cargo resolves the same features.
+            .args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway"])
+            .args(["--tests", "--no-run", "--target", "wasm32-wasip2", "--message-format=json"])
+            .arg("--target-dir")
+            .arg(&target_dir)
+            .env_remove("CARGO_ENCODED_RUSTFLAGS")
+            .env_remove("RUSTFLAGS")
+            .output()
+            .expect("running cargo");
+        assert!(out.status.success(), "building the guest tests failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| v["profile"]["test"] == true && v["package_id"].as_str().is_some_and(|p| p.contains("wisp-guest")))
+            .filter_map(|v| Some((v["target"]["name"].as_str()?.to_string(), PathBuf::from(v["executable"].as_str()?))))
+            .collect()
+    })
 }
 
-#[test]
-fn guest_unit_tests_pass_on_wasm32_with_simd128() {
-    let wasm = build_guest_tests();
+/// Runs one of the guest's test components under wasmtime (WASI, and the `gpu` import with no
+/// device) and fails if any of its tests fails.
+fn run_guest_tests(name: &str) {
+    let wasm = guest_tests().get(name).unwrap_or_else(|| panic!("cargo built no test component {name}: {:?}", guest_tests()));
     let mut config = Config::new();
     config.wasm_component_model(true);
     let engine = Engine::new(&config).unwrap();
-    let component = Component::from_file(&engine, &wasm).unwrap();
+    let component = Component::from_file(&engine, wasm).unwrap();
     let mut linker = Linker::new(&engine);
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker).unwrap();
     // The test binary links the whole guest library, its `gpu` import included.
@@ -63,19 +76,35 @@ fn guest_unit_tests_pass_on_wasm32_with_simd128() {
         .inherit_stderr()
         // Uncaptured: a failing guest test aborts (wasm has no unwinding), which would lose
         // captured output, its panic message and the seed it printed among it.
-        .args(&["guest-tests", "--test-threads=1", "--nocapture"])
+        .args(&[name, "--test-threads=1", "--nocapture"])
         // More arguments for the guest's test harness, e.g. `--ignored kernel_bench`.
         .args(&std::env::var("WISP_GUEST_TEST_ARGS").unwrap_or_default().split_whitespace().collect::<Vec<_>>())
         .build();
-    let mut store = Store::new(&engine, State { wasi, table: ResourceTable::new(), gpu: wisp::GpuCtx::none() });
+    // A memory limit, as every host sets one: an allocation past it is refused (the hostile
+    // cases ask for `isize::MAX` bytes, which a 32-bit memory could otherwise grant).
+    let limits = StoreLimitsBuilder::new().memory_size(1536 << 20).build();
+    let mut store = Store::new(&engine, State { wasi, table: ResourceTable::new(), gpu: wisp::GpuCtx::none(), limits });
+    store.limiter(|s| &mut s.limits);
     let command = wasmtime_wasi::p2::bindings::sync::Command::instantiate(&mut store, &component, &linker).unwrap();
     let result = command.wasi_cli_run().call_run(&mut store);
     match result {
         Ok(Ok(())) => {}
-        Ok(Err(())) => panic!("the guest's tests failed on wasm32"),
+        Ok(Err(())) => panic!("the guest's tests ({name}) failed on wasm32"),
         Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
             Some(code) if code.0 == 0 => {}
-            _ => panic!("the guest's tests failed on wasm32: {e:?}"),
+            _ => panic!("the guest's tests ({name}) failed on wasm32: {e:?}"),
         },
     }
+}
+
+#[test]
+fn guest_unit_tests_pass_on_wasm32_with_simd128() {
+    run_guest_tests("wisp_guest");
+}
+
+/// The GGUF parser and loader on hostile files (RELIABILITY items 1-14), with the allocation
+/// bound its counting allocator measures.
+#[test]
+fn gguf_hostile_cases_pass_on_wasm32() {
+    run_guest_tests("gguf_hostile");
 }
