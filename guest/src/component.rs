@@ -4,6 +4,7 @@
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
 use crate::dispatch::{self, AttentionShape, BlocksOut, BlocksShape, DeviceBlock, DeviceError, DeviceLimits, Format, Mode};
+use crate::chat;
 use crate::constraint::Spec;
 use crate::engine::{DeviceOffer, Error, Model};
 use crate::kernels::Act;
@@ -31,6 +32,15 @@ impl From<Error> for wit::Error {
 pub struct ModelRes {
     model: Rc<Model>,
     device: Option<gpu::DeviceInfo>,
+    /// The chat template in use: the model's, until a host sets another.
+    template: RefCell<Option<chat::Template>>,
+}
+
+impl ModelRes {
+    fn new(model: Rc<Model>, device: Option<gpu::DeviceInfo>) -> ModelRes {
+        let template = RefCell::new(model.chat_template.clone());
+        ModelRes { model, device, template }
+    }
 }
 
 pub struct SessionRes(RefCell<Session>);
@@ -251,7 +261,7 @@ fn preloaded(path: &str, options: &wit::LoadOptions) -> Option<wit::Model> {
         return None;
     }
     let model = PRELOADED.with(|p| p.borrow().as_ref().filter(|(p, _)| p == path).map(|(_, m)| m.clone()))?;
-    Some(wit::Model::new(ModelRes { model, device: None }))
+    Some(wit::Model::new(ModelRes::new(model, None)))
 }
 
 fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
@@ -273,7 +283,7 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
         },
     });
     let model = Model::load_with(bytes, offer)?;
-    Ok(wit::Model::new(ModelRes { model: Rc::new(model), device }))
+    Ok(wit::Model::new(ModelRes::new(Rc::new(model), device)))
 }
 
 /// Reads a whole file, with a typed error (not an abort) when guest memory cannot hold it.
@@ -330,6 +340,11 @@ impl wit::GuestModel for ModelRes {
             metadata: s.metadata.clone(),
             device: self.device.clone(),
             gpu_weights: self.model.gpu_weights as u32,
+            chat_template: self.template.borrow().as_ref().map(|t| match t.origin {
+                chat::Origin::File => wit::ChatTemplate::File,
+                chat::Origin::Builtin(name) => wit::ChatTemplate::Builtin(name.to_string()),
+                chat::Origin::Custom => wit::ChatTemplate::Custom,
+            }),
         }
     }
 
@@ -354,8 +369,15 @@ impl wit::GuestModel for ModelRes {
     }
 
     fn apply_chat_template(&self, messages: Vec<(String, String)>, add_generation_prompt: bool) -> Result<String, wit::Error> {
-        let template = self.model.chat_template.as_ref().ok_or_else(|| wit::Error::Unsupported("the model has no chat template".into()))?;
+        let template = self.template.borrow();
+        let template = template.as_ref().ok_or_else(|| wit::Error::Unsupported("the model has no chat template".into()))?;
         Ok(template.render(&messages, add_generation_prompt)?)
+    }
+
+    fn set_chat_template(&self, template: String) -> Result<(), wit::Error> {
+        let t = chat::Template::named_or_source(&template, &self.model.tokenizer)?;
+        *self.template.borrow_mut() = Some(t);
+        Ok(())
     }
 
     fn new_session(&self, n_ctx: u32) -> Result<wit::Session, wit::Error> {

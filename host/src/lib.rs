@@ -32,6 +32,6 @@ pub use gpu::{
     GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice, Rotation, WgpuBackend, add_to_linker,
 };
 pub use runtime::{
-    Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,
 };

@@ -17,7 +17,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.2.0";
+const WIT_VERSION: &str = "0.3.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -172,6 +172,22 @@ pub struct ModelInfo {
     pub device: Option<(String, String)>,
     /// Weights resident on the device.
     pub gpu_weights: u32,
+    /// The chat template [`Instance::apply_chat_template`] uses and where it comes from; `None`
+    /// when the model has none.
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// Where a model's chat template comes from (the WIT `chat-template`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChatTemplate {
+    /// The file's own, `tokenizer.chat_template`.
+    File,
+    /// A built-in template, by name (`chatml`, `gemma`, `llama3`): the file has none and its
+    /// vocabulary marks that family, or [`Instance::set_chat_template`] chose it. A base model
+    /// may not have been trained on it: say which one is used.
+    Builtin(String),
+    /// A Jinja template given to [`Instance::set_chat_template`].
+    Custom,
 }
 
 /// Counters of a session (the WIT `stats`).
@@ -600,6 +616,11 @@ impl Instance {
             metadata: i.metadata,
             device: i.device.map(|d| (d.name, d.backend)),
             gpu_weights: i.gpu_weights,
+            chat_template: i.chat_template.map(|t| match t {
+                wit::ChatTemplate::File => ChatTemplate::File,
+                wit::ChatTemplate::Builtin(name) => ChatTemplate::Builtin(name),
+                wit::ChatTemplate::Custom => ChatTemplate::Custom,
+            }),
         })
     }
 
@@ -633,6 +654,15 @@ impl Instance {
     /// with `parse_special`.
     pub fn apply_chat_template(&mut self, m: Model, messages: &[(String, String)], add_generation_prompt: bool) -> Outcome<String> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_apply_chat_template(st, m.0, messages, add_generation_prompt))?;
+        Ok(r.map_err(Into::into))
+    }
+
+    /// Replaces the model's chat template for every later [`Instance::apply_chat_template`]: a
+    /// built-in one's name (`chatml`, `gemma`, `llama3`) or a Jinja template's source.
+    /// [`EngineError::InvalidArgument`] for an unknown name, a template that does not compile or
+    /// one longer than 1 MiB; the template in use is then unchanged.
+    pub fn set_chat_template(&mut self, m: Model, template: &str) -> Outcome<()> {
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_set_chat_template(st, m.0, template))?;
         Ok(r.map_err(Into::into))
     }
 

@@ -106,6 +106,9 @@ impl GuestModel for Model {
     fn apply_chat_template(&self, _: Vec<(String, String)>, _: bool) -> Result<String, Error> {
         match *self {}
     }
+    fn set_chat_template(&self, _: String) -> Result<(), Error> {
+        match *self {}
+    }
     fn new_session(&self, _: u32) -> Result<bindings::exports::wisp::llm::engine::Session, Error> {
         match *self {}
     }

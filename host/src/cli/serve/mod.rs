@@ -135,6 +135,15 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let started = Scheduler::start(instances, limits, metrics.clone(), open);
     spinner.finish_and_clear();
     let (scheduler, info) = started?;
+    // Chat completions render with the model's template: say so when it is a guess.
+    match &info.chat_template {
+        Some(wisp::ChatTemplate::Builtin(t)) => eprintln!(
+            "wisp: {model_id} has no chat template of its own: chat completions use the built-in `{t}` template, which it \
+             may not have been trained on"
+        ),
+        None => eprintln!("wisp: {model_id} has no chat template: /v1/chat/completions answers 400, /v1/completions serves"),
+        _ => {}
+    }
     let scheduler = Arc::new(scheduler);
     let app = Arc::new(routes::App {
         scheduler: scheduler.clone(),
