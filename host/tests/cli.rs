@@ -92,7 +92,7 @@ fn eval_fails_with_exit_3_when_the_reference_disagrees() {
 
 #[test]
 fn run_streams_a_sensible_continuation() {
-    let o = wisp(&["run", "--model", model().to_str().unwrap(), "-n", "8", "The capital of France is"]);
+    let o = wisp(&["run", "--temp", "0", "--model", model().to_str().unwrap(), "-n", "8", "The capital of France is"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     assert!(out.starts_with("The capital of France is the capital of"), "{out}");
@@ -215,7 +215,7 @@ fn help_has_examples_for_every_subcommand() {
 fn chat_answers_one_message_with_the_models_template() {
     let m = qwen_model().to_str().unwrap();
     let system = "You are a helpful assistant.";
-    let o = wisp(&["chat", "--model", m, "--gpu", "off", "--system", system, "-n", "24", "What does HTTP status 404 mean?"]);
+    let o = wisp(&["chat", "--temp", "0", "--model", m, "--gpu", "off", "--system", system, "-n", "24", "What does HTTP status 404 mean?"]);
     assert!(o.status.success(), "{}", stderr(&o));
     // The greedy reply of the golden `chat` case, whose prompt is this conversation rendered.
     let out = stdout(&o);
@@ -226,7 +226,7 @@ fn chat_answers_one_message_with_the_models_template() {
 #[test]
 fn chat_stops_at_the_end_of_the_turn() {
     let m = qwen_model().to_str().unwrap();
-    let o = wisp(&["chat", "--model", m, "--gpu", "off", "-n", "64", "Reply with the single word: yes"]);
+    let o = wisp(&["chat", "--temp", "0", "--model", m, "--gpu", "off", "-n", "64", "Reply with the single word: yes"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).to_lowercase().contains("yes"), "{}", stdout(&o));
     assert!(!stderr(&o).contains("stopped after"), "{}", stderr(&o));
@@ -238,7 +238,7 @@ fn chat_reads_a_conversation_from_stdin() {
     use std::io::Write;
     let m = qwen_model().to_str().unwrap();
     let mut child = Command::new(env!("CARGO_BIN_EXE_wisp"))
-        .args(["chat", "--model", m, "--gpu", "off", "-n", "48", "--stats"])
+        .args(["chat", "--temp", "0", "--model", m, "--gpu", "off", "-n", "48", "--stats"])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -352,7 +352,7 @@ fn run_and_chat_follow_a_json_schema() {
     let file = schema_file("json-schema", &schema);
     let m = model().to_str().unwrap();
     let prompt = "Describe Alice, a 30 year old engineer, as JSON:";
-    let o = wisp(&["run", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", prompt]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", prompt]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     let v: Value = serde_json::from_str(out.strip_prefix(prompt).unwrap().trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
@@ -361,7 +361,7 @@ fn run_and_chat_follow_a_json_schema() {
     // The properties in the schema's order, written compactly.
     assert!(out.contains("{\"name\":\""), "{out}");
     // A chat reply too.
-    let o = wisp(&["chat", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", "Describe Bob, a doctor aged 52."]);
+    let o = wisp(&["chat", "--temp", "0", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "64", "Describe Bob, a doctor aged 52."]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)));
     assert!(v["age"].is_u64() && v["job"].is_string(), "{v}");
@@ -370,7 +370,7 @@ fn run_and_chat_follow_a_json_schema() {
 #[test]
 fn run_follows_a_regex_and_a_lark_grammar() {
     let m = model().to_str().unwrap();
-    let o = wisp(&["run", "--model", m, "--regex", "[0-9]{3}-[0-9]{4}", "-n", "20", "Her phone number is"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--regex", "[0-9]{3}-[0-9]{4}", "-n", "20", "Her phone number is"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     let number = out.strip_prefix("Her phone number is").unwrap().trim_end();
@@ -378,7 +378,7 @@ fn run_follows_a_regex_and_a_lark_grammar() {
     assert!(number.chars().filter(|c| c.is_ascii_digit()).count() == 7, "{out}");
     let grammar = tempdir("lark").join("answer.lark");
     std::fs::write(&grammar, "start: ANSWER \" because \" REASON \".\"\nANSWER: \"yes\" | \"no\"\nREASON: /[a-z ]{1,40}/\n").unwrap();
-    let o = wisp(&["chat", "--model", m, "--grammar", grammar.to_str().unwrap(), "-n", "40", "Is water wet?"]);
+    let o = wisp(&["chat", "--temp", "0", "--model", m, "--grammar", grammar.to_str().unwrap(), "-n", "40", "Is water wet?"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
     let reply = out.trim_end();
@@ -399,7 +399,7 @@ fn bad_constraints_fail_with_one_line() {
     ];
     for (name, schema, words) in cases {
         let file = schema_file(name, &schema);
-        let o = wisp(&["run", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "4", "Hi"]);
+        let o = wisp(&["run", "--temp", "0", "--model", m, "--json-schema", file.to_str().unwrap(), "-n", "4", "Hi"]);
         let err = stderr(&o);
         let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
         assert_eq!(o.status.code(), Some(2), "{name}: {err}");
@@ -408,27 +408,27 @@ fn bad_constraints_fail_with_one_line() {
     }
     let not_json = tempdir("not-json").join("schema.json");
     std::fs::write(&not_json, "{\"type\": ").unwrap();
-    let o = wisp(&["run", "--model", m, "--json-schema", not_json.to_str().unwrap(), "Hi"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--json-schema", not_json.to_str().unwrap(), "Hi"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("not JSON"), "{}", stderr(&o));
-    let o = wisp(&["run", "--model", m, "--regex", "(unclosed", "Hi"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--regex", "(unclosed", "Hi"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("regular expression does not compile"), "{}", stderr(&o));
     // A grammar that a step cannot follow (a lexer past its limits): an error, not a hang.
     let start = std::time::Instant::now();
-    let o = wisp(&["run", "--model", m, "--regex", "(\\w+\\s?){1000}", "-n", "32", "Hello"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--regex", "(\\w+\\s?){1000}", "-n", "32", "Hello"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("invalid constraint"), "{}", stderr(&o));
     assert!(start.elapsed().as_secs() < 60);
     // A missing file, and two constraints at once.
-    let o = wisp(&["run", "--model", m, "--grammar", "/no/such/file.lark", "Hi"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--grammar", "/no/such/file.lark", "Hi"]);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
     assert!(stderr(&o).contains("cannot read /no/such/file.lark"), "{}", stderr(&o));
-    let o = wisp(&["run", "--model", m, "--regex", "a", "--grammar", "x.lark", "Hi"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--regex", "a", "--grammar", "x.lark", "Hi"]);
     assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
     assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
     // No text matches: the generation ends at once, saying why.
-    let o = wisp(&["run", "--model", m, "--regex", "[^\\s\\S]", "-n", "8", "Hello"]);
+    let o = wisp(&["run", "--temp", "0", "--model", m, "--regex", "[^\\s\\S]", "-n", "8", "Hello"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o).trim_end(), "Hello");
     assert!(stderr(&o).contains("the constraint admits no further token"), "{}", stderr(&o));
@@ -448,4 +448,221 @@ fn bench_times_decoding_under_a_constraint() {
         assert!(c[key].as_f64().is_some_and(|x| x > 0.0), "{key} in {c}");
     }
     assert!(c["compiles"].as_u64().is_some_and(|n| n >= 1), "{c}");
+}
+
+/// `wisp` with extra environment variables.
+fn wisp_env(args: &[&str], env: &[(&str, &std::ffi::OsStr)], remove: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_wisp"));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    for k in remove {
+        cmd.env_remove(k);
+    }
+    cmd.output().expect("running wisp")
+}
+
+/// The seed a run printed with its statistics.
+fn printed_seed(o: &Output) -> String {
+    let err = stderr(o);
+    err.rsplit("| seed ").next().map(|s| s.trim().to_string()).filter(|s| s.parse::<u64>().is_ok()).unwrap_or_else(|| panic!("no seed in {err}"))
+}
+
+#[test]
+fn run_samples_as_llama_cpp_by_default_and_says_so() {
+    let help = stdout(&wisp(&["run", "--help"]));
+    for default in ["--temp <TEMPERATURE>", "[default: 0.8]", "[default: 40]", "[default: 0.95]", "[default: 0.05]", "--temp 0 is greedy"] {
+        assert!(help.contains(default), "{default:?} in {help}");
+    }
+    let chat_help = stdout(&wisp(&["chat", "--help"]));
+    assert!(chat_help.contains("[default: 0.8]"), "{chat_help}");
+    // Two runs without a seed sample with different random seeds; the printed seed repeats a run.
+    let m = model().to_str().unwrap();
+    let args = ["run", "--model", m, "--gpu", "off", "-n", "24", "Once upon a time"];
+    let (a, b) = (wisp(&args), wisp(&args));
+    assert!(a.status.success() && b.status.success(), "{}", stderr(&a));
+    assert_ne!(printed_seed(&a), printed_seed(&b), "{}\n{}", stderr(&a), stderr(&b));
+    let seed = printed_seed(&a);
+    let again = wisp(&["run", "--model", m, "--gpu", "off", "-n", "24", "--seed", &seed, "Once upon a time"]);
+    assert_eq!(stdout(&again), stdout(&a), "the printed seed repeats the run");
+    // Sampling is not greedy: across a few seeds, some text differs from the greedy one.
+    let greedy = stdout(&wisp(&["run", "--model", m, "--gpu", "off", "-n", "24", "--temp", "0", "Once upon a time"]));
+    let sampled: Vec<String> = ["1", "2", "3"]
+        .iter()
+        .map(|s| stdout(&wisp(&["run", "--model", m, "--gpu", "off", "-n", "24", "--seed", s, "Once upon a time"])))
+        .collect();
+    assert!(sampled.iter().any(|t| *t != greedy), "{greedy:?} {sampled:?}");
+}
+
+#[test]
+fn run_reads_the_prompt_from_a_file_or_standard_input() {
+    use std::io::Write;
+    let m = model().to_str().unwrap();
+    let base = ["run", "--model", m, "--gpu", "off", "--temp", "0", "-n", "8"];
+    let expected = stdout(&wisp(&[&base[..], &["The capital of France is"]].concat()));
+    assert!(expected.starts_with("The capital of France is the capital of"), "{expected}");
+    let dir = tempdir("prompt-file");
+    // An editor's final newline is not part of the prompt.
+    let file = dir.join("prompt.txt");
+    std::fs::write(&file, "The capital of France is\n").unwrap();
+    for flag in ["-f", "--file"] {
+        let o = wisp(&[&base[..], &[flag, file.to_str().unwrap()]].concat());
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(stdout(&o), expected);
+    }
+    for stdin_args in [&["-"][..], &["-f", "-"][..]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_wisp"))
+            .args([&base[..], stdin_args].concat())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(b"The capital of France is\n").unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{stdin_args:?}: {}", stderr(&o));
+        assert_eq!(stdout(&o), expected, "{stdin_args:?}");
+    }
+    // Only the continuation.
+    let o = wisp(&[&base[..], &["--no-display-prompt", "-f", file.to_str().unwrap()]].concat());
+    assert_eq!(stdout(&o), expected.strip_prefix("The capital of France is").unwrap());
+    // Errors: an empty file, a missing one, a prompt and a file at once, neither.
+    let empty = dir.join("empty.txt");
+    std::fs::write(&empty, "\n").unwrap();
+    let missing = dir.join("missing.txt");
+    for (args, code, needle) in [
+        (vec!["-f", empty.to_str().unwrap()], 1, format!("the prompt from {} is empty", empty.display())),
+        (vec!["-f", missing.to_str().unwrap()], 1, format!("cannot read the prompt from {}", missing.display())),
+        (vec!["-f", file.to_str().unwrap(), "Hello"], 2, "cannot be used with".to_string()),
+        (vec![], 2, "required".to_string()),
+    ] {
+        let o = wisp(&[&base[..], &args[..]].concat());
+        assert_eq!(o.status.code(), Some(code), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(&needle), "{args:?}: want {needle:?}: {}", stderr(&o));
+        assert!(stdout(&o).is_empty(), "{args:?}: {}", stdout(&o));
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// The entries of a cache directory, hidden scratch directories included.
+fn entries(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> =
+        std::fs::read_dir(dir).unwrap().flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn fetch_into_an_empty_cache_prints_only_the_path() {
+    let cache = tempdir("fetch-empty");
+    let o = wisp_env(&["fetch", "gemma3-270m"], &[("WISP_CACHE", cache.as_os_str())], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let path = cache.join(wisp::fetch::GEMMA3_270M.file);
+    assert_eq!(stdout(&o), format!("{}\n", path.display()), "stderr: {}", stderr(&o));
+    // pip's own lines stay out of both streams; wisp says what it fetched, on stderr.
+    assert!(!stderr(&o).contains("Collecting") && !stderr(&o).contains("Successfully installed"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("sha256 ok"), "{}", stderr(&o));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), wisp::fetch::GEMMA3_270M.bytes);
+    // The file and its checksum marker, no scratch directory left behind.
+    assert_eq!(entries(&cache), [wisp::fetch::GEMMA3_270M.file.to_string(), format!("{}.sha256", wisp::fetch::GEMMA3_270M.file)]);
+    // Cached: the path again, at once.
+    let o = wisp_env(&["fetch"], &[("WISP_CACHE", cache.as_os_str())], &[]);
+    assert_eq!(stdout(&o), format!("{}\n", path.display()));
+    assert!(stderr(&o).is_empty(), "{}", stderr(&o));
+    std::fs::remove_dir_all(&cache).ok();
+}
+
+#[test]
+fn run_without_the_model_writes_only_text_to_stdout() {
+    let args = ["run", "--gpu", "off", "--temp", "0", "-n", "8", "The capital of France is"];
+    let cached = wisp(&["run", "--model", model().to_str().unwrap(), "--gpu", "off", "--temp", "0", "-n", "8", "The capital of France is"]);
+    let cache = tempdir("run-empty");
+    let o = wisp_env(&args, &[("WISP_CACHE", cache.as_os_str())], &[]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), stdout(&cached), "stderr: {}", stderr(&o));
+    assert!(stdout(&o).starts_with("The capital of France is the capital of"), "{}", stdout(&o));
+    std::fs::remove_dir_all(&cache).ok();
+}
+
+/// Without pip, python3 or a network, fetching fails with one line that says which, writes
+/// nothing to stdout and leaves nothing in the cache.
+#[test]
+fn fetch_failures_are_one_line() {
+    let check = |name: &str, o: &Output, cache: &Path, needle: &str| {
+        let err = stderr(o);
+        let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(o.status.code(), Some(1), "{name}: {err}");
+        assert_eq!(lines.len(), 1, "{name}: one line: {err}");
+        assert!(lines[0].starts_with("wisp: error: ") && lines[0].contains(needle), "{name}: want {needle:?}: {err}");
+        assert!(stdout(o).is_empty(), "{name}: {}", stdout(o));
+        assert!(entries(cache).is_empty(), "{name}: left {:?}", entries(cache));
+    };
+    // No network: an index nobody listens on (and no local wheels, no cached responses).
+    let cache = tempdir("fetch-offline");
+    let start = std::time::Instant::now();
+    let o = wisp_env(
+        &["fetch"],
+        &[
+            ("WISP_CACHE", cache.as_os_str()),
+            ("PIP_INDEX_URL", "http://127.0.0.1:9/simple".as_ref()),
+            ("PIP_NO_CACHE_DIR", "1".as_ref()),
+            ("PIP_RETRIES", "1".as_ref()),
+            ("PIP_CONFIG_FILE", "/dev/null".as_ref()),
+        ],
+        &["PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL"],
+    );
+    check("offline", &o, &cache, "the package index is unreachable (no network?)");
+    assert!(start.elapsed().as_secs() < 120, "took {:?}", start.elapsed());
+    // A Python without pip (a virtual environment made without it).
+    let venv = tempdir("venv-without-pip");
+    let made = Command::new("python3").args(["-m", "venv", "--without-pip"]).arg(&venv).status().expect("python3");
+    assert!(made.success(), "python3 -m venv --without-pip failed");
+    let path = format!("{}:{}", venv.join("bin").display(), std::env::var("PATH").unwrap_or_default());
+    let o = wisp_env(&["fetch"], &[("WISP_CACHE", cache.as_os_str()), ("PATH", path.as_ref())], &[]);
+    check("no pip", &o, &cache, "needs pip, and this Python 3 has none");
+    // No python3 at all.
+    let empty_bin = tempdir("no-python");
+    let o = wisp_env(&["fetch"], &[("WISP_CACHE", cache.as_os_str()), ("PATH", empty_bin.as_os_str())], &[]);
+    check("no python3", &o, &cache, "`python3` is not on the PATH");
+    for d in [cache, venv, empty_bin] {
+        std::fs::remove_dir_all(&d).ok();
+    }
+}
+
+#[test]
+fn chat_without_a_model_uses_an_instruction_model_and_names_a_built_in_template() {
+    // The default chat model is the instruction-tuned Qwen (fetched by then: the same cache).
+    qwen_model();
+    let o = wisp(&["chat", "--gpu", "off", "--temp", "0", "-n", "16", "Reply with the single word: yes"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).to_lowercase().contains("yes"), "{}", stdout(&o));
+    assert!(!stderr(&o).contains("chat template"), "{}", stderr(&o));
+    // A base model without a template: one line names the built-in template used.
+    let m = model().to_str().unwrap();
+    let o = wisp(&["chat", "--model", m, "--gpu", "off", "--temp", "0", "-n", "4", "Hi"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    let notices: Vec<&str> = err.lines().filter(|l| l.contains("chat template")).collect();
+    assert_eq!(notices.len(), 1, "{err}");
+    assert!(notices[0].contains("has no chat template of its own: using the built-in `gemma` template"), "{}", notices[0]);
+    // --chat-template by name or file: no notice, the template shown with --show-prompt.
+    let dir = tempdir("chat-template");
+    let file = dir.join("plain.jinja");
+    std::fs::write(&file, "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:").unwrap();
+    for (template, rendered) in [("chatml", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"), (file.to_str().unwrap(), "user: Hi\nassistant:")] {
+        let o = wisp(&["chat", "--model", m, "--gpu", "off", "--temp", "0", "-n", "2", "--chat-template", template, "--show-prompt", "Hi"]);
+        assert!(o.status.success(), "{template}: {}", stderr(&o));
+        assert!(stderr(&o).contains(rendered), "{template}: {}", stderr(&o));
+        assert!(!stderr(&o).contains("has no chat template"), "{template}: {}", stderr(&o));
+    }
+    // A wrong name or a missing file: one line, exit codes 2 and 1.
+    let o = wisp(&["chat", "--model", m, "--gpu", "off", "--chat-template", "alpaca", "Hi"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("unknown chat template \"alpaca\""), "{}", stderr(&o));
+    assert_eq!(stderr(&o).trim().lines().count(), 1, "{}", stderr(&o));
+    let o = wisp(&["chat", "--model", m, "--gpu", "off", "--chat-template", "/no/such/template.jinja", "Hi"]);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("cannot read the chat template /no/such/template.jinja"), "{}", stderr(&o));
+    std::fs::remove_dir_all(&dir).ok();
 }

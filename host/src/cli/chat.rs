@@ -5,12 +5,12 @@
 //! and only the tokens past what the cache already holds are fed.
 
 use super::{DEAD_END, ModelArgs, SamplingArgs, engine, flush_utf8, load};
-use anyhow::Result;
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::io::{BufRead, IsTerminal, Write};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use wisp::{Constraint, EngineError, Instance, Model, Sampling, Session};
+use wisp::{ChatTemplate, Constraint, EngineError, Instance, Model, Sampling, Session};
 
 #[derive(Args)]
 pub struct ChatArgs {
@@ -33,6 +33,10 @@ pub struct ChatArgs {
     /// Print each rendered prompt (the whole conversation, as the template writes it) on stderr.
     #[arg(long)]
     show_prompt: bool,
+    /// The chat template: a built-in one's name (chatml, gemma, llama3) or a file holding a Jinja
+    /// template [default: the model's own]
+    #[arg(long, value_name = "NAME|FILE")]
+    chat_template: Option<String>,
     /// The user's message: one reply, then exit. Without it, each line read from stdin is a
     /// message (`/reset` starts over, `/exit` or end of input ends).
     prompt: Option<String>,
@@ -174,22 +178,49 @@ impl Chat {
             let (pt, pns) = (s.prefill_tokens - before.prefill_tokens, s.prefill_ns - before.prefill_ns);
             let (dt, dns) = (s.decode_tokens - before.decode_tokens, s.decode_ns - before.decode_ns);
             eprintln!(
-                "[prompt {pt} tokens, {:.1} tok/s | reply {dt} tokens, {:.1} tok/s | context {}/{}]",
+                "[prompt {pt} tokens, {:.1} tok/s | reply {dt} tokens, {:.1} tok/s | context {}/{} | seed {}]",
                 rate(pt, pns),
                 rate(dt, dns),
                 self.context.len(),
-                self.capacity
+                self.capacity,
+                self.sampling.seed
             );
         }
         Ok(())
     }
 }
 
-pub fn chat(a: ChatArgs) -> Result<()> {
+/// The model `wisp chat` uses without `--model`: instruction-tuned, with a chat template.
+const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b";
+
+pub fn chat(mut a: ChatArgs) -> Result<()> {
     let constraint = a.sampling.constraint.constraint()?;
+    // A template from a file, read before the model loads: a wrong path fails at once.
+    let template = match &a.chat_template {
+        Some(t) if std::path::Path::new(t).is_file() => {
+            Some(std::fs::read_to_string(t).with_context(|| format!("cannot read the chat template {t}"))?)
+        }
+        Some(t) if t.contains('/') || t.ends_with(".jinja") => bail!("cannot read the chat template {t}: no such file"),
+        other => other.clone(),
+    };
+    if a.model.model.is_none() {
+        a.model.model = Some(DEFAULT_MODEL.into());
+    }
     let loaded = load(&a.model)?;
     let (mut inst, model) = (loaded.inst, loaded.model);
+    if let Some(t) = &template {
+        engine(inst.set_chat_template(model, t)?).context("--chat-template")?;
+    }
     let info = inst.model_info(model)?;
+    let name = if info.name.is_empty() { loaded.path.display().to_string() } else { info.name.clone() };
+    match (&info.chat_template, &template) {
+        (Some(ChatTemplate::Builtin(builtin)), None) => eprintln!(
+            "wisp: {name} has no chat template of its own: using the built-in `{builtin}` template, which it may not have \
+             been trained on (--chat-template NAME|FILE sets another)"
+        ),
+        (None, None) => bail!("{name} has no chat template (--chat-template NAME|FILE gives it one: chatml, gemma, llama3 or a Jinja file)"),
+        _ => {}
+    }
     let capacity = if a.ctx == 0 { info.n_ctx_train } else { a.ctx.min(info.n_ctx_train) };
     let session = engine(inst.new_session(model, capacity)?)?;
     let sampling = a.sampling.sampling();

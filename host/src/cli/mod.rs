@@ -34,7 +34,10 @@ struct Cli {
 enum Command {
     /// Generate text from a prompt, streaming tokens to stdout.
     #[command(after_help = "Examples:\n  wisp run \"The capital of France is\"\n  \
-                            wisp run -n 64 --temp 0.8 --top-k 40 --seed 1 \"Once upon a time\"\n  \
+                            wisp run -n 64 --seed 1 \"Once upon a time\"   (the same text on every run)\n  \
+                            wisp run --temp 0 \"The capital of France is\"   (greedy)\n  \
+                            wisp run -f prompt.txt -n 256\n  \
+                            cat prompt.txt | wisp run --no-display-prompt - > reply.txt\n  \
                             wisp run --model ./my.gguf --gpu off \"Hello\"\n  \
                             wisp run --json-schema person.json \"Describe Alice, 30, as JSON:\"\n  \
                             wisp run --regex \"(yes|no)\" \"Is the sky blue? Answer:\"")]
@@ -57,7 +60,11 @@ enum Command {
     #[command(after_help = "Examples:\n  wisp fetch\n  wisp fetch gemma3-270m\n  wisp fetch qwen2.5-coder-0.5b")]
     Fetch(FetchArgs),
     /// Chat with a model: its own chat template, one reply per message.
-    #[command(after_help = "Examples:\n  wisp chat --model qwen2.5-coder-0.5b \"Write a binary search in Rust\"\n  \
+    ///
+    /// Without --model, Qwen2.5-Coder-0.5B-Instruct (an instruction-tuned model with a chat
+    /// template; fetched if missing). A model whose file has no chat template gets the built-in
+    /// template of its family, and a notice that names it; --chat-template sets another.
+    #[command(after_help = "Examples:\n  wisp chat \"Write a binary search in Rust\"\n  \
                             wisp chat --model ./my.gguf --system \"Answer briefly.\" -n 128 \"What is a mutex?\"\n  \
                             wisp chat --model qwen2.5-coder-0.5b      (interactive: one message per line)\n  \
                             echo \"Hello\" | wisp chat --model qwen2.5-coder-0.5b --temp 0.7 --seed 1\n  \
@@ -124,7 +131,8 @@ pub enum DeviceArg {
 
 #[derive(Args, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file, or a known model's name (see `wisp fetch`) [default: Gemma 3 270M Q4_K_M, fetched if missing]
+    /// GGUF model file, or a known model's name (see `wisp fetch`) [default: Gemma 3 270M Q4_K_M;
+    /// for `chat`, Qwen2.5-Coder-0.5B-Instruct; fetched if missing]
     #[arg(short, long)]
     pub model: Option<PathBuf>,
     /// Where matrix products run.
@@ -163,11 +171,13 @@ impl ModelArgs {
     }
 }
 
-/// The sampling flags of `run` and `chat`.
+/// The sampling flags of `run` and `chat`: llama.cpp's defaults (temperature 0.8, top-k 40,
+/// top-p 0.95, min-p 0.05, a random seed).
 #[derive(Args, Clone)]
+#[command(next_help_heading = "Sampling (llama.cpp's defaults; --temp 0 is greedy)")]
 pub struct SamplingArgs {
-    /// Temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.0)]
+    /// Temperature; 0 is greedy (the most likely token, always the same text).
+    #[arg(long = "temp", default_value_t = 0.8)]
     temperature: f32,
     /// Keep the K most likely tokens (0: all).
     #[arg(long, default_value_t = 40)]
@@ -181,9 +191,10 @@ pub struct SamplingArgs {
     /// Penalty on recently seen tokens (1: off).
     #[arg(long, default_value_t = 1.0)]
     repeat_penalty: f32,
-    /// Seed of the sampler.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the sampler: the same seed, prompt and flags give the same text [default: random,
+    /// shown with the statistics].
+    #[arg(long)]
+    seed: Option<u64>,
     #[command(flatten)]
     pub constraint: ConstraintArgs,
 }
@@ -217,14 +228,17 @@ impl ConstraintArgs {
 }
 
 impl SamplingArgs {
+    /// The sampler's settings, with a random seed where none was given.
     pub fn sampling(&self) -> Sampling {
+        use std::hash::BuildHasher;
         Sampling {
             temperature: self.temperature,
             top_k: self.top_k,
             top_p: self.top_p,
             min_p: self.min_p,
             repeat_penalty: self.repeat_penalty,
-            seed: self.seed,
+            // The standard library's hasher keys come from the OS's random source.
+            seed: self.seed.unwrap_or_else(|| std::hash::RandomState::new().hash_one(std::process::id())),
             ..Sampling::default()
         }
     }
@@ -245,8 +259,47 @@ struct RunArgs {
     /// Print statistics as one JSON object on stderr at the end.
     #[arg(long)]
     json_stats: bool,
-    /// The prompt.
-    prompt: String,
+    /// Read the prompt from FILE (`-`: standard input); one trailing newline is dropped.
+    #[arg(short = 'f', long = "file", value_name = "FILE", conflicts_with = "prompt")]
+    file: Option<PathBuf>,
+    /// Print only the generated text, not the prompt before it.
+    #[arg(long)]
+    no_display_prompt: bool,
+    /// The prompt (`-`: read it from standard input).
+    #[arg(required_unless_present = "file")]
+    prompt: Option<String>,
+}
+
+impl RunArgs {
+    /// The prompt: the argument, or FILE's text, or standard input's (`-`).
+    fn prompt(&self) -> Result<String> {
+        let read_stdin = || -> Result<String> {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text).context("cannot read the prompt from standard input")?;
+            Ok(text)
+        };
+        let (mut text, from) = match (&self.file, self.prompt.as_deref()) {
+            (Some(p), _) if p.as_os_str() == "-" => (read_stdin()?, "standard input".to_string()),
+            (Some(p), _) => {
+                let text = std::fs::read_to_string(p).with_context(|| format!("cannot read the prompt from {}", p.display()))?;
+                (text, p.display().to_string())
+            }
+            (None, Some("-")) => (read_stdin()?, "standard input".to_string()),
+            (None, Some(p)) => return Ok(p.to_string()),
+            (None, None) => bail!("give a prompt, -f FILE, or - to read it from standard input"),
+        };
+        // As llama.cpp's -f: an editor's final newline is not part of the prompt.
+        if text.ends_with('\n') {
+            text.pop();
+            if text.ends_with('\r') {
+                text.pop();
+            }
+        }
+        if text.is_empty() {
+            bail!("the prompt from {from} is empty");
+        }
+        Ok(text)
+    }
 }
 
 #[derive(Args)]
@@ -384,8 +437,9 @@ fn flush_utf8(out: &mut impl Write, pending: &mut Vec<u8>) -> std::io::Result<()
 
 fn run(a: RunArgs) -> Result<()> {
     let constraint = a.sampling.constraint.constraint()?;
+    let text = a.prompt()?;
     let Loaded { mut inst, model, .. } = load(&a.model)?;
-    let prompt = engine(inst.tokenize(model, &a.prompt, true, false)?)?;
+    let prompt = engine(inst.tokenize(model, &text, true, false)?)?;
     let info = inst.model_info(model)?;
     let n_ctx = (prompt.len() as u32 + a.n_predict).min(info.n_ctx_train);
     let session = engine(inst.new_session(model, n_ctx)?)?;
@@ -393,8 +447,10 @@ fn run(a: RunArgs) -> Result<()> {
     let sampling = a.sampling.sampling();
     engine(inst.constrain(session, constraint.as_ref())?)?;
     let mut out = std::io::stdout().lock();
-    write!(out, "{}", a.prompt)?;
-    out.flush()?;
+    if !a.no_display_prompt {
+        write!(out, "{text}")?;
+        out.flush()?;
+    }
     let mut pending = Vec::new();
     let budget = a.n_predict.min(n_ctx.saturating_sub(prompt.len() as u32));
     // Ctrl-C stops the generation after the current token; what was printed stays.
@@ -433,20 +489,21 @@ fn run(a: RunArgs) -> Result<()> {
                 "prefill_tokens": s.prefill_tokens, "prefill_tok_s": rate(s.prefill_tokens, s.prefill_ns),
                 "decode_tokens": s.decode_tokens, "decode_tok_s": rate(s.decode_tokens, s.decode_ns),
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "gpu_flops": s.gpu_flops,
-                "gpu_attention_calls": s.gpu_attention_calls,
+                "gpu_attention_calls": s.gpu_attention_calls, "seed": sampling.seed,
             })
         );
     } else {
         eprintln!(
             "\nprefill: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | matmuls: {} cpu, {} gpu calls | \
-             attention: {} gpu calls",
+             attention: {} gpu calls | seed {}",
             s.prefill_tokens,
             rate(s.prefill_tokens, s.prefill_ns),
             s.decode_tokens,
             rate(s.decode_tokens, s.decode_ns),
             s.cpu_matmuls,
             s.gpu_calls,
-            s.gpu_attention_calls
+            s.gpu_attention_calls,
+            sampling.seed
         );
     }
     Ok(())
