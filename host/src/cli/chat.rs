@@ -190,9 +190,6 @@ impl Chat {
     }
 }
 
-/// The model `wisp chat` uses without `--model`: instruction-tuned, with a chat template.
-const DEFAULT_MODEL: &str = "qwen2.5-coder-0.5b";
-
 pub fn chat(mut a: ChatArgs) -> Result<()> {
     let constraint = a.sampling.constraint.constraint()?;
     // A template from a file, read before the model loads: a wrong path fails at once.
@@ -203,8 +200,10 @@ pub fn chat(mut a: ChatArgs) -> Result<()> {
         Some(t) if t.contains('/') || t.ends_with(".jinja") => bail!("cannot read the chat template {t}: no such file"),
         other => other.clone(),
     };
+    // Without --model, an instruction-tuned model with a chat template (the default Gemma 3
+    // 270M is a base model).
     if a.model.model.is_none() {
-        a.model.model = Some(DEFAULT_MODEL.into());
+        a.model.model = Some(wisp::fetch::QWEN25_CODER_05B.name.into());
     }
     let loaded = load(&a.model)?;
     let (mut inst, model) = (loaded.inst, loaded.model);
