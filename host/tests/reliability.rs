@@ -15,10 +15,16 @@ fn model() -> PathBuf {
     MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::GEMMA3_270M, false).expect("fetching the default model")).clone()
 }
 
-/// A second, valid request on the same runtime succeeds.
-fn still_serves(wisp: &Wisp, path: &Path) {
+/// A new instance of `wisp` with the model at `path` open, CPU only.
+fn open(wisp: &Wisp, path: &Path) -> (wisp::Instance, wisp::Model) {
     let mut inst = wisp.instantiate(GpuCtx::none(), path.parent()).unwrap();
     let m = inst.open_model(path, GpuMode::Off).unwrap().unwrap();
+    (inst, m)
+}
+
+/// A second, valid request on the same runtime succeeds.
+fn still_serves(wisp: &Wisp, path: &Path) {
+    let (mut inst, m) = open(wisp, path);
     let ids = inst.tokenize(m, "The capital of France is", true, false).unwrap().unwrap();
     assert_eq!(ids, [2, 818, 5279, 529, 7001, 563]);
 }
@@ -406,8 +412,7 @@ fn hostile_model_files_are_typed_errors_and_the_instance_keeps_serving() {
 fn hostile_prompts_are_typed_errors_and_the_session_keeps_serving() {
     let path = model();
     let wisp = Wisp::new(Options::default()).unwrap();
-    let mut inst = wisp.instantiate(GpuCtx::none(), path.parent()).unwrap();
-    let m = inst.open_model(&path, GpuMode::Off).unwrap().unwrap();
+    let (mut inst, m) = open(&wisp, &path);
     let s = inst.new_session(m, 16).unwrap().unwrap();
     let vocab = "is not below the vocabulary size 262144";
     let invalid = |r: wisp::Outcome<()>, want: &str, what: &str| match r.unwrap() {
@@ -586,8 +591,7 @@ fn constraints_through_the_api_fail_typed_and_lift_cleanly() {
     use wisp::Constraint;
     let path = model();
     let wisp = Wisp::new(Options::default()).unwrap();
-    let mut inst = wisp.instantiate(GpuCtx::none(), path.parent()).unwrap();
-    let m = inst.open_model(&path, GpuMode::Off).unwrap().unwrap();
+    let (mut inst, m) = open(&wisp, &path);
     let s = inst.new_session(m, 64).unwrap().unwrap();
     let prompt = inst.tokenize(m, "Is the sky blue? Answer:", true, false).unwrap().unwrap();
     inst.feed(s, &prompt).unwrap().unwrap();
