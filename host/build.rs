@@ -12,6 +12,12 @@ use std::env;
 use std::path::PathBuf;
 use std::process::Command;
 
+/// The wasm32 packages, built in one invocation: the guest, the conformance kit, the runaway
+/// guest of the reliability tests, and `wisp bake`'s HTTP front and stubs.
+/// `host/tests/guest_on_wasm.rs` selects the same ones, so that the guest's tests reuse the
+/// guest's dependencies as built here (cargo resolves features per selection).
+const GUEST_PACKAGES: [&str; 5] = ["wisp-guest", "wisp-conformance", "wisp-runaway", "wisp-http", "wisp-virt"];
+
 fn main() {
     let manifest = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").expect("set by cargo"));
     let root = manifest.parent().expect("host/ is inside the workspace").to_path_buf();
@@ -22,6 +28,13 @@ fn main() {
         "tests/conformance/Cargo.toml",
         "tests/runaway/src",
         "tests/runaway/Cargo.toml",
+        "api/src",
+        "api/Cargo.toml",
+        "bake/http/src",
+        "bake/http/Cargo.toml",
+        "bake/virt/src",
+        "bake/virt/wit",
+        "bake/virt/Cargo.toml",
         "wit",
         ".cargo/config.toml",
         "Cargo.lock",
@@ -40,7 +53,9 @@ fn main() {
     let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
     let mut cmd = Command::new(cargo);
     cmd.current_dir(&root)
-        .args(["build", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "--target", "wasm32-wasip2"])
+        .args(["build", "--release", "--locked"])
+        .args(GUEST_PACKAGES.iter().flat_map(|p| ["-p", p]))
+        .args(["--target", "wasm32-wasip2"])
         .arg("--target-dir")
         .arg(&target_dir);
     // The outer build's flags are for the host target; the guest's come from .cargo/config.toml.
@@ -55,7 +70,12 @@ fn main() {
         );
     }
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
-    for (file, var) in [("wisp_guest.wasm", "WISP_GUEST_WASM"), ("wisp_conformance.wasm", "WISP_CONFORMANCE_WASM")] {
+    for (file, var) in [
+        ("wisp_guest.wasm", "WISP_GUEST_WASM"),
+        ("wisp_conformance.wasm", "WISP_CONFORMANCE_WASM"),
+        ("wisp_http.wasm", "WISP_HTTP_WASM"),
+        ("wisp_virt.wasm", "WISP_VIRT_WASM"),
+    ] {
         let wasm = target_dir.join("wasm32-wasip2/release").join(file);
         let out = out_dir.join(file);
         std::fs::copy(&wasm, &out)

@@ -253,6 +253,10 @@ impl crate::bindings::Guest for Component {
         PRELOADED.with(|p| *p.borrow_mut() = Some((path, Rc::new(model))));
         Ok(())
     }
+
+    fn preloaded_model() -> Option<String> {
+        PRELOADED.with(|p| p.borrow().as_ref().map(|(path, _)| path.clone()))
+    }
 }
 
 /// The preloaded model, if it is `path`'s and the guest will not use a device for it.

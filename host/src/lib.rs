@@ -19,6 +19,7 @@
 
 #![deny(missing_docs)]
 
+pub mod bake;
 mod bindings;
 pub mod conformance;
 pub mod fetch;

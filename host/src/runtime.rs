@@ -455,6 +455,14 @@ impl Wisp {
         Ok(Wisp { engine, component, linker, options })
     }
 
+    /// wisp's guest pre-initialized with the model at `model` loaded (with the GPU off), as a
+    /// component: its `preloaded-model` export names the path its engine opens at once.
+    pub(crate) fn preinitialized_guest(model: &Path) -> Result<Vec<u8>> {
+        let dir = model.parent().context("the model path has no directory")?;
+        let guest_path = guest_path(relative(dir, model)?)?;
+        crate::preinit::preinitialize(GUEST_WASM, dir, &guest_path)
+    }
+
     /// The runtime with another build of a component of the `inference` world.
     pub fn with_component(bytes: &[u8], options: Options) -> Result<Wisp> {
         let (engine, linker) = engine_and_linker(&options)?;

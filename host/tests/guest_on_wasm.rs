@@ -41,7 +41,7 @@ fn guest_tests() -> &'static HashMap<String, PathBuf> {
         let out = Command::new(cargo)
             .current_dir(root)
             // The build script's packages, so that cargo resolves the same features.
-            .args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway"])
+            .args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "-p", "wisp-http", "-p", "wisp-virt"])
             .args(["--tests", "--no-run", "--target", "wasm32-wasip2", "--message-format=json"])
             .arg("--target-dir")
             .arg(&target_dir)

@@ -108,7 +108,7 @@ impl Chat {
                 return Err(e);
             }
         };
-        super::drop_doubled_bos(&mut tokens, self.bos);
+        wisp_api::drop_doubled_bos(&mut tokens, self.bos);
         if tokens.len() as u32 >= self.capacity {
             self.messages.pop();
             let why = format!(

@@ -1,5 +1,6 @@
 //! The `wisp` command line: argument parsing and the subcommands.
 
+mod bake;
 mod bench;
 mod chat;
 mod conformance;
@@ -93,6 +94,19 @@ enum Command {
                             NAME is the model's file name without .gguf (GET /v1/models lists it), or --alias.\n\
                             SIGTERM or Ctrl-C stops taking requests, lets those in flight finish (--shutdown-timeout) and exits 0.")]
     Serve(serve::ServeArgs),
+    /// Bake a model into one wasi:http component that serves it with `wisp serve`'s
+    /// OpenAI-compatible API, for `wasmtime serve`, Spin or wasmCloud (docs/deploy.md).
+    ///
+    /// The guest is pre-initialized with the model loaded (each instance the platform starts
+    /// begins with the weights in memory), composed with an HTTP front and stubs for what the
+    /// proxy world lacks; no GPU: the guest's CPU path runs every request.
+    #[command(after_help = "Examples:\n  wisp bake --model qwen2.5-coder-0.5b -o qwen.http.wasm\n  \
+                            wasmtime serve --addr 127.0.0.1:8080 qwen.http.wasm\n\n\
+                            Then, for example:\n  \
+                            curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
+                            -d '{\"model\": \"NAME\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'\n\n\
+                            NAME is the model's file name without .gguf (GET /v1/models lists it).")]
+    Bake(bake::BakeArgs),
 }
 
 /// Where matrix products run.
@@ -412,14 +426,6 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     Ok(Loaded { inst, model, path, load_s })
 }
 
-/// A rendered chat that begins with BOS (the template writes it) tokenized with BOS added (the
-/// tokenizer adds it): keep one, as llama.cpp does.
-pub fn drop_doubled_bos(tokens: &mut Vec<u32>, bos: Option<u32>) {
-    if tokens.len() >= 2 && Some(tokens[0]) == bos && tokens[1] == tokens[0] {
-        tokens.remove(0);
-    }
-}
-
 /// Writes the longest valid UTF-8 prefix of `pending` and keeps the rest for later.
 fn flush_utf8(out: &mut impl Write, pending: &mut Vec<u8>) -> std::io::Result<()> {
     let valid = match std::str::from_utf8(pending) {
@@ -616,6 +622,7 @@ pub fn main() -> ExitCode {
         Command::Chat(a) => chat::chat(a),
         Command::Conformance(a) => conformance::conformance(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Bake(a) => bake::bake(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

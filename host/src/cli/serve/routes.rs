@@ -59,11 +59,22 @@ pub fn openapi(model_id: &str, n_vocab: u32) -> String {
     doc.to_string()
 }
 
-impl IntoResponse for ApiError {
+/// An [`ApiError`] as axum answers it: the status, the JSON body, `Retry-After` or
+/// `WWW-Authenticate` where they apply.
+pub struct Failed(pub ApiError);
+
+impl From<ApiError> for Failed {
+    fn from(e: ApiError) -> Failed {
+        Failed(e)
+    }
+}
+
+impl IntoResponse for Failed {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        let mut r = (status, axum::Json(self.body())).into_response();
-        match self.status {
+        let Failed(e) = self;
+        let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, axum::Json(e.body())).into_response();
+        match e.status {
             429 | 503 => {
                 r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
@@ -91,14 +102,14 @@ pub fn router(app: Arc<App>) -> Router {
         .merge(v1)
         .route("/health", only(get(health)))
         .route("/openapi.json", only(get(openapi_json)))
-        .fallback(|| async { ApiError::not_found("no such path; see GET /openapi.json") })
+        .fallback(|| async { Failed(ApiError::not_found("no such path; see GET /openapi.json")) })
         .layer(middleware::from_fn_with_state(app.clone(), count))
         .with_state(app)
 }
 
 /// A route's other methods answer `405` with a JSON error.
 fn only(r: MethodRouter<Arc<App>>) -> MethodRouter<Arc<App>> {
-    r.fallback(|| async { ApiError::method_not_allowed() })
+    r.fallback(|| async { Failed(ApiError::method_not_allowed()) })
 }
 
 /// The route's name in the metrics (a fixed set, whatever paths clients send).
@@ -130,7 +141,7 @@ async fn authorize(State(app): State<Arc<App>>, headers: HeaderMap, req: Request
         // Digests compared, so the time taken says nothing of the key.
         let ok = given.is_some_and(|k| <[u8; 32]>::from(Sha256::digest(k.trim().as_bytes())) == want);
         if !ok {
-            return ApiError::unauthorized().into_response();
+            return Failed(ApiError::unauthorized()).into_response();
         }
     }
     next.run(req).await
@@ -154,12 +165,12 @@ async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, 
     }
 }
 
-async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn chat(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
     let bytes = read_body(&app, &headers, body).await?;
     generate(app, api::chat_request(&bytes)?, Kind::Chat).await
 }
 
-async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
     let bytes = read_body(&app, &headers, body).await?;
     generate(app, api::completion_request(&bytes)?, Kind::Text).await
 }
@@ -167,9 +178,9 @@ async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body
 /// Queues a generation, waits for its prompt to be accepted, then answers with the whole text
 /// or streams it. The receiver of the job's events lives in the response: a client that goes
 /// away drops it, and the worker ends the job at its next turn.
-async fn generate(app: Arc<App>, g: Generation, kind: Kind) -> Result<Response, ApiError> {
+async fn generate(app: Arc<App>, g: Generation, kind: Kind) -> Result<Response, Failed> {
     if g.model != app.model_id {
-        return Err(ApiError::unknown_model(&g.model, &app.model_id));
+        return Err(ApiError::unknown_model(&g.model, &app.model_id).into());
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let arrived = Instant::now();
@@ -190,8 +201,8 @@ async fn generate(app: Arc<App>, g: Generation, kind: Kind) -> Result<Response, 
     let gone = || ApiError::internal("the engine stopped before the request ended");
     match tokio::time::timeout_at(deadline.into(), rx.recv()).await.map_err(|_| timed_out())? {
         Some(Event::Started) => {}
-        Some(Event::Failed(e)) => return Err(e),
-        _ => return Err(gone()),
+        Some(Event::Failed(e)) => return Err(e.into()),
+        _ => return Err(gone().into()),
     }
     let head = Head::new(kind, &app.model_id);
     if g.stream {
@@ -202,9 +213,9 @@ async fn generate(app: Arc<App>, g: Generation, kind: Kind) -> Result<Response, 
         match tokio::time::timeout_at(deadline.into(), rx.recv()).await.map_err(|_| timed_out())? {
             Some(Event::Text(t)) => text.push_str(&t),
             Some(Event::Done { finish, usage }) => return Ok(axum::Json(head.response(&text, finish, usage)).into_response()),
-            Some(Event::Failed(e)) => return Err(e),
+            Some(Event::Failed(e)) => return Err(e.into()),
             Some(Event::Started) => {}
-            None => return Err(gone()),
+            None => return Err(gone().into()),
         }
     }
 }
@@ -259,15 +270,15 @@ async fn models(State(app): State<Arc<App>>) -> Response {
     axum::Json(json!({"object": "list", "data": [model_object(&app)]})).into_response()
 }
 
-async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Result<Response, ApiError> {
+async fn model(State(app): State<Arc<App>>, Path(id): Path<String>) -> Result<Response, Failed> {
     if id != app.model_id {
-        return Err(ApiError::unknown_model(&id, &app.model_id));
+        return Err(ApiError::unknown_model(&id, &app.model_id).into());
     }
     Ok(axum::Json(model_object(&app)).into_response())
 }
 
 fn model_object(app: &App) -> Value {
-    json!({"id": app.model_id, "object": "model", "created": app.created, "owned_by": "wisp"})
+    api::model_object(&app.model_id, app.created)
 }
 
 async fn health() -> Response {
@@ -293,7 +304,7 @@ async fn task<T>(app: &App, make: impl FnOnce(oneshot::Sender<Result<T, ApiError
     }
 }
 
-async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
     let bytes = read_body(&app, &headers, body).await?;
     let r: api::TokenizeRequest = api::parse(&bytes)?;
     let pieces = task(&app, |reply| Task::Tokenize {
@@ -314,11 +325,11 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
     Ok(axum::Json(json!({"tokens": tokens})).into_response())
 }
 
-async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
     let bytes = read_body(&app, &headers, body).await?;
     let r: api::DetokenizeRequest = api::parse(&bytes)?;
     if r.tokens.len() > api::MAX_TOKEN_IDS {
-        return Err(ApiError::invalid_param("tokens", format!("more than {} tokens", api::MAX_TOKEN_IDS)));
+        return Err(ApiError::invalid_param("tokens", format!("more than {} tokens", api::MAX_TOKEN_IDS)).into());
     }
     let tokens = r.tokens.into_iter().map(|t| t.0).collect();
     let content = task(&app, |reply| Task::Detokenize { tokens, reply }).await?;

@@ -10,14 +10,13 @@
 //! A request's text depends only on its own tokens and settings: its prompt is fed in chunks
 //! of a fixed size whatever else is in flight, and its session is its own.
 
-use super::api::{ApiError, Finish, Prompt, Usage};
+use super::api::{self, ApiError, Constraint, Finish, Prompt, Reply, Sampling, Usage};
 use super::metrics::Metrics;
-use super::text::{StopMatcher, Utf8Stream};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use wisp::{Constraint, EngineError, Instance, Model, ModelInfo, Outcome, Sampling, Session};
+use wisp::{EngineError, Instance, Model, ModelInfo, Outcome, Session};
 
 /// How much a worker takes on.
 #[derive(Debug, Clone, Copy)]
@@ -210,11 +209,7 @@ struct Active {
     prompt: Vec<u32>,
     /// Prompt tokens fed so far.
     fed: usize,
-    /// Tokens it may still generate.
-    budget: u32,
-    generated: u32,
-    utf8: Utf8Stream,
-    stops: StopMatcher,
+    reply: Reply,
     last_token: Option<Instant>,
 }
 
@@ -227,8 +222,30 @@ enum Failure {
 fn guest<T>(r: Outcome<T>) -> Result<T, Failure> {
     match r {
         Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(Failure::Request(e.into())),
+        Ok(Err(e)) => Err(Failure::Request(api_error(e))),
         Err(e) => Err(Failure::Trap(e)),
+    }
+}
+
+/// The engine's error as a request hears it: 400 where the request is at fault, else 500.
+fn api_error(e: EngineError) -> ApiError {
+    use EngineError as E;
+    let requests_fault = matches!(e, E::InvalidArgument(_) | E::ContextFull(_) | E::Unsupported(_) | E::InvalidConstraint(_));
+    ApiError::engine(requests_fault, e.to_string())
+}
+
+/// The wire format's sampling settings as the engine takes them.
+fn engine_sampling(s: &Sampling) -> wisp::Sampling {
+    let Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed } = *s;
+    wisp::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }
+}
+
+/// The wire format's constraint as the engine takes it.
+fn engine_constraint(c: &Constraint) -> wisp::Constraint {
+    match c {
+        Constraint::JsonSchema(s) => wisp::Constraint::JsonSchema(s.clone()),
+        Constraint::Regex(s) => wisp::Constraint::Regex(s.clone()),
+        Constraint::Lark(s) => wisp::Constraint::Lark(s.clone()),
     }
 }
 
@@ -369,7 +386,7 @@ impl Worker {
                     other => other,
                 })?;
                 let mut tokens = guest(self.inst.tokenize(self.model, &text, true, true))?;
-                super::super::drop_doubled_bos(&mut tokens, self.bos);
+                api::drop_doubled_bos(&mut tokens, self.bos);
                 Ok(tokens)
             }
         }
@@ -390,18 +407,8 @@ impl Worker {
                 let _ = job.events.send(Event::Started);
                 self.shared.metrics.prompt_tokens.inc_by(prompt.len() as u64);
                 self.shared.metrics.in_flight.inc();
-                let stops = StopMatcher::new(job.stop.clone());
-                self.active.push(Active {
-                    job,
-                    session,
-                    prompt,
-                    fed: 0,
-                    budget,
-                    generated: 0,
-                    utf8: Utf8Stream::default(),
-                    stops,
-                    last_token: None,
-                });
+                let reply = Reply::new(prompt.len() as u32, budget, job.stop.clone());
+                self.active.push(Active { job, session, prompt, fed: 0, reply, last_token: None });
             }
             Err(f) => {
                 let e = self.failed(f);
@@ -412,30 +419,20 @@ impl Worker {
 
     fn open_session(&mut self, job: &Job) -> Result<(Session, Vec<u32>, u32), Failure> {
         let prompt = self.prompt_tokens(&job.prompt)?;
-        let ctx = self.ctx;
-        if prompt.is_empty() {
-            return Err(Failure::Request(ApiError::invalid_param("prompt", "the prompt has no tokens")));
-        }
-        if prompt.len() >= ctx as usize {
-            let e = ApiError {
-                code: Some("context_length_exceeded"),
-                ..ApiError::invalid_param(
-                    "messages",
-                    format!("the prompt is {} tokens, and a request's context holds {ctx} (--ctx)", prompt.len()),
-                )
-            };
-            return Err(Failure::Request(e));
-        }
-        let wanted = job.max_tokens.map_or(u64::MAX, u64::from);
-        let n_ctx = (prompt.len() as u64).saturating_add(wanted).min(ctx as u64) as u32;
+        let (n_ctx, budget) = api::session_size(prompt.len(), job.max_tokens, self.ctx).map_err(|mut e| {
+            if e.code == Some("context_length_exceeded") {
+                e.message.push_str(" (--ctx)");
+            }
+            Failure::Request(e)
+        })?;
         let session = guest(self.inst.new_session(self.model, n_ctx))?;
         if let Some((param, c)) = &job.constraint
-            && let Err(f) = constrained(self.inst.constrain(session, Some(c)), param)
+            && let Err(f) = constrained(self.inst.constrain(session, Some(&engine_constraint(c))), param)
         {
             self.release(session);
             return Err(f);
         }
-        Ok((session, prompt.clone(), n_ctx - prompt.len() as u32))
+        Ok((session, prompt, budget))
     }
 
     /// One turn for every request in flight.
@@ -493,50 +490,29 @@ impl Worker {
             return Ok(Turn::Continue);
         }
         let param = a.job.constraint.as_ref().map_or("response_format", |c| c.0);
-        let step = constrained(self.inst.next(a.session, &a.job.sampling), param)?;
-        if step.dead_end {
-            let usage = Usage { prompt_tokens: a.prompt.len() as u32, completion_tokens: a.generated };
-            return Ok(finish(a, Finish::Constraint, usage));
+        let step = constrained(self.inst.next(a.session, &engine_sampling(&a.job.sampling)), param)?;
+        if !step.dead_end {
+            let now = Instant::now();
+            let m = &self.shared.metrics;
+            match a.last_token {
+                None => m.time_to_first_token.observe((now - a.job.arrived).as_secs_f64()),
+                Some(t) => m.time_per_token.observe((now - t).as_secs_f64()),
+            }
+            a.last_token = Some(now);
+            m.generated_tokens.inc();
         }
-        let now = Instant::now();
-        let m = &self.shared.metrics;
-        match a.last_token {
-            None => m.time_to_first_token.observe((now - a.job.arrived).as_secs_f64()),
-            Some(t) => m.time_per_token.observe((now - t).as_secs_f64()),
+        let advance = a.reply.step(&step.piece, step.end_of_generation, step.dead_end);
+        if !advance.text.is_empty() {
+            let _ = a.job.events.send(Event::Text(advance.text));
         }
-        a.last_token = Some(now);
-        a.generated += 1;
-        m.generated_tokens.inc();
-        let usage = Usage { prompt_tokens: a.prompt.len() as u32, completion_tokens: a.generated };
-        if step.end_of_generation {
-            return Ok(finish(a, Finish::Stop, usage));
+        match advance.end {
+            Some((finish, usage)) => {
+                let _ = a.job.events.send(Event::Done { finish, usage });
+                Ok(Turn::Ended)
+            }
+            None => Ok(Turn::Continue),
         }
-        let text = a.utf8.push(&step.piece);
-        let released = a.stops.push(&text);
-        if !released.text.is_empty() {
-            let _ = a.job.events.send(Event::Text(released.text));
-        }
-        if released.stopped {
-            let _ = a.job.events.send(Event::Done { finish: Finish::Stop, usage });
-            return Ok(Turn::Ended);
-        }
-        if a.generated >= a.budget {
-            return Ok(finish(a, Finish::Length, usage));
-        }
-        Ok(Turn::Continue)
     }
-}
-
-/// Sends what is held back, then the end.
-fn finish(a: &mut Active, why: Finish, usage: Usage) -> Turn {
-    let tail = a.utf8.finish();
-    let released = a.stops.push(&tail);
-    let (text, why) = if released.stopped { (released.text, Finish::Stop) } else { (released.text + &a.stops.finish(), why) };
-    if !text.is_empty() {
-        let _ = a.job.events.send(Event::Text(text));
-    }
-    let _ = a.job.events.send(Event::Done { finish: why, usage });
-    Turn::Ended
 }
 
 fn refuse(t: Task, e: ApiError) {

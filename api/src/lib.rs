@@ -1,11 +1,16 @@
-//! The OpenAI-shaped wire format of `wisp serve`: request bodies read and checked into a
-//! [`Generation`], response bodies and stream chunks built from what the scheduler produced,
-//! errors in OpenAI's shape. Nothing here knows about HTTP servers or threads, so that another
-//! front (a `wasi:http` component) can share it.
+//! The OpenAI-shaped wire format of wisp's servers: request bodies read and checked into a
+//! [`Generation`], a generation's tokens turned into the reply's text ([`Reply`]), response
+//! bodies and stream chunks, errors in OpenAI's shape. Nothing here knows about HTTP servers,
+//! threads or the engine's bindings, so that both fronts share it: `wisp serve` (native, axum)
+//! and the `wasi:http` component of `wisp bake` (wasm32-wasip2), each mapping the engine's
+//! types to the plain ones here.
+
+mod text;
+
+pub use text::{Released, StopMatcher, Utf8Stream};
 
 use serde::Deserialize;
 use serde_json::{Value, json};
-use wisp::{Constraint, Sampling};
 
 /// The most messages a chat request may carry.
 pub const MAX_MESSAGES: usize = 4096;
@@ -71,6 +76,15 @@ impl ApiError {
         ApiError::new(405, "invalid_request_error", "method not allowed on this path")
     }
 
+    /// An error the engine returned: 400 when the request is at fault (an argument, the
+    /// context, a constraint, something the model does not support), else 500.
+    pub fn engine(requests_fault: bool, message: impl Into<String>) -> ApiError {
+        match requests_fault {
+            true => ApiError::invalid(message),
+            false => ApiError::internal(message),
+        }
+    }
+
     /// 413: the body is past the cap.
     pub fn too_large(cap: usize) -> ApiError {
         ApiError::new(413, "invalid_request_error", format!("the request body is larger than {cap} bytes"))
@@ -113,18 +127,6 @@ impl ApiError {
     }
 }
 
-impl From<wisp::EngineError> for ApiError {
-    fn from(e: wisp::EngineError) -> ApiError {
-        use wisp::EngineError as E;
-        match e {
-            E::InvalidArgument(_) | E::ContextFull(_) => ApiError::invalid(e.to_string()),
-            E::Unsupported(_) => ApiError::invalid(e.to_string()),
-            E::InvalidConstraint(_) => ApiError::invalid(e.to_string()),
-            _ => ApiError::internal(e.to_string()),
-        }
-    }
-}
-
 /// Parses `bytes` as `T`, naming the field at fault in the error (`messages[1].content: invalid
 /// type ...`).
 pub fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ApiError> {
@@ -136,13 +138,46 @@ pub fn parse<T: for<'de> Deserialize<'de>>(bytes: &[u8]) -> Result<T, ApiError> 
     let value: T = serde_path_to_error::deserialize(de).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        let what = if inner.is_syntax() || inner.is_eof() { "malformed JSON" } else { "invalid request" };
+        if inner.is_syntax() || inner.is_eof() {
+            // Text that is not JSON names no field (OpenAI's `param` is null there).
+            return ApiError::invalid(format!("malformed JSON: {inner}"));
+        }
         match path.as_str() {
-            "." | "" => ApiError::invalid(format!("{what}: {inner}")),
-            p => ApiError::invalid_param(p, format!("{what}: {p}: {inner}")),
+            "." | "" => ApiError::invalid(format!("invalid request: {inner}")),
+            p => ApiError::invalid_param(p, format!("invalid request: {p}: {inner}")),
         }
     })?;
     Ok(value)
+}
+
+/// How each token is picked: the engine's `sampling` record, field for field.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampling {
+    /// 0 is greedy.
+    pub temperature: f32,
+    /// 0 keeps every token.
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    /// 1 is off.
+    pub repeat_penalty: f32,
+    pub repeat_last_n: u32,
+    pub seed: u64,
+}
+
+impl Default for Sampling {
+    /// The engine's defaults (greedy).
+    fn default() -> Self {
+        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+    }
+}
+
+/// What a generation must spell: the engine's `constraint` variant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Constraint {
+    JsonSchema(String),
+    Regex(String),
+    Lark(String),
 }
 
 /// What the prompt is.
@@ -643,6 +678,111 @@ impl Head {
     }
 }
 
+/// A rendered chat that begins with BOS (the template writes it) tokenized with BOS added (the
+/// tokenizer adds it): keep one, as llama.cpp does.
+pub fn drop_doubled_bos(tokens: &mut Vec<u32>, bos: Option<u32>) {
+    if tokens.len() >= 2 && Some(tokens[0]) == bos && tokens[1] == tokens[0] {
+        tokens.remove(0);
+    }
+}
+
+/// The session a prompt of `prompt_len` tokens needs for a request that may generate
+/// `max_tokens` (`None`: to the end of the context) in a context of `ctx` tokens at most:
+/// `(n_ctx, budget)`, the session's context and the tokens it may generate. A prompt that
+/// leaves no room is refused.
+pub fn session_size(prompt_len: usize, max_tokens: Option<u32>, ctx: u32) -> Result<(u32, u32), ApiError> {
+    if prompt_len == 0 {
+        return Err(ApiError::invalid_param("prompt", "the prompt has no tokens"));
+    }
+    if prompt_len >= ctx as usize {
+        return Err(ApiError {
+            code: Some("context_length_exceeded"),
+            ..ApiError::invalid_param("messages", format!("the prompt is {prompt_len} tokens, and a request's context holds {ctx}"))
+        });
+    }
+    let wanted = max_tokens.map_or(u64::MAX, u64::from);
+    let n_ctx = (prompt_len as u64).saturating_add(wanted).min(ctx as u64) as u32;
+    Ok((n_ctx, n_ctx - prompt_len as u32))
+}
+
+/// A generation after its prompt: each step's token turned into the text a client may be sent
+/// (whole characters, nothing of a stop sequence), until the end and why.
+pub struct Reply {
+    prompt_tokens: u32,
+    budget: u32,
+    generated: u32,
+    utf8: Utf8Stream,
+    stops: StopMatcher,
+}
+
+/// What one step added to a [`Reply`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Advance {
+    /// Text to send now (may be empty).
+    pub text: String,
+    /// The generation ended, why, and its counts.
+    pub end: Option<(Finish, Usage)>,
+}
+
+impl Reply {
+    /// A reply to a prompt of `prompt_tokens` tokens that may generate `budget` tokens and ends
+    /// before the first of `stop`.
+    pub fn new(prompt_tokens: u32, budget: u32, stop: Vec<String>) -> Reply {
+        Reply { prompt_tokens, budget, generated: 0, utf8: Utf8Stream::default(), stops: StopMatcher::new(stop) }
+    }
+
+    /// The counts so far.
+    pub fn usage(&self) -> Usage {
+        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated }
+    }
+
+    /// Takes the engine's step: the token's `piece`, whether it ends generation, and whether
+    /// the constraint admitted no token at all (`dead_end`: nothing was generated).
+    pub fn step(&mut self, piece: &[u8], end_of_generation: bool, dead_end: bool) -> Advance {
+        if dead_end {
+            return self.finish(String::new(), Finish::Constraint);
+        }
+        self.generated += 1;
+        if end_of_generation {
+            return self.finish(String::new(), Finish::Stop);
+        }
+        let text = self.utf8.push(piece);
+        let released = self.stops.push(&text);
+        if released.stopped {
+            return Advance { text: released.text, end: Some((Finish::Stop, self.usage())) };
+        }
+        if self.generated >= self.budget {
+            return self.finish(released.text, Finish::Length);
+        }
+        Advance { text: released.text, end: None }
+    }
+
+    /// The end: `text`, then what was held back.
+    fn finish(&mut self, mut text: String, why: Finish) -> Advance {
+        let tail = self.utf8.finish();
+        let released = self.stops.push(&tail);
+        text.push_str(&released.text);
+        let why = match released.stopped {
+            true => Finish::Stop,
+            false => {
+                text.push_str(&self.stops.finish());
+                why
+            }
+        };
+        Advance { text, end: Some((why, self.usage())) }
+    }
+}
+
+/// The one model of a server, as `/v1/models` lists it.
+pub fn model_object(id: &str, created: u64) -> Value {
+    json!({"id": id, "object": "model", "created": created, "owned_by": "wisp"})
+}
+
+/// One server-sent event carrying `data` (a JSON value, or `[DONE]`).
+pub fn sse_event(data: &str) -> String {
+    format!("data: {data}\n\n")
+}
+
 /// `POST /tokenize`, as llama.cpp's server has it.
 #[derive(Deserialize)]
 pub struct TokenizeRequest {
@@ -715,6 +855,45 @@ impl<'de> Deserialize<'de> for TokenId {
 mod tests {
     use super::*;
 
+    /// The reply to `pieces` (the last one ends generation when `eog`), as the text sent and
+    /// the end.
+    fn reply(budget: u32, stop: &[&str], pieces: &[&[u8]], eog: bool) -> (String, Option<(Finish, Usage)>) {
+        let mut r = Reply::new(7, budget, stop.iter().map(|s| s.to_string()).collect());
+        let mut text = String::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let a = r.step(p, eog && i + 1 == pieces.len(), false);
+            text.push_str(&a.text);
+            if a.end.is_some() {
+                return (text, a.end);
+            }
+        }
+        (text, None)
+    }
+
+    #[test]
+    fn a_reply_ends_at_its_stop_its_budget_or_the_models_end() {
+        let usage = |n| Usage { prompt_tokens: 7, completion_tokens: n };
+        // A stop sequence split over pieces: nothing of it is sent.
+        assert_eq!(reply(10, &["END"], &[b"ab", b"cE", b"N", b"Dzz"], false), ("abc".into(), Some((Finish::Stop, usage(4)))));
+        // The budget: what was held back in case it began a stop sequence is sent at the end.
+        assert_eq!(reply(3, &["xyz"], &[b"a", b"b", b"x"], false), ("abx".into(), Some((Finish::Length, usage(3)))));
+        // A character split over pieces waits for its end; the end of generation counts as a token.
+        assert_eq!(reply(10, &[], &["\u{e9}".as_bytes()[..1].as_ref(), &"\u{e9}".as_bytes()[1..], b""], true), ("\u{e9}".into(), Some((Finish::Stop, usage(3)))));
+        // A dead end of a constraint adds no token.
+        let mut r = Reply::new(7, 10, Vec::new());
+        assert_eq!(r.step(b"a", false, false).text, "a");
+        assert_eq!(r.step(b"", true, true), Advance { text: String::new(), end: Some((Finish::Constraint, usage(1))) });
+    }
+
+    #[test]
+    fn a_session_holds_the_prompt_and_what_may_follow() {
+        assert_eq!(session_size(10, Some(5), 100), Ok((15, 5)));
+        assert_eq!(session_size(10, None, 100), Ok((100, 90)));
+        assert_eq!(session_size(10, Some(500), 100), Ok((100, 90)));
+        assert_eq!(session_size(0, None, 100).unwrap_err().param.as_deref(), Some("prompt"));
+        assert_eq!(session_size(100, None, 100).unwrap_err().code, Some("context_length_exceeded"));
+    }
+
     #[test]
     fn a_chat_request_with_every_setting_reads_into_a_generation() {
         let body = br#"{"model": "m", "messages": [{"role": "system", "content": "Be brief."},
@@ -733,6 +912,7 @@ mod tests {
     fn bad_requests_are_400_naming_the_field() {
         let cases: &[(&[u8], &str)] = &[
             (b"{", "malformed JSON"),
+            (b"{not json", "malformed JSON"),
             (b"[]", "invalid request"),
             (br#"["m", [{"role": "user", "content": "x"}]]"#, "invalid request"),
             (br#"{"messages": [{"role": "user", "content": "x"}]}"#, "model"),
@@ -759,6 +939,10 @@ mod tests {
             let named = e.param.as_deref() == Some(*field) || e.message.contains(field);
             assert!(named, "{} -> {e:?} does not name {field}", String::from_utf8_lossy(body));
             assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        }
+        // JSON that does not parse names no field (serde's path there is `?`).
+        for body in [&b"{not json"[..], b"{", b"{\"model\": }"] {
+            assert_eq!(chat_request(body).unwrap_err().param, None, "{}", String::from_utf8_lossy(body));
         }
     }
 
