@@ -199,14 +199,38 @@ fn bad_model_paths_fail_with_one_line() {
 }
 
 #[test]
+fn bake_refuses_what_it_cannot_bake_in_one_line() {
+    let dir = tempdir("bake");
+    let not_gguf = dir.join("notes.gguf");
+    std::fs::write(&not_gguf, b"this is not a model file at all").unwrap();
+    let out = dir.join("notes.http.wasm");
+    let nowhere = dir.join("no/such/dir/x.http.wasm");
+    let cases = [
+        (not_gguf.clone(), out.clone(), format!("cannot bake {}", not_gguf.display()), "bad magic".to_string()),
+        (dir.join("missing.gguf"), out.clone(), "cannot open model".to_string(), "missing.gguf".to_string()),
+        // Said before the model is read, not after the bake.
+        (not_gguf.clone(), nowhere.clone(), format!("cannot write {}", nowhere.display()), "is not a directory".to_string()),
+    ];
+    for (model, output, a, b) in cases {
+        let o = wisp(&["bake", "--model", model.to_str().unwrap(), "-o", output.to_str().unwrap()]);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.starts_with("wisp: error: ") && err.contains(&a) && err.contains(&b), "want {a:?} and {b:?}: {err}");
+        assert!(!output.exists(), "{} was written", output.display());
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn help_has_examples_for_every_subcommand() {
-    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance"] {
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance", "serve", "bake"] {
         let o = wisp(&[sub, "--help"]);
         assert!(o.status.success());
         assert!(stdout(&o).contains("Examples:"), "{sub}: {}", stdout(&o));
     }
     let o = wisp(&["--help"]);
-    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance"] {
+    for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance", "serve", "bake"] {
         assert!(stdout(&o).contains(sub));
     }
 }

@@ -1,7 +1,7 @@
 //! `wisp bake`: a model baked into a `wasi:http/proxy` component (see `wisp::bake`).
 
 use super::model_path;
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -25,13 +25,19 @@ pub fn bake(a: BakeArgs) -> Result<()> {
             PathBuf::from(format!("{stem}.http.wasm"))
         }
     };
+    // A place it cannot write is said now, not after the bake.
+    if let Some(dir) = output.parent().filter(|d| !d.as_os_str().is_empty())
+        && !dir.is_dir()
+    {
+        bail!("cannot write {}: {} is not a directory", output.display(), dir.display());
+    }
     let started = Instant::now();
     let spinner = indicatif::ProgressBar::new_spinner();
     spinner.enable_steady_tick(Duration::from_millis(120));
     spinner.set_message(format!("pre-initializing the guest with {} and composing", path.display()));
     let bytes = wisp::bake::bake(&path);
     spinner.finish_and_clear();
-    let bytes = bytes?;
+    let bytes = bytes.with_context(|| format!("cannot bake {}", path.display()))?;
     std::fs::write(&output, &bytes).with_context(|| format!("writing {}", output.display()))?;
     let id = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
     eprintln!(
@@ -41,6 +47,9 @@ pub fn bake(a: BakeArgs) -> Result<()> {
         bytes.len() as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
-    eprintln!("wisp: run it with `wasmtime serve --addr 127.0.0.1:8080 {}` (docs/deploy.md)", output.display());
+    eprintln!(
+        "wisp: run it with `wasmtime serve --addr 127.0.0.1:8080 {}`; compiled ahead for production (docs/deploy.md)",
+        output.display()
+    );
     Ok(())
 }
