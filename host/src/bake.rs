@@ -85,7 +85,7 @@ fn compose(guest: &[u8]) -> Result<Vec<u8>> {
         graph.export(export, &name)?;
     }
     let bytes = graph.encode(EncodeOptions::default())?;
-    let outside: Vec<String> = imports(&bytes)?.into_iter().filter(|i| !in_proxy_world(i)).collect();
+    let outside: Vec<String> = imports_and_exports(&bytes)?.0.into_iter().filter(|i| !in_proxy_world(i)).collect();
     if !outside.is_empty() {
         bail!("the composition imports {} outside the wasi:http/proxy world", outside.join(", "));
     }
@@ -98,16 +98,10 @@ pub fn in_proxy_world(import: &str) -> bool {
     PROXY_IMPORTS.contains(&name) && version.starts_with("0.2.")
 }
 
-/// The names a component imports.
-pub fn imports(component: &[u8]) -> Result<Vec<String>> {
+/// The names a component imports, and those it exports.
+pub fn imports_and_exports(component: &[u8]) -> Result<(Vec<String>, Vec<String>)> {
     let mut types = wac_graph::types::Types::default();
     let package = Package::from_bytes("component", None, component.to_vec(), &mut types)?;
-    Ok(types[package.ty()].imports.keys().cloned().collect())
-}
-
-/// The names a component exports.
-pub fn exports(component: &[u8]) -> Result<Vec<String>> {
-    let mut types = wac_graph::types::Types::default();
-    let package = Package::from_bytes("component", None, component.to_vec(), &mut types)?;
-    Ok(types[package.ty()].exports.keys().cloned().collect())
+    let world = &types[package.ty()];
+    Ok((world.imports.keys().cloned().collect(), world.exports.keys().cloned().collect()))
 }

@@ -3,19 +3,13 @@
 //! the clone when missing) serves it to the `openai` Python package with `wisp serve`'s texts
 //! (`tests/bake/test_bake.py`, pytest). A missing tool or package fails under `CI=true`.
 
+mod pytest;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The wasmtime-cli release `wasmtime serve` comes from: the wasmtime this host embeds.
 const WASMTIME_CLI: &str = "48.0.8";
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ is inside the workspace").to_path_buf()
-}
-
-fn ci() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
 
 /// `wasmtime` of wasmtime-cli `WASMTIME_CLI`: `WISP_WASMTIME`, else the tools cache
 /// (`~/.cache/wisp/tools`, or `$WISP_CACHE/tools`), installed there by `cargo install` when
@@ -55,14 +49,8 @@ fn wasmtime() -> PathBuf {
 
 #[test]
 fn a_baked_model_serves_the_openai_api_under_wasmtime_serve() {
-    let probe = Command::new("python3").args(["-c", "import openai, httpx, pytest"]).output();
-    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
-        let why = match &probe {
-            Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-            Err(e) => e.to_string(),
-        };
-        assert!(!ci(), "the bake suite needs python3 with openai, httpx and pytest (pip), and CI=true requires it: {why}");
-        eprintln!("skipping: {why}");
+    let suite = "the bake suite";
+    if !pytest::python_has("openai, httpx, pytest", suite) {
         return;
     }
     let model = wisp::fetch::ensure(&wisp::fetch::QWEN25_CODER_05B, false).expect("fetching Qwen2.5-Coder-0.5B-Instruct");
@@ -74,31 +62,24 @@ fn a_baked_model_serves_the_openai_api_under_wasmtime_serve() {
 
     // The proxy world and nothing more: no file system, sockets, environment or wisp:llm.
     let bytes = std::fs::read(&baked).unwrap();
-    let imports = wisp::bake::imports(&bytes).unwrap();
+    let (imports, exports) = wisp::bake::imports_and_exports(&bytes).unwrap();
     for forbidden in ["wasi:filesystem", "wasi:sockets", "wasi:cli/environment", "wasi:cli/exit", "wisp:llm"] {
         assert!(!imports.iter().any(|i| i.starts_with(forbidden)), "the baked component imports {forbidden}: {imports:?}");
     }
     assert!(imports.iter().all(|i| wisp::bake::in_proxy_world(i)), "imports outside wasi:http/proxy: {imports:?}");
     assert!(imports.iter().any(|i| i.starts_with("wasi:http/types@0.2.")), "{imports:?}");
-    let exports = wisp::bake::exports(&bytes).unwrap();
     assert!(
         exports.len() == 1 && exports[0].starts_with("wasi:http/incoming-handler@0.2."),
         "the baked component exports {exports:?}"
     );
 
-    let out = Command::new("python3")
-        .args(["-m", "pytest", "-q", "-rs", "-s", "-p", "no:cacheprovider", "tests/bake"])
-        .env("WISP_BIN", env!("CARGO_BIN_EXE_wisp"))
-        .env("WISP_WASMTIME", wasmtime())
-        .env("WISP_BAKED", &baked)
-        .env("WISP_MODEL", &model)
-        .current_dir(root())
-        .output()
-        .expect("running pytest");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
-    eprintln!("{text}");
+    let wasmtime = wasmtime();
+    let env = [
+        ("WISP_BIN", env!("CARGO_BIN_EXE_wisp").as_ref()),
+        ("WISP_WASMTIME", wasmtime.as_os_str()),
+        ("WISP_BAKED", baked.as_os_str()),
+        ("WISP_MODEL", model.as_os_str()),
+    ];
+    pytest::run(suite, "tests/bake", true, &env);
     let _ = std::fs::remove_dir_all(&dir);
-    assert!(out.status.success(), "the bake suite failed");
-    let summary = text.lines().rev().find(|l| l.contains(" passed")).unwrap_or_default();
-    assert!(!summary.contains("skipped"), "a bake test was skipped: {summary}");
 }

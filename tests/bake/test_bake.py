@@ -7,6 +7,7 @@ chat template) set.
 """
 
 import concurrent.futures
+import json
 import os
 import re
 import signal
@@ -69,13 +70,6 @@ class Process:
                 if line.startswith("Pss:"):
                     return int(line.split()[1])
         raise RuntimeError("no Pss")
-
-    def proc_kib(self, key):
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-        raise RuntimeError(f"no {key}")
 
     def cpu_seconds(self):
         """User and system time of the process so far."""
@@ -184,8 +178,6 @@ def test_structured_output_follows_its_schema(baked):
         model=MODEL_ID, messages=[{"role": "user", "content": "Give a number as JSON."}], max_tokens=32, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
     )
-    import json
-
     value = json.loads(r.choices[0].message.content)
     assert isinstance(value, dict) and isinstance(value["n"], int), r
 
