@@ -33,8 +33,8 @@ export const KIT_WASM = process.env.WISP_CONFORMANCE_WASM
   ? resolve(process.env.WISP_CONFORMANCE_WASM)
   : join(TARGET, 'guest/wasm32-wasip2/release/wisp_conformance.wasm');
 
-const GPU = 'wisp:llm/gpu@0.3.0';
-const ENGINE = 'wisp:llm/engine@0.3.0';
+const GPU = 'wisp:llm/gpu@0.4.0';
+const ENGINE = 'wisp:llm/engine@0.4.0';
 
 // The gpu imports that return promises (WebGPU's error scopes, pipeline creation and readback
 // are async). jco matches these names exactly; a name it does not find is ignored without a
@@ -51,6 +51,8 @@ export const ASYNC_IMPORTS = [
   `${GPU}#attention-cached`,
   `${GPU}#blocks`,
   `${GPU}#[method]weight.write-rows`,
+  `${GPU}#create-program`,
+  `${GPU}#[method]program.run`,
 ];
 // The engine exports that can reach an async import: loading (uploads and the dispatch
 // calibration) and everything that runs a forward pass (feed, and next/logits/top, which run
@@ -67,7 +69,7 @@ export const ASYNC_EXPORTS = [
 // The kit imports the same gpu functions as the guest, `upload` included: ASYNC_IMPORTS serve.
 export const KIT_ASYNC_EXPORTS = ['run-suite'];
 // The gpu functions that answer at once (the device is opened before the guest starts).
-const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format', 'slots', 'width']);
+const SYNC_IMPORTS = new Set(['available', 'rows', 'cols', 'format', 'slots', 'width', 'ops']);
 
 export function sha256(bytes) {
   return createHash('sha256').update(bytes).digest('hex');

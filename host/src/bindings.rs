@@ -7,6 +7,7 @@ wasmtime::component::bindgen!({
     with: {
         "wisp:llm/gpu.weight": crate::gpu::WeightHandle,
         "wisp:llm/gpu.kv-cache": crate::gpu::KvCacheHandle,
+        "wisp:llm/gpu.program": crate::gpu::ProgramHandle,
     },
 });
 

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use wasmtime::component::{HasSelf, Resource};
 use wisp::conformance::{self, CaseResult, KitState};
-use wisp::gpu::{KvCacheHandle, WeightHandle};
+use wisp::gpu::{KvCacheHandle, ProgramHandle, WeightHandle};
 use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 use wisp_tests::wgpu_backend;
 
@@ -211,6 +211,68 @@ fn a_host_whose_attention_ignores_the_window_fails_the_attention_case() {
     assert!(case(&results, "hostile-attention").passed);
 }
 
+/// A backend right in all but one thing: its cache writes land one position later than asked
+/// (the calls of 0.3 write through `attention_cached`, which stays right).
+struct ShiftedCacheWrites {
+    inner: CpuBackend,
+}
+
+impl Backend for ShiftedCacheWrites {
+    fn device(&self) -> Option<Device> {
+        self.inner.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.inner.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.inner.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.inner.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.inner.free(id)
+    }
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.inner.create_cache(slots, width)
+    }
+    fn free_cache(&mut self, id: BufferId) {
+        self.inner.free_cache(id)
+    }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.inner.write_cache(id, first + 1, k, v)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.inner.attention_cached(q, k_new, v_new, first_new, cache, first_key, shape)
+    }
+}
+
+#[test]
+fn a_host_whose_program_cache_writes_are_one_row_off_fails_the_program_cases_that_attend() {
+    let broken = ShiftedCacheWrites { inner: CpuBackend::new() };
+    let results = conformance::run(GpuCtx::new(Box::new(broken), conformance::budget()), seed()).unwrap();
+    eprintln!("{}", table(&results));
+    let f = failed(&results);
+    for name in ["program-attention", "program-decoder", "hostile-program-runs"] {
+        assert!(f.contains(&name), "{name} should fail:\n{}", table(&results));
+    }
+    let a = case(&results, "program-attention");
+    assert!(a.message.contains("where the reference is"), "{}", a.message);
+    for name in ["program-ops", "program-top-k", "hostile-programs", "kv-cache"] {
+        assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
+    }
+}
+
 /// A backend whose matmul ignores its inputs: zeros of the right shape.
 struct IgnoresInputs {
     inner: CpuBackend,
@@ -270,7 +332,11 @@ mod other_host {
     wasmtime::component::bindgen!({
         path: "../wit",
         world: "conformance",
-        with: { "wisp:llm/gpu.weight": ::wisp::gpu::WeightHandle, "wisp:llm/gpu.kv-cache": ::wisp::gpu::KvCacheHandle },
+        with: {
+            "wisp:llm/gpu.weight": ::wisp::gpu::WeightHandle,
+            "wisp:llm/gpu.kv-cache": ::wisp::gpu::KvCacheHandle,
+            "wisp:llm/gpu.program": ::wisp::gpu::ProgramHandle,
+        },
     });
 }
 
@@ -377,6 +443,10 @@ impl wit::Host for Lenient {
         self.inner.matmul(&x, t, n_in, &jobs).map_err(error)
     }
 
+    fn create_program(&mut self, _: Vec<Resource<WeightHandle>>, _: u32, _: Vec<wit::Op>) -> Result<Resource<ProgramHandle>, wit::Error> {
+        Err(wit::Error::Unavailable("the lenient host does not offer programs".into()))
+    }
+
     fn ffn(
         &mut self,
         mut x: Vec<f32>,
@@ -448,6 +518,19 @@ impl wit::Host for Lenient {
             v.resize(k_len as usize, 0.0);
         }
         self.inner.attention(&q, &k, &v, &s).map_err(error)
+    }
+}
+
+/// Programs it does not offer (allowed: `unavailable`), so no program handle is ever made.
+impl wit::HostProgram for Lenient {
+    fn run(&mut self, _: Resource<ProgramHandle>, _: Vec<Vec<f32>>, _: Vec<wit::Sequence>) -> Result<Vec<wit::Output>, wit::Error> {
+        Err(wit::Error::Unavailable("the lenient host does not offer programs".into()))
+    }
+    fn ops(&mut self, _: Resource<ProgramHandle>) -> u32 {
+        0
+    }
+    fn drop(&mut self, _: Resource<ProgramHandle>) -> wasmtime::Result<()> {
+        Ok(())
     }
 }
 

@@ -434,8 +434,21 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
+  // Programs (wisp:llm@0.4.0) are not offered by this host yet: the contract allows
+  // `unavailable`, and the guest runs its recipe with the calls above.
+  const noPrograms = () => err('unavailable', 'the browser host does not offer programs yet');
+  class Program {
+    async run() { return noPrograms(); }
+    ops() { return 0; }
+    [Symbol.dispose]() {}
+  }
+  async function createProgram() {
+    const bad = ready();
+    return bad ?? noPrograms();
+  }
+
   return {
-    imports: { Weight, KvCache, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached, blocks },
+    imports: { Weight, KvCache, Program, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached, blocks, createProgram },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     info: backend.info,
@@ -472,6 +485,12 @@ function noDevice(why) {
       createKvCache: unavailable,
       attentionCached: unavailable,
       blocks: unavailable,
+      Program: class {
+        run() { return unavailable(); }
+        ops() { return 0; }
+        [Symbol.dispose]() {}
+      },
+      createProgram: unavailable,
     },
     usage: () => ({ bytes: 0, handles: 0 }),
     info: null,

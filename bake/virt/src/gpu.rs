@@ -5,7 +5,7 @@ use alloc::vec::Vec;
 
 use crate::bindings::exports::wisp::llm::gpu::{
     self, Activation, AttentionShape, Block, BlocksOutput, BlocksShape, DeviceInfo, Error,
-    KvCache, KvCacheBorrow, Weight, WeightBorrow, WeightFormat,
+    KvCache, KvCacheBorrow, Op, Output, Program, Sequence, Weight, WeightBorrow, WeightFormat,
 };
 use crate::{Never, Virt};
 
@@ -15,10 +15,15 @@ fn unavailable() -> Error {
     Error::Unavailable(why.into())
 }
 
-/// No device: no call succeeds, so no `weight` or `kv-cache` is ever made.
+/// No device: no call succeeds, so no `weight`, `kv-cache` or `program` is ever made.
 impl gpu::Guest for Virt {
     type Weight = Never;
     type KvCache = Never;
+    type Program = Never;
+
+    fn create_program(_: Vec<WeightBorrow<'_>>, _: u32, _: Vec<Op>) -> Result<Program, Error> {
+        Err(unavailable())
+    }
 
     fn available() -> Option<DeviceInfo> {
         None
@@ -117,6 +122,17 @@ impl gpu::GuestKvCache for Never {
     }
 
     fn width(&self) -> u32 {
+        match *self {}
+    }
+}
+
+/// A program on the device, of which there is none.
+impl gpu::GuestProgram for Never {
+    fn run(&self, _: Vec<Vec<f32>>, _: Vec<Sequence<'_>>) -> Result<Vec<Output>, Error> {
+        match *self {}
+    }
+
+    fn ops(&self) -> u32 {
         match *self {}
     }
 }

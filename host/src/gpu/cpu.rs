@@ -273,6 +273,17 @@ impl Backend for CpuBackend {
         self.caches.remove(&id);
     }
 
+    fn write_cache(&mut self, id: BufferId, first: u32, k_new: &[f32], v_new: &[f32]) -> Result<(), GpuError> {
+        let (slots, width, k, v) = self.caches.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
+        let (slots, width) = (*slots as u64, *width);
+        for (r, (kr, vr)) in k_new.chunks_exact(width).zip(v_new.chunks_exact(width)).enumerate() {
+            let at = ((first as u64 + r as u64) % slots) as usize * width;
+            k[at..at + width].copy_from_slice(kr);
+            v[at..at + width].copy_from_slice(vr);
+        }
+        Ok(())
+    }
+
     fn attention_cached(
         &mut self,
         q: &[f32],
@@ -283,15 +294,10 @@ impl Backend for CpuBackend {
         first_key: u32,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>, GpuError> {
-        let (slots, width, k, v) =
-            self.caches.get_mut(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
+        self.write_cache(cache, first_new, k_new, v_new)?;
+        let (slots, width, k, v) = self.caches.get(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
         let (slots, width) = (*slots, *width);
         let row = |p: u64| (p % slots as u64) as usize * width;
-        for (r, (kr, vr)) in k_new.chunks_exact(width).zip(v_new.chunks_exact(width)).enumerate() {
-            let at = row(first_new as u64 + r as u64);
-            k[at..at + width].copy_from_slice(kr);
-            v[at..at + width].copy_from_slice(vr);
-        }
         // The shape's keys in order of position, then attention as `attention` reads.
         let keys: Vec<usize> = (0..shape.n_keys as u64).map(|j| row(first_key as u64 + j)).collect();
         let gather = |m: &[f32]| keys.iter().flat_map(|&at| m[at..at + width].iter().copied()).collect::<Vec<f32>>();

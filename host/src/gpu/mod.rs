@@ -7,6 +7,7 @@
 //! the device's limits or the instance's budget. Nothing a guest sends can trap or panic the host.
 
 mod cpu;
+pub mod program;
 mod wgpu;
 
 pub use self::wgpu::{Gemm, WgpuBackend};
@@ -411,6 +412,12 @@ pub trait Backend: Send {
     }
     /// Frees a `kv-cache`. Never fails.
     fn free_cache(&mut self, _id: BufferId) {}
+    /// Writes the whole rows `k` and `v` (as many of each, at most the cache's slots) at the
+    /// rows of positions `first..` of a `kv-cache` (position `p` in row `p % slots`). Checked by
+    /// [`GpuCtx`] already. A backend without kv-caches keeps this default, `unavailable`.
+    fn write_cache(&mut self, _id: BufferId, _first: u32, _k: &[f32], _v: &[f32]) -> Result<(), GpuError> {
+        Err(GpuError::Unavailable("this host does not offer kv-caches".into()))
+    }
     /// `attention-cached` (see `wit/gpu.wit`): writes the whole rows `k_new`, `v_new` at the
     /// rows of positions `first_new..`, then attends over the `shape.n_keys` rows of positions
     /// `first_key..`, position `p` in row `p % slots`. Checked by [`GpuCtx`] already.
@@ -510,6 +517,15 @@ pub struct WeightHandle {
     rows: u32,
     cols: u32,
     bytes: u64,
+    /// A copy of the values of an `f32` weight of one row (a norm's weights, a bias), which
+    /// programs apply on the host; empty for the others.
+    vector: Vec<f32>,
+}
+
+/// The host-side state of one `program` handle.
+#[derive(Debug)]
+pub struct ProgramHandle {
+    program: program::Program,
 }
 
 /// The host-side state of one `kv-cache` handle.
@@ -532,8 +548,10 @@ pub struct GpuCtx {
     device: Option<Device>,
     /// Live weights by the rep of their handle.
     weights: HashMap<u32, WeightHandle>,
-    /// Live `kv-cache`s by the rep of their handle (reps are unique across both maps).
+    /// Live `kv-cache`s by the rep of their handle (reps are unique across the three maps).
     caches: HashMap<u32, KvCacheHandle>,
+    /// Live programs by the rep of their handle.
+    programs: HashMap<u32, ProgramHandle>,
     budget: Budget,
     used_bytes: u64,
     used_handles: u32,
@@ -554,6 +572,7 @@ impl GpuCtx {
             device,
             weights: HashMap::new(),
             caches: HashMap::new(),
+            programs: HashMap::new(),
             budget,
             used_bytes: 0,
             used_handles: 0,
@@ -601,7 +620,7 @@ impl GpuCtx {
     fn fresh_rep(&self) -> Option<u32> {
         (0..64)
             .map(|_| NEXT_REP.fetch_add(1, Ordering::Relaxed))
-            .find(|r| *r != 0 && !self.weights.contains_key(r) && !self.caches.contains_key(r))
+            .find(|r| *r != 0 && !self.weights.contains_key(r) && !self.caches.contains_key(r) && !self.programs.contains_key(r))
     }
 
     /// Checks that `bytes` more fit the instance's budget of bytes and handles.
@@ -746,7 +765,8 @@ impl GpuCtx {
             self.backend.free(id);
             return Err(GpuError::OutOfMemory("no free handle".into()));
         };
-        self.weights.insert(rep, WeightHandle { id, format, rows: n_out, cols: n_in, bytes });
+        let vector = if format == Format::F32 && n_out == 1 { vec![0.0; n_in as usize] } else { Vec::new() };
+        self.weights.insert(rep, WeightHandle { id, format, rows: n_out, cols: n_in, bytes, vector });
         self.used_bytes += bytes;
         self.used_handles += 1;
         Ok(Resource::new_own(rep))
@@ -776,7 +796,13 @@ impl GpuCtx {
         }
         let id = h.id;
         let r = self.backend.write_rows(id, first_row, data, scales);
-        self.track(r)
+        self.track(r)?;
+        if let Some(h) = self.weights.get_mut(&w.rep()).filter(|h| !h.vector.is_empty()) {
+            for (v, b) in h.vector.iter_mut().zip(data.chunks_exact(4)) {
+                *v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        Ok(())
     }
 
     /// Uploads a whole weight `W[n_out, n_in]`: [`allocate`](GpuCtx::allocate) and one
@@ -1056,6 +1082,80 @@ impl GpuCtx {
         self.track(r)
     }
 
+    /// Makes a program of `ops` over `weights` with `caches` cache indices (see
+    /// [`program::check`] and `wit/gpu.wit`) and returns its handle.
+    ///
+    /// Errors: `InvalidArgument` for a handle that is not a live weight of this context, more
+    /// weights than the [`Budget`]'s handles, or ops that [`program::check`] refuses;
+    /// `OutOfMemory` past the budget of handles; `Unavailable` or `DeviceLost` when there is no
+    /// usable device.
+    pub fn create_program(
+        &mut self,
+        weights: &[Resource<WeightHandle>],
+        caches: u32,
+        ops: Vec<program::Op>,
+    ) -> Result<Resource<ProgramHandle>, GpuError> {
+        self.ready()?;
+        if weights.len() > self.budget.handles as usize {
+            return invalid(format!("{} weights exceed the limit of {} a program", weights.len(), self.budget.handles));
+        }
+        let mut refs = Vec::with_capacity(weights.len());
+        for (i, w) in weights.iter().enumerate() {
+            let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("weight {i}: not a live weight handle of this instance")))?;
+            refs.push(program::WeightRef { rep: w.rep(), id: h.id, rows: h.rows, cols: h.cols, format: h.format });
+        }
+        let program = program::check(ops, refs, caches).map_err(GpuError::InvalidArgument)?;
+        self.budget_allows(0)?;
+        let rep = self.fresh_rep().ok_or_else(|| GpuError::OutOfMemory("no free handle".into()))?;
+        self.programs.insert(rep, ProgramHandle { program });
+        self.used_handles += 1;
+        Ok(Resource::new_own(rep))
+    }
+
+    /// Runs a program over `batch`, each sequence with its rows, start position and caches, and
+    /// `inputs`, one list for each `input` op; returns one [`program::Output`] for each
+    /// `output` and `top-k` op, in order.
+    ///
+    /// Errors: `InvalidArgument` for a handle that is not a live program of this context, or a
+    /// batch that [`program::Program::check_batch`] refuses (nothing is written then);
+    /// `OutOfMemory` when a value exceeds the device's `max_activation_elements`; the
+    /// backend's errors; `Unavailable` or `DeviceLost` when there is no usable device.
+    pub fn run_program(
+        &mut self,
+        p: &Resource<ProgramHandle>,
+        inputs: Vec<Vec<f32>>,
+        batch: &[(u32, u32, &[Resource<KvCacheHandle>])],
+    ) -> Result<Vec<program::Output>, GpuError> {
+        let max_elems = self.ready()?.max_activation_elements;
+        let program = &self.programs.get(&p.rep()).ok_or_else(|| GpuError::InvalidArgument("not a live program handle of this instance".into()))?.program;
+        let mut runs = Vec::with_capacity(batch.len().min(program::MAX_SEQUENCES + 1));
+        for (s, &(rows, start, caches)) in batch.iter().take(program::MAX_SEQUENCES + 1).enumerate() {
+            let mut resolved = Vec::with_capacity(caches.len().min(program::MAX_CACHES as usize + 1));
+            for (c, h) in caches.iter().take(program::MAX_CACHES as usize + 1).enumerate() {
+                let k = self.caches.get(&h.rep()).ok_or_else(|| GpuError::InvalidArgument(format!("sequence {s}: cache {c} is not a live kv-cache handle of this instance")))?;
+                resolved.push((k.id, k.slots, k.width));
+            }
+            runs.push(program::SequenceRun { rows, start, caches: resolved });
+        }
+        if batch.len() > program::MAX_SEQUENCES {
+            return invalid(format!("a batch of {} sequences: 1 to {}", batch.len(), program::MAX_SEQUENCES));
+        }
+        let weights = &self.weights;
+        let live = |w: &program::WeightRef| weights.get(&w.rep).is_some_and(|h| h.id == w.id);
+        program.check_batch(&inputs, &runs, live, max_elems)?;
+        let vectors: Vec<&[f32]> = program.weights.iter().map(|w| weights.get(&w.rep).map_or(&[][..], |h| &h.vector[..])).collect();
+        let r = program::run(program, &mut *self.backend, &vectors, inputs, &runs);
+        self.track(r)
+    }
+
+    /// Forgets a program and returns its handle to the budget; a handle that is not a live
+    /// program of this context is ignored.
+    pub fn release_program(&mut self, p: Resource<ProgramHandle>) {
+        if self.programs.remove(&p.rep()).is_some() {
+            self.used_handles -= 1;
+        }
+    }
+
     /// The device time of the last successful `matmul`'s kernels alone, in nanoseconds, where
     /// the backend can measure it (wgpu with timestamp queries); for benchmarks.
     pub fn last_kernel_ns(&self) -> Option<u64> {
@@ -1174,6 +1274,16 @@ impl wit::Host for GpuCtx {
     ) -> wasmtime::Result<Result<Vec<Vec<f32>>, wit::Error>> {
         Ok(GpuCtx::matmul(self, &x, t, n_in, &jobs).map_err(Into::into))
     }
+
+    fn create_program(
+        &mut self,
+        weights: Vec<Resource<WeightHandle>>,
+        caches: u32,
+        ops: Vec<wit::Op>,
+    ) -> wasmtime::Result<Result<Resource<ProgramHandle>, wit::Error>> {
+        let ops = ops.into_iter().map(Into::into).collect();
+        Ok(GpuCtx::create_program(self, &weights, caches, ops).map_err(Into::into))
+    }
 }
 
 impl wit::HostWeight for GpuCtx {
@@ -1216,6 +1326,77 @@ impl wit::HostKvCache for GpuCtx {
 
     fn drop(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<()> {
         self.release_cache(c);
+        Ok(())
+    }
+}
+
+impl From<wit::Precision> for program::Precision {
+    fn from(p: wit::Precision) -> Self {
+        match p {
+            wit::Precision::Exact => program::Precision::Exact,
+            wit::Precision::Fast => program::Precision::Fast,
+        }
+    }
+}
+
+impl From<wit::Op> for program::Op {
+    fn from(op: wit::Op) -> Self {
+        use program::Op;
+        let ix = |v: u32| v as usize;
+        match op {
+            wit::Op::Input(width) => Op::Input { width },
+            wit::Op::Matmul(m) => Op::Matmul { x: ix(m.x), weight: ix(m.weight), precision: m.precision.into() },
+            wit::Op::RmsNorm(n) => Op::RmsNorm { x: ix(n.x), weight: n.weight.map(ix), offset: n.offset, group: n.group, eps: n.eps },
+            wit::Op::Add((a, b)) => Op::Add(ix(a), ix(b)),
+            wit::Op::Mul((a, b)) => Op::Mul(ix(a), ix(b)),
+            wit::Op::Bias(b) => Op::Bias { x: ix(b.x), weight: ix(b.weight) },
+            wit::Op::Scale(s) => Op::Scale { x: ix(s.x), by: s.by },
+            wit::Op::Gated(g) => Op::Gated { gate: ix(g.gate), up: ix(g.up), act: g.act.into() },
+            wit::Op::Rotate(r) => Op::Rotate { x: ix(r.x), table: ix(r.table), head_dim: r.head_dim, rotation: r.rotation.into() },
+            wit::Op::CacheWrite(c) => Op::CacheWrite { k: ix(c.k), v: ix(c.v), cache: c.cache },
+            wit::Op::Attention(a) => Op::Attention {
+                q: ix(a.q),
+                cache: a.cache,
+                n_head: a.n_head,
+                n_head_kv: a.n_head_kv,
+                head_dim: a.head_dim,
+                window: a.window,
+                scale: a.scale,
+                precision: a.precision.into(),
+            },
+            wit::Op::LastRows(x) => Op::LastRows(ix(x)),
+            wit::Op::Output(x) => Op::Output(ix(x)),
+            wit::Op::TopK(t) => Op::TopK { x: ix(t.x), k: t.k },
+        }
+    }
+}
+
+impl wit::HostProgram for GpuCtx {
+    fn run(
+        &mut self,
+        p: Resource<ProgramHandle>,
+        inputs: Vec<Vec<f32>>,
+        batch: Vec<wit::Sequence>,
+    ) -> wasmtime::Result<Result<Vec<wit::Output>, wit::Error>> {
+        let batch: Vec<_> = batch.iter().map(|s| (s.rows, s.start, &s.caches[..])).collect();
+        let out = GpuCtx::run_program(self, &p, inputs, &batch).map(|outputs| {
+            outputs
+                .into_iter()
+                .map(|o| match o {
+                    program::Output::Rows(v) => wit::Output::Rows(v),
+                    program::Output::Top { values, indices } => wit::Output::Top(wit::TopRows { values, indices }),
+                })
+                .collect()
+        });
+        Ok(out.map_err(Into::into))
+    }
+
+    fn ops(&mut self, p: Resource<ProgramHandle>) -> wasmtime::Result<u32> {
+        Ok(self.programs.get(&p.rep()).map_or(0, |h| h.program.ops.len() as u32))
+    }
+
+    fn drop(&mut self, p: Resource<ProgramHandle>) -> wasmtime::Result<()> {
+        self.release_program(p);
         Ok(())
     }
 }

@@ -1448,6 +1448,10 @@ impl Backend for WgpuBackend {
         self.block_buffers.forget_groups();
     }
 
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.write_rows_of_cache(id, first, k, v)
+    }
+
     fn attention_cached(
         &mut self,
         q: &[f32],

@@ -193,8 +193,29 @@ impl WgpuBackend {
             return Err(GpuError::InvalidArgument(format!("{rows} new rows or {} keys do not fit {slots} slots", s.n_keys)));
         }
         let (kb, vb) = (c.k.clone(), c.v.clone());
+        self.write_rows_of_cache(cache, first_new, k_new, v_new)?;
+        let bytes = 4 * slots * width as u64;
+        self.attend_over(q, (&kb, &vb, bytes), s, (first_key as u64 % slots) as u32, slots as u32)
+    }
+
+    /// See [`crate::gpu::Backend::write_cache`]: whole rows of keys and values written into
+    /// the ring at the rows of positions `first..`, in at most two runs (where it wraps).
+    pub(super) fn write_rows_of_cache(&mut self, cache: BufferId, first: u32, k_new: &[f32], v_new: &[f32]) -> Result<(), GpuError> {
+        self.live()?;
+        let Some(c) = self.attn.caches.get(&cache) else {
+            return Err(GpuError::InvalidArgument(format!("no kv-cache {cache}")));
+        };
+        let (slots, width) = (c.slots as u64, c.width as usize);
+        let rows = k_new.len() / width.max(1);
+        if k_new.len() != v_new.len() || k_new.len() % width.max(1) != 0 || rows as u64 > slots {
+            return Err(GpuError::InvalidArgument(format!("{} and {} values are not the same whole rows of {width}, at most {slots}", k_new.len(), v_new.len())));
+        }
+        if rows == 0 {
+            return Ok(());
+        }
+        let (kb, vb) = (c.k.clone(), c.v.clone());
         let scopes = push_scopes(&self.device);
-        let start = (first_new as u64 % slots) as usize;
+        let start = (first as u64 % slots) as usize;
         let head = rows.min(slots as usize - start);
         for (buf, data) in [(&kb, k_new), (&vb, v_new)] {
             let (a, b) = data.split_at(head * width);
@@ -205,9 +226,7 @@ impl WgpuBackend {
                 self.queue.write_buffer(buf, 0, bytemuck::cast_slice(b));
             }
         }
-        self.finish(scopes)?;
-        let bytes = 4 * slots * width as u64;
-        self.attend_over(q, (&kb, &vb, bytes), s, (first_key as u64 % slots) as u32, slots as u32)
+        self.finish(scopes)
     }
 
     fn drop_attention_buffers(&mut self) {

@@ -10,6 +10,7 @@ mod blocks;
 mod ffn;
 mod hostile;
 mod products;
+mod programs;
 mod resources;
 
 use crate::bindings::wisp::llm::gpu::{self, DeviceInfo, Error, Weight as Handle, WeightFormat};
@@ -84,6 +85,13 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-attention", attention::hostile),
     ("hostile-kv-cache", attention::cached_hostile),
     ("hostile-blocks", blocks::hostile),
+    ("program-ops", programs::ops),
+    ("program-top-k", programs::top_k),
+    ("program-attention", programs::attention),
+    ("program-decoder", programs::decoder),
+    ("program-lifetimes", programs::lifetimes),
+    ("hostile-programs", programs::hostile_programs),
+    ("hostile-program-runs", programs::hostile_runs),
     ("recovers-after-refusals", resources::recovers),
 ];
 
@@ -164,7 +172,9 @@ fn no_device() -> Check<String> {
     expect("matmul with no jobs", gpu::matmul(&[1.0], 1, 1, &[]), u)?;
     let shape = gpu::AttentionShape { t: 1, n_keys: 1, n_head: 1, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 };
     expect("attention of one query over one key", gpu::attention(&[1.0], &[1.0], &[1.0], shape), u)?;
-    Ok("upload, allocate, matmul and attention are all `unavailable`".into())
+    let ops = [gpu::Op::Input(1), gpu::Op::Output(0)];
+    expect("create-program of an input and its output", gpu::create_program(&[], 0, &ops), u)?;
+    Ok("upload, allocate, matmul, attention and create-program are all `unavailable`".into())
 }
 
 /// The variants of the WIT `error`.
