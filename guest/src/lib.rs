@@ -13,6 +13,7 @@ pub mod engine;
 pub mod gguf;
 pub mod kernels;
 pub mod models;
+pub mod program;
 pub mod quant;
 pub mod sampler;
 pub mod session;

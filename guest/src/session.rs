@@ -92,8 +92,8 @@ impl Session {
         }
         let batch = if model.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n_ctx);
         let state = match &model.arch {
-            Arch::Gemma3 { config, .. } => State::Gemma3(gemma3::State::new(config, n_ctx, batch)),
-            Arch::Qwen2 { config, .. } => State::Qwen2(qwen2::State::new(config, n_ctx, batch)),
+            Arch::Gemma3 { config, weights } => State::Gemma3(gemma3::State::new(config, weights, n_ctx, batch)),
+            Arch::Qwen2 { config, weights } => State::Qwen2(qwen2::State::new(config, weights, n_ctx, batch)),
         };
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {

@@ -37,7 +37,7 @@ impl LayerCache {
 }
 
 /// The shape of attention: `n_head` query heads share `n_head_kv` key/value heads.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Heads {
     pub n_head: usize,
     pub n_head_kv: usize,

@@ -13,11 +13,13 @@
 //! - grouped-query attention: `head_count_kv` key/value heads shared by `head_count` queries.
 
 use super::attention::Heads;
-use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, norm_rows, project_logits, vector};
+use super::rope;
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, invalid, project_logits, vector};
 use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
 use crate::gguf::Gguf;
-use crate::kernels::{Act, add, rms_norm};
+use crate::kernels::Act;
+use crate::program::cpu::{self, Plan, Values};
+use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -90,11 +92,111 @@ pub struct Weights {
     pub layers: Vec<Layer>,
     /// Every layer's device ids for `blocks`, where they are all on the device.
     pub blocks: Option<Vec<BlockIds>>,
+    /// The model as a program (`recipe`), and where its values live on the CPU.
+    pub program: Program,
+    pub plan: Plan,
+}
+
+/// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
+/// after the last layer's.
+const ATTN_NORM: u32 = 0;
+const WQ: u32 = 1;
+const WK: u32 = 2;
+const WV: u32 = 3;
+const Q_NORM: u32 = 4;
+const K_NORM: u32 = 5;
+const WO: u32 = 6;
+const POST_ATTN_NORM: u32 = 7;
+const FFN_NORM: u32 = 8;
+const GATE: u32 = 9;
+const UP: u32 = 10;
+const DOWN: u32 = 11;
+const POST_FFN_NORM: u32 = 12;
+const PARTS: u32 = 13;
+/// After the layers: the final norm and the output projection.
+const OUTPUT_NORM: u32 = 0;
+const OUTPUT: u32 = 1;
+
+fn weight(layer: usize, part: u32) -> WeightId {
+    WeightId(layer as u32 * PARTS + part)
+}
+
+impl Tensors for Weights {
+    fn tensor(&self, id: WeightId) -> Tensor<'_> {
+        let (l, part) = ((id.0 / PARTS) as usize, id.0 % PARTS);
+        let Some(layer) = self.layers.get(l) else {
+            return match part {
+                OUTPUT_NORM => Tensor::Vector(&self.output_norm),
+                _ => Tensor::Matrix(self.output.as_ref().unwrap_or(&self.embd)),
+            };
+        };
+        match part {
+            ATTN_NORM => Tensor::Vector(&layer.attn_norm),
+            WQ => Tensor::Matrix(&layer.wq),
+            WK => Tensor::Matrix(&layer.wk),
+            WV => Tensor::Matrix(&layer.wv),
+            Q_NORM => Tensor::Vector(&layer.q_norm),
+            K_NORM => Tensor::Vector(&layer.k_norm),
+            WO => Tensor::Matrix(&layer.wo),
+            POST_ATTN_NORM => Tensor::Vector(&layer.post_attn_norm),
+            FFN_NORM => Tensor::Vector(&layer.ffn_norm),
+            GATE => Tensor::Matrix(&layer.gate),
+            UP => Tensor::Matrix(&layer.up),
+            DOWN => Tensor::Matrix(&layer.down),
+            _ => Tensor::Vector(&layer.post_ffn_norm),
+        }
+    }
+}
+
+/// Gemma 3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation tables of
+/// the sliding and of the global layers `[t, head_dim]`; output: the logits of each sequence's
+/// last token. Each layer `l` writes cache `l`.
+pub fn recipe(c: &Config, w: &Weights) -> Program {
+    let h = &c.hp;
+    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+    let mut p = Builder::new(w);
+    let x = p.input(e);
+    let (local, global) = (p.input(hd), p.input(hd));
+    // x = embd[token] * sqrt(n_embd)
+    let mut x = p.scale(x, (e as f32).sqrt());
+    for l in 0..h.n_layer {
+        let id = |part| weight(l, part);
+        let (table, window) = if c.is_sliding(l) { (local, c.window) } else { (global, 0) };
+
+        // Attention: x = x + post_attn_norm(wo(attn(q, k, v))), each head of q and k normed
+        // and turned, (q, k, v) = W attn_norm(x)
+        let hn = p.norm(x, id(ATTN_NORM), eps);
+        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+        let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
+        let q = p.rotate(q, table, hd, Rotation::Halves);
+        let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
+        let k = p.rotate(k, table, hd, Rotation::Halves);
+        p.cache_write(k, v, l);
+        let a = p.attention(q, l, heads, window);
+        let o = p.matmul(a, id(WO));
+        let o = p.norm(o, id(POST_ATTN_NORM), eps);
+        x = p.add(x, o);
+
+        // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
+        let hn = p.norm(x, id(FFN_NORM), eps);
+        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+        let f = p.gated(g, u, Act::GeluTanh);
+        let f = p.matmul(f, id(DOWN));
+        let f = p.norm(f, id(POST_FFN_NORM), eps);
+        x = p.add(x, f);
+    }
+    // logits = output(output_norm(x)) of the last token
+    let last = p.last_rows(x);
+    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+    p.output(logits);
+    p.finish()
 }
 
 impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
-        let c = &c.hp;
+    pub fn load(config: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
+        let c = &config.hp;
         let (e, hd) = (c.n_embd, c.head_dim);
         let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);
         let mut layers = Vec::with_capacity(c.n_layer);
@@ -120,13 +222,18 @@ impl Weights {
             Some(_) => Some(Linear::load(g, file, "output.weight", c.n_vocab, e)?),
             None => None,
         };
-        Ok(Weights {
+        let mut w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", c.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
             blocks: None,
-        })
+            program: Program::default(),
+            plan: Plan::default(),
+        };
+        w.program = recipe(config, &w);
+        w.plan = Plan::new(&w.program);
+        Ok(w)
     }
 
     /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
@@ -162,13 +269,15 @@ pub struct State {
     pub batch: usize,
     pub cache: Vec<LayerCache>,
     pub buf: Scratch,
+    /// The program's values on the CPU.
+    values: Values,
     /// RoPE tables of the batch, for sliding and global layers.
     rope_local: rope::Table,
     rope_global: rope::Table,
 }
 
 impl State {
-    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
+    pub fn new(c: &Config, w: &Weights, n_ctx: usize, batch: usize) -> State {
         let h = &c.hp;
         let kv = h.n_head_kv * h.head_dim;
         let cache = (0..h.n_layer)
@@ -179,6 +288,7 @@ impl State {
             batch,
             cache,
             buf: Scratch::new(h, n_ctx, batch),
+            values: Values::new(&w.program, &w.plan, batch),
             rope_local: rope::Table::new(batch, h.head_dim),
             rope_global: rope::Table::new(batch, h.head_dim),
         }
@@ -188,6 +298,7 @@ impl State {
     pub fn bytes(&self) -> usize {
         self.cache.iter().map(LayerCache::bytes).sum::<usize>()
             + self.buf.bytes()
+            + self.values.bytes()
             + self.rope_local.bytes()
             + self.rope_global.bytes()
     }
@@ -211,14 +322,7 @@ pub fn forward(
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
     let (e, hd) = (c.n_embd, c.head_dim);
-    let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);
-    let heads = Heads { n_head: c.n_head, n_head_kv: c.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
     let b = &mut s.buf;
-
-    // x = embd[token] * sqrt(n_embd)
-    embed(&w.embd, tokens, &mut b.x);
-    let embd_scale = (e as f32).sqrt();
-    b.x[..t * e].iter_mut().for_each(|v| *v *= embd_scale);
     let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
     let global = rope::Freqs { base: c.rope_base, scale: c.rope_scale, factors: None };
     s.rope_local.fill(&local, pos, t);
@@ -226,13 +330,17 @@ pub fn forward(
 
     // Every layer in one device call where the device has them all.
     let on_device = w.blocks.as_ref().is_some_and(|ids| {
+        // x = embd[token] * sqrt(n_embd)
+        embed(&w.embd, tokens, &mut b.x);
+        let embd_scale = (e as f32).sqrt();
+        b.x[..t * e].iter_mut().for_each(|v| *v *= embd_scale);
         let blocks: Vec<(BlockIds, u32)> = ids.iter().enumerate().map(|(l, &b)| (b, u32::from(!cfg.is_sliding(l)))).collect();
         let shape = BlocksShape {
             n_head: c.n_head as u32,
             n_head_kv: c.n_head_kv as u32,
             head_dim: hd as u32,
             eps: c.eps,
-            scale: heads.scale,
+            scale: 1.0 / (hd as f32).sqrt(),
             act: Act::GeluTanh,
             pairs: false,
         };
@@ -244,46 +352,22 @@ pub fn forward(
         return false;
     }
 
-    for (l, layer) in w.layers.iter().enumerate().filter(|_| !on_device) {
-        let cache = &mut s.cache[l];
-        let table = if cfg.is_sliding(l) { &s.rope_local } else { &s.rope_global };
-
-        // Attention: x = x + post_attn_norm(attn(attn_norm(x)))
-        norm_rows(&b.x, &layer.attn_norm, c.eps, t, &mut b.xb);
-        d.matmul(
-            &b.xb,
-            t,
-            &mut [(&layer.wq, &mut b.q), (&layer.wk, &mut b.k), (&layer.wv, &mut b.v)],
-        );
-        for i in 0..t {
-            for head in b.q[i * nq..(i + 1) * nq].chunks_exact_mut(hd) {
-                rms_norm(head, &layer.q_norm, c.eps);
-                table.rotate(Style::Neox, i, head);
-            }
-            for head in b.k[i * nkv..(i + 1) * nkv].chunks_exact_mut(hd) {
-                rms_norm(head, &layer.k_norm, c.eps);
-                table.rotate(Style::Neox, i, head);
-            }
-            cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
+    if on_device {
+        if want_logits {
+            project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, c.eps, t, d);
         }
-        d.attend(l, cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
-        d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
-        for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
-            rms_norm(o, &layer.post_attn_norm, c.eps);
-            add(x, o);
-        }
-
-        // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
-        norm_rows(&b.x, &layer.ffn_norm, c.eps, t, &mut b.xb);
-        d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::GeluTanh, &mut b.gate, &mut b.up);
-        for (x, o) in b.x[..t * e].chunks_exact_mut(e).zip(b.xb.chunks_exact_mut(e)) {
-            rms_norm(o, &layer.post_ffn_norm, c.eps);
-            add(x, o);
-        }
+        return true;
     }
-
+    let (local, global) = (&s.rope_local, &s.rope_global);
+    let mut input = |i: usize, out: &mut [f32]| match i {
+        0 => embed(&w.embd, tokens, out),
+        1 => local.write_rows(t, out),
+        _ => global.write_rows(t, out),
+    };
+    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
+    cpu::run(&w.program, &w.plan, w, d, &mut s.cache, &mut s.values, &mut b.scores, run);
     if want_logits {
-        project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, c.eps, t, d);
+        b.logits.copy_from_slice(s.values.get(&w.program, &w.plan, w.program.outputs[0], 1));
     }
     true
 }

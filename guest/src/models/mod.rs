@@ -280,22 +280,10 @@ impl Hparams {
 
 /// A session's scratch for batches of up to `batch` tokens, allocated once.
 pub struct Scratch {
-    /// `[batch, n_embd]`: the residual stream.
+    /// `[batch, n_embd]`: the residual stream of `blocks` on the device.
     pub x: Vec<f32>,
-    /// `[batch, n_embd]`
+    /// `[n_embd]`: the last row, normed, for the output projection after `blocks`.
     pub xb: Vec<f32>,
-    /// `[batch, n_head * head_dim]`
-    pub q: Vec<f32>,
-    /// `[batch, n_head_kv * head_dim]`
-    pub k: Vec<f32>,
-    /// `[batch, n_head_kv * head_dim]`
-    pub v: Vec<f32>,
-    /// `[batch, n_head * head_dim]`
-    pub att: Vec<f32>,
-    /// `[batch, n_ff]`
-    pub gate: Vec<f32>,
-    /// `[batch, n_ff]`
-    pub up: Vec<f32>,
     /// `[n_ctx]`: attention scores of one query head.
     pub scores: Vec<f32>,
     /// `[n_vocab]`: logits after the last token.
@@ -304,25 +292,16 @@ pub struct Scratch {
 
 impl Scratch {
     pub fn new(h: &Hparams, n_ctx: usize, batch: usize) -> Scratch {
-        let (nq, nkv) = (h.n_head * h.head_dim, h.n_head_kv * h.head_dim);
         Scratch {
             x: vec![0.0; batch * h.n_embd],
-            xb: vec![0.0; batch * h.n_embd],
-            q: vec![0.0; batch * nq],
-            k: vec![0.0; batch * nkv],
-            v: vec![0.0; batch * nkv],
-            att: vec![0.0; batch * nq],
-            gate: vec![0.0; batch * h.n_ff],
-            up: vec![0.0; batch * h.n_ff],
+            xb: vec![0.0; h.n_embd],
             scores: vec![0.0; n_ctx],
             logits: vec![0.0; h.n_vocab],
         }
     }
 
     pub fn bytes(&self) -> usize {
-        let n = self.x.len() + self.xb.len() + self.q.len() + self.k.len() + self.v.len()
-            + self.att.len() + self.gate.len() + self.up.len() + self.scores.len()
-            + self.logits.len();
+        let n = self.x.len() + self.xb.len() + self.scores.len() + self.logits.len();
         4 * n
     }
 }
@@ -331,15 +310,6 @@ impl Scratch {
 pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
     for (row, &tok) in x.chunks_exact_mut(embd.n_in).zip(tokens) {
         embd.row(tok as usize, row);
-    }
-}
-
-/// `out[i, :] = rms_norm(x[i, :]) * w` for the first `t` rows of width `w.len()`.
-pub fn norm_rows(x: &[f32], w: &[f32], eps: f32, t: usize, out: &mut [f32]) {
-    let n = t * w.len();
-    out[..n].copy_from_slice(&x[..n]);
-    for row in out[..n].chunks_exact_mut(w.len()) {
-        rms_norm(row, w, eps);
     }
 }
 

@@ -15,10 +15,12 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, norm_rows, optional_vector, project_logits, vector};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, optional_vector, project_logits, vector};
 use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
 use crate::gguf::Gguf;
-use crate::kernels::{Act, add};
+use crate::kernels::Act;
+use crate::program::cpu::{self, Plan, Values};
+use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +105,113 @@ pub struct Weights {
     pub rope: rope::Freqs,
     /// Every layer's device ids for `blocks`, where they are all on the device.
     pub blocks: Option<Vec<BlockIds>>,
+    /// The model as a program (`recipe`), and where its values live on the CPU.
+    pub program: Program,
+    pub plan: Plan,
+}
+
+/// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
+/// after the last layer's.
+const ATTN_NORM: u32 = 0;
+const WQ: u32 = 1;
+const WK: u32 = 2;
+const WV: u32 = 3;
+const BQ: u32 = 4;
+const BK: u32 = 5;
+const BV: u32 = 6;
+const WO: u32 = 7;
+const BO: u32 = 8;
+const FFN_NORM: u32 = 9;
+const GATE: u32 = 10;
+const UP: u32 = 11;
+const DOWN: u32 = 12;
+const PARTS: u32 = 13;
+/// After the layers: the final norm and the output projection.
+const OUTPUT_NORM: u32 = 0;
+const OUTPUT: u32 = 1;
+
+fn weight(layer: usize, part: u32) -> WeightId {
+    WeightId(layer as u32 * PARTS + part)
+}
+
+impl Tensors for Weights {
+    fn tensor(&self, id: WeightId) -> Tensor<'_> {
+        let (l, part) = ((id.0 / PARTS) as usize, id.0 % PARTS);
+        let Some(layer) = self.layers.get(l) else {
+            return match part {
+                OUTPUT_NORM => Tensor::Vector(&self.output_norm),
+                _ => Tensor::Matrix(self.output.as_ref().unwrap_or(&self.embd)),
+            };
+        };
+        match part {
+            ATTN_NORM => Tensor::Vector(&layer.attn_norm),
+            WQ => Tensor::Matrix(&layer.wq),
+            WK => Tensor::Matrix(&layer.wk),
+            WV => Tensor::Matrix(&layer.wv),
+            BQ => bias(&layer.bq),
+            BK => bias(&layer.bk),
+            BV => bias(&layer.bv),
+            WO => Tensor::Matrix(&layer.wo),
+            BO => bias(&layer.bo),
+            FFN_NORM => Tensor::Vector(&layer.ffn_norm),
+            GATE => Tensor::Matrix(&layer.gate),
+            UP => Tensor::Matrix(&layer.up),
+            _ => Tensor::Matrix(&layer.down),
+        }
+    }
+}
+
+/// A bias the recipe names (it names only those the file has).
+fn bias(b: &Option<Vec<f32>>) -> Tensor<'_> {
+    Tensor::Vector(b.as_deref().unwrap_or_default())
+}
+
+/// Qwen2 and Llama as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
+/// table `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l`
+/// writes cache `l`.
+pub fn recipe(c: &Config, w: &Weights) -> Program {
+    let h = &c.hp;
+    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+    let rotation = match c.rope_style {
+        Style::Neox => Rotation::Halves,
+        Style::Norm => Rotation::Pairs,
+    };
+    let mut p = Builder::new(w);
+    let mut x = p.input(e);
+    let table = p.input(hd);
+    for (l, layer) in w.layers.iter().enumerate() {
+        let id = |part| weight(l, part);
+        let has = |b: &Option<Vec<f32>>, part| b.as_ref().map(|_| id(part));
+
+        // Attention: x = x + wo(attn(rope(q), rope(k), v)) + bo, (q, k, v) = W h + b,
+        // h = attn_norm(x)
+        let hn = p.norm(x, id(ATTN_NORM), eps);
+        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+        let q = p.bias_if(q, has(&layer.bq, BQ));
+        let k = p.bias_if(k, has(&layer.bk, BK));
+        let v = p.bias_if(v, has(&layer.bv, BV));
+        let q = p.rotate(q, table, hd, rotation);
+        let k = p.rotate(k, table, hd, rotation);
+        p.cache_write(k, v, l);
+        let a = p.attention(q, l, heads, 0);
+        let o = p.matmul(a, id(WO));
+        let o = p.bias_if(o, has(&layer.bo, BO));
+        x = p.add(x, o);
+
+        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+        let hn = p.norm(x, id(FFN_NORM), eps);
+        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+        let f = p.gated(g, u, Act::Silu);
+        let f = p.matmul(f, id(DOWN));
+        x = p.add(x, f);
+    }
+    // logits = output(output_norm(x)) of the last token
+    let last = p.last_rows(x);
+    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+    p.output(logits);
+    p.finish()
 }
 
 impl Weights {
@@ -138,14 +247,19 @@ impl Weights {
         if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
             return super::invalid(format!("rope_freqs.weight holds the factor {bad}"));
         }
-        Ok(Weights {
+        let mut w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
             blocks: None,
-        })
+            program: Program::default(),
+            plan: Plan::default(),
+        };
+        w.program = recipe(c, &w);
+        w.plan = Plan::new(&w.program);
+        Ok(w)
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
@@ -182,11 +296,13 @@ pub struct State {
     pub batch: usize,
     pub cache: Vec<LayerCache>,
     pub buf: Scratch,
+    /// The program's values on the CPU.
+    values: Values,
     rope: rope::Table,
 }
 
 impl State {
-    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
+    pub fn new(c: &Config, w: &Weights, n_ctx: usize, batch: usize) -> State {
         let h = &c.hp;
         let kv = h.n_head_kv * h.head_dim;
         State {
@@ -194,22 +310,14 @@ impl State {
             batch,
             cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, None, batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx, batch),
+            values: Values::new(&w.program, &w.plan, batch),
             rope: rope::Table::new(batch, h.head_dim),
         }
     }
 
     /// Bytes this state holds (KV cache and scratch).
     pub fn bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.rope.bytes()
-    }
-}
-
-/// `y[i, :] += bias` for every row of `y`.
-fn add_bias(y: &mut [f32], bias: Option<&[f32]>) {
-    if let Some(bias) = bias {
-        for row in y.chunks_exact_mut(bias.len()) {
-            add(row, bias);
-        }
+        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.values.bytes() + self.rope.bytes()
     }
 }
 
@@ -231,23 +339,20 @@ pub fn forward(
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
     let (e, hd) = (h.n_embd, h.head_dim);
-    let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
-    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
     let b = &mut s.buf;
-
-    // x = embd[token]
-    embed(&w.embd, tokens, &mut b.x);
     s.rope.fill(&w.rope, pos, t);
 
     // Every layer in one device call where the device has them all.
     let on_device = w.blocks.as_ref().is_some_and(|ids| {
+        // x = embd[token]
+        embed(&w.embd, tokens, &mut b.x);
         let blocks: Vec<(BlockIds, u32)> = ids.iter().map(|&b| (b, 0)).collect();
         let shape = BlocksShape {
             n_head: h.n_head as u32,
             n_head_kv: h.n_head_kv as u32,
             head_dim: hd as u32,
             eps: h.eps,
-            scale: heads.scale,
+            scale: 1.0 / (hd as f32).sqrt(),
             act: Act::Silu,
             pairs: c.rope_style == Style::Norm,
         };
@@ -259,41 +364,21 @@ pub fn forward(
         return false;
     }
 
-    for (l, layer) in w.layers.iter().enumerate().filter(|_| !on_device) {
-        let cache = &mut s.cache[l];
-
-        // Attention: x = x + wo(attn(q, k, v)), (q, k, v) = W h + b, h = attn_norm(x)
-        norm_rows(&b.x, &layer.attn_norm, h.eps, t, &mut b.xb);
-        d.matmul(
-            &b.xb,
-            t,
-            &mut [(&layer.wq, &mut b.q), (&layer.wk, &mut b.k), (&layer.wv, &mut b.v)],
-        );
-        add_bias(&mut b.q[..t * nq], layer.bq.as_deref());
-        add_bias(&mut b.k[..t * nkv], layer.bk.as_deref());
-        add_bias(&mut b.v[..t * nkv], layer.bv.as_deref());
-        for i in 0..t {
-            for head in b.q[i * nq..(i + 1) * nq].chunks_exact_mut(hd) {
-                s.rope.rotate(c.rope_style, i, head);
-            }
-            for head in b.k[i * nkv..(i + 1) * nkv].chunks_exact_mut(hd) {
-                s.rope.rotate(c.rope_style, i, head);
-            }
-            cache.store(pos + i, &b.k[i * nkv..(i + 1) * nkv], &b.v[i * nkv..(i + 1) * nkv]);
+    if on_device {
+        if want_logits {
+            project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
         }
-        d.attend(l, cache, heads, &b.q, pos, t, &mut b.scores, &mut b.att);
-        d.matmul(&b.att, t, &mut [(&layer.wo, &mut b.xb)]);
-        add_bias(&mut b.xb[..t * e], layer.bo.as_deref());
-        add(&mut b.x[..t * e], &b.xb[..t * e]);
-
-        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
-        norm_rows(&b.x, &layer.ffn_norm, h.eps, t, &mut b.xb);
-        d.ffn(&mut b.xb, t, [&layer.gate, &layer.up, &layer.down], Act::Silu, &mut b.gate, &mut b.up);
-        add(&mut b.x[..t * e], &b.xb[..t * e]);
+        return true;
     }
-
+    let table = &s.rope;
+    let mut input = |i: usize, out: &mut [f32]| match i {
+        0 => embed(&w.embd, tokens, out),
+        _ => table.write_rows(t, out),
+    };
+    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
+    cpu::run(&w.program, &w.plan, w, d, &mut s.cache, &mut s.values, &mut b.scores, run);
     if want_logits {
-        project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
+        b.logits.copy_from_slice(s.values.get(&w.program, &w.plan, w.program.outputs[0], 1));
     }
     true
 }

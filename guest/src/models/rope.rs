@@ -104,6 +104,15 @@ impl Table {
         out
     }
 
+    /// The first `t` rows, as `rows` gives them, into `out` (`t * dim` values).
+    pub fn write_rows(&self, t: usize, out: &mut [f32]) {
+        let half = self.dim / 2;
+        for (i, row) in out.chunks_exact_mut(self.dim).take(t).enumerate() {
+            row[..half].copy_from_slice(&self.cos[i * half..(i + 1) * half]);
+            row[half..].copy_from_slice(&self.sin[i * half..(i + 1) * half]);
+        }
+    }
+
     /// Rotates one head (`[dim]`) of the batch's `i`-th token.
     pub fn rotate(&self, style: Style, i: usize, x: &mut [f32]) {
         let half = self.dim / 2;
