@@ -5,7 +5,7 @@ use crate::chat;
 use crate::constraint::Grammars;
 use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
-use crate::models::{Hparams, LoadError, gemma3, qwen2};
+use crate::models::{Hparams, LoadError, gemma3, phi3, qwen2};
 use crate::quant;
 use crate::tokenizer::Tokenizer;
 use std::cell::OnceCell;
@@ -59,6 +59,7 @@ pub enum Arch {
     Gemma3 { config: gemma3::Config, weights: gemma3::Weights },
     /// Qwen2 and Llama.
     Qwen2 { config: qwen2::Config, weights: qwen2::Weights },
+    Phi3 { config: phi3::Config, weights: phi3::Weights },
 }
 
 impl Arch {
@@ -66,6 +67,7 @@ impl Arch {
         match self {
             Arch::Gemma3 { config, .. } => &config.hp,
             Arch::Qwen2 { config, .. } => &config.hp,
+            Arch::Phi3 { config, .. } => &config.hp,
         }
     }
 }
@@ -165,6 +167,12 @@ impl Model {
                 let weights = gemma3::Weights::load(&config, &g, file)?;
                 Arch::Gemma3 { config, weights }
             }
+            ("phi3", _) => {
+                let config = phi3::Config::from_gguf(&g)?;
+                check_vocab(&config.hp)?;
+                let weights = phi3::Weights::load(&config, &g, file)?;
+                Arch::Phi3 { config, weights }
+            }
             (_, Some(family)) => {
                 let config = qwen2::Config::from_gguf(&g, family)?;
                 check_vocab(&config.hp)?;
@@ -211,11 +219,13 @@ impl Model {
         let gpu_weights = match (&gpu, &mut arch) {
             (Some(gpu), Arch::Gemma3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (Some(gpu), Arch::Qwen2 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
+            (Some(gpu), Arch::Phi3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (None, _) => 0,
         };
         match (&gpu, &mut arch) {
             (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => weights.place_blocks(gpu),
             (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => weights.place_blocks(gpu),
+            (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => weights.place_blocks(gpu),
             _ => {}
         }
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;

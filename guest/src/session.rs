@@ -3,7 +3,7 @@
 use crate::constraint::{Allowed, Constraint, Spec};
 use crate::dispatch::{Counters, Dispatch};
 use crate::engine::{Arch, Error, Model, can_allocate};
-use crate::models::{gemma3, qwen2};
+use crate::models::{gemma3, phi3, qwen2};
 use crate::sampler::{Params, Sampler};
 use std::rc::Rc;
 use std::time::Instant;
@@ -17,6 +17,7 @@ pub const DEVICE_BATCH: usize = 512;
 enum State {
     Gemma3(gemma3::State),
     Qwen2(qwen2::State),
+    Phi3(phi3::State),
 }
 
 impl State {
@@ -24,6 +25,7 @@ impl State {
         match self {
             State::Gemma3(s) => s.n_ctx,
             State::Qwen2(s) => s.n_ctx,
+            State::Phi3(s) => s.n_ctx,
         }
     }
 
@@ -31,6 +33,7 @@ impl State {
         match self {
             State::Gemma3(s) => s.batch,
             State::Qwen2(s) => s.batch,
+            State::Phi3(s) => s.batch,
         }
     }
 
@@ -38,6 +41,7 @@ impl State {
         match self {
             State::Gemma3(s) => &s.buf.logits,
             State::Qwen2(s) => &s.buf.logits,
+            State::Phi3(s) => &s.buf.logits,
         }
     }
 }
@@ -94,6 +98,7 @@ impl Session {
         let state = match &model.arch {
             Arch::Gemma3 { config, weights } => State::Gemma3(gemma3::State::new(config, weights, n_ctx, batch)),
             Arch::Qwen2 { config, weights } => State::Qwen2(qwen2::State::new(config, weights, n_ctx, batch)),
+            Arch::Phi3 { config, weights } => State::Phi3(phi3::State::new(config, weights, n_ctx, batch)),
         };
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
@@ -181,6 +186,9 @@ impl Session {
                 }
                 (Arch::Qwen2 { config, weights }, State::Qwen2(s)) => {
                     qwen2::forward(config, weights, s, d, tokens, self.done, last)
+                }
+                (Arch::Phi3 { config, weights }, State::Phi3(s)) => {
+                    phi3::forward(config, weights, s, d, tokens, self.done, last)
                 }
                 _ => return Err(Error::InvalidArgument("the session belongs to another model".into())),
             };

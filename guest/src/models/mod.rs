@@ -4,6 +4,7 @@
 
 pub mod attention;
 pub mod gemma3;
+pub mod phi3;
 pub mod qwen2;
 pub mod rope;
 
@@ -116,21 +117,42 @@ impl Linear {
         n_out: usize,
         n_in: usize,
     ) -> Result<Linear, LoadError> {
+        Linear::load_rows(g, file, name, n_out, n_in, 0..n_out)
+    }
+
+    /// Rows `rows` of the tensor `name` (`[n_out, n_in]`): one part of a fused tensor, such as
+    /// the queries of Phi-3's `attn_qkv`.
+    pub fn load_rows(
+        g: &Gguf,
+        file: &[u8],
+        name: &str,
+        n_out: usize,
+        n_in: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Linear, LoadError> {
         let (kind, data) = tensor_data(g, file, name, &[n_in as u64, n_out as u64])?;
-        let w = match QMatrix::from_blocks(kind, data, n_out, n_in) {
-            Some(q) => WeightData::Q(q),
-            None => {
-                let mut w = vec![0f32; n_out * n_in];
-                quant::dequantize(kind, data, &mut w);
-                WeightData::F32(w)
-            }
-        };
         if n_in % quant::QK != 0 {
             return Err(LoadError::Unsupported(format!(
                 "tensor {name}: width {n_in} is not a multiple of 32"
             )));
         }
-        Ok(Linear { name: name.to_string(), n_out, n_in, w, kind, gpu: None })
+        // GGUF stores whole rows of whole blocks.
+        let (block, block_bytes) = kind.block();
+        let row = n_in / block as usize * block_bytes as usize;
+        let Some(data) = data.get(rows.start * row..rows.end * row) else {
+            return invalid(format!("tensor {name} has no rows {rows:?}"));
+        };
+        let n_part = rows.len();
+        let w = match QMatrix::from_blocks(kind, data, n_part, n_in) {
+            Some(q) => WeightData::Q(q),
+            None => {
+                let mut w = vec![0f32; n_part * n_in];
+                quant::dequantize(kind, data, &mut w);
+                WeightData::F32(w)
+            }
+        };
+        let name = if n_part == n_out { name.to_string() } else { format!("{name}[{}..{}]", rows.start, rows.end) };
+        Ok(Linear { name, n_out: n_part, n_in, w, kind, gpu: None })
     }
 
     /// Row `r` of `W` as f32 (the embedding lookup of tied embeddings).

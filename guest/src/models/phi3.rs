@@ -1,0 +1,330 @@
+//! Phi-3 (Phi-3 technical report; Hugging Face's `Phi3ForCausalLM`), as llama.cpp's `phi3`.
+//!
+//! The pre-norm decoder block of Llama with its products fused in the file:
+//! - `attn_qkv` holds the query, key and value projections one after another (rows
+//!   `[nq | nkv | nkv]`), `ffn_up` the gate and the up projections (`[n_ff | n_ff]`); they are
+//!   split at load, so the recipe sees three products and two (files with the separate
+//!   tensors `attn_q`, `attn_k`, `attn_v` and `ffn_gate` load as they are);
+//! - `x = x + wo(attn(rope(q), rope(k), v))`, `h = rms_norm(x)`, then
+//!   `x = x + down(silu(gate(h)) * up(h))`; logits `= output(rms_norm(x))`;
+//! - RoPE rotates the two halves of each head (NEOX), base `rope.freq_base` (10000 when
+//!   missing); queries scaled by `1/sqrt(head_dim)`; grouped-query attention;
+//! - every layer attends over a sliding window of `attention.sliding_window` keys where the
+//!   file has one (Phi-3 mini 4k: 2047), as llama.cpp's `phi3` does;
+//! - no biases; the output projection is `output.weight`, or tied to the embedding.
+
+use super::attention::Heads;
+use super::rope;
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, project_logits, vector};
+use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
+use crate::gguf::Gguf;
+use crate::kernels::Act;
+use crate::program::cpu::{self, Plan, Values};
+use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
+
+/// Hyperparameters from the GGUF metadata.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub hp: Hparams,
+    /// Keys a query sees (its own among them) on every layer; `None`: all of them.
+    pub window: Option<usize>,
+}
+
+impl Config {
+    pub fn from_gguf(g: &Gguf) -> Result<Config, LoadError> {
+        let hp = Hparams::from_gguf(g, "phi3", 10_000.0)?;
+        let window = match g.get_u64("phi3.attention.sliding_window")? {
+            None | Some(0) => None,
+            Some(w) => Some(w.min(super::MAX_CONTEXT) as usize),
+        };
+        Ok(Config { hp, window })
+    }
+}
+
+pub struct Layer {
+    /// `[n_embd]`
+    pub attn_norm: Vec<f32>,
+    /// `[n_head * head_dim, n_embd]`, `[n_head_kv * head_dim, n_embd]` twice
+    pub wq: Linear,
+    pub wk: Linear,
+    pub wv: Linear,
+    /// `[n_embd, n_head * head_dim]`
+    pub wo: Linear,
+    /// `[n_embd]`
+    pub ffn_norm: Vec<f32>,
+    /// `[n_ff, n_embd]` each
+    pub gate: Linear,
+    pub up: Linear,
+    /// `[n_embd, n_ff]`
+    pub down: Linear,
+}
+
+/// Immutable after load.
+pub struct Weights {
+    /// `[n_vocab, n_embd]`
+    pub embd: Linear,
+    /// `[n_vocab, n_embd]`, `None` when tied to `embd`.
+    pub output: Option<Linear>,
+    /// `[n_embd]`
+    pub output_norm: Vec<f32>,
+    pub layers: Vec<Layer>,
+    pub rope: rope::Freqs,
+    /// Every layer's device ids for `blocks`, where they are all on the device.
+    pub blocks: Option<Vec<BlockIds>>,
+    /// The model as a program (`recipe`), and where its values live on the CPU.
+    pub program: Program,
+    pub plan: Plan,
+}
+
+/// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
+/// after the last layer's.
+const ATTN_NORM: u32 = 0;
+const WQ: u32 = 1;
+const WK: u32 = 2;
+const WV: u32 = 3;
+const WO: u32 = 4;
+const FFN_NORM: u32 = 5;
+const GATE: u32 = 6;
+const UP: u32 = 7;
+const DOWN: u32 = 8;
+const PARTS: u32 = 9;
+const OUTPUT_NORM: u32 = 0;
+const OUTPUT: u32 = 1;
+
+fn weight(layer: usize, part: u32) -> WeightId {
+    WeightId(layer as u32 * PARTS + part)
+}
+
+impl Tensors for Weights {
+    fn tensor(&self, id: WeightId) -> Tensor<'_> {
+        let (l, part) = ((id.0 / PARTS) as usize, id.0 % PARTS);
+        let Some(layer) = self.layers.get(l) else {
+            return match part {
+                OUTPUT_NORM => Tensor::Vector(&self.output_norm),
+                _ => Tensor::Matrix(self.output.as_ref().unwrap_or(&self.embd)),
+            };
+        };
+        match part {
+            ATTN_NORM => Tensor::Vector(&layer.attn_norm),
+            WQ => Tensor::Matrix(&layer.wq),
+            WK => Tensor::Matrix(&layer.wk),
+            WV => Tensor::Matrix(&layer.wv),
+            WO => Tensor::Matrix(&layer.wo),
+            FFN_NORM => Tensor::Vector(&layer.ffn_norm),
+            GATE => Tensor::Matrix(&layer.gate),
+            UP => Tensor::Matrix(&layer.up),
+            _ => Tensor::Matrix(&layer.down),
+        }
+    }
+}
+
+/// Phi-3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
+/// `[t, head_dim]`; output: the logits of each sequence's last token. Layer `l` writes cache
+/// `l`.
+pub fn recipe(c: &Config, w: &Weights) -> Program {
+    let h = &c.hp;
+    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+    let window = c.window.unwrap_or(0);
+    let mut p = Builder::new(w);
+    let mut x = p.input(e);
+    let table = p.input(hd);
+    for l in 0..h.n_layer {
+        let id = |part| weight(l, part);
+        // Attention: x = x + wo(attn(rope(q), rope(k), v)), (q, k, v) = W attn_norm(x)
+        let hn = p.norm(x, id(ATTN_NORM), eps);
+        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+        let q = p.rotate(q, table, hd, Rotation::Halves);
+        let k = p.rotate(k, table, hd, Rotation::Halves);
+        p.cache_write(k, v, l);
+        let a = p.attention(q, l, heads, window);
+        let o = p.matmul(a, id(WO));
+        x = p.add(x, o);
+        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+        let hn = p.norm(x, id(FFN_NORM), eps);
+        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+        let f = p.gated(g, u, Act::Silu);
+        let f = p.matmul(f, id(DOWN));
+        x = p.add(x, f);
+    }
+    let last = p.last_rows(x);
+    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+    p.output(logits);
+    p.finish()
+}
+
+impl Weights {
+    pub fn load(c: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
+        let h = &c.hp;
+        let (e, hd, n_ff) = (h.n_embd, h.head_dim, h.n_ff);
+        let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
+        let mut layers = Vec::with_capacity(h.n_layer);
+        for l in 0..h.n_layer {
+            let name = |s: &str| format!("blk.{l}.{s}.weight");
+            let (wq, wk, wv) = if g.tensor(&name("attn_qkv")).is_some() {
+                let (qkv, rows) = (name("attn_qkv"), nq + 2 * nkv);
+                (
+                    Linear::load_rows(g, file, &qkv, rows, e, 0..nq)?,
+                    Linear::load_rows(g, file, &qkv, rows, e, nq..nq + nkv)?,
+                    Linear::load_rows(g, file, &qkv, rows, e, nq + nkv..rows)?,
+                )
+            } else {
+                (
+                    Linear::load(g, file, &name("attn_q"), nq, e)?,
+                    Linear::load(g, file, &name("attn_k"), nkv, e)?,
+                    Linear::load(g, file, &name("attn_v"), nkv, e)?,
+                )
+            };
+            let (gate, up) = if g.tensor(&name("ffn_gate")).is_some() {
+                (Linear::load(g, file, &name("ffn_gate"), n_ff, e)?, Linear::load(g, file, &name("ffn_up"), n_ff, e)?)
+            } else {
+                let fused = name("ffn_up");
+                (
+                    Linear::load_rows(g, file, &fused, 2 * n_ff, e, 0..n_ff)?,
+                    Linear::load_rows(g, file, &fused, 2 * n_ff, e, n_ff..2 * n_ff)?,
+                )
+            };
+            layers.push(Layer {
+                attn_norm: vector(g, file, &name("attn_norm"), e)?,
+                wq,
+                wk,
+                wv,
+                wo: Linear::load(g, file, &name("attn_output"), e, nq)?,
+                ffn_norm: vector(g, file, &name("ffn_norm"), e)?,
+                gate,
+                up,
+                down: Linear::load(g, file, &name("ffn_down"), e, n_ff)?,
+            });
+        }
+        let output = match g.tensor("output.weight") {
+            Some(_) => Some(Linear::load(g, file, "output.weight", h.n_vocab, e)?),
+            None => None,
+        };
+        let mut w = Weights {
+            embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
+            output,
+            output_norm: vector(g, file, "output_norm.weight", e)?,
+            layers,
+            rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None },
+            blocks: None,
+            program: Program::default(),
+            plan: Plan::default(),
+        };
+        w.program = recipe(c, &w);
+        w.plan = Plan::new(&w.program);
+        Ok(w)
+    }
+
+    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
+    pub fn place_blocks(&mut self, gpu: &Gpu) {
+        let layers = self.layers.iter().map(|l| {
+            let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
+            (m, [Some(&l.attn_norm[..]), None, None, None, None, None, None, None, Some(&l.ffn_norm[..]), None])
+        });
+        self.blocks = dispatch::place_blocks(gpu, layers);
+    }
+
+    /// The products of one token's pass through every layer, in floating-point operations.
+    fn layer_flops(&self, t: usize) -> u64 {
+        let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
+        self.layers.iter().map(each).sum()
+    }
+
+    /// Every linear layer, the output projection last, for placing them on a device.
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut v: Vec<&mut Linear> = Vec::new();
+        for l in &mut self.layers {
+            v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
+        }
+        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
+        v
+    }
+}
+
+/// Per-session state, allocated once: KV cache and scratch for batches of up to `batch` tokens.
+pub struct State {
+    pub n_ctx: usize,
+    pub batch: usize,
+    pub cache: Vec<LayerCache>,
+    pub buf: Scratch,
+    values: Values,
+    rope: rope::Table,
+}
+
+impl State {
+    pub fn new(c: &Config, w: &Weights, n_ctx: usize, batch: usize) -> State {
+        let h = &c.hp;
+        let kv = h.n_head_kv * h.head_dim;
+        State {
+            n_ctx,
+            batch,
+            cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, c.window, batch, kv)).collect(),
+            buf: Scratch::new(h, n_ctx, batch),
+            values: Values::new(&w.program, &w.plan, batch),
+            rope: rope::Table::new(batch, h.head_dim),
+        }
+    }
+
+    /// Bytes this state holds (KV cache and scratch).
+    pub fn bytes(&self) -> usize {
+        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.values.bytes() + self.rope.bytes()
+    }
+}
+
+/// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, as
+/// `qwen2::forward` does.
+pub fn forward(
+    c: &Config,
+    w: &Weights,
+    s: &mut State,
+    d: &mut Dispatch,
+    tokens: &[u32],
+    pos: usize,
+    want_logits: bool,
+) -> bool {
+    let h = &c.hp;
+    let t = tokens.len();
+    debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
+    let (e, hd) = (h.n_embd, h.head_dim);
+    let b = &mut s.buf;
+    s.rope.fill(&w.rope, pos, t);
+
+    // Every layer in one device call where the device has them all.
+    let on_device = w.blocks.as_ref().is_some_and(|ids| {
+        embed(&w.embd, tokens, &mut b.x);
+        let blocks: Vec<(BlockIds, u32)> = ids.iter().map(|&b| (b, 0)).collect();
+        let shape = BlocksShape {
+            n_head: h.n_head as u32,
+            n_head_kv: h.n_head_kv as u32,
+            head_dim: hd as u32,
+            eps: h.eps,
+            scale: 1.0 / (hd as f32).sqrt(),
+            act: Act::Silu,
+            pairs: false,
+        };
+        let table = &s.rope;
+        d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![table.rows(t)])
+    });
+
+    if !on_device && !d.ring_holds(pos) {
+        return false;
+    }
+    if on_device {
+        if want_logits {
+            project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
+        }
+        return true;
+    }
+    let table = &s.rope;
+    let mut input = |i: usize, out: &mut [f32]| match i {
+        0 => embed(&w.embd, tokens, out),
+        _ => table.write_rows(t, out),
+    };
+    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
+    cpu::run(&w.program, &w.plan, w, d, &mut s.cache, &mut s.values, &mut b.scores, run);
+    if want_logits {
+        b.logits.copy_from_slice(s.values.get(&w.program, &w.plan, w.program.outputs[0], 1));
+    }
+    true
+}
