@@ -3,7 +3,10 @@
 
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
-use crate::dispatch::{self, AttentionShape, BlocksOut, BlocksShape, DeviceBlock, DeviceError, DeviceLimits, Format, Mode};
+use crate::dispatch::{
+    self, AttentionShape, BlocksOut, BlocksShape, DeviceBlock, DeviceError, DeviceLimits, DeviceSequence, Format, Mode,
+};
+use crate::program::{Op, Rotation};
 use crate::chat;
 use crate::constraint::Spec;
 use crate::engine::{DeviceOffer, Error, Model};
@@ -54,6 +57,7 @@ impl wit::Guest for Component {
 struct HostGpu {
     weights: RefCell<Vec<Option<gpu::Weight>>>,
     caches: RefCell<Vec<Option<gpu::KvCache>>>,
+    programs: RefCell<Vec<gpu::Program>>,
 }
 
 impl From<gpu::Error> for DeviceError {
@@ -95,16 +99,6 @@ impl dispatch::Device for HostGpu {
         if let Some(w) = self.weights.borrow_mut().get_mut(id) {
             w.take();
         }
-    }
-
-    fn ffn(&self, x: &[f32], t: u32, n_in: u32, [g, u, d]: [usize; 3], act: Act) -> Result<Vec<f32>, DeviceError> {
-        let ws = self.weights.borrow();
-        let handle = |id: usize| weight(&ws, id);
-        let act = match act {
-            Act::GeluTanh => gpu::Activation::GeluTanh,
-            Act::Silu => gpu::Activation::Silu,
-        };
-        Ok(gpu::ffn(x, t, n_in, handle(g)?, handle(u)?, handle(d)?, act)?)
     }
 
     fn attention(&self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
@@ -193,6 +187,80 @@ impl dispatch::Device for HostGpu {
         let out = gpu::blocks(x, t, pos, &call, shape, rope, return_kv)?;
         Ok(BlocksOut { x: out.x, keys: out.keys, values: out.values })
     }
+
+    fn create_program(&self, weights: &[usize], caches: u32, ops: &[Op]) -> Result<usize, DeviceError> {
+        let ws = self.weights.borrow();
+        let handles = weights.iter().map(|&id| weight(&ws, id)).collect::<Result<Vec<&gpu::Weight>, _>>()?;
+        let ops: Vec<gpu::Op> = ops.iter().map(wit_op).collect();
+        let p = gpu::create_program(&handles, caches, &ops)?;
+        let mut ps = self.programs.borrow_mut();
+        ps.push(p);
+        Ok(ps.len() - 1)
+    }
+
+    fn run_program(&self, id: usize, inputs: &[Vec<f32>], batch: &[DeviceSequence<'_>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        let (ps, cs) = (self.programs.borrow(), self.caches.borrow());
+        let p = ps.get(id).ok_or_else(|| DeviceError::InvalidArgument(format!("no program {id}")))?;
+        let mut seqs = Vec::with_capacity(batch.len());
+        for s in batch {
+            let caches = s.caches.iter().map(|&c| kv_cache(&cs, c)).collect::<Result<Vec<_>, _>>()?;
+            seqs.push(gpu::Sequence { rows: s.rows, start: s.start, caches });
+        }
+        let outs = p.run(inputs, &seqs)?;
+        Ok(outs
+            .into_iter()
+            .filter_map(|o| match o {
+                gpu::Output::Rows(v) => Some(v),
+                gpu::Output::Top(_) => None,
+            })
+            .collect())
+    }
+}
+
+/// A guest op as the WIT's (its weight ids index the program's weights).
+fn wit_op(op: &Op) -> gpu::Op {
+    let v = |x: usize| x as u32;
+    match *op {
+        Op::Input { width } => gpu::Op::Input(width as u32),
+        Op::Matmul { x, w } => gpu::Op::Matmul(gpu::MatmulOp { x: v(x), weight: w.0, precision: gpu::Precision::Exact }),
+        Op::RmsNorm { x, w, group, eps } => {
+            gpu::Op::RmsNorm(gpu::NormOp { x: v(x), weight: w.map(|w| w.0), offset: 0.0, group: group as u32, eps })
+        }
+        Op::Add(a, b) => gpu::Op::Add((v(a), v(b))),
+        Op::Mul(a, b) => gpu::Op::Mul((v(a), v(b))),
+        Op::Bias { x, w } => gpu::Op::Bias(gpu::BiasOp { x: v(x), weight: w.0 }),
+        Op::Scale { x, by } => gpu::Op::Scale(gpu::ScaleOp { x: v(x), by }),
+        Op::Gated { gate, up, act } => gpu::Op::Gated(gpu::GatedOp {
+            gate: v(gate),
+            up: v(up),
+            act: match act {
+                Act::GeluTanh => gpu::Activation::GeluTanh,
+                Act::Silu => gpu::Activation::Silu,
+            },
+        }),
+        Op::Rotate { x, table, head_dim, rotation } => gpu::Op::Rotate(gpu::RotateOp {
+            x: v(x),
+            table: v(table),
+            head_dim: head_dim as u32,
+            rotation: match rotation {
+                Rotation::Halves => gpu::Rotation::Halves,
+                Rotation::Pairs => gpu::Rotation::Pairs,
+            },
+        }),
+        Op::CacheWrite { k, v: vv, cache } => gpu::Op::CacheWrite(gpu::CacheWriteOp { k: v(k), v: v(vv), cache: cache as u32 }),
+        Op::Attention { q, cache, heads, window } => gpu::Op::Attention(gpu::AttentionOp {
+            q: v(q),
+            cache: cache as u32,
+            n_head: heads.n_head as u32,
+            n_head_kv: heads.n_head_kv as u32,
+            head_dim: heads.head_dim as u32,
+            window: window as u32,
+            scale: heads.scale,
+            precision: gpu::Precision::Exact,
+        }),
+        Op::LastRows(x) => gpu::Op::LastRows(v(x)),
+        Op::Output(x) => gpu::Op::Output(v(x)),
+    }
 }
 
 /// The live weight `id` of this instance's list, or `invalid-argument`.
@@ -277,7 +345,11 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
     };
     let offer = device.as_ref().map(|d| DeviceOffer {
         mode,
-        device: Box::new(HostGpu { weights: RefCell::new(Vec::new()), caches: RefCell::new(Vec::new()) }),
+        device: Box::new(HostGpu {
+                weights: RefCell::new(Vec::new()),
+                caches: RefCell::new(Vec::new()),
+                programs: RefCell::new(Vec::new()),
+            }),
         limits: DeviceLimits {
             name: d.name.clone(),
             max_weight_bytes: d.max_weight_bytes,

@@ -10,6 +10,8 @@
 use crate::kernels::{self, Act, QActs, RowScratch};
 use crate::models::attention::{Heads, LayerCache, attend};
 use crate::models::{Linear, WeightData};
+use crate::program::{Op, Program, Tensor, Tensors, WeightId};
+use std::collections::HashMap;
 use crate::quant::{Group, QMatrix, Values};
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -79,11 +81,6 @@ pub trait Device {
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
     /// Releases a weight's device memory.
     fn free(&self, id: usize);
-    /// A gated feed-forward block over `x[t, n_in]` with the weights `[gate, up, down]` (the WIT
-    /// `ffn`); `[t, down's rows]`. A device without it says `Unavailable`.
-    fn ffn(&self, _x: &[f32], _t: u32, _n_in: u32, _weights: [usize; 3], _act: Act) -> Result<Vec<f32>, DeviceError> {
-        Err(DeviceError::Unavailable("no ffn on this device".into()))
-    }
     /// A `kv-cache` of `slots` rows of `width` values on the device (the WIT
     /// `create-kv-cache`). A device without it says `Unavailable`.
     fn create_kv_cache(&self, _slots: u32, _width: u32) -> Result<usize, DeviceError> {
@@ -126,6 +123,96 @@ pub trait Device {
     fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no attention on this device".into()))
     }
+    /// A program of `ops` (the WIT `create-program`) over the device weights `weights`, which
+    /// the ops' weight ids index, with `caches` cache indices. A device without programs says
+    /// `Unavailable`.
+    fn create_program(&self, _weights: &[usize], _caches: u32, _ops: &[Op]) -> Result<usize, DeviceError> {
+        Err(DeviceError::Unavailable("no programs on this device".into()))
+    }
+    /// Runs a program over a batch (the WIT `program.run`): the rows of each `output` op.
+    fn run_program(&self, _id: usize, _inputs: &[Vec<f32>], _batch: &[DeviceSequence<'_>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        Err(DeviceError::Unavailable("no programs on this device".into()))
+    }
+}
+
+/// One sequence of a program run: `rows` rows from position `start`, and the device kv-cache
+/// of each of the program's cache indices.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSequence<'a> {
+    pub rows: u32,
+    pub start: u32,
+    pub caches: &'a [usize],
+}
+
+/// A model's program on the device: its id, the caches each run brings, and the product of
+/// its output that stays with the guest (`head`: its weight is not on the device), if any.
+#[derive(Debug, Clone)]
+pub struct DeviceProgram {
+    id: usize,
+    caches: usize,
+    pub head: Option<WeightId>,
+}
+
+/// Places a model's program on the device: its matrices must be there already (each
+/// `Linear::gpu`), but for a product that makes its output (the output projection past a
+/// device's binding limit): that one stays with the guest, and the program outputs its input.
+/// Its vectors are uploaded now (and freed again if the program is not made). `None` where
+/// another matrix is not on the device, or the device does not make the program.
+pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> Option<DeviceProgram> {
+    let mut head = None;
+    let mut all = p.ops.clone();
+    for op in all.iter_mut() {
+        if let (Op::Output(v), None) = (*op, head) {
+            if let Op::Matmul { x, w: id } = p.ops[v] {
+                if w.matrix(id).gpu.is_none() {
+                    *op = Op::Output(x);
+                    head = Some(id);
+                }
+            }
+        }
+    }
+    let mut index: HashMap<WeightId, u32> = HashMap::new();
+    let (mut ids, mut vectors) = (Vec::new(), Vec::new());
+    let mut ops = Vec::with_capacity(p.ops.len());
+    let mut placed = true;
+    for op in &crate::program::compact(&all) {
+        let mut local = |id: WeightId| -> Option<WeightId> {
+            if let Some(&i) = index.get(&id) {
+                return Some(WeightId(i));
+            }
+            let device = match w.tensor(id) {
+                Tensor::Matrix(m) => m.gpu?,
+                Tensor::Vector(v) => {
+                    let d = upload_vector(gpu.device.as_ref(), v).ok()?;
+                    vectors.push(d);
+                    d
+                }
+            };
+            ids.push(device);
+            index.insert(id, ids.len() as u32 - 1);
+            Some(WeightId(ids.len() as u32 - 1))
+        };
+        let mapped = match *op {
+            Op::Matmul { x, w } => local(w).map(|w| Op::Matmul { x, w }),
+            Op::RmsNorm { x, w: Some(n), group, eps } => local(n).map(|n| Op::RmsNorm { x, w: Some(n), group, eps }),
+            Op::Bias { x, w } => local(w).map(|w| Op::Bias { x, w }),
+            other => Some(other),
+        };
+        match mapped {
+            Some(op) => ops.push(op),
+            None => {
+                placed = false;
+                break;
+            }
+        }
+    }
+    let made = if placed { gpu.device.create_program(&ids, caches as u32, &ops).ok() } else { None };
+    if made.is_none() {
+        for v in vectors {
+            gpu.device.free(v);
+        }
+    }
+    Some(DeviceProgram { id: made?, caches, head })
 }
 
 /// One decoder block's device ids for `blocks` (the WIT `block` less its cache): matrices are
@@ -377,13 +464,13 @@ pub struct Gpu {
     pub lost: RefCell<Option<String>>,
     /// The host answered `attention` with `unavailable`: attention stays on the CPU.
     pub no_attention: Cell<bool>,
-    /// The host answered `ffn` with `unavailable`: feed-forward blocks go as products.
-    pub no_ffn: Cell<bool>,
     /// The host answered `create-kv-cache` or `attention-cached` with `unavailable`: device
     /// attention sends its keys and values with each call.
     pub no_kv_cache: Cell<bool>,
     /// The host answered `blocks` with `unavailable`: layers go call by call.
     pub no_blocks: Cell<bool>,
+    /// The host answered a program's run with `unavailable`: batches go call by call.
+    pub no_programs: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
     pub cpu_attention: Cell<Option<f64>>,
     /// Seconds of a decode step's attention on the device over its `kv-cache`, a running
@@ -565,54 +652,6 @@ impl Dispatch {
             return;
         }
         self.cpu(x, t, n_in, jobs);
-    }
-
-    /// The gated feed-forward block `x <- (act(x @ gate^T) * (x @ up^T)) @ down^T` over `t` rows
-    /// of `x`, its output (`t * down.n_out`) in place of its input; `g` and `u` are scratch of
-    /// `t * gate.n_out`. One device call (`ffn`: only `x` and the output cross) where the
-    /// policy sends these products to the device and the device has it; else two batches of
-    /// products, by the same policy, and the activation here.
-    pub fn ffn(&mut self, x: &mut [f32], t: usize, weights: [&Linear; 3], act: Act, g: &mut [f32], u: &mut [f32]) {
-        if self.device_ffn(x, t, weights, act) {
-            return;
-        }
-        let [gate, up, down] = weights;
-        self.matmul(x, t, &mut [(gate, g), (up, u)]);
-        kernels::gate(act, &mut g[..t * gate.n_out], &u[..t * gate.n_out]);
-        self.matmul(g, t, &mut [(down, x)]);
-    }
-
-    /// `ffn` on the device, if the policy sends it there and the device answers.
-    fn device_ffn(&mut self, x: &mut [f32], t: usize, weights: [&Linear; 3], act: Act) -> bool {
-        let Some(gpu) = self.gpu.clone() else { return false };
-        let [gate, up, down] = weights;
-        let (Some(g), Some(u), Some(d)) = (gate.gpu, up.gpu, down.gpu) else { return false };
-        if !gpu.usable() || gpu.no_ffn.get() {
-            return false;
-        }
-        let (n_in, n_ff, n_out) = (gate.n_in, gate.n_out, down.n_out);
-        let max = gpu.limits.max_activation_elements;
-        let flops = gate.flops(t) + up.flops(t) + down.flops(t);
-        let bytes = 4 * (t * (n_in + n_out)) as u64;
-        if [n_in, n_ff, n_out].iter().any(|&n| (t * n) as u64 > max) || !gpu.wants(t, flops, bytes) {
-            return false;
-        }
-        let start = Instant::now();
-        match gpu.device.ffn(&x[..t * n_in], t as u32, n_in as u32, [g, u, d], act) {
-            Ok(y) if y.len() == t * n_out => {
-                x[..y.len()].copy_from_slice(&y);
-                self.counters.gpu_calls += 1;
-                self.counters.gpu_flops += flops;
-                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
-                return true;
-            }
-            other => {
-                if gpu.failed(other.err(), "an ffn output", Some(&gpu.no_ffn)) {
-                    self.counters.gpu_fallbacks += 1;
-                }
-            }
-        }
-        false
     }
 
     /// Causal attention of the `t` queries `q` at positions `pos..` over `cache` (see
@@ -839,6 +878,68 @@ impl Dispatch {
                     self.counters.gpu_fallbacks += 1;
                 }
                 false
+            }
+        }
+    }
+
+    /// The model's program `prog` on the device over a batch of `t` rows at `pos` (`inputs` as
+    /// its recipe says), this session's `kv-cache`s as its caches (one a layer, as many rows as
+    /// the guest's rings `caches`). Returns the rows of the program's first output (the
+    /// logits, `out_len` values), or `None`, with nothing changed, where the batch runs on the
+    /// CPU. As with [`Dispatch::blocks`], the keys and values stay on the device alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_program(
+        &mut self,
+        prog: &DeviceProgram,
+        inputs: &[Vec<f32>],
+        (t, pos): (usize, usize),
+        caches: &[LayerCache],
+        kv: usize,
+        flops: u64,
+        out_len: usize,
+    ) -> Option<Vec<f32>> {
+        let gpu = self.gpu.clone()?;
+        if !gpu.usable() || gpu.no_programs.get() || gpu.no_kv_cache.get() || self.no_caches || prog.caches != caches.len() {
+            return None;
+        }
+        let bytes = 4 * inputs.iter().map(Vec::len).sum::<usize>() as u64;
+        if self.device_only_from.is_none() && !gpu.wants(t, flops, bytes) {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(caches.len());
+        for (l, cache) in caches.iter().enumerate() {
+            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let c = self.device_cache(&gpu, l, cache.cap, kv)?;
+            if !(c.lo <= first && pos <= c.hi) {
+                return None;
+            }
+            ids.push(c.id);
+        }
+        let start = Instant::now();
+        let batch = [DeviceSequence { rows: t as u32, start: pos as u32, caches: &ids }];
+        match gpu.device.run_program(prog.id, inputs, &batch) {
+            Ok(mut outs) if outs.first().is_some_and(|o| o.len() == out_len) => {
+                self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
+                for (l, c) in self.caches.iter_mut().enumerate().take(caches.len()) {
+                    if let Some(c) = c {
+                        c.lo = c.lo.max((pos + t).saturating_sub(caches[l].cap));
+                        c.hi = pos + t;
+                    }
+                }
+                self.counters.gpu_calls += 1;
+                self.counters.gpu_flops += flops;
+                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+                self.counters.gpu_attention_calls += caches.len() as u64;
+                Some(outs.swap_remove(0))
+            }
+            other => {
+                for c in self.caches.iter_mut().flatten() {
+                    (c.lo, c.hi) = (0, 0);
+                }
+                if gpu.failed(other.err(), "a program's outputs", Some(&gpu.no_programs)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
+                None
             }
         }
     }

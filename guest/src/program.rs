@@ -86,6 +86,25 @@ pub enum Op {
 }
 
 impl Op {
+    /// The op with each value it reads replaced by `f` of it.
+    pub fn map_values(&self, f: impl Fn(Value) -> Value) -> Op {
+        match *self {
+            Op::Input { width } => Op::Input { width },
+            Op::Matmul { x, w } => Op::Matmul { x: f(x), w },
+            Op::RmsNorm { x, w, group, eps } => Op::RmsNorm { x: f(x), w, group, eps },
+            Op::Add(a, b) => Op::Add(f(a), f(b)),
+            Op::Mul(a, b) => Op::Mul(f(a), f(b)),
+            Op::Bias { x, w } => Op::Bias { x: f(x), w },
+            Op::Scale { x, by } => Op::Scale { x: f(x), by },
+            Op::Gated { gate, up, act } => Op::Gated { gate: f(gate), up: f(up), act },
+            Op::Rotate { x, table, head_dim, rotation } => Op::Rotate { x: f(x), table: f(table), head_dim, rotation },
+            Op::CacheWrite { k, v, cache } => Op::CacheWrite { k: f(k), v: f(v), cache },
+            Op::Attention { q, cache, heads, window } => Op::Attention { q: f(q), cache, heads, window },
+            Op::LastRows(x) => Op::LastRows(f(x)),
+            Op::Output(x) => Op::Output(f(x)),
+        }
+    }
+
     /// The values the op reads.
     pub fn operands(&self) -> ([Value; 2], usize) {
         match *self {
@@ -97,6 +116,27 @@ impl Op {
             Op::CacheWrite { k, v, .. } => ([k, v], 2),
         }
     }
+}
+
+/// `ops` less those that no `output`, `cache-write` or `input` needs, renumbered (the inputs
+/// stay, so that a run's inputs are the same).
+pub fn compact(ops: &[Op]) -> Vec<Op> {
+    let mut needed: Vec<bool> = ops.iter().map(|op| matches!(op, Op::Output(_) | Op::CacheWrite { .. } | Op::Input { .. })).collect();
+    for i in (0..ops.len()).rev() {
+        if needed[i] {
+            let (vals, k) = ops[i].operands();
+            for &a in &vals[..k] {
+                needed[a] = true;
+            }
+        }
+    }
+    let mut index = vec![usize::MAX; ops.len()];
+    let mut out = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate().filter(|(i, _)| needed[*i]) {
+        index[i] = out.len();
+        out.push(op.map_values(|v| index[v]));
+    }
+    out
 }
 
 /// The kind of a value's rows.

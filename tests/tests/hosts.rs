@@ -127,13 +127,14 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
         }
     }
     assert!(sliced > 0, "no weight was larger than one slice");
-    // This host hides the reference's `blocks` (it keeps the trait's default): attention went
-    // to the device too (18 layers of one batch), each layer's feed-forward block as one call
-    // (3 a layer with the output projection's), and nothing fell back. The two decode steps,
+    // This host hides the reference's `blocks` and kv-cache writes (it keeps the trait's
+    // defaults), so programs cannot run either: attention went to the device too (18 layers of
+    // one batch), each layer's products in four calls (q/k/v, wo, gate/up, down), the output
+    // projection's in one, and nothing fell back. The two decode steps,
     // while the model has measured neither attention yet: to the CPU (measured first), to the
     // device over its kv-caches (measured next), then to the faster.
     let (stats, decode_attention) = device_calls(&mut inst, m);
-    assert!(stats.gpu_attention_calls == 18 && stats.gpu_calls == 3 * 18 + 1 && stats.gpu_fallbacks == 0, "{stats:?}");
+    assert!(stats.gpu_attention_calls == 18 && stats.gpu_calls == 4 * 18 + 1 && stats.gpu_fallbacks == 0, "{stats:?}");
     assert!(decode_attention > 0 && decode_attention < 2 * 18, "{decode_attention}");
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
     check(&mut inst, m, &cases);
@@ -152,6 +153,75 @@ fn every_golden_case_passes_on_wgpu() {
     assert!(matches!(stats.gpu_calls, 1 | 2), "{stats:?}");
     assert!(stats.gpu_attention_calls == 18 && decode_attention == 2 * 18, "{stats:?}, {decode_attention}");
     check(&mut inst, m, &golden_cases());
+}
+
+/// A device right in everything it offers, that offers no `blocks` (the trait's default): the
+/// guest runs the model's program there instead.
+struct NoBlocks<B: Backend>(B);
+
+impl<B: Backend> Backend for NoBlocks<B> {
+    fn device(&self) -> Option<Device> {
+        self.0.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.0.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.0.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.0.matmul(x, t, n_in, jobs)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.0.free(id)
+    }
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.0.create_cache(slots, width)
+    }
+    fn free_cache(&mut self, id: BufferId) {
+        self.0.free_cache(id)
+    }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.0.write_cache(id, first, k, v)
+    }
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        s: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.0.attention_cached(q, k, v, first_new, cache, first_key, s)
+    }
+}
+
+/// On a device that offers programs and not `blocks`, every pass is one program run: the
+/// model's recipe, the one the guest's CPU runs, made on the device at load.
+fn passes_by_program(backend: impl Backend + 'static, cases: &[Case]) {
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(NoBlocks(backend)), Budget::default()), GpuMode::On);
+    let (stats, decode_attention) = device_calls(&mut inst, m);
+    // The prefill in one run (its 18 attentions counted), and each decode step the same;
+    // nothing fell back. On the guest's CPU at most the output projection, where the device
+    // does not hold it (lavapipe's 128 MiB binding cap).
+    assert!(stats.gpu_calls == 1 && stats.gpu_attention_calls == 18 && stats.cpu_matmuls <= 1, "{stats:?}");
+    assert_eq!(decode_attention, 2 * 18);
+    check(&mut inst, m, cases);
+}
+
+#[test]
+fn the_golden_cases_pass_as_programs_on_the_cpu_reference_device() {
+    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
+    passes_by_program(CpuBackend::new(), &cases);
+}
+
+#[test]
+fn a_golden_case_passes_as_programs_on_wgpu() {
+    let Some(backend) = wgpu_backend() else { return };
+    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name == "capital").collect();
+    passes_by_program(backend, &cases);
 }
 
 #[test]

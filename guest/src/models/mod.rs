@@ -10,7 +10,8 @@ pub mod rope;
 
 pub use attention::LayerCache;
 
-use crate::dispatch::Dispatch;
+use crate::dispatch::{Dispatch, DeviceProgram};
+use crate::program::Tensors;
 use crate::gguf::{Gguf, TensorType};
 use crate::kernels::rms_norm;
 use crate::quant::{self, QMatrix};
@@ -333,6 +334,38 @@ pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
     for (row, &tok) in x.chunks_exact_mut(embd.n_in).zip(tokens) {
         embd.row(tok as usize, row);
     }
+}
+
+/// Runs the model's program on the device, where it has one there and the dispatcher sends
+/// the batch to it (see `Dispatch::run_program`): `inputs` makes the recipe's inputs, and the
+/// logits go to `logits` when wanted (through the head product where it stayed with the
+/// guest). `false` where the batch must run on the CPU.
+#[allow(clippy::too_many_arguments)]
+pub fn device_program(
+    d: &mut Dispatch,
+    (prog, w): (Option<&DeviceProgram>, &dyn Tensors),
+    inputs: impl FnOnce() -> Vec<Vec<f32>>,
+    (t, pos): (usize, usize),
+    caches: &[LayerCache],
+    h: &Hparams,
+    flops: u64,
+    logits: Option<&mut [f32]>,
+) -> bool {
+    let Some(prog) = prog else { return false };
+    let kv = h.n_head_kv * h.head_dim;
+    let head = prog.head.map(|id| w.matrix(id));
+    let out_len = head.map_or(h.n_vocab, |m| m.n_in);
+    let Some(out) = d.run_program(prog, &inputs(), (t, pos), caches, kv, flops, out_len) else { return false };
+    match (logits, head) {
+        (Some(l), Some(m)) => {
+            let start = std::time::Instant::now();
+            d.matmul(&out, 1, &mut [(m, l)]);
+            d.counters.output_ns += start.elapsed().as_nanos() as u64;
+        }
+        (Some(l), None) => l.copy_from_slice(&out),
+        (None, _) => {}
+    }
+    true
 }
 
 /// `logits = output(rms_norm(x[t - 1, :]) * norm)`: the head, on the batch's last token only.

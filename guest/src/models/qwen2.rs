@@ -15,8 +15,8 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, embed, optional_vector, project_logits, vector};
-use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, device_program, embed, optional_vector, project_logits, vector};
+use crate::dispatch::{self, BlockIds, BlocksShape, DeviceProgram, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::{self, Plan, Values};
@@ -105,6 +105,8 @@ pub struct Weights {
     pub rope: rope::Freqs,
     /// Every layer's device ids for `blocks`, where they are all on the device.
     pub blocks: Option<Vec<BlockIds>>,
+    /// The program on the device, where its weights all are and the device makes it.
+    pub device_program: Option<DeviceProgram>,
     /// The model as a program (`recipe`), and where its values live on the CPU.
     pub program: Program,
     pub plan: Plan,
@@ -254,6 +256,7 @@ impl Weights {
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
             blocks: None,
+            device_program: None,
             program: Program::default(),
             plan: Plan::default(),
         };
@@ -272,6 +275,11 @@ impl Weights {
             (m, [norms.0, bq, bk, bv, None, None, bo, None, norms.1, None])
         });
         self.blocks = dispatch::place_blocks(gpu, layers);
+    }
+
+    /// Places the model's program on the device, once its matrices are there.
+    pub fn place_program(&mut self, gpu: &Gpu) {
+        self.device_program = dispatch::place_program(gpu, &self.program, self, self.layers.len());
     }
 
     /// The products of one token's pass through every layer, in floating-point operations.
@@ -360,17 +368,26 @@ pub fn forward(
         d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![table.rows(t)])
     });
 
-    if !on_device && !d.ring_holds(pos) {
-        return false;
-    }
-
     if on_device {
         if want_logits {
             project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
         }
         return true;
     }
+    // Or the model's program, on the device.
     let table = &s.rope;
+    let inputs = || {
+        let mut x = vec![0.0; t * e];
+        embed(&w.embd, tokens, &mut x);
+        vec![x, table.rows(t)]
+    };
+    let logits = want_logits.then_some(&mut b.logits[..]);
+    if device_program(d, (w.device_program.as_ref(), w), inputs, (t, pos), &s.cache, h, w.layer_flops(t), logits) {
+        return true;
+    }
+    if !d.ring_holds(pos) {
+        return false;
+    }
     let mut input = |i: usize, out: &mut [f32]| match i {
         0 => embed(&w.embd, tokens, out),
         _ => table.write_rows(t, out),
