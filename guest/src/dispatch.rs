@@ -856,24 +856,11 @@ impl Dispatch {
         match answer {
             Ok(out) if out.x.len() == t * e && out.keys.is_empty() && out.values.is_empty() => {
                 x[..t * e].copy_from_slice(&out.x);
-                self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
-                for (l, c) in self.caches.iter_mut().enumerate().take(blocks.len()) {
-                    if let Some(c) = c {
-                        c.lo = c.lo.max((pos + t).saturating_sub(caches[l].cap));
-                        c.hi = pos + t;
-                    }
-                }
-                self.counters.gpu_calls += 1;
-                self.counters.gpu_flops += flops;
-                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
-                self.counters.gpu_attention_calls += blocks.len() as u64;
+                self.ran_whole_pass((pos, t), &caches[..blocks.len()], flops, start);
                 true
             }
             other => {
-                // What the device's caches hold is unknown now.
-                for c in self.caches.iter_mut().flatten() {
-                    (c.lo, c.hi) = (0, 0);
-                }
+                self.forget_device_caches();
                 if gpu.failed(other.err(), "blocks", Some(&gpu.no_blocks)) {
                     self.counters.gpu_fallbacks += 1;
                 }
@@ -919,28 +906,40 @@ impl Dispatch {
         let batch = [DeviceSequence { rows: t as u32, start: pos as u32, caches: &ids }];
         match gpu.device.run_program(prog.id, inputs, &batch) {
             Ok(mut outs) if outs.first().is_some_and(|o| o.len() == out_len) => {
-                self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
-                for (l, c) in self.caches.iter_mut().enumerate().take(caches.len()) {
-                    if let Some(c) = c {
-                        c.lo = c.lo.max((pos + t).saturating_sub(caches[l].cap));
-                        c.hi = pos + t;
-                    }
-                }
-                self.counters.gpu_calls += 1;
-                self.counters.gpu_flops += flops;
-                self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
-                self.counters.gpu_attention_calls += caches.len() as u64;
+                self.ran_whole_pass((pos, t), caches, flops, start);
                 Some(outs.swap_remove(0))
             }
             other => {
-                for c in self.caches.iter_mut().flatten() {
-                    (c.lo, c.hi) = (0, 0);
-                }
+                self.forget_device_caches();
                 if gpu.failed(other.err(), "a program's outputs", Some(&gpu.no_programs)) {
                     self.counters.gpu_fallbacks += 1;
                 }
                 None
             }
+        }
+    }
+
+    /// Takes note of a whole pass of `t` rows at `pos` that ran on the device (`blocks` or the
+    /// model's program), over the layers of `caches`: their keys and values are on the device
+    /// alone from `pos` on (see [`Dispatch::ring_holds`]).
+    fn ran_whole_pass(&mut self, (pos, t): (usize, usize), caches: &[LayerCache], flops: u64, start: Instant) {
+        self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
+        for (c, ring) in self.caches.iter_mut().zip(caches) {
+            if let Some(c) = c {
+                c.lo = c.lo.max((pos + t).saturating_sub(ring.cap));
+                c.hi = pos + t;
+            }
+        }
+        self.counters.gpu_calls += 1;
+        self.counters.gpu_flops += flops;
+        self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+        self.counters.gpu_attention_calls += caches.len() as u64;
+    }
+
+    /// After a failed whole pass, what the device's caches hold is unknown.
+    fn forget_device_caches(&mut self) {
+        for c in self.caches.iter_mut().flatten() {
+            (c.lo, c.hi) = (0, 0);
         }
     }
 

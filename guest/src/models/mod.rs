@@ -10,8 +10,9 @@ pub mod rope;
 
 pub use attention::LayerCache;
 
-use crate::dispatch::{Dispatch, DeviceProgram};
-use crate::program::Tensors;
+use crate::dispatch::{DeviceProgram, Dispatch};
+use crate::program::cpu::{self, Plan, Values};
+use crate::program::{Program, Tensors};
 use crate::gguf::{Gguf, TensorType};
 use crate::kernels::rms_norm;
 use crate::quant::{self, QMatrix};
@@ -336,34 +337,78 @@ pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
     }
 }
 
-/// Runs the model's program on the device, where it has one there and the dispatcher sends
-/// the batch to it (see `Dispatch::run_program`): `inputs` makes the recipe's inputs, and the
-/// logits go to `logits` when wanted (through the head product where it stayed with the
-/// guest). `false` where the batch must run on the CPU.
+/// A model's recipe, made at load: the program (`<arch>::recipe`), where its values live on the
+/// guest's CPU, and its copy on the device where there is one.
+#[derive(Default)]
+pub struct Recipe {
+    pub program: Program,
+    pub plan: Plan,
+    pub device: Option<DeviceProgram>,
+}
+
+impl Recipe {
+    pub fn new(program: Program) -> Recipe {
+        let plan = Plan::new(&program);
+        Recipe { program, plan, device: None }
+    }
+}
+
+/// What a session holds for its passes through the recipe.
+pub struct PassState<'a> {
+    pub caches: &'a mut [LayerCache],
+    pub values: &'a mut Values,
+    pub buf: &'a mut Scratch,
+}
+
+/// A pass of `tokens` (at positions `pos..`) through a model's recipe, where `blocks` did not
+/// take it: the model's program on the device as one run, where the device has it and the
+/// dispatcher sends the batch there (see `Dispatch::run_program`), else the guest's CPU. The
+/// recipe's inputs are the tokens' embeddings (rows of `embd`) and the rotation `tables`, in
+/// order; the logits, when wanted, go to `buf.logits` (through the program's head product where
+/// the device does not hold it). `false`, with nothing run, as `<arch>::forward` says.
 #[allow(clippy::too_many_arguments)]
-pub fn device_program(
+pub fn recipe_pass(
+    w: &dyn Tensors,
+    r: &Recipe,
+    (embd, tables): (&Linear, &[&rope::Table]),
+    st: PassState<'_>,
     d: &mut Dispatch,
-    (prog, w): (Option<&DeviceProgram>, &dyn Tensors),
-    inputs: impl FnOnce() -> Vec<Vec<f32>>,
-    (t, pos): (usize, usize),
-    caches: &[LayerCache],
     h: &Hparams,
     flops: u64,
-    logits: Option<&mut [f32]>,
+    (tokens, pos, want_logits): (&[u32], usize, bool),
 ) -> bool {
-    let Some(prog) = prog else { return false };
-    let kv = h.n_head_kv * h.head_dim;
-    let head = prog.head.map(|id| w.matrix(id));
-    let out_len = head.map_or(h.n_vocab, |m| m.n_in);
-    let Some(out) = d.run_program(prog, &inputs(), (t, pos), caches, kv, flops, out_len) else { return false };
-    match (logits, head) {
-        (Some(l), Some(m)) => {
-            let start = std::time::Instant::now();
-            d.matmul(&out, 1, &mut [(m, l)]);
-            d.counters.output_ns += start.elapsed().as_nanos() as u64;
+    let t = tokens.len();
+    if let Some(prog) = &r.device {
+        let mut inputs = vec![vec![0.0; t * h.n_embd]];
+        embed(embd, tokens, &mut inputs[0]);
+        inputs.extend(tables.iter().map(|table| table.rows(t)));
+        let head = prog.head.map(|id| w.matrix(id));
+        let out_len = head.map_or(h.n_vocab, |m| m.n_in);
+        let kv = h.n_head_kv * h.head_dim;
+        if let Some(out) = d.run_program(prog, &inputs, (t, pos), st.caches, kv, flops, out_len) {
+            match (want_logits, head) {
+                (true, Some(m)) => {
+                    let start = std::time::Instant::now();
+                    d.matmul(&out, 1, &mut [(m, &mut st.buf.logits)]);
+                    d.counters.output_ns += start.elapsed().as_nanos() as u64;
+                }
+                (true, None) => st.buf.logits.copy_from_slice(&out),
+                (false, _) => {}
+            }
+            return true;
         }
-        (Some(l), None) => l.copy_from_slice(&out),
-        (None, _) => {}
+    }
+    if !d.ring_holds(pos) {
+        return false;
+    }
+    let mut input = |i: usize, out: &mut [f32]| match i {
+        0 => embed(embd, tokens, out),
+        i => tables[i - 1].write_rows(t, out),
+    };
+    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
+    cpu::run(&r.program, &r.plan, w, d, st.caches, st.values, &mut st.buf.scores, run);
+    if want_logits {
+        st.buf.logits.copy_from_slice(st.values.get(&r.program, &r.plan, r.program.outputs[0], 1));
     }
     true
 }

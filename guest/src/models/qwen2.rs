@@ -15,11 +15,11 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, device_program, embed, optional_vector, project_logits, vector};
-use crate::dispatch::{self, BlockIds, BlocksShape, DeviceProgram, Dispatch, Gpu};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, embed, recipe_pass, optional_vector, project_logits, vector};
+use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
-use crate::program::cpu::{self, Plan, Values};
+use crate::program::cpu::Values;
 use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// The architectures this file runs.
@@ -105,11 +105,8 @@ pub struct Weights {
     pub rope: rope::Freqs,
     /// Every layer's device ids for `blocks`, where they are all on the device.
     pub blocks: Option<Vec<BlockIds>>,
-    /// The program on the device, where its weights all are and the device makes it.
-    pub device_program: Option<DeviceProgram>,
-    /// The model as a program (`recipe`), and where its values live on the CPU.
-    pub program: Program,
-    pub plan: Plan,
+    /// The model as a program (`recipe`), on the CPU and on the device.
+    pub recipe: Recipe,
 }
 
 /// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
@@ -256,12 +253,9 @@ impl Weights {
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
             blocks: None,
-            device_program: None,
-            program: Program::default(),
-            plan: Plan::default(),
+            recipe: Recipe::default(),
         };
-        w.program = recipe(c, &w);
-        w.plan = Plan::new(&w.program);
+        w.recipe = Recipe::new(recipe(c, &w));
         Ok(w)
     }
 
@@ -279,7 +273,8 @@ impl Weights {
 
     /// Places the model's program on the device, once its matrices are there.
     pub fn place_program(&mut self, gpu: &Gpu) {
-        self.device_program = dispatch::place_program(gpu, &self.program, self, self.layers.len());
+        let device = dispatch::place_program(gpu, &self.recipe.program, self, self.layers.len());
+        self.recipe.device = device;
     }
 
     /// The products of one token's pass through every layer, in floating-point operations.
@@ -318,7 +313,7 @@ impl State {
             batch,
             cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, None, batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx, batch),
-            values: Values::new(&w.program, &w.plan, batch),
+            values: Values::new(&w.recipe.program, &w.recipe.plan, batch),
             rope: rope::Table::new(batch, h.head_dim),
         }
     }
@@ -374,28 +369,6 @@ pub fn forward(
         }
         return true;
     }
-    // Or the model's program, on the device.
-    let table = &s.rope;
-    let inputs = || {
-        let mut x = vec![0.0; t * e];
-        embed(&w.embd, tokens, &mut x);
-        vec![x, table.rows(t)]
-    };
-    let logits = want_logits.then_some(&mut b.logits[..]);
-    if device_program(d, (w.device_program.as_ref(), w), inputs, (t, pos), &s.cache, h, w.layer_flops(t), logits) {
-        return true;
-    }
-    if !d.ring_holds(pos) {
-        return false;
-    }
-    let mut input = |i: usize, out: &mut [f32]| match i {
-        0 => embed(&w.embd, tokens, out),
-        _ => table.write_rows(t, out),
-    };
-    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
-    cpu::run(&w.program, &w.plan, w, d, &mut s.cache, &mut s.values, &mut b.scores, run);
-    if want_logits {
-        b.logits.copy_from_slice(s.values.get(&w.program, &w.plan, w.program.outputs[0], 1));
-    }
-    true
+    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: b };
+    recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope]), st, d, h, w.layer_flops(t), (tokens, pos, want_logits))
 }
