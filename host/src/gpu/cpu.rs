@@ -92,36 +92,17 @@ pub fn attention_reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) 
 }
 
 /// `v <- v / sqrt(mean(v^2) + eps) * w` for each run of `w.len()` values of `v`, the mean in
-/// f64.
+/// f64: the programs' `rms-norm` with no offset.
 pub fn norm_runs(v: &mut [f32], w: &[f32], eps: f32) {
-    for run in v.chunks_exact_mut(w.len()) {
-        let ms = run.iter().map(|&a| a as f64 * a as f64).sum::<f64>() / w.len() as f64;
-        let k = 1.0 / (ms + eps as f64).sqrt();
-        for (a, &g) in run.iter_mut().zip(w) {
-            *a = (*a as f64 * k) as f32 * g;
-        }
-    }
+    super::program::rms_norm(v, w, 0.0, eps);
 }
 
 /// Turns each head of each row of `v` (`[t, heads * head_dim]`) by its row of `table` (`[t,
-/// head_dim]`: cosines, then sines), pairing values as `rotation` says.
+/// head_dim]`: cosines, then sines), pairing values as `rotation` says: the programs' `rotate`
+/// of whole heads.
 pub fn rotate_rows(v: &mut [f32], table: &[f32], head_dim: usize, rotation: Rotation) {
-    let half = head_dim / 2;
     let width = v.len() / (table.len() / head_dim).max(1);
-    for (row, cs) in v.chunks_exact_mut(width.max(1)).zip(table.chunks_exact(head_dim)) {
-        for head in row.chunks_exact_mut(head_dim) {
-            for j in 0..half {
-                let (a, b) = match rotation {
-                    Rotation::Halves => (j, j + half),
-                    Rotation::Pairs => (2 * j, 2 * j + 1),
-                };
-                let (c, s) = (cs[j], cs[half + j]);
-                let (x, y) = (head[a], head[b]);
-                head[a] = x * c - y * s;
-                head[b] = x * s + y * c;
-            }
-        }
-    }
+    super::program::rotate(v, width.max(1), table, head_dim, head_dim, rotation);
 }
 
 impl CpuBackend {
