@@ -1059,3 +1059,144 @@ fn norm_rope_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_i
         y[head + jb] = va * s + vb * c;
     }
 }
+
+// ---- the ops of a program (`wit/gpu.wit`'s `op`) between its products ----------------------
+
+// Each writes a value of `params.t` rows of `params.n_out` values, row r = params.t_base + wid.y,
+// row-major and unpadded, from operands in the same layout: a from x, b from `scales`, a vector
+// (a bias, a norm's weight) from `weights`. The program's own elementwise code, in row_base
+// (`elementwise_rows`):
+const OP_ADD: u32 = 0u;
+const OP_MUL: u32 = 1u;
+const OP_SCALE: u32 = 2u;
+const OP_BIAS: u32 = 3u;
+const OP_GELU_TANH: u32 = 4u;
+const OP_SILU: u32 = 5u;
+
+// x's element i (bound as quads).
+fn x_at(i: u32) -> f32 {
+    return x[i / 4u][i % 4u];
+}
+
+// The weights' element i, an f32.
+fn weight_at(i: u32) -> f32 {
+    return bitcast<f32>(weights[i / 4u][i % 4u]);
+}
+
+// add, mul: y = a op b; scale: y = a * bitcast<f32>(x_stride); bias: y = a + w[column]; the
+// gated ops: y = act(a) * b, act as `gate_step` computes it. One invocation an element.
+@compute @workgroup_size(64)
+fn elementwise_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    let n = params.n_out;
+    if (r >= params.t || j >= n) {
+        return;
+    }
+    let i = r * n + j;
+    let a = x_at(i);
+    var v = 0.0;
+    switch params.row_base {
+        case OP_ADD: {
+            v = a + scales[i];
+        }
+        case OP_MUL: {
+            v = a * scales[i];
+        }
+        case OP_SCALE: {
+            v = a * bitcast<f32>(params.x_stride);
+        }
+        case OP_BIAS: {
+            v = a + weight_at(j);
+        }
+        case OP_GELU_TANH: {
+            let g = 1.5957691216 * (a + 0.044715 * a * a * a);
+            v = a / (1.0 + exp(-g)) * scales[i];
+        }
+        default: {
+            v = a / (1.0 + exp(-a)) * scales[i];
+        }
+    }
+    y[i] = v;
+}
+
+// The rms-norm op: y = v / sqrt(mean(v^2) + eps) * (w + offset) over each run of n_in values of
+// a row (w: 0 without a weight, scale_row 0), eps and offset the bits of row_base and x_stride.
+// One workgroup a run (wid.x) of a row.
+@compute @workgroup_size(64)
+fn rms_norm_runs(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    if (r >= params.t) {
+        return;
+    }
+    let n = params.n_in;
+    let at = r * params.n_out + wid.x * n;
+    var ss = 0.0;
+    for (var j = li; j < n; j += WG) {
+        let v = x_at(at + j);
+        ss += v * v;
+    }
+    let scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(n) + bitcast<f32>(params.row_base));
+    let offset = bitcast<f32>(params.x_stride);
+    for (var j = li; j < n; j += WG) {
+        var w = offset;
+        if (params.scale_row == 1u) {
+            w += weight_at(j);
+        }
+        y[at + j] = x_at(at + j) * scale * w;
+    }
+}
+
+// The rotate op: the first n_in values of each head (of row_quads values) of a row turned by
+// the row's table in `scales` (n_in / 2 cosines, then as many sines), as halves (scale_row 0:
+// value j with j + n_in / 2) or pairs (1: 2j with 2j + 1); the rest of each head as it is. One
+// invocation an element.
+@compute @workgroup_size(64)
+fn rotate_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let c = gid.x;
+    let n = params.n_out;
+    if (r >= params.t || c >= n) {
+        return;
+    }
+    let i = r * n + c;
+    let j = c % params.row_quads;
+    let turned = params.n_in;
+    if (j >= turned) {
+        y[i] = x_at(i);
+        return;
+    }
+    let half = turned / 2u;
+    var pair = j % half;
+    var first = j < half;
+    var other = i + half;
+    if (!first) {
+        other = i - half;
+    }
+    if (params.scale_row == 1u) {
+        pair = j / 2u;
+        first = j % 2u == 0u;
+        other = select(i - 1u, i + 1u, first);
+    }
+    let cos = scales[r * turned + pair];
+    let sin = scales[r * turned + half + pair];
+    let v = x_at(i);
+    let o = x_at(other);
+    // (a, b) -> (a c - b s, a s + b c)
+    y[i] = select(o * sin + v * cos, v * cos - o * sin, first);
+}
+
+// Copies rows: row row_quads + r of x (rows of n_out values) to row (scale_row + r) % x_stride
+// of y, for r < t: a program's cache writes (into a kv-cache's ring) and its last rows. One
+// invocation an element.
+@compute @workgroup_size(64)
+fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    let n = params.n_out;
+    if (r >= params.t || j >= n) {
+        return;
+    }
+    let to = (params.scale_row + r) % params.x_stride;
+    y[to * n + j] = x_at((params.row_quads + r) * n + j);
+}

@@ -458,6 +458,22 @@ pub trait Backend: Send {
     ) -> Result<BlocksOutput, GpuError> {
         Err(GpuError::Unavailable("this host does not offer blocks".into()))
     }
+    /// Makes ready what running `p` will need (pipelines, say): called once, when the program
+    /// is made, so that its first run does not wait for them. The default has nothing to do.
+    fn prepare_program(&mut self, _p: &program::Program) -> Result<(), GpuError> {
+        Ok(())
+    }
+    /// Runs a checked program over a checked batch (see [`program::Program::check_batch`]) in
+    /// its own way, where the backend can; `None` where it cannot (the default), and
+    /// [`program::run`] interprets it op by op with the calls above.
+    fn run_program(
+        &mut self,
+        _p: &program::Program,
+        _inputs: &[Vec<f32>],
+        _batch: &[program::SequenceRun],
+    ) -> Option<Result<Vec<program::Output>, GpuError>> {
+        None
+    }
     /// The device time of the last `matmul`'s dispatches alone, in nanoseconds (timestamp
     /// queries around its compute pass), where the device can tell and
     /// [`Backend::set_kernel_repeats`] asked for it; `None` otherwise.
@@ -1106,6 +1122,8 @@ impl GpuCtx {
         }
         let program = program::check(ops, refs, caches).map_err(GpuError::InvalidArgument)?;
         self.budget_allows(0)?;
+        let r = self.backend.prepare_program(&program);
+        self.track(r)?;
         let rep = self.fresh_rep().ok_or_else(|| GpuError::OutOfMemory("no free handle".into()))?;
         self.programs.insert(rep, ProgramHandle { program });
         self.used_handles += 1;
@@ -1144,7 +1162,10 @@ impl GpuCtx {
         let live = |w: &program::WeightRef| weights.get(&w.rep).is_some_and(|h| h.id == w.id);
         program.check_batch(&inputs, &runs, live, max_elems)?;
         let vectors: Vec<&[f32]> = program.weights.iter().map(|w| weights.get(&w.rep).map_or(&[][..], |h| &h.vector[..])).collect();
-        let r = program::run(program, &mut *self.backend, &vectors, inputs, &runs);
+        let r = match self.backend.run_program(program, &inputs, &runs) {
+            Some(r) => r,
+            None => program::run(program, &mut *self.backend, &vectors, inputs, &runs),
+        };
         self.track(r)
     }
 

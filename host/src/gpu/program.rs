@@ -141,7 +141,7 @@ pub struct Program {
     /// What the ops ask of each cache index.
     pub caches: Vec<CacheUse>,
     /// The index of the last op reading each value (the op itself where none does).
-    last_use: Vec<usize>,
+    pub last_use: Vec<usize>,
 }
 
 /// One sequence of a run, its caches resolved: `(id, slots, width)` for each cache index.

@@ -13,8 +13,9 @@
 
 mod attention;
 mod blocks;
+mod programs;
 
-use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError};
+use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError, program};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -138,6 +139,10 @@ enum Kernel {
     NormRopeRows,
     NormPairRows,
     SumPlanes,
+    ElementwiseRows,
+    RmsNormRuns,
+    RotateRows,
+    CopyRows,
 }
 
 impl Kernel {
@@ -157,6 +162,10 @@ impl Kernel {
             Kernel::NormRopeRows => "norm_rope_rows",
             Kernel::NormPairRows => "norm_pair_rows",
             Kernel::SumPlanes => "sum_planes",
+            Kernel::ElementwiseRows => "elementwise_rows",
+            Kernel::RmsNormRuns => "rms_norm_runs",
+            Kernel::RotateRows => "rotate_rows",
+            Kernel::CopyRows => "copy_rows",
         }
     }
 }
@@ -516,8 +525,9 @@ impl WgpuBackend {
             immediate_size: 0,
         });
         let placeholder = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("scales placeholder"),
-            size: 4,
+            label: Some("placeholder"),
+            // Bound as scales, or as the weights (16 bytes at least) of a kernel reading none.
+            size: 16,
             usage: wgpu::BufferUsages::STORAGE,
             mapped_at_creation: false,
         });
@@ -1470,6 +1480,19 @@ impl Backend for WgpuBackend {
     }
 
     #[allow(clippy::too_many_arguments)]
+    fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
+        self.prepare(p)
+    }
+
+    fn run_program(
+        &mut self,
+        p: &program::Program,
+        inputs: &[Vec<f32>],
+        batch: &[program::SequenceRun],
+    ) -> Option<Result<Vec<program::Output>, GpuError>> {
+        self.records(p, batch).then(|| self.run_recorded(p, inputs, batch))
+    }
+
     fn blocks(
         &mut self,
         x: &[f32],

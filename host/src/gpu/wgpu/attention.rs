@@ -76,7 +76,7 @@ pub(super) struct Attention {
 }
 
 impl WgpuBackend {
-    fn attention_pipeline(
+    pub(super) fn attention_pipeline(
         &mut self,
     ) -> Result<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline), GpuError> {
         if let Some(p) = &self.attn.pipeline {
@@ -284,15 +284,15 @@ impl WgpuBackend {
     }
 
     /// The layout and pipelines of attention, and a bind group of its buffers: the plan's
-    /// parameters in `params` (from byte 0 of the binding), queries, keys, values (`kv`:
-    /// buffers and bytes bound) and outputs.
+    /// parameters in `params` (from byte 0 of the binding), queries (buffer and offset), keys,
+    /// values (`kv`: buffers and bytes bound) and outputs (buffer and offset).
     pub(super) fn attention_group(
         &mut self,
         plan: &Plan,
         params: &wgpu::Buffer,
-        q: &wgpu::Buffer,
+        (q, q_at): (&wgpu::Buffer, u64),
         kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
-        out: &wgpu::Buffer,
+        (out, out_at): (&wgpu::Buffer, u64),
     ) -> Result<(wgpu::BindGroup, Pipelines), GpuError> {
         let (layout, attend, merge) = self.attention_pipeline()?;
         let (kb, vb, kv_bytes) = kv;
@@ -301,10 +301,10 @@ impl WgpuBackend {
             layout: &layout,
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: binding(params, 0, PARAMS_BYTES) },
-                wgpu::BindGroupEntry { binding: 1, resource: binding(q, 0, plan.q_bytes) },
+                wgpu::BindGroupEntry { binding: 1, resource: binding(q, q_at, plan.q_bytes) },
                 wgpu::BindGroupEntry { binding: 2, resource: binding(kb, 0, kv_bytes) },
                 wgpu::BindGroupEntry { binding: 3, resource: binding(vb, 0, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 4, resource: binding(out, 0, plan.out_bytes) },
+                wgpu::BindGroupEntry { binding: 4, resource: binding(out, out_at, plan.out_bytes) },
             ],
         });
         Ok((group, Pipelines { attend, merge }))
@@ -335,7 +335,7 @@ impl WgpuBackend {
         let pb = Self::ensure(device, &mut a.params, plan.params.len() as u64, cap, uniform, "attention params");
         self.queue.write_buffer(&qb, 0, bytemuck::cast_slice(q));
         self.queue.write_buffer(&pb, 0, &plan.params);
-        let (group, pipelines) = self.attention_group(&plan, &pb, &qb, kv, &out)?;
+        let (group, pipelines) = self.attention_group(&plan, &pb, (&qb, 0), kv, (&out, 0))?;
         let mut encoder =
             self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attention") });
         {

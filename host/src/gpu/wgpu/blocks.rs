@@ -37,16 +37,18 @@ pub(super) struct Buffers {
     a: Option<wgpu::Buffer>,
     o: Option<wgpu::Buffer>,
     mid: Option<wgpu::Buffer>,
-    parts: Option<wgpu::Buffer>,
+    pub(super) parts: Option<wgpu::Buffer>,
     kv: Option<wgpu::Buffer>,
     tables: Option<wgpu::Buffer>,
-    staging: Option<wgpu::Buffer>,
+    pub(super) staging: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
     attn_params: Option<wgpu::Buffer>,
     /// Bind groups of earlier calls, by what they bind: a decode step binds what the one
     /// before it bound (H200: making Gemma's 288 anew cost ~1 ms a step).
     groups: HashMap<BindKey, wgpu::BindGroup>,
-    attention: HashMap<[(wgpu::Buffer, u64); 5], (wgpu::BindGroup, Pipelines)>,
+    attention: HashMap<[(wgpu::Buffer, u64, u64); 5], (wgpu::BindGroup, Pipelines)>,
+    /// A program's values, one buffer a slot (see `programs`).
+    pub(super) slots: Vec<Option<wgpu::Buffer>>,
 }
 
 /// What a bind group of `matmul.wgsl`'s layout binds: parameters, weights, scales, x and y.
@@ -72,15 +74,26 @@ impl Buffers {
 
 /// A bind group of `matmul.wgsl`'s layout: weights, scales, x and y (buffer, offset, bytes).
 #[derive(Clone)]
-struct Bind {
-    weights: wgpu::Buffer,
-    scales: wgpu::Buffer,
-    x: (wgpu::Buffer, u64, u64),
-    y: (wgpu::Buffer, u64, u64),
+pub(super) struct Bind {
+    pub(super) weights: wgpu::Buffer,
+    pub(super) scales: wgpu::Buffer,
+    pub(super) x: (wgpu::Buffer, u64, u64),
+    pub(super) y: (wgpu::Buffer, u64, u64),
+}
+
+/// An attention of a recording: its plan, its cache, and where its queries and its outputs
+/// (with the partial sums after them) are bound from.
+pub(super) struct AttentionBind {
+    pub(super) plan: Plan,
+    pub(super) cache: BufferId,
+    /// The queries' buffer and byte offset (`plan.q_bytes` bound).
+    pub(super) q: (wgpu::Buffer, u64),
+    /// The outputs' buffer and byte offset (`plan.out_bytes` bound).
+    pub(super) out: (wgpu::Buffer, u64),
 }
 
 /// What the command buffer does, in order.
-enum Command {
+pub(super) enum Command {
     /// Dispatches `dispatches[range]` of `matmul.wgsl`.
     Kernels(std::ops::Range<usize>),
     /// Block `b`'s attention.
@@ -99,18 +112,18 @@ const SUBMIT_BLOCKS: usize = 3;
 
 /// The commands of one call, with the bind groups and dispatches they use.
 #[derive(Default)]
-struct Recording {
-    binds: Vec<Bind>,
-    dispatches: Vec<Dispatch>,
+pub(super) struct Recording {
+    pub(super) binds: Vec<Bind>,
+    pub(super) dispatches: Vec<Dispatch>,
     /// The pipeline of each dispatch besides its kernel: its bind's weight format and how it
     /// reads x (X_ACT).
-    formats: Vec<(Format, u32)>,
-    commands: Vec<Command>,
+    pub(super) formats: Vec<(Format, u32)>,
+    pub(super) commands: Vec<Command>,
 }
 
 /// Where a product split over k (see `WgpuBackend::plan`) leaves its planes of partial sums.
 #[derive(Clone, Copy)]
-enum Planes<'a> {
+pub(super) enum Planes<'a> {
     /// In this buffer, added into the output by `sum_planes` right after.
     Summed(&'a wgpu::Buffer),
     /// In the output itself, from its offset on, for the next step to add as it reads them.
@@ -120,7 +133,7 @@ enum Planes<'a> {
 impl Recording {
     /// Dispatches of a kernel of one workgroup row a row of `params.t` (split where there are
     /// more than `max_dim`), `groups_x` workgroups a row.
-    fn rows(&mut self, max_dim: u32, kernel: Kernel, bind: usize, params: Params, groups_x: u32) {
+    pub(super) fn rows(&mut self, max_dim: u32, kernel: Kernel, bind: usize, params: Params, groups_x: u32) {
         let mut r0 = 0;
         while r0 < params.t {
             let rows = (params.t - r0).min(max_dim);
@@ -139,13 +152,13 @@ impl Recording {
     }
 
     /// Adds a bind group; returns its index.
-    fn bind(&mut self, b: Bind) -> usize {
+    pub(super) fn bind(&mut self, b: Bind) -> usize {
         self.binds.push(b);
         self.binds.len() - 1
     }
 
     /// Opens (or continues) a run of kernel dispatches ending at the current one.
-    fn close_kernels(&mut self, from: usize) {
+    pub(super) fn close_kernels(&mut self, from: usize) {
         let to = self.dispatches.len();
         if to > from {
             match self.commands.last_mut() {
@@ -232,7 +245,7 @@ fn plain_pass(encoder: &mut wgpu::CommandEncoder) -> wgpu::ComputePass<'static> 
         .forget_lifetime()
 }
 
-fn whole(b: &wgpu::Buffer, bytes: u64) -> (wgpu::Buffer, u64, u64) {
+pub(super) fn whole(b: &wgpu::Buffer, bytes: u64) -> (wgpu::Buffer, u64, u64) {
     (b.clone(), 0, bytes)
 }
 
@@ -701,15 +714,13 @@ impl WgpuBackend {
                 values: rows(n),
             }
         };
-        self.record_blocks(
-            rec,
-            &plans,
-            blocks,
-            (&qb, &ab),
-            (&staging, x_bytes + back),
-            read,
-        )
-        .inspect_err(|_| self.block_buffers = Buffers::default())
+        let attention = plans
+            .into_iter()
+            .zip(blocks)
+            .map(|(plan, b)| AttentionBind { plan, cache: b.cache, q: (qb.clone(), 0), out: (ab.clone(), 0) })
+            .collect::<Vec<_>>();
+        self.record(rec, &attention, (&staging, x_bytes + back), read)
+            .inspect_err(|_| self.block_buffers = Buffers::default())
     }
 
     /// Adds weight `id`'s product over `input` (buffer, offset, bytes; rows of `x_quads` quads,
@@ -718,7 +729,7 @@ impl WgpuBackend {
     /// tiles, its planes of partial sums left as `planes` says. Returns the planes left in
     /// `output` (1 where there is one sum).
     #[allow(clippy::too_many_arguments)]
-    fn product_into(
+    pub(super) fn product_into(
         &self,
         rec: &mut Recording,
         id: BufferId,
@@ -779,14 +790,13 @@ impl WgpuBackend {
         Ok(1)
     }
 
-    /// Records `rec` in one command buffer (compute passes between the copies), submits it,
-    /// and gives the staging buffer's first `bytes` to `read`.
-    fn record_blocks<R>(
+    /// Records `rec` in one command buffer (compute passes between the copies; a new one at
+    /// each `Submit`), submits it, and gives the staging buffer's first `bytes` to `read`.
+    /// `Command::Attention(i)` records `attention[i]`.
+    pub(super) fn record<R>(
         &mut self,
         rec: Recording,
-        plans: &[Plan],
-        blocks: &[Block],
-        (q, a): (&wgpu::Buffer, &wgpu::Buffer),
+        attention: &[AttentionBind],
         (staging, bytes): (&wgpu::Buffer, u64),
         read: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, GpuError> {
@@ -806,10 +816,10 @@ impl WgpuBackend {
             params[at..at + PARAMS_BYTES as usize].copy_from_slice(bytemuck::bytes_of(&d.params));
         }
         let mut attn_params = Vec::new();
-        let mut attn_at = Vec::with_capacity(plans.len());
-        for p in plans {
+        let mut attn_at = Vec::with_capacity(attention.len());
+        for a in attention {
             attn_at.push(attn_params.len() as u64);
-            attn_params.extend_from_slice(&p.params);
+            attn_params.extend_from_slice(&a.plan.params);
         }
 
         let scopes = push_scopes(&self.device);
@@ -877,32 +887,37 @@ impl WgpuBackend {
             });
             groups.push(group.clone());
         }
-        let mut attention: Vec<(wgpu::BindGroup, Pipelines)> = Vec::with_capacity(plans.len());
-        for (p, b) in plans.iter().zip(blocks) {
-            let c = &self.attn.caches[&b.cache];
+        let mut attention_groups: Vec<(wgpu::BindGroup, Pipelines)> = Vec::with_capacity(attention.len());
+        for a in attention {
+            let p = &a.plan;
+            let c = self
+                .attn
+                .caches
+                .get(&a.cache)
+                .ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {}", a.cache)))?;
             let (k, v, kv_bytes) = (
                 c.k.clone(),
                 c.v.clone(),
                 4 * c.slots as u64 * c.width as u64,
             );
             let key = [
-                (apb.clone(), 0),
-                (q.clone(), p.q_bytes),
-                (k.clone(), kv_bytes),
-                (v.clone(), kv_bytes),
-                (a.clone(), p.out_bytes),
+                (apb.clone(), 0, 0),
+                (a.q.0.clone(), a.q.1, p.q_bytes),
+                (k.clone(), 0, kv_bytes),
+                (v.clone(), 0, kv_bytes),
+                (a.out.0.clone(), a.out.1, p.out_bytes),
             ];
             if let Some(g) = self.block_buffers.attention.get(&key) {
-                attention.push(g.clone());
+                attention_groups.push(g.clone());
                 continue;
             }
-            let made = self.attention_group(p, &apb, q, (&k, &v, kv_bytes), a)?;
+            let made = self.attention_group(p, &apb, (&a.q.0, a.q.1), (&k, &v, kv_bytes), (&a.out.0, a.out.1))?;
             let m = &mut self.block_buffers;
             if m.attention.len() >= MAX_CACHED_GROUPS {
                 m.attention.clear();
             }
             m.attention.insert(key, made.clone());
-            attention.push(made);
+            attention_groups.push(made);
         }
 
         let mut encoder = self
@@ -956,8 +971,8 @@ impl WgpuBackend {
                         pass = Some(prof.pass(&mut encoder, "attention"));
                     }
                     let p = pass.get_or_insert_with(|| plain_pass(&mut encoder));
-                    let (group, pipelines) = &attention[*l];
-                    plans[*l].record(p, pipelines, group, attn_at[*l]);
+                    let (group, pipelines) = &attention_groups[*l];
+                    attention[*l].plan.record(p, pipelines, group, attn_at[*l]);
                 }
             }
         }

@@ -1,0 +1,380 @@
+//! Programs on the wgpu device: a whole run of a program (every op, every sequence of its
+//! batch) in one recording, one readback of its outputs.
+//!
+//! Each value lives in a slot, a buffer kept across runs (grown as needed); a value takes the
+//! first slot whose last value has had its last reader, so a model's run needs a few slots
+//! however many layers it has, and a decode step binds what the step before it bound (its bind
+//! groups come from the cache `blocks` keeps). The inputs go up first, each to a slot of its
+//! own. Products are `matmul`'s kernels as `blocks` records them (`product_into`); attention
+//! is `attention-cached`'s kernel over each sequence's cache; the other ops are the small
+//! kernels at the end of `shaders/matmul.wgsl` (cache writes and last rows are `copy_rows`).
+//! Outputs are copied to one staging buffer; `top-k` is taken on the host from its row.
+//!
+//! [`WgpuBackend::records`] says which runs this covers: products over rows of whole steps of
+//! 8 values, and queries of every sequence of a batch at an offset the device can bind. The
+//! rest is interpreted op by op (`program::run`).
+
+use super::blocks::{AttentionBind, Bind, Buffers, Command, Planes, Recording, whole};
+use super::{Kernel, Params, WORKGROUP, WgpuBackend, X_PLAIN, align_up, push_scopes};
+use crate::gpu::program::{self, Op, Output, Program, Rows, SequenceRun};
+use crate::gpu::{Activation, AttentionShape, Format, GpuError, Rotation};
+
+/// Dispatches a command buffer holds before it is submitted, at the next op's boundary: the
+/// device starts on the first ops while the host records the rest (as `blocks` submits every
+/// few blocks).
+const SUBMIT_DISPATCHES: usize = 48;
+
+/// `elementwise_rows`'s op codes (OP_* in the shader).
+const OP_ADD: u32 = 0;
+const OP_MUL: u32 = 1;
+const OP_SCALE: u32 = 2;
+const OP_BIAS: u32 = 3;
+const OP_GELU_TANH: u32 = 4;
+const OP_SILU: u32 = 5;
+
+/// Where a run's values live: the slot of each value and the bytes of each slot.
+struct Layout {
+    /// The slot of each op's value (`usize::MAX` for ops that make none).
+    slot: Vec<usize>,
+    /// Bytes of each slot, a multiple of 16.
+    bytes: Vec<u64>,
+}
+
+/// Gives each value a slot: the inputs first (they are written before anything runs, so each
+/// keeps its own until its last reader), then each other value, in order, the first slot whose
+/// values have all been read by the op before it. `size` is each value's bytes.
+fn layout(p: &Program, size: impl Fn(usize) -> u64) -> Layout {
+    let n = p.ops.len();
+    let mut slot = vec![usize::MAX; n];
+    // Each slot's bytes and the last op reading the value it holds.
+    let mut slots: Vec<(u64, usize)> = Vec::new();
+    let inputs = (0..n).filter(|&i| matches!(p.ops[i], Op::Input { .. }));
+    let others = (0..n).filter(|&i| p.shapes[i].is_some() && !matches!(p.ops[i], Op::Input { .. }));
+    for (born, i) in inputs.map(|i| (0, i)).chain(others.map(|i| (i, i))) {
+        let bytes = align_up(size(i).max(16), 16);
+        let busy_until = p.last_use[i];
+        match slots.iter().position(|&(_, until)| until < born) {
+            Some(s) => {
+                slots[s] = (slots[s].0.max(bytes), busy_until);
+                slot[i] = s;
+            }
+            None => {
+                slots.push((bytes, busy_until));
+                slot[i] = slots.len() - 1;
+            }
+        }
+    }
+    Layout { slot, bytes: slots.into_iter().map(|(b, _)| b).collect() }
+}
+
+impl WgpuBackend {
+    /// Whether [`Self::run_recorded`] runs `p` over `batch`: every product's x has rows of
+    /// whole steps (a multiple of 8 values), every weight is here, each row and each run of a
+    /// norm fits the device's workgroup counts, and each sequence's queries start where the
+    /// device can bind them.
+    pub(super) fn records(&self, p: &Program, batch: &[SequenceRun]) -> bool {
+        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
+        let align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let width = |a: usize| p.shapes[a].map_or(0, |s| s.width) as u64;
+        if p.weights.iter().any(|w| !self.weights.contains_key(&w.id)) {
+            return false;
+        }
+        p.ops.iter().enumerate().all(|(i, op)| {
+            let fits = width(i).div_ceil(WORKGROUP as u64) <= max_dim;
+            fits && match *op {
+                Op::Matmul { x, .. } => width(x) % 8 == 0,
+                Op::RmsNorm { x, group, .. } => width(x) / group as u64 <= max_dim,
+                Op::Attention { q, .. } => {
+                    let mut at = 0u64;
+                    batch.iter().all(|s| {
+                        let aligned = (4 * at * width(q)) % align == 0;
+                        at += s.rows as u64;
+                        aligned
+                    })
+                }
+                _ => true,
+            }
+        })
+    }
+
+    /// Builds the pipelines a run of `p` can use, so that its first run does not wait for
+    /// them: the products' kernels for every size of batch `matmul` picks among, the small
+    /// kernels and attention's.
+    pub(super) fn prepare(&mut self, p: &Program) -> Result<(), GpuError> {
+        let mut wanted = vec![
+            (Kernel::ElementwiseRows, Format::F32),
+            (Kernel::RmsNormRuns, Format::F32),
+            (Kernel::RotateRows, Format::F32),
+            (Kernel::CopyRows, Format::F32),
+            (Kernel::SumPlanes, Format::F32),
+        ];
+        for op in &p.ops {
+            if let Op::Matmul { weight, .. } = *op {
+                let w = &p.weights[weight];
+                for t in [1, super::GEMM_MIN_T, super::WIDE_MIN_T, super::LARGE_T] {
+                    let (kernel, _, _) = self.kernel_for(t, w.rows, w.format);
+                    if !wanted.contains(&(kernel, w.format)) {
+                        wanted.push((kernel, w.format));
+                    }
+                }
+            }
+        }
+        for (kernel, format) in wanted {
+            self.pipeline(kernel, format, X_PLAIN)?;
+        }
+        if p.ops.iter().any(|op| matches!(op, Op::Attention { .. })) {
+            self.attention_pipeline()?;
+        }
+        Ok(())
+    }
+
+    /// Runs a checked program over a checked batch (see [`Self::records`]) in one recording.
+    pub(super) fn run_recorded(
+        &mut self,
+        p: &Program,
+        inputs: &[Vec<f32>],
+        batch: &[SequenceRun],
+    ) -> Result<Vec<Output>, GpuError> {
+        self.last_kernel_ns = None;
+        self.live()?;
+        let total: u32 = batch.iter().map(|q| q.rows).sum();
+        let rows_of = |a: usize| match p.shapes[a].map(|s| s.rows) {
+            Some(Rows::Sequence) => batch.len() as u32,
+            _ => total,
+        };
+        let width = |a: usize| p.shapes[a].map_or(0, |s| s.width);
+        let bytes_of = |a: usize| 4 * rows_of(a) as u64 * width(a) as u64;
+        let max = self.info.max_weight_bytes;
+
+        // Attention's plans first: their partial sums follow the outputs in the value's slot
+        // (each sequence's after its own outputs, overwritten by the next sequence's outputs
+        // once read: the dispatches run in order).
+        let mut plans: Vec<Vec<(program::SequenceRun, super::attention::Plan)>> = Vec::new();
+        let mut extra = vec![0u64; p.ops.len()];
+        for (i, op) in p.ops.iter().enumerate() {
+            let Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, .. } = *op else { continue };
+            let w = width(qv) as u64;
+            let (mut at, mut end, mut list) = (0u64, 0u64, Vec::with_capacity(batch.len()));
+            for q in batch {
+                let (_, slots, _) = q.caches[cache as usize];
+                let first = program::first_key(q.start, window);
+                let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
+                let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots)?;
+                end = end.max(4 * at * w + plan.out_bytes);
+                at += q.rows as u64;
+                list.push((q.clone(), plan));
+            }
+            extra[i] = end - bytes_of(i);
+            plans.push(list);
+        }
+        let lay = layout(p, |i| bytes_of(i) + extra[i]);
+        // The partial sums of products split over k.
+        let mut parts_bytes = 16;
+        for op in &p.ops {
+            if let Op::Matmul { x, weight, .. } = *op {
+                let w = self.weights.get(&p.weights[weight].id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {weight}")))?;
+                let n = self.k_splits(w, rows_of(x)) as u64;
+                if n > 1 {
+                    parts_bytes = parts_bytes.max(align_up(n * 4 * rows_of(x) as u64 * w.n_out as u64, 16));
+                }
+            }
+        }
+        let out_bytes: u64 = p.ops.iter().map(|op| match *op {
+            Op::Output(x) | Op::TopK { x, .. } => bytes_of(x),
+            _ => 0,
+        }).sum();
+        if lay.bytes.iter().chain([&parts_bytes, &out_bytes]).any(|&b| b > max) {
+            return Err(GpuError::OutOfMemory(format!("a run of {total} rows needs buffers past the device's limit of {max} bytes")));
+        }
+
+        let scopes = push_scopes(&self.device);
+        let cap = self.limits.max_buffer_size;
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
+        let m = &mut self.block_buffers;
+        m.slots.resize(m.slots.len().max(lay.bytes.len()), None);
+        let slots: Vec<wgpu::Buffer> = lay
+            .bytes
+            .iter()
+            .enumerate()
+            .map(|(s, &b)| Self::ensure(&self.device, &mut m.slots[s], b, cap, usage, "program values"))
+            .collect();
+        let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, wgpu::BufferUsages::STORAGE, "blocks partial sums");
+        let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+        let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "blocks staging");
+        let input_ops = p.ops.iter().enumerate().filter(|(_, op)| matches!(op, Op::Input { .. }));
+        for ((i, _), x) in input_ops.zip(inputs) {
+            self.queue.write_buffer(&slots[lay.slot[i]], 0, bytemuck::cast_slice(x));
+        }
+        self.finish(scopes).inspect_err(|_| self.block_buffers = Buffers::default())?;
+
+        let value = |a: usize| &slots[lay.slot[a]];
+        let bound = |a: usize| whole(value(a), value(a).size());
+        let placeholder = self.placeholder.clone();
+        let vector = |w: usize| -> Result<wgpu::Buffer, GpuError> {
+            self.weights
+                .get(&p.weights[w].id)
+                .map(|w| w.data.clone())
+                .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {w}")))
+        };
+        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+        let mut rec = Recording::default();
+        let mut attention: Vec<AttentionBind> = Vec::new();
+        let mut plans = plans.into_iter();
+        // Each output: at which byte of the staging buffer, how many values, and the k of a
+        // top-k (with the row's width).
+        let mut outputs: Vec<(u64, u64, Option<(u32, u32)>)> = Vec::new();
+        let mut out_at = 0u64;
+        // The first dispatch not yet in a command, and the first not yet submitted.
+        let (mut open, mut submitted) = (0, 0);
+        for (i, op) in p.ops.iter().enumerate() {
+            let t = rows_of(i);
+            // A small kernel from x (and b from `scales`, a vector from `weights`) into op i's
+            // value, `groups_x` workgroups a row.
+            let small = |rec: &mut Recording, kernel, (x, scales, weights): (usize, Option<usize>, Option<wgpu::Buffer>), params: Params, groups_x| {
+                let bind = rec.bind(Bind {
+                    weights: weights.unwrap_or_else(|| placeholder.clone()),
+                    scales: scales.map_or_else(|| placeholder.clone(), |b| value(b).clone()),
+                    x: bound(x),
+                    y: bound(i),
+                });
+                rec.rows(max_dim, kernel, bind, params, groups_x);
+            };
+            let rows_params = |n_out: u32| Params { n_in: 0, n_out, t, row_quads: 0, scale_row: 0, row_base: 0, t_base: 0, x_stride: 0 };
+            let elementwise = |code: u32, by: f32| Params { row_base: code, x_stride: by.to_bits(), ..rows_params(width(i)) };
+            let groups = width(i).div_ceil(WORKGROUP);
+            match *op {
+                Op::Input { .. } => {}
+                Op::Matmul { x, weight, .. } => {
+                    let id = p.weights[weight].id;
+                    let (input, output) = (value(x), value(i));
+                    self.product_into(&mut rec, id, (input, 0, bytes_of(x)), (output, 0, bytes_of(i)), t, width(x) / 4, Planes::Summed(&parts), X_PLAIN)?;
+                }
+                Op::RmsNorm { x, weight, offset, group, eps } => {
+                    let (weights, with, offset) = match weight {
+                        Some(w) => (Some(vector(w)?), 1, offset),
+                        None => (None, 0, 1.0),
+                    };
+                    let params = Params { n_in: group, scale_row: with, row_base: eps.to_bits(), x_stride: offset.to_bits(), ..rows_params(width(i)) };
+                    small(&mut rec, Kernel::RmsNormRuns, (x, None, weights), params, width(i) / group);
+                }
+                Op::Add(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_ADD, 0.0), groups),
+                Op::Mul(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_MUL, 0.0), groups),
+                Op::Scale { x, by } => small(&mut rec, Kernel::ElementwiseRows, (x, None, None), elementwise(OP_SCALE, by), groups),
+                Op::Bias { x, weight } => small(&mut rec, Kernel::ElementwiseRows, (x, None, Some(vector(weight)?)), elementwise(OP_BIAS, 0.0), groups),
+                Op::Gated { gate, up, act } => {
+                    let code = match act {
+                        Activation::GeluTanh => OP_GELU_TANH,
+                        Activation::Silu => OP_SILU,
+                    };
+                    small(&mut rec, Kernel::ElementwiseRows, (gate, Some(up), None), elementwise(code, 0.0), groups);
+                }
+                Op::Rotate { x, table, head_dim, rotation } => {
+                    let pairs = u32::from(rotation == Rotation::Pairs);
+                    let params = Params { n_in: width(table), row_quads: head_dim, scale_row: pairs, ..rows_params(width(i)) };
+                    small(&mut rec, Kernel::RotateRows, (x, Some(table), None), params, groups);
+                }
+                Op::CacheWrite { k, v, cache } => {
+                    let w = width(k);
+                    let mut at = 0;
+                    for q in batch {
+                        let (id, slots, _) = q.caches[cache as usize];
+                        let c = self.attn.caches.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
+                        for (from, to) in [(k, &c.k), (v, &c.v)] {
+                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: placeholder.clone(), x: bound(from), y: whole(to, to.size()) });
+                            let params = Params { n_out: w, t: q.rows, row_quads: at, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
+                            rec.rows(max_dim, Kernel::CopyRows, bind, params, w.div_ceil(WORKGROUP));
+                        }
+                        at += q.rows;
+                    }
+                }
+                Op::Attention { q: qv, cache, .. } => {
+                    rec.close_kernels(open);
+                    let w = width(qv) as u64;
+                    let mut at = 0u64;
+                    for (q, plan) in plans.next().into_iter().flatten() {
+                        let (id, _, _) = q.caches[cache as usize];
+                        rec.commands.push(Command::Attention(attention.len()));
+                        attention.push(AttentionBind { plan, cache: id, q: (value(qv).clone(), 4 * at * w), out: (value(i).clone(), 4 * at * w) });
+                        at += q.rows as u64;
+                    }
+                    open = rec.dispatches.len();
+                }
+                Op::LastRows(x) => {
+                    let w = width(x);
+                    let mut end = 0;
+                    for (s, q) in batch.iter().enumerate() {
+                        end += q.rows;
+                        let params = Params { t: 1, row_quads: end - 1, scale_row: s as u32, x_stride: u32::MAX, ..rows_params(w) };
+                        small(&mut rec, Kernel::CopyRows, (x, None, None), params, w.div_ceil(WORKGROUP));
+                    }
+                }
+                Op::Output(x) | Op::TopK { x, .. } => {
+                    rec.close_kernels(open);
+                    open = rec.dispatches.len();
+                    let n = bytes_of(x);
+                    rec.commands.push(Command::Copy(value(x).clone(), 0, staging.clone(), out_at, n));
+                    let top = match *op {
+                        Op::TopK { k, .. } => Some((k, width(x))),
+                        _ => None,
+                    };
+                    outputs.push((out_at, n / 4, top));
+                    out_at += n;
+                }
+            }
+            if rec.dispatches.len() - submitted >= SUBMIT_DISPATCHES && i + 1 < p.ops.len() {
+                rec.close_kernels(open);
+                open = rec.dispatches.len();
+                submitted = open;
+                rec.commands.push(Command::Submit);
+            }
+        }
+        rec.close_kernels(open);
+        let read = |view: &[u8]| {
+            outputs
+                .iter()
+                .map(|&(at, n, top)| {
+                    let v = bytemuck::pod_collect_to_vec::<u8, f32>(&view[at as usize..(at + 4 * n) as usize]);
+                    match top {
+                        Some((k, w)) => program::top_k(&v, w as usize, k as usize),
+                        None => Output::Rows(v),
+                    }
+                })
+                .collect()
+        };
+        self.record(rec, &attention, (&staging, out_bytes), read).inspect_err(|_| self.block_buffers = Buffers::default())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpu::program::{WeightRef, check};
+
+    #[test]
+    fn values_share_slots_only_once_read_and_inputs_keep_theirs() {
+        let w = WeightRef { rep: 1, id: 1, rows: 8, cols: 8, format: Format::F32 };
+        let ops = vec![
+            Op::Input { width: 8 },
+            Op::Scale { x: 0, by: 2.0 },
+            Op::Scale { x: 1, by: 2.0 },
+            Op::Scale { x: 2, by: 2.0 },
+            Op::Input { width: 8 },
+            Op::Add(3, 4),
+            Op::Matmul { x: 5, weight: 0, precision: program::Precision::Exact },
+            Op::Output(6),
+        ];
+        let p = check(ops, vec![w], 0).unwrap();
+        let lay = layout(&p, |i| if i == 6 { 64 } else { 32 });
+        let s = &lay.slot;
+        // The inputs: slots of their own, the second not taken by values made before it.
+        assert_ne!(s[0], s[4]);
+        assert!([1, 2, 3].iter().all(|&v| s[v] != s[4]));
+        // Each value beside its operand; a slot again once its value is read.
+        assert_ne!(s[1], s[0]);
+        assert_ne!(s[2], s[1]);
+        assert_eq!(s[3], s[1]);
+        assert!(s[5] != s[3] && s[5] != s[4]);
+        assert_eq!(s[7], usize::MAX);
+        assert_eq!(lay.bytes[s[6]], 64);
+    }
+}
