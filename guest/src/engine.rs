@@ -222,20 +222,20 @@ impl Model {
             (Some(gpu), Arch::Phi3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (None, _) => 0,
         };
-        // The device's whole-model paths, where it holds every product: `blocks` (the calls of
-        // 0.3) and the model's program.
+        // The device's whole-model paths, where it holds every product: the model's program,
+        // else `blocks` (the calls of 0.3, for hosts without programs).
         match (&gpu, &mut arch) {
             (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_blocks(gpu);
                 weights.place_program(gpu);
+                weights.place_blocks(gpu);
             }
             (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_blocks(gpu);
                 weights.place_program(gpu);
+                weights.place_blocks(gpu);
             }
             (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_blocks(gpu);
                 weights.place_program(gpu);
+                weights.place_blocks(gpu);
             }
             _ => {}
         }

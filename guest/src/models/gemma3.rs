@@ -233,8 +233,12 @@ impl Weights {
         Ok(w)
     }
 
-    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
+    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there,
+    /// where the device has not made the model's program.
     pub fn place_blocks(&mut self, gpu: &Gpu) {
+        if self.recipe.device.is_some() {
+            return;
+        }
         let layers = self.layers.iter().map(|l| {
             let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
             let n = [&l.attn_norm, &l.q_norm, &l.k_norm, &l.post_attn_norm, &l.ffn_norm, &l.post_ffn_norm].map(|v| Some(v.as_slice()));

@@ -260,8 +260,12 @@ impl Weights {
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
-    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there.
+    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there,
+    /// where the device has not made the model's program.
     pub fn place_blocks(&mut self, gpu: &Gpu) {
+        if self.recipe.device.is_some() {
+            return;
+        }
         let layers = self.layers.iter().map(|l| {
             let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
             let norms = (Some(&l.attn_norm[..]), Some(&l.ffn_norm[..]));
