@@ -1121,30 +1121,63 @@ fn elementwise_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(work
 }
 
 // The rms-norm op: y = v / sqrt(mean(v^2) + eps) * (w + offset) over each run of n_in values of
-// a row (w: 0 without a weight, scale_row 0), eps and offset the bits of row_base and x_stride.
-// One workgroup a run (wid.x) of a row.
-@compute @workgroup_size(64)
+// a row (w: 0 without a weight), eps and offset the bits of row_base and x_stride. Flags in
+// scale_row (NORM_OP_*): with ADD, y = that + b, b from `scales` (a norm and the add after it);
+// with ROTATE, each run (a head) is then turned as `rotate_rows` turns it, by the row's table in
+// `scales` of row_quads values (a head norm and the rotation after it). One workgroup a run
+// (wid.x) of a row.
+const NORM_OP_WEIGHT: u32 = 1u;
+const NORM_OP_ADD: u32 = 2u;
+const NORM_OP_ROTATE: u32 = 4u;
+const NORM_OP_PAIRS: u32 = 8u;
+
+@compute @workgroup_size(256)
 fn rms_norm_runs(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
     if (r >= params.t) {
         return;
     }
     let n = params.n_in;
+    let flags = params.scale_row;
     let at = r * params.n_out + wid.x * n;
     var ss = 0.0;
-    for (var j = li; j < n; j += WG) {
+    for (var j = li; j < n; j += PAIR_WG) {
         let v = x_at(at + j);
         ss += v * v;
     }
-    let scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(n) + bitcast<f32>(params.row_base));
+    let scale = 1.0 / sqrt(workgroup_total(li, ss, PAIR_WG) / f32(n) + bitcast<f32>(params.row_base));
     let offset = bitcast<f32>(params.x_stride);
-    for (var j = li; j < n; j += WG) {
-        var w = offset;
-        if (params.scale_row == 1u) {
-            w += weight_at(j);
+    let turned = params.row_quads;
+    let half = turned / 2u;
+    for (var j = li; j < n; j += PAIR_WG) {
+        var v = x_at(at + j) * scale * norm_weight(j, offset);
+        if ((flags & NORM_OP_ROTATE) != 0u && j < turned) {
+            var pair = j % half;
+            var first = j < half;
+            var k = select(j - half, j + half, first);
+            if ((flags & NORM_OP_PAIRS) != 0u) {
+                pair = j / 2u;
+                first = j % 2u == 0u;
+                k = select(j - 1u, j + 1u, first);
+            }
+            let o = x_at(at + k) * scale * norm_weight(k, offset);
+            let cos = scales[r * turned + pair];
+            let sin = scales[r * turned + half + pair];
+            v = select(o * sin + v * cos, v * cos - o * sin, first);
         }
-        y[at + j] = x_at(at + j) * scale * w;
+        if ((flags & NORM_OP_ADD) != 0u) {
+            v = scales[at + j] + v;
+        }
+        y[at + j] = v;
     }
+}
+
+// The factor of value j of a run in `rms_norm_runs`: w[j] + offset, or offset without a weight.
+fn norm_weight(j: u32, offset: f32) -> f32 {
+    if ((params.scale_row & NORM_OP_WEIGHT) != 0u) {
+        return weight_at(j) + offset;
+    }
+    return offset;
 }
 
 // The rotate op: the first n_in values of each head (of row_quads values) of a row turned by

@@ -46,10 +46,14 @@ pub(super) struct Buffers {
     /// Bind groups of earlier calls, by what they bind: a decode step binds what the one
     /// before it bound (H200: making Gemma's 288 anew cost ~1 ms a step).
     groups: HashMap<BindKey, wgpu::BindGroup>,
-    attention: HashMap<[(wgpu::Buffer, u64, u64); 5], (wgpu::BindGroup, Pipelines)>,
+    attention: HashMap<AttentionKey, (wgpu::BindGroup, Pipelines)>,
     /// A program's values, one buffer a slot (see `programs`).
     pub(super) slots: Vec<Option<wgpu::Buffer>>,
 }
+
+/// What an attention bind group binds: parameters, queries, keys, values and outputs (buffer,
+/// offset, bytes).
+type AttentionKey = [(wgpu::Buffer, u64, u64); 5];
 
 /// What a bind group of `matmul.wgsl`'s layout binds: parameters, weights, scales, x and y.
 type BindKey = (

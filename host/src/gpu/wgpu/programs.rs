@@ -32,6 +32,12 @@ const OP_BIAS: u32 = 3;
 const OP_GELU_TANH: u32 = 4;
 const OP_SILU: u32 = 5;
 
+/// `rms_norm_runs`'s flags (NORM_OP_* in the shader).
+const NORM_OP_WEIGHT: u32 = 1;
+const NORM_OP_ADD: u32 = 2;
+const NORM_OP_ROTATE: u32 = 4;
+const NORM_OP_PAIRS: u32 = 8;
+
 /// Where a run's values live: the slot of each value and the bytes of each slot.
 struct Layout {
     /// The slot of each op's value (`usize::MAX` for ops that make none).
@@ -40,17 +46,61 @@ struct Layout {
     bytes: Vec<u64>,
 }
 
+/// An output of a run in the staging buffer.
+#[derive(Clone, Copy)]
+struct Readback {
+    /// Its first byte there.
+    at: u64,
+    /// Its values.
+    values: u64,
+    /// For a `top-k`: its k and the width of a row.
+    top: Option<(u32, u32)>,
+}
+
+/// How the recorder fuses an op with the one after it (the host's business, not the
+/// contract's): the op's value is read by that next op alone, and one kernel makes both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fuse {
+    /// Recorded as it is.
+    No,
+    /// An rms-norm whose value the next op (an add) adds to `other`: `rms_norm_runs` with
+    /// NORM_OP_ADD.
+    Add { other: usize },
+    /// An rms-norm of heads that the next op turns by `table`: `rms_norm_runs` with
+    /// NORM_OP_ROTATE.
+    Rotate { table: usize, rotation: Rotation },
+}
+
+/// What each op fuses with the next (see [`Fuse`]).
+fn fusions(p: &Program) -> Vec<Fuse> {
+    let mut fuse = vec![Fuse::No; p.ops.len()];
+    for (i, pair) in p.ops.windows(2).enumerate() {
+        let Op::RmsNorm { group, .. } = pair[0] else { continue };
+        if p.last_use[i] != i + 1 {
+            continue;
+        }
+        fuse[i] = match pair[1] {
+            Op::Add(a, b) if (a == i) != (b == i) => Fuse::Add { other: if a == i { b } else { a } },
+            Op::Rotate { x, table, head_dim, rotation } if x == i && head_dim == group => Fuse::Rotate { table, rotation },
+            _ => Fuse::No,
+        };
+    }
+    fuse
+}
+
 /// Gives each value a slot: the inputs first (they are written before anything runs, so each
 /// keeps its own until its last reader), then each other value, in order, the first slot whose
-/// values have all been read by the op before it. `size` is each value's bytes.
-fn layout(p: &Program, size: impl Fn(usize) -> u64) -> Layout {
+/// values have all been read by the op before it (before the first op of a fused pair, for the
+/// value the pair makes). `size` is each value's bytes.
+fn layout(p: &Program, fuse: &[Fuse], size: impl Fn(usize) -> u64) -> Layout {
     let n = p.ops.len();
     let mut slot = vec![usize::MAX; n];
     // Each slot's bytes and the last op reading the value it holds.
     let mut slots: Vec<(u64, usize)> = Vec::new();
     let inputs = (0..n).filter(|&i| matches!(p.ops[i], Op::Input { .. }));
     let others = (0..n).filter(|&i| p.shapes[i].is_some() && !matches!(p.ops[i], Op::Input { .. }));
-    for (born, i) in inputs.map(|i| (0, i)).chain(others.map(|i| (i, i))) {
+    let born = |i: usize| if i > 0 && fuse[i - 1] != Fuse::No { i - 1 } else { i };
+    for (born, i) in inputs.map(|i| (0, i)).chain(others.map(|i| (born(i), i))) {
         let bytes = align_up(size(i).max(16), 16);
         let busy_until = p.last_use[i];
         match slots.iter().position(|&(_, until)| until < born) {
@@ -82,12 +132,12 @@ impl WgpuBackend {
         p.ops.iter().enumerate().all(|(i, op)| {
             let fits = width(i).div_ceil(WORKGROUP as u64) <= max_dim;
             fits && match *op {
-                Op::Matmul { x, .. } => width(x) % 8 == 0,
+                Op::Matmul { x, .. } => width(x).is_multiple_of(8),
                 Op::RmsNorm { x, group, .. } => width(x) / group as u64 <= max_dim,
                 Op::Attention { q, .. } => {
                     let mut at = 0u64;
                     batch.iter().all(|s| {
-                        let aligned = (4 * at * width(q)) % align == 0;
+                        let aligned = (4 * at * width(q)).is_multiple_of(align);
                         at += s.rows as u64;
                         aligned
                     })
@@ -167,7 +217,8 @@ impl WgpuBackend {
             extra[i] = end - bytes_of(i);
             plans.push(list);
         }
-        let lay = layout(p, |i| bytes_of(i) + extra[i]);
+        let fuse = fusions(p);
+        let lay = layout(p, &fuse, |i| bytes_of(i) + extra[i]);
         // The partial sums of products split over k.
         let mut parts_bytes = 16;
         for op in &p.ops {
@@ -220,13 +271,16 @@ impl WgpuBackend {
         let mut rec = Recording::default();
         let mut attention: Vec<AttentionBind> = Vec::new();
         let mut plans = plans.into_iter();
-        // Each output: at which byte of the staging buffer, how many values, and the k of a
-        // top-k (with the row's width).
-        let mut outputs: Vec<(u64, u64, Option<(u32, u32)>)> = Vec::new();
+        let mut outputs: Vec<Readback> = Vec::new();
         let mut out_at = 0u64;
         // The first dispatch not yet in a command, and the first not yet submitted.
         let (mut open, mut submitted) = (0, 0);
         for (i, op) in p.ops.iter().enumerate() {
+            if i > 0 && fuse[i - 1] != Fuse::No {
+                continue;
+            }
+            // The value the op's kernel writes: the next op's, where they are fused.
+            let made = if fuse[i] == Fuse::No { i } else { i + 1 };
             let t = rows_of(i);
             // A small kernel from x (and b from `scales`, a vector from `weights`) into op i's
             // value, `groups_x` workgroups a row.
@@ -235,7 +289,7 @@ impl WgpuBackend {
                     weights: weights.unwrap_or_else(|| placeholder.clone()),
                     scales: scales.map_or_else(|| placeholder.clone(), |b| value(b).clone()),
                     x: bound(x),
-                    y: bound(i),
+                    y: bound(made),
                 });
                 rec.rows(max_dim, kernel, bind, params, groups_x);
             };
@@ -250,12 +304,23 @@ impl WgpuBackend {
                     self.product_into(&mut rec, id, (input, 0, bytes_of(x)), (output, 0, bytes_of(i)), t, width(x) / 4, Planes::Summed(&parts), X_PLAIN)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
-                    let (weights, with, offset) = match weight {
-                        Some(w) => (Some(vector(w)?), 1, offset),
+                    let (weights, mut flags, offset) = match weight {
+                        Some(w) => (Some(vector(w)?), NORM_OP_WEIGHT, offset),
                         None => (None, 0, 1.0),
                     };
-                    let params = Params { n_in: group, scale_row: with, row_base: eps.to_bits(), x_stride: offset.to_bits(), ..rows_params(width(i)) };
-                    small(&mut rec, Kernel::RmsNormRuns, (x, None, weights), params, width(i) / group);
+                    let (b, turned) = match fuse[i] {
+                        Fuse::No => (None, 0),
+                        Fuse::Add { other } => {
+                            flags |= NORM_OP_ADD;
+                            (Some(other), 0)
+                        }
+                        Fuse::Rotate { table, rotation } => {
+                            flags |= NORM_OP_ROTATE | if rotation == Rotation::Pairs { NORM_OP_PAIRS } else { 0 };
+                            (Some(table), width(table))
+                        }
+                    };
+                    let params = Params { n_in: group, row_quads: turned, scale_row: flags, row_base: eps.to_bits(), x_stride: offset.to_bits(), ..rows_params(width(i)) };
+                    small(&mut rec, Kernel::RmsNormRuns, (x, b, weights), params, width(i) / group);
                 }
                 Op::Add(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_ADD, 0.0), groups),
                 Op::Mul(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_MUL, 0.0), groups),
@@ -317,7 +382,7 @@ impl WgpuBackend {
                         Op::TopK { k, .. } => Some((k, width(x))),
                         _ => None,
                     };
-                    outputs.push((out_at, n / 4, top));
+                    outputs.push(Readback { at: out_at, values: n / 4, top });
                     out_at += n;
                 }
             }
@@ -332,8 +397,8 @@ impl WgpuBackend {
         let read = |view: &[u8]| {
             outputs
                 .iter()
-                .map(|&(at, n, top)| {
-                    let v = bytemuck::pod_collect_to_vec::<u8, f32>(&view[at as usize..(at + 4 * n) as usize]);
+                .map(|&Readback { at, values, top }| {
+                    let v = bytemuck::pod_collect_to_vec::<u8, f32>(&view[at as usize..(at + 4 * values) as usize]);
                     match top {
                         Some((k, w)) => program::top_k(&v, w as usize, k as usize),
                         None => Output::Rows(v),
@@ -364,7 +429,7 @@ mod tests {
             Op::Output(6),
         ];
         let p = check(ops, vec![w], 0).unwrap();
-        let lay = layout(&p, |i| if i == 6 { 64 } else { 32 });
+        let lay = layout(&p, &fusions(&p), |i| if i == 6 { 64 } else { 32 });
         let s = &lay.slot;
         // The inputs: slots of their own, the second not taken by values made before it.
         assert_ne!(s[0], s[4]);
@@ -376,5 +441,30 @@ mod tests {
         assert!(s[5] != s[3] && s[5] != s[4]);
         assert_eq!(s[7], usize::MAX);
         assert_eq!(lay.bytes[s[6]], 64);
+    }
+
+    #[test]
+    fn a_fused_pair_writes_beside_what_its_first_op_reads() {
+        let ops = vec![
+            Op::Input { width: 8 },
+            Op::Input { width: 8 },
+            Op::RmsNorm { x: 0, weight: None, offset: 0.0, group: 8, eps: 1e-6 },
+            Op::Add(1, 2),
+            Op::RmsNorm { x: 3, weight: None, offset: 0.0, group: 8, eps: 1e-6 },
+            Op::Rotate { x: 4, table: 1, head_dim: 8, rotation: Rotation::Pairs },
+            Op::RmsNorm { x: 5, weight: None, offset: 0.0, group: 8, eps: 1e-6 },
+            Op::Add(6, 6),
+            Op::Output(7),
+        ];
+        let p = check(ops, vec![], 0).unwrap();
+        let fuse = fusions(&p);
+        assert_eq!(fuse[2], Fuse::Add { other: 1 });
+        assert_eq!(fuse[4], Fuse::Rotate { table: 1, rotation: Rotation::Pairs });
+        // Both operands of the add are the norm's: nothing to add it to.
+        assert_eq!(fuse[6], Fuse::No);
+        let s = layout(&p, &fuse, |_| 32).slot;
+        // Input 0 is read by the norm alone, yet the add's value (the pair's) is not put there.
+        assert!(s[3] != s[0] && s[3] != s[1]);
+        assert_ne!(s[5], s[3]);
     }
 }

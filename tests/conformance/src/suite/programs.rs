@@ -484,6 +484,14 @@ pub fn decoder(ctx: &mut Ctx) -> Check<String> {
         let window = if layer == 0 { 5 } else { 0 };
         let a = push(&mut ops, Op::Attention(AttentionOp { q, cache: layer, n_head, n_head_kv, head_dim: hd, window, scale: 0.25, precision: Precision::Exact }));
         let o = push(&mut ops, mm(a, wo, Precision::Exact));
+        // The second layer norms the product before the residual add (as Gemma 3 does).
+        let o = match layer {
+            1 => {
+                let pn = w(vector(r, e));
+                push(&mut ops, Op::RmsNorm(NormOp { x: o, weight: Some(pn), offset: 0.0, group: e, eps: 1e-6 }))
+            }
+            _ => o,
+        };
         x = push(&mut ops, Op::Add((x, o)));
         let h = push(&mut ops, Op::RmsNorm(NormOp { x, weight: Some(fnorm), offset: 0.0, group: e, eps: 1e-6 }));
         let g = push(&mut ops, mm(h, gate, Precision::Exact));
