@@ -2,8 +2,8 @@
 //!
 //! It parses GGUF (`gguf`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
 //! transformer (`models`) on its own CPU kernels (`kernels`), decides which products go to the
-//! host's GPU (`dispatch`), samples (`sampler`) under a constraint if asked (`constraint`), and
-//! renders chat templates (`chat`).
+//! host's GPU (`dispatch`) and sends it weights in its upload formats (`upload`), samples
+//! (`sampler`) under a constraint if asked (`constraint`), and renders chat templates (`chat`).
 //! `component` is the WIT glue.
 
 pub mod chat;
@@ -18,6 +18,7 @@ pub mod quant;
 pub mod sampler;
 pub mod session;
 pub mod tokenizer;
+pub mod upload;
 
 #[cfg(target_arch = "wasm32")]
 mod component;

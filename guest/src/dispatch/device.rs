@@ -1,0 +1,165 @@
+//! The host boundary: the `gpu` imports as a trait ([`Device`]), their errors, limits and
+//! the records the calls take and give.
+//!
+//! Separate from the policy so that the policy can be tested against a fake device, and so
+//! that a change to the WIT's calls touches this file and the glue (`component`) alone.
+
+use crate::kernels::Act;
+use crate::program::Op;
+use crate::upload::Format;
+
+/// A device failure (the WIT `gpu.error`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceError {
+    Unavailable(String),
+    InvalidArgument(String),
+    OutOfMemory(String),
+    Lost(String),
+}
+
+/// What the host says of its device.
+#[derive(Debug, Clone)]
+pub struct DeviceLimits {
+    pub name: String,
+    pub max_weight_bytes: u64,
+    pub max_activation_elements: u64,
+    pub budget_bytes: u64,
+    pub budget_handles: u32,
+}
+
+/// The host's `gpu` imports, behind a trait so the policy is testable without a host.
+pub trait Device {
+    fn allocate(&self, format: Format, n_out: u32, n_in: u32) -> Result<usize, DeviceError>;
+    fn write_rows(&self, id: usize, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), DeviceError>;
+    /// One output per job, each `[t, n_out]`.
+    fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
+    /// Releases a weight's device memory.
+    fn free(&self, id: usize);
+    /// A `kv-cache` of `slots` rows of `width` values on the device (the WIT
+    /// `create-kv-cache`). A device without it says `Unavailable`.
+    fn create_kv_cache(&self, _slots: u32, _width: u32) -> Result<usize, DeviceError> {
+        Err(DeviceError::Unavailable("no kv-cache on this device".into()))
+    }
+    /// Releases a `kv-cache`.
+    fn free_kv_cache(&self, _id: usize) {}
+    /// Attention over a `kv-cache` after writing `k_new`, `v_new` at positions `first_new..`
+    /// (the WIT `attention-cached`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &self,
+        _q: &[f32],
+        _k_new: &[f32],
+        _v_new: &[f32],
+        _first_new: u32,
+        _cache: usize,
+        _first_key: u32,
+        _shape: &AttentionShape,
+    ) -> Result<Vec<f32>, DeviceError> {
+        Err(DeviceError::Unavailable("no kv-cache on this device".into()))
+    }
+    /// The model's decoder blocks over `x[t, n_embd]` at positions `pos..` (the WIT `blocks`),
+    /// their new keys and values too with `return_kv`. A device without it says `Unavailable`.
+    #[allow(clippy::too_many_arguments)]
+    fn blocks(
+        &self,
+        _x: &[f32],
+        _t: u32,
+        _pos: u32,
+        _blocks: &[DeviceBlock],
+        _shape: &BlocksShape,
+        _rope: &[Vec<f32>],
+        _return_kv: bool,
+    ) -> Result<BlocksOut, DeviceError> {
+        Err(DeviceError::Unavailable("no blocks on this device".into()))
+    }
+    /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
+    /// head_dim]`. A device without it says `Unavailable`.
+    fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
+        Err(DeviceError::Unavailable("no attention on this device".into()))
+    }
+    /// A program of `ops` (the WIT `create-program`) over the device weights `weights`, which
+    /// the ops' weight ids index, with `caches` cache indices. A device without programs says
+    /// `Unavailable`.
+    fn create_program(&self, _weights: &[usize], _caches: u32, _ops: &[Op]) -> Result<usize, DeviceError> {
+        Err(DeviceError::Unavailable("no programs on this device".into()))
+    }
+    /// Runs a program over a batch (the WIT `program.run`): the rows of each `output` op.
+    fn run_program(&self, _id: usize, _inputs: &[Vec<f32>], _batch: &[DeviceSequence<'_>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+        Err(DeviceError::Unavailable("no programs on this device".into()))
+    }
+}
+
+/// One sequence of a program run: `rows` rows from position `start`, and the device kv-cache
+/// of each of the program's cache indices.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceSequence<'a> {
+    pub rows: u32,
+    pub start: u32,
+    pub caches: &'a [usize],
+}
+
+/// One decoder block's device ids for `blocks` (the WIT `block` less its cache): matrices are
+/// uploaded weights, vectors f32 weights of one row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockIds {
+    pub attn_norm: usize,
+    pub wq: usize,
+    pub wk: usize,
+    pub wv: usize,
+    pub q_bias: Option<usize>,
+    pub k_bias: Option<usize>,
+    pub v_bias: Option<usize>,
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
+    pub wo: usize,
+    pub o_bias: Option<usize>,
+    pub post_attn_norm: Option<usize>,
+    pub ffn_norm: usize,
+    pub gate: usize,
+    pub up: usize,
+    pub down: usize,
+    pub post_ffn_norm: Option<usize>,
+}
+
+/// A block of a `blocks` call: its ids, its `kv-cache`, window (0: none) and rotation table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DeviceBlock {
+    pub ids: BlockIds,
+    pub cache: usize,
+    pub window: u32,
+    pub rope: u32,
+}
+
+/// The WIT `blocks-shape`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlocksShape {
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    pub eps: f32,
+    pub scale: f32,
+    pub act: Act,
+    /// The rotation pairs `(h[2j], h[2j + 1])`, not the halves `(h[j], h[j + head_dim / 2])`.
+    pub pairs: bool,
+}
+
+/// The WIT `blocks-output`.
+#[derive(Debug, Clone, Default)]
+pub struct BlocksOut {
+    pub x: Vec<f32>,
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+}
+
+/// The WIT `attention-shape`: `t` queries over `n_keys` keys, the last `t` the queries' own.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttentionShape {
+    pub t: u32,
+    pub n_keys: u32,
+    pub n_head: u32,
+    pub n_head_kv: u32,
+    pub head_dim: u32,
+    /// 0: no window.
+    pub window: u32,
+    pub scale: f32,
+}

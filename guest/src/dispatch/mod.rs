@@ -1,0 +1,390 @@
+//! Where each batch of matrix products runs: the guest's CPU kernels or the host's device.
+//!
+//! Products are grouped by input (q/k/v, gate/up), so a batch is one `gpu.matmul` call or one
+//! quantization of the input for the CPU kernels. The policy (`Mode::Auto`) compares estimates:
+//! device time = round trip + bytes moved / bandwidth + FLOPs / device rate, CPU time =
+//! FLOPs / CPU rate, with every rate measured on this machine (a calibration at load, then a
+//! running average of what actually ran). A device error falls back to the CPU for that batch;
+//! a lost device is never asked again. Either way the tokens are the same.
+//!
+//! The parts: `device` is the host boundary (the `gpu` imports as a trait), `policy` the choice
+//! and the rates it rests on, `caches` the mirror of what the device's `kv-cache`s hold, and
+//! `placement` what goes to the device at load. The upload formats are `crate::upload`'s.
+
+mod caches;
+mod device;
+mod placement;
+mod policy;
+
+pub use crate::upload::Format;
+pub use device::{
+    AttentionShape, BlockIds, BlocksOut, BlocksShape, Device, DeviceBlock, DeviceError, DeviceLimits, DeviceSequence,
+};
+pub use placement::{BlockVectors, DeviceProgram, block_ids, free_block_vectors, place, place_blocks, place_program};
+pub use policy::{Gpu, Rates, calibrate};
+
+use crate::kernels::{self, QActs, RowScratch};
+use crate::models::attention::{Heads, LayerCache, attend};
+use crate::models::{Linear, WeightData};
+use caches::DeviceCache;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+/// Counters of what ran where.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Counters {
+    pub cpu_matmuls: u64,
+    pub cpu_flops: u64,
+    pub gpu_calls: u64,
+    pub gpu_flops: u64,
+    pub gpu_ns: u64,
+    pub gpu_fallbacks: u64,
+    /// Time in CPU products and the weight bytes they read.
+    pub cpu_ns: u64,
+    pub cpu_bytes: u64,
+    /// Time in attention (wherever it ran), and in the output projection (counted by the
+    /// models).
+    pub attention_ns: u64,
+    /// Attention batches the host's device computed.
+    pub gpu_attention_calls: u64,
+    pub output_ns: u64,
+}
+
+/// The `gpu-mode` of the WIT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Off,
+    Auto,
+    On,
+}
+
+/// Per-session dispatcher: scratch for the quantized input, counters, and the model's device.
+#[derive(Default)]
+pub struct Dispatch {
+    acts: QActs,
+    rows: RowScratch,
+    /// A batch's keys and values in order of position, as `attention` sends them.
+    keys: Vec<f32>,
+    values: Vec<f32>,
+    /// Each layer's `kv-cache` on the device, made at its first device attention.
+    caches: Vec<Option<DeviceCache>>,
+    /// A cache could not be made for this session (out of memory): attention sends its keys.
+    no_caches: bool,
+    /// The first position whose keys and values only the device holds (`blocks` ran there
+    /// without returning them): the guest's own rings lack them from there on.
+    device_only_from: Option<usize>,
+    pub counters: Counters,
+    pub gpu: Option<Rc<Gpu>>,
+}
+
+impl Drop for Dispatch {
+    /// The session's `kv-cache`s go with it.
+    fn drop(&mut self) {
+        if let Some(gpu) = &self.gpu {
+            for c in self.caches.iter().flatten() {
+                gpu.device.free_kv_cache(c.id);
+            }
+        }
+    }
+}
+
+impl Dispatch {
+    pub fn new(gpu: Option<Rc<Gpu>>) -> Dispatch {
+        let mut d = Dispatch::default();
+        d.gpu = gpu;
+        d
+    }
+
+    /// For each `(W, y)` in `jobs`: `y[t, n_out] = x[t, n_in] @ W^T`. Every `W` has `n_in`
+    /// columns.
+    pub fn matmul(&mut self, x: &[f32], t: usize, jobs: &mut [(&Linear, &mut [f32])]) {
+        let Some(n_in) = jobs.first().map(|(w, _)| w.n_in) else { return };
+        debug_assert!(jobs.iter().all(|(w, y)| w.n_in == n_in && y.len() >= t * w.n_out));
+        let x = &x[..t * n_in];
+        let flops: u64 = jobs.iter().map(|(w, _)| w.flops(t)).sum();
+        if let Some(gpu) = self.gpu.clone() {
+            let ids: Option<Vec<usize>> = jobs.iter().map(|(w, _)| w.gpu).collect();
+            let bytes = 4 * (x.len() + jobs.iter().map(|(w, _)| t * w.n_out).sum::<usize>()) as u64;
+            let max = gpu.limits.max_activation_elements;
+            let fits = x.len() as u64 <= max && jobs.iter().all(|(w, _)| (t * w.n_out) as u64 <= max);
+            if let Some(ids) = ids.filter(|_| fits && gpu.usable() && gpu.wants(t, flops, bytes)) {
+                let start = Instant::now();
+                match gpu.device.matmul(x, t as u32, n_in as u32, &ids) {
+                    Ok(outs) if outs.len() == jobs.len() && outs.iter().zip(jobs.iter()).all(|(o, (w, _))| o.len() == t * w.n_out) => {
+                        for (o, (_, y)) in outs.iter().zip(jobs.iter_mut()) {
+                            y[..o.len()].copy_from_slice(o);
+                        }
+                        self.counters.gpu_calls += 1;
+                        self.counters.gpu_flops += flops;
+                        self.counters.gpu_ns += start.elapsed().as_nanos() as u64;
+                        return;
+                    }
+                    other => {
+                        gpu.failed(other.err(), "outputs", None);
+                    }
+                }
+                self.counters.gpu_fallbacks += 1;
+            }
+            let took = self.cpu(x, t, n_in, jobs);
+            gpu.observe_cpu(t, flops, took.as_secs_f64());
+            return;
+        }
+        self.cpu(x, t, n_in, jobs);
+    }
+
+    /// Causal attention of the `t` queries `q` at positions `pos..` over `cache` (see
+    /// [`attend`]), on the device where the policy sends it, else on the CPU. Counts its time.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attend(
+        &mut self,
+        layer: usize,
+        cache: &LayerCache,
+        h: Heads,
+        q: &[f32],
+        pos: usize,
+        t: usize,
+        scores: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let start = Instant::now();
+        if self.device_attend(layer, cache, h, q, pos, t, out) {
+            self.counters.gpu_attention_calls += 1;
+            if let (Some(gpu), 1) = (&self.gpu, t) {
+                gpu.observe_device_attention(start.elapsed().as_secs_f64());
+            }
+        } else {
+            attend(cache, h, q, pos, t, scores, out);
+            if let Some(gpu) = &self.gpu {
+                gpu.observe_cpu_attention(attention_flops(cache, h, pos, t), start.elapsed().as_secs_f64());
+            }
+        }
+        self.counters.attention_ns += start.elapsed().as_nanos() as u64;
+    }
+
+    /// Attention on the device, if the policy sends it there and the device answers; `false`
+    /// when the CPU must do it. With a `kv-cache` for the layer, only the keys and values the
+    /// device does not hold yet go with the call (one row a decode step).
+    #[allow(clippy::too_many_arguments)]
+    fn device_attend(&mut self, layer: usize, cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, out: &mut [f32]) -> bool {
+        let Some(gpu) = self.gpu.clone() else { return false };
+        if !gpu.usable() || gpu.no_attention.get() {
+            return false;
+        }
+        // The keys of the batch's first query to its last: the last `window` before the first
+        // query, and the batch's own.
+        let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let n_keys = pos + t - first;
+        let kv = h.n_head_kv * h.head_dim;
+        let q = &q[..t * h.n_head * h.head_dim];
+        let max = gpu.limits.max_activation_elements;
+        if (q.len().max(n_keys * kv)) as u64 > max {
+            return false;
+        }
+        // Positions the device needs that it does not hold: all of `first..` without a cache,
+        // else from where its copy ends (what lies at or past `pos` is stale: a rewind).
+        let from_given = |device: Option<DeviceCache>| match device {
+            Some(c) if c.lo <= first && first <= c.hi.min(pos) => c.hi.min(pos),
+            _ => first,
+        };
+        // The policy first (a cache it may never use is not made), with the cache this layer
+        // has or can have.
+        let cacheable = !gpu.no_kv_cache.get() && !self.no_caches;
+        let known = self.caches.get(layer).copied().flatten();
+        let rows = pos + t - if cacheable { from_given(known) } else { first };
+        let bytes = 4 * (2 * q.len() + 2 * rows * kv) as u64;
+        if !gpu.wants_attention(t, cacheable, attention_flops(cache, h, pos, t), bytes) {
+            return false;
+        }
+        let device = if cacheable { self.device_cache(&gpu, layer, cache.cap, kv) } else { None };
+        if cacheable && device.is_none() && t == 1 {
+            // The choice counted on a cache that could not be made: the guest attends.
+            return false;
+        }
+        let from = from_given(device);
+        let rows = pos + t - from;
+        let (keys, values) = (&mut self.keys, &mut self.values);
+        for buf in [&mut *keys, &mut *values] {
+            buf.clear();
+            if buf.try_reserve(rows * kv).is_err() {
+                return false;
+            }
+        }
+        // The ring's slots of those positions: `start..` to its end, then from its start.
+        let start = from % cache.cap;
+        let head = (cache.cap - start).min(rows);
+        for (buf, src) in [(&mut *keys, &cache.k), (&mut *values, &cache.v)] {
+            buf.extend_from_slice(&src[start * kv..(start + head) * kv]);
+            buf.extend_from_slice(&src[..(rows - head) * kv]);
+        }
+        let shape = AttentionShape {
+            t: t as u32,
+            n_keys: n_keys as u32,
+            n_head: h.n_head as u32,
+            n_head_kv: h.n_head_kv as u32,
+            head_dim: h.head_dim as u32,
+            window: cache.window.unwrap_or(0) as u32,
+            scale: h.scale,
+        };
+        let answer = match device {
+            Some(c) => gpu.device.attention_cached(q, keys, values, from as u32, c.id, first as u32, &shape),
+            None => gpu.device.attention(q, keys, values, &shape),
+        };
+        // The device's copy now ends at the batch, back to `first` or further (a continuation),
+        // less what the ring overwrote; after a failure it is unknown: nothing.
+        if let Some(c) = self.caches.get_mut(layer).and_then(Option::as_mut) {
+            let ok = matches!(&answer, Ok(o) if o.len() == q.len());
+            let kept = if from == first { first } else { c.lo };
+            (c.lo, c.hi) = if ok { (kept.max((pos + t).saturating_sub(cache.cap)), pos + t) } else { (0, 0) };
+        }
+        match answer {
+            Ok(o) if o.len() == q.len() => {
+                out[..o.len()].copy_from_slice(&o);
+                return true;
+            }
+            other => {
+                let not_offered = if device.is_some() { &gpu.no_kv_cache } else { &gpu.no_attention };
+                if gpu.failed(other.err(), "attention", Some(not_offered)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
+            }
+        }
+        false
+    }
+
+    /// Every decoder block in one device call (the WIT `blocks`), where the policy sends the
+    /// batch's products (`flops` of them) to the device and the device holds every layer's keys
+    /// before `pos`: `x` (`[t, n_embd]`, exactly) at positions `pos..` through all of `blocks`
+    /// (each layer's ids and rotation table). `rope` makes the rotation tables (`t * head_dim`
+    /// values each). The new keys and values stay on the device alone (a 512-token prefill of
+    /// Gemma's would read back 20 MB): the guest's rings lack them from `pos` on, and if the
+    /// device fails later, the session runs its history again on its own ([`Dispatch::ring_holds`]).
+    /// Once they lack rows, the device runs every batch it can, whatever the policy says.
+    /// `false`, with nothing changed, when the layers must go one by one.
+    #[allow(clippy::too_many_arguments)]
+    pub fn blocks(
+        &mut self,
+        x: &mut [f32],
+        t: usize,
+        pos: usize,
+        blocks: &[(BlockIds, u32)],
+        caches: &mut [LayerCache],
+        shape: BlocksShape,
+        flops: u64,
+        rope: impl FnOnce() -> Vec<Vec<f32>>,
+    ) -> bool {
+        let Some(gpu) = self.gpu.clone() else { return false };
+        if !gpu.usable() || gpu.no_blocks.get() || gpu.no_kv_cache.get() || self.no_caches || blocks.len() != caches.len() {
+            return false;
+        }
+        let e = x.len() / t.max(1);
+        let kv = (shape.n_head_kv * shape.head_dim) as usize;
+        if self.device_only_from.is_none() && !gpu.wants(t, flops, 8 * (t * e) as u64) {
+            return false;
+        }
+        // Each layer's device cache must hold the keys before the batch that its queries see.
+        let mut call = Vec::with_capacity(blocks.len());
+        for (l, (&(ids, table), cache)) in blocks.iter().zip(caches.iter()).enumerate() {
+            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let Some(c) = self.device_cache(&gpu, l, cache.cap, kv) else { return false };
+            if !(c.lo <= first && pos <= c.hi) {
+                return false;
+            }
+            let window = cache.window.unwrap_or(0) as u32;
+            call.push(DeviceBlock { ids, cache: c.id, window, rope: table });
+        }
+        let start = Instant::now();
+        let answer = gpu.device.blocks(&x[..t * e], t as u32, pos as u32, &call, &shape, &rope(), false);
+        match answer {
+            Ok(out) if out.x.len() == t * e && out.keys.is_empty() && out.values.is_empty() => {
+                x[..t * e].copy_from_slice(&out.x);
+                self.ran_whole_pass((pos, t), &caches[..blocks.len()], flops, start);
+                true
+            }
+            other => {
+                self.forget_device_caches();
+                if gpu.failed(other.err(), "blocks", Some(&gpu.no_blocks)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
+                false
+            }
+        }
+    }
+
+    /// The model's program `prog` on the device over a batch of `t` rows at `pos` (`inputs` as
+    /// its recipe says), this session's `kv-cache`s as its caches (one a layer, as many rows as
+    /// the guest's rings `caches`). Returns the rows of the program's first output (the
+    /// logits, `out_len` values), or `None`, with nothing changed, where the batch runs on the
+    /// CPU. As with [`Dispatch::blocks`], the keys and values stay on the device alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_program(
+        &mut self,
+        prog: &DeviceProgram,
+        inputs: &[Vec<f32>],
+        (t, pos): (usize, usize),
+        caches: &[LayerCache],
+        kv: usize,
+        flops: u64,
+        out_len: usize,
+    ) -> Option<Vec<f32>> {
+        let gpu = self.gpu.clone()?;
+        if !gpu.usable() || gpu.no_programs.get() || gpu.no_kv_cache.get() || self.no_caches || prog.caches != caches.len() {
+            return None;
+        }
+        let bytes = 4 * inputs.iter().map(Vec::len).sum::<usize>() as u64;
+        if self.device_only_from.is_none() && !gpu.wants(t, flops, bytes) {
+            return None;
+        }
+        let mut ids = Vec::with_capacity(caches.len());
+        for (l, cache) in caches.iter().enumerate() {
+            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            let c = self.device_cache(&gpu, l, cache.cap, kv)?;
+            if !(c.lo <= first && pos <= c.hi) {
+                return None;
+            }
+            ids.push(c.id);
+        }
+        let start = Instant::now();
+        let batch = [DeviceSequence { rows: t as u32, start: pos as u32, caches: &ids }];
+        match gpu.device.run_program(prog.id, inputs, &batch) {
+            Ok(mut outs) if outs.first().is_some_and(|o| o.len() == out_len) => {
+                self.ran_whole_pass((pos, t), caches, flops, start);
+                Some(outs.swap_remove(0))
+            }
+            other => {
+                self.forget_device_caches();
+                if gpu.failed(other.err(), "a program's outputs", Some(&gpu.no_programs)) {
+                    self.counters.gpu_fallbacks += 1;
+                }
+                None
+            }
+        }
+    }
+
+    /// The products on the guest's CPU kernels; returns the time they took.
+    fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
+        let start = Instant::now();
+        if jobs.iter().any(|(w, _)| matches!(w.w, WeightData::Q(_))) {
+            self.acts.quantize(x, t, n_in);
+        }
+        for (w, y) in jobs.iter_mut() {
+            let y = &mut y[..t * w.n_out];
+            match &w.w {
+                WeightData::Q(q) => kernels::matmul_q(q, &self.acts, &mut self.rows, y),
+                WeightData::F32(f) => kernels::matmul_f32(f, w.n_out, w.n_in, x, t, y),
+            }
+            self.counters.cpu_matmuls += 1;
+            self.counters.cpu_flops += w.flops(t);
+            self.counters.cpu_bytes += w.bytes() as u64;
+        }
+        let took = start.elapsed();
+        self.counters.cpu_ns += took.as_nanos() as u64;
+        took
+    }
+}
+
+/// Floating-point operations of a batch's attention: a product with the query and a
+/// multiply-add of the values, per key each query sees, per head.
+fn attention_flops(cache: &LayerCache, h: Heads, pos: usize, t: usize) -> u64 {
+    let keys: usize = (pos..pos + t).map(|p| cache.window.map_or(p + 1, |w| (p + 1).min(w))).sum();
+    4 * (keys * h.n_head * h.head_dim) as u64
+}

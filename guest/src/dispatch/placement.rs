@@ -1,0 +1,227 @@
+//! What goes to the device at load: the model's weights ([`place`]), each decoder block's
+//! ids for `blocks` ([`place_blocks`]) and the model's program ([`place_program`]).
+//!
+//! Done once a model, apart from the per-batch choices of `Dispatch` and the policy.
+
+use super::{BlockIds, DeviceError, Gpu, Mode, calibrate};
+use crate::models::Linear;
+use crate::program::{Op, Program, Tensor, Tensors, WeightId};
+use crate::upload::{encode_rows, upload, upload_vector, uploadable};
+use std::collections::HashMap;
+
+/// A model's program on the device: its id, the caches each run brings, and the product of
+/// its output that stays with the guest (`head`: its weight is not on the device), if any.
+#[derive(Debug, Clone)]
+pub struct DeviceProgram {
+    pub(super) id: usize,
+    pub(super) caches: usize,
+    pub head: Option<WeightId>,
+}
+
+/// Places a model's program on the device: its matrices must be there already (each
+/// `Linear::gpu`), but for a product that makes its output (the output projection past a
+/// device's binding limit): that one stays with the guest, and the program outputs its input.
+/// Its vectors are uploaded now (and freed again if the program is not made). `None` where
+/// another matrix is not on the device, or the device does not make the program.
+pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> Option<DeviceProgram> {
+    let mut head = None;
+    let mut all = p.ops.clone();
+    for op in all.iter_mut() {
+        if let (Op::Output(v), None) = (*op, head) {
+            if let Op::Matmul { x, w: id } = p.ops[v] {
+                if w.matrix(id).gpu.is_none() {
+                    *op = Op::Output(x);
+                    head = Some(id);
+                }
+            }
+        }
+    }
+    let mut index: HashMap<WeightId, u32> = HashMap::new();
+    let (mut ids, mut vectors) = (Vec::new(), Vec::new());
+    let mut ops = Vec::with_capacity(p.ops.len());
+    let mut placed = true;
+    for op in &crate::program::compact(&all) {
+        let mut local = |id: WeightId| -> Option<WeightId> {
+            if let Some(&i) = index.get(&id) {
+                return Some(WeightId(i));
+            }
+            let device = match w.tensor(id) {
+                Tensor::Matrix(m) => m.gpu?,
+                Tensor::Vector(v) => {
+                    let d = upload_vector(gpu.device.as_ref(), v).ok()?;
+                    vectors.push(d);
+                    d
+                }
+            };
+            ids.push(device);
+            index.insert(id, ids.len() as u32 - 1);
+            Some(WeightId(ids.len() as u32 - 1))
+        };
+        let mapped = match *op {
+            Op::Matmul { x, w } => local(w).map(|w| Op::Matmul { x, w }),
+            Op::RmsNorm { x, w: Some(n), group, eps } => local(n).map(|n| Op::RmsNorm { x, w: Some(n), group, eps }),
+            Op::Bias { x, w } => local(w).map(|w| Op::Bias { x, w }),
+            other => Some(other),
+        };
+        match mapped {
+            Some(op) => ops.push(op),
+            None => {
+                placed = false;
+                break;
+            }
+        }
+    }
+    let made = if placed { gpu.device.create_program(&ids, caches as u32, &ops).ok() } else { None };
+    if made.is_none() {
+        for v in vectors {
+            gpu.device.free(v);
+        }
+    }
+    Some(DeviceProgram { id: made?, caches, head })
+}
+
+/// The vectors of a block, in the order [`block_ids`] takes them: `attn_norm`, `q_bias`,
+/// `k_bias`, `v_bias`, `q_norm`, `k_norm`, `o_bias`, `post_attn_norm`, `ffn_norm`,
+/// `post_ffn_norm`.
+pub type BlockVectors<'a> = [Option<&'a [f32]>; 10];
+
+/// A decoder block's ids for `blocks`, its vectors uploaded now: `None` when one of its
+/// matrices (`wq`, `wk`, `wv`, `wo`, `gate`, `up`, `down`) is not on the device, a norm before
+/// attention or the feed-forward block is missing, or a vector cannot be uploaded (those
+/// uploaded are freed again).
+pub fn block_ids(gpu: &Gpu, m: [&Linear; 7], vectors: BlockVectors<'_>) -> Option<BlockIds> {
+    let [Some(wq), Some(wk), Some(wv), Some(wo), Some(gate), Some(up), Some(down)] = m.map(|w| w.gpu) else { return None };
+    let mut ids = [None; 10];
+    for (i, v) in vectors.iter().enumerate() {
+        if let Some(v) = v {
+            match upload_vector(gpu.device.as_ref(), v) {
+                Ok(id) => ids[i] = Some(id),
+                Err(e) => {
+                    ids.iter().flatten().for_each(|&id| gpu.device.free(id));
+                    if let DeviceError::Lost(why) = e {
+                        *gpu.lost.borrow_mut() = Some(why);
+                    }
+                    return None;
+                }
+            }
+        }
+    }
+    let [attn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, o_bias, post_attn_norm, ffn_norm, post_ffn_norm] = ids;
+    let (Some(attn_norm), Some(ffn_norm)) = (attn_norm, ffn_norm) else {
+        ids.iter().flatten().for_each(|&id| gpu.device.free(id));
+        return None;
+    };
+    Some(BlockIds {
+        attn_norm,
+        wq,
+        wk,
+        wv,
+        q_bias,
+        k_bias,
+        v_bias,
+        q_norm,
+        k_norm,
+        wo,
+        o_bias,
+        post_attn_norm,
+        ffn_norm,
+        gate,
+        up,
+        down,
+        post_ffn_norm,
+    })
+}
+
+/// Frees the vectors [`block_ids`] uploaded.
+pub fn free_block_vectors(gpu: &Gpu, b: &BlockIds) {
+    let vectors = [b.attn_norm, b.ffn_norm].into_iter().map(Some);
+    let optional = [b.q_bias, b.k_bias, b.v_bias, b.q_norm, b.k_norm, b.o_bias, b.post_attn_norm, b.post_ffn_norm];
+    vectors.chain(optional).flatten().for_each(|id| gpu.device.free(id));
+}
+
+/// Every layer's [`block_ids`] (`layers` gives each one's matrices and vectors), or `None`
+/// (and nothing left uploaded) if one layer cannot have them. Only where the mode sends work
+/// to the device and the layers' matrices are there.
+pub fn place_blocks<'a>(gpu: &Gpu, layers: impl Iterator<Item = ([&'a Linear; 7], BlockVectors<'a>)>) -> Option<Vec<BlockIds>> {
+    if !gpu.usable() {
+        return None;
+    }
+    let mut all = Vec::new();
+    for (m, v) in layers {
+        match block_ids(gpu, m, v) {
+            Some(b) => all.push(b),
+            None => {
+                all.iter().for_each(|b| free_block_vectors(gpu, b));
+                return None;
+            }
+        }
+    }
+    Some(all)
+}
+
+/// Uploads the model's weights as the mode wants: every one with `On`; with `Auto`, one probe
+/// first, then the rest only if the measured device beats the CPU at a prefill-sized batch.
+/// Returns how many are resident. Errors stop the uploads; what is resident stays in use.
+pub fn place(gpu: &Gpu, linears: &mut [&mut Linear]) -> usize {
+    if gpu.mode == Mode::Off || linears.is_empty() {
+        return 0;
+    }
+    let mut resident = 0;
+    let mut budget = gpu.limits.budget_bytes;
+    let mut handles = gpu.limits.budget_handles;
+    let try_upload = |w: &mut Linear, budget: &mut u64, handles: &mut u32| -> bool {
+        let (_, data, scales) = encode_rows(w, 0, 1);
+        let bytes = (data.len() + 4 * scales.len()) as u64 * w.n_out as u64;
+        if !uploadable(w) || bytes > *budget || *handles == 0 || data.len() as u64 * w.n_out as u64 > gpu.limits.max_weight_bytes {
+            return false;
+        }
+        match upload(gpu.device.as_ref(), w) {
+            Ok(id) => {
+                w.gpu = Some(id);
+                *budget -= bytes;
+                *handles -= 1;
+                true
+            }
+            Err(DeviceError::Lost(why)) => {
+                *gpu.lost.borrow_mut() = Some(why);
+                false
+            }
+            Err(_) => false,
+        }
+    };
+    if gpu.mode == Mode::Auto {
+        // The largest layer weight (not the output projection) is the probe.
+        let n = linears.len().saturating_sub(1).max(1);
+        let Some(probe) = (0..n).max_by_key(|&i| linears[i].n_out * linears[i].n_in) else { return 0 };
+        if !try_upload(linears[probe], &mut budget, &mut handles) {
+            return 0;
+        }
+        resident += 1;
+        let rates = calibrate(gpu, linears[probe]);
+        gpu.rates.set(rates);
+        let worth = rates.is_some_and(|r| {
+            let flops = 2.0 * 64.0 * (linears[probe].n_in * linears[probe].n_out) as f64;
+            r.gpu_latency + flops / r.gpu_flops < flops / r.cpu_flops_n
+        });
+        if !worth {
+            // The CPU wins even on batches: keep nothing on the device, and attend here too.
+            gpu.no_attention.set(true);
+            if let Some(id) = linears[probe].gpu.take() {
+                gpu.device.free(id);
+            }
+            return 0;
+        }
+    }
+    for w in linears.iter_mut() {
+        if w.gpu.is_some() {
+            continue;
+        }
+        if gpu.lost.borrow().is_some() {
+            break;
+        }
+        if try_upload(w, &mut budget, &mut handles) {
+            resident += 1;
+        }
+    }
+    resident
+}
