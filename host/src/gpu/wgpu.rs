@@ -13,6 +13,8 @@
 
 mod attention;
 mod blocks;
+#[cfg(test)]
+mod layout_checks;
 mod programs;
 
 use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError, program};
@@ -304,6 +306,10 @@ pub struct WgpuBackend {
     /// every kernel in a pass of its own and prints the sums by kernel (a diagnostic: the
     /// passes' boundaries slow the call).
     profile: bool,
+    /// WISP_TIMES=1: each recorded call (`blocks`, a program's run) prints to stderr how long
+    /// the host took to record it and how long after that its results came back (a diagnostic
+    /// of where a decode step's time goes: the host or the device).
+    host_times: bool,
     /// Multiply-adds a dispatch may cover on this device.
     dispatch_macs: u64,
     /// The kernel of t >= 4.
@@ -568,6 +574,7 @@ impl WgpuBackend {
             lanes_set: None,
             spin_wait: ainfo.device_type != wgpu::DeviceType::Cpu,
             profile: std::env::var("WISP_PROFILE").is_ok_and(|v| v == "1"),
+            host_times: std::env::var("WISP_TIMES").is_ok_and(|v| v == "1"),
             gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
             coop,
             coop_module: None,

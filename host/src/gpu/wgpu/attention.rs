@@ -37,7 +37,7 @@ pub(crate) fn splits_for(s: &AttentionShape) -> (u32, u32) {
 /// `Shape` in the shader.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
-struct Params {
+pub(super) struct Params {
     t: u32,
     n_keys: u32,
     n_head: u32,
@@ -51,7 +51,7 @@ struct Params {
     splits: u32,
     split_len: u32,
 }
-const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
+pub(super) const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
 /// A `kv-cache`: keys and values, `[slots, width]` f32 each.
 pub(super) struct Cache {

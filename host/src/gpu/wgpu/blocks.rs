@@ -20,8 +20,8 @@ use std::collections::HashMap;
 use crate::gpu::{Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation};
 
 /// `norm_rows` and `norm_pair_rows` flags (NORM_NONE, PAIR_KEEP in the shader).
-const NORM_NONE: u32 = 4;
-const PAIR_KEEP: u32 = 8;
+pub(super) const NORM_NONE: u32 = 4;
+pub(super) const PAIR_KEEP: u32 = 8;
 
 /// Buffers kept across `blocks` calls, grown when a call needs more.
 #[derive(Default)]
@@ -804,6 +804,7 @@ impl WgpuBackend {
         (staging, bytes): (&wgpu::Buffer, u64),
         read: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, GpuError> {
+        let started = std::time::Instant::now();
         let uniform_align = self.limits.min_uniform_buffer_offset_alignment.max(4) as u64;
         let stride = align_up(PARAMS_BYTES, uniform_align);
         let mut pipelines = std::collections::HashMap::new();
@@ -985,7 +986,19 @@ impl WgpuBackend {
             prof.resolve(&mut encoder);
         }
         self.queue.submit([encoder.finish()]);
+        let recorded = started.elapsed();
         let result = self.read_back(staging, bytes, read);
+        if self.host_times {
+            let back = started.elapsed() - recorded;
+            eprintln!(
+                "recorded call: {} dispatches, {} attentions, {} commands; recorded in {} us, read back {} us later",
+                rec.dispatches.len(),
+                attention.len(),
+                rec.commands.len(),
+                recorded.as_micros(),
+                back.as_micros()
+            );
+        }
         if let Some(prof) = profile {
             let ticks = self.read_back(&prof.read, 8 * prof.names.len() as u64 * 2, |view| {
                 bytemuck::pod_collect_to_vec::<u8, u64>(view)

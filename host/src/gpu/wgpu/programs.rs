@@ -38,6 +38,21 @@ const NORM_OP_ADD: u32 = 2;
 const NORM_OP_ROTATE: u32 = 4;
 const NORM_OP_PAIRS: u32 = 8;
 
+/// The constants above under their names in the shader (for `layout_checks`).
+#[cfg(test)]
+pub(super) const SHADER_CONSTANTS: &[(&str, u64)] = &[
+    ("OP_ADD", OP_ADD as u64),
+    ("OP_MUL", OP_MUL as u64),
+    ("OP_SCALE", OP_SCALE as u64),
+    ("OP_BIAS", OP_BIAS as u64),
+    ("OP_GELU_TANH", OP_GELU_TANH as u64),
+    ("OP_SILU", OP_SILU as u64),
+    ("NORM_OP_WEIGHT", NORM_OP_WEIGHT as u64),
+    ("NORM_OP_ADD", NORM_OP_ADD as u64),
+    ("NORM_OP_ROTATE", NORM_OP_ROTATE as u64),
+    ("NORM_OP_PAIRS", NORM_OP_PAIRS as u64),
+];
+
 /// Where a run's values live: the slot of each value and the bytes of each slot.
 struct Layout {
     /// The slot of each op's value (`usize::MAX` for ops that make none).
@@ -187,6 +202,7 @@ impl WgpuBackend {
     ) -> Result<Vec<Output>, GpuError> {
         self.last_kernel_ns = None;
         self.live()?;
+        let planning = std::time::Instant::now();
         let total: u32 = batch.iter().map(|q| q.rows).sum();
         let rows_of = |a: usize| match p.shapes[a].map(|s| s.rows) {
             Some(Rows::Sequence) => batch.len() as u32,
@@ -394,6 +410,9 @@ impl WgpuBackend {
             }
         }
         rec.close_kernels(open);
+        if self.host_times {
+            eprintln!("program run: {} ops over {total} rows planned in {} us", p.ops.len(), planning.elapsed().as_micros());
+        }
         let read = |view: &[u8]| {
             outputs
                 .iter()
