@@ -14,18 +14,7 @@ set -uo pipefail
 wisp=$1 model=$2 b=$3 rounds=${4:-3}
 out=${5:-${OUT:-/tmp/wisp-ab}}
 mkdir -p "$out"
-if [ -d .gl ] && ! ldconfig -p | grep -q libvulkan.so.1; then
-    for f in .gl/*.deb; do dpkg -x "$f" /; done
-    ldconfig
-fi
-export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
-status=0
-step() { # name, command...
-    local name=$1
-    shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee -a "$out/$name.txt" || status=1
-}
+. "$(dirname "$0")/steps.sh"
 step device "$wisp" info --model "$model"
 for r in $(seq "$rounds"); do
     step "a" "$wisp" bench --model "$model" --gpu on --runs 3 --prompt-tokens 512 --matmul-size 0

@@ -29,18 +29,7 @@ set -uo pipefail
 wisp=$1 gemma=$2 qwen=$3
 out=${4:-${OUT:-/tmp/wisp-gpu}}
 mkdir -p "$out"
-if [ -d .gl ] && ! ldconfig -p | grep -q libvulkan.so.1; then
-    for f in .gl/*.deb; do dpkg -x "$f" /; done
-    ldconfig
-fi
-export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp}
-status=0
-step() { # name, command...
-    local name=$1
-    shift
-    echo "== $name: $*"
-    "$@" 2>&1 | tee "$out/$name.txt" || status=1
-}
+. "$(dirname "$0")/steps.sh"
 step device "$wisp" info --model "$gemma"
 for m in gemma qwen; do
     path=${!m}
