@@ -2,6 +2,7 @@
 //! there is no GPU), held to the same golden thresholds and producing the same tokens.
 
 use wisp::golden::{self, Case};
+use wisp::gpu::program;
 use wisp::{
     Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, GpuCtx,
     GpuError, GpuMode, Instance, Model, Sampling,
@@ -291,20 +292,31 @@ fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
     assert_eq!(inst.next(s2, &greedy_s).unwrap().unwrap().token, want[0]);
 }
 
-/// The CPU reference with its `blocks`, lost at its `healthy`-th call of `blocks`.
-struct LosesBlocks {
+/// The CPU reference, lost at its `healthy`-th whole pass (a program's run, or a `blocks` call
+/// for a guest that sends blocks).
+struct LosesPasses {
     inner: CpuBackend,
     healthy: usize,
     lost: bool,
 }
 
-impl LosesBlocks {
+impl LosesPasses {
     fn live(&self) -> Result<(), GpuError> {
         if self.lost { Err(GpuError::DeviceLost("simulated loss mid-session".into())) } else { Ok(()) }
     }
+
+    /// Counts a whole pass: the device is lost once `healthy` have run.
+    fn pass(&mut self) -> Result<(), GpuError> {
+        if self.healthy == 0 {
+            self.lost = true;
+        }
+        self.live()?;
+        self.healthy -= 1;
+        Ok(())
+    }
 }
 
-impl Backend for LosesBlocks {
+impl Backend for LosesPasses {
     fn device(&self) -> Option<Device> {
         self.inner.device()
     }
@@ -330,6 +342,35 @@ impl Backend for LosesBlocks {
     fn free_cache(&mut self, id: BufferId) {
         self.inner.free_cache(id)
     }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.live()?;
+        self.inner.write_cache(id, first, k, v)
+    }
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.live()?;
+        self.inner.attention_cached(q, k_new, v_new, first_new, cache, first_key, shape)
+    }
+    fn run_program(
+        &mut self,
+        p: &program::Program,
+        inputs: &[Vec<f32>],
+        batch: &[program::SequenceRun],
+    ) -> Option<Result<Vec<program::Output>, GpuError>> {
+        if let Err(e) = self.pass() {
+            return Some(Err(e));
+        }
+        // The CPU reference interprets programs: over this backend, so its calls are counted.
+        self.inner.run_program(p, inputs, batch)
+    }
     fn blocks(
         &mut self,
         x: &[f32],
@@ -340,25 +381,21 @@ impl Backend for LosesBlocks {
         rope: &[Vec<f32>],
         return_kv: bool,
     ) -> Result<BlocksOutput, GpuError> {
-        if self.healthy == 0 {
-            self.lost = true;
-        }
-        self.live()?;
-        self.healthy -= 1;
+        self.pass()?;
         self.inner.blocks(x, t, pos, blocks, shape, rope, return_kv)
     }
 }
 
-/// The device keeps the keys and values `blocks` makes (the guest's cache lacks them): lost
-/// after the prompt and a few tokens, the session runs its history again on the CPU and the
-/// tokens are those of a run without a device.
+/// The device keeps the keys and values its whole passes make (the guest's cache lacks them):
+/// lost after the prompt and a few tokens, the session runs its history again on the CPU and
+/// the tokens are those of a run without a device.
 #[test]
-fn a_device_lost_after_blocks_replays_the_history_with_the_same_tokens() {
+fn a_device_lost_after_whole_passes_replays_the_history_with_the_same_tokens() {
     let prompt = golden_cases()[0].prompt_tokens.clone();
     let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
     let want = greedy(&mut off, m_off, &prompt, 10);
     // One call for the prompt, one a generated token: lost at the fifth token's pass.
-    let failing = LosesBlocks { inner: CpuBackend::new(), healthy: 5, lost: false };
+    let failing = LosesPasses { inner: CpuBackend::new(), healthy: 5, lost: false };
     let (mut inst, m) = open(model(), GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
     let s = inst.new_session(m, 64).unwrap().unwrap();
     inst.feed(s, &prompt).unwrap().unwrap();
