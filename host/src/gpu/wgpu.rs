@@ -13,7 +13,6 @@
 
 mod attention;
 mod blocks;
-#[cfg(test)]
 mod layout_checks;
 mod programs;
 

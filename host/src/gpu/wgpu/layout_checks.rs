@@ -1,6 +1,7 @@
 //! The kernel parameter layouts and constants are defined once, here in Rust; the shaders and
 //! the browser host spell them out again, and these tests hold each spelling to the Rust one
 //! (llama.cpp's `ggml-common.h` habit, checked rather than generated).
+#![cfg(test)]
 
 use super::attention;
 use super::{
