@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # An A/B of two guests on one host, interleaved in one run (see BENCHMARKS.md): the guest the
 # binary carries (A) against the component file B (run as WISP_COMPONENT=B), each round
-# `wisp bench --gpu on` of both on a 512-token prompt, then the golden check and the
-# conformance kit with A. Run from the repository root on the GPU machine:
+# `wisp bench --gpu on` of both on a 512-token prompt (and of A with `--precision fast`), then
+# the golden check (both precisions) and the conformance kit with A. Run from the repository
+# root on the GPU machine:
 #
 #   bench/ab.sh WISP GGUF B_WASM [ROUNDS] [OUT_DIR]
 #
@@ -19,8 +20,10 @@ step device "$wisp" info --model "$model"
 for r in $(seq "$rounds"); do
     step "a" "$wisp" bench --model "$model" --gpu on --runs 3 --prompt-tokens 512 --matmul-size 0
     step "b" env WISP_COMPONENT="$b" "$wisp" bench --model "$model" --gpu on --runs 3 --prompt-tokens 512 --matmul-size 0
+    step "a-fast" "$wisp" bench --model "$model" --gpu on --runs 3 --prompt-tokens 512 --matmul-size 0 --precision fast
 done
 golden=tests/golden/gemma3-270m.json
 step golden "$wisp" eval --model "$model" --golden "$golden" --gpu on
+step golden-fast "$wisp" eval --model "$model" --golden "$golden" --gpu on --precision fast
 step conformance "$wisp" conformance --model "$model"
 exit $status

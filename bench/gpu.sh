@@ -12,14 +12,15 @@
 # What it runs, each part's output also in OUT_DIR (default $OUT, else /tmp/wisp-gpu):
 #   1. the device wgpu finds;
 #   2. per model: `wisp bench` with --gpu on, auto and off (128-token prompt) and --gpu on with
-#      a 512-token prompt; the golden check with --gpu on;
-#   3. wisp's matmul per upload format at [4096, 4096] for t = 1, 16, 128, 512 and 4096 (4096^3),
-#      also with WISP_COOP=1 (cooperative matrices), and at [16384, 16384] (GEMV bandwidth),
+#      a 512-token prompt, in both precisions; the golden check with --gpu on, both precisions;
+#   3. wisp's matmul per upload format at [4096, 4096] for t = 1, 16, 128, 512 and 4096 (4096^3)
+#      and at [16384, 16384] (GEMV bandwidth),
 #      whole calls (x uploaded, y read back) and kernels alone (timestamp queries around ten
 #      back-to-back runs); the conformance kit against this GPU;
 #   4. if WISP_TESTS names the wgpu_backend test binary (`cargo test --release -p wisp --test
 #      wgpu_backend --no-run` prints it), the backend's tests on this GPU (cooperative matrices
-#      required), its kernel sweep (every kernel variant, kernel-only; GEMV also at
+#      required), its kernel sweep (every kernel variant, cooperative matrices included,
+#      kernel-only; GEMV also at
 #      [32768, 32768]) and its round-trip sweep (attention and a small product, end to end);
 #   5. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
 #      shapes, and the device-to-device copy rate (bench/torch_ref.py).
@@ -38,8 +39,10 @@ for m in gemma qwen; do
     for mode in on auto off; do
         step "$m-bench-$mode" "$wisp" bench --model "$path" --gpu "$mode" --runs 3
     done
-    step "$m-bench-on-512" "$wisp" bench --model "$path" --gpu on --runs 3 --prompt-tokens 512
-    step "$m-golden-on" "$wisp" eval --model "$path" --golden "$golden" --gpu on
+    for precision in exact fast; do
+        step "$m-bench-on-512-$precision" "$wisp" bench --model "$path" --gpu on --runs 3 --prompt-tokens 512 --precision $precision
+        step "$m-golden-on-$precision" "$wisp" eval --model "$path" --golden "$golden" --gpu on --precision $precision
+    done
 done
 step conformance "$wisp" conformance --model "$gemma"
 if [ "${WISP_MODELS_ONLY:-0}" = 1 ]; then
@@ -47,11 +50,10 @@ if [ "${WISP_MODELS_ONLY:-0}" = 1 ]; then
     exit $status
 fi
 step matmul-4096 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
-step matmul-4096-coop env WISP_COOP=1 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 4096
 step matmul-16384 "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 8 --decode-tokens 8 --matmul-size 16384
 if [ -n "${WISP_TESTS:-}" ]; then
-    step wgpu-tests env WISP_COOP=1 WISP_REQUIRE_COOP=1 WISP_REQUIRE_LARGE=1 "$WISP_TESTS" --test-threads 1
-    step kernel-sweep env WISP_COOP=1 WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
+    step wgpu-tests env WISP_REQUIRE_COOP=1 WISP_REQUIRE_LARGE=1 "$WISP_TESTS" --test-threads 1
+    step kernel-sweep env WISP_SWEEP_N=16384 "$WISP_TESTS" --ignored --nocapture kernel_sweep
     # GEMV over 768 MB of q4x32 (f32 and bf16 do not fit one binding there), the size of the copy below.
     step gemv-sweep-32768 env WISP_SWEEP_N=32768 WISP_SWEEP_M=256 "$WISP_TESTS" --ignored --nocapture kernel_sweep
     step round-trips "$WISP_TESTS" --ignored --nocapture round_trip_sweep

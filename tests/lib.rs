@@ -60,7 +60,7 @@ pub fn wgpu_backend() -> Option<wisp::WgpuBackend> {
 }
 
 /// A guest instance with `path` open, offered `gpu` and run in `mode`.
-pub fn open(path: &Path, gpu: wisp::GpuCtx, mode: wisp::GpuMode) -> (wisp::Instance, wisp::Model) {
+pub fn open(path: &Path, gpu: wisp::GpuCtx, mode: impl Into<wisp::LoadOptions>) -> (wisp::Instance, wisp::Model) {
     let wisp = wisp::Wisp::new(wisp::Options::default()).expect("the runtime");
     let mut inst = wisp.instantiate(gpu, path.parent()).expect("an instance");
     let m = inst.open_model(path, mode).expect("no trap").expect("the model opens");

@@ -55,6 +55,9 @@ impl wit::Guest for Component {
 
 /// The host's `gpu` imports as the dispatcher's `Device`: ids index the weight handles.
 struct HostGpu {
+    /// The precision of the products and attention of the programs made here (the model's
+    /// load option; the guest's own CPU kernels compute both precisions exactly).
+    precision: gpu::Precision,
     weights: RefCell<Vec<Option<gpu::Weight>>>,
     caches: RefCell<Vec<Option<gpu::KvCache>>>,
     programs: RefCell<Vec<gpu::Program>>,
@@ -191,7 +194,7 @@ impl dispatch::Device for HostGpu {
     fn create_program(&self, weights: &[usize], caches: u32, ops: &[Op]) -> Result<usize, DeviceError> {
         let ws = self.weights.borrow();
         let handles = weights.iter().map(|&id| weight(&ws, id)).collect::<Result<Vec<&gpu::Weight>, _>>()?;
-        let ops: Vec<gpu::Op> = ops.iter().map(wit_op).collect();
+        let ops: Vec<gpu::Op> = ops.iter().map(|op| wit_op(op, self.precision)).collect();
         let p = gpu::create_program(&handles, caches, &ops)?;
         let mut ps = self.programs.borrow_mut();
         ps.push(p);
@@ -217,12 +220,13 @@ impl dispatch::Device for HostGpu {
     }
 }
 
-/// A guest op as the WIT's (its weight ids index the program's weights).
-fn wit_op(op: &Op) -> gpu::Op {
+/// A guest op as the WIT's (its weight ids index the program's weights), products and
+/// attention at `precision`.
+fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
     let v = |x: usize| x as u32;
     match *op {
         Op::Input { width } => gpu::Op::Input(width as u32),
-        Op::Matmul { x, w } => gpu::Op::Matmul(gpu::MatmulOp { x: v(x), weight: w.0, precision: gpu::Precision::Exact }),
+        Op::Matmul { x, w } => gpu::Op::Matmul(gpu::MatmulOp { x: v(x), weight: w.0, precision }),
         Op::RmsNorm { x, w, group, eps } => {
             gpu::Op::RmsNorm(gpu::NormOp { x: v(x), weight: w.map(|w| w.0), offset: 0.0, group: group as u32, eps })
         }
@@ -256,7 +260,7 @@ fn wit_op(op: &Op) -> gpu::Op {
             head_dim: heads.head_dim as u32,
             window: window as u32,
             scale: heads.scale,
-            precision: gpu::Precision::Exact,
+            precision,
         }),
         Op::LastRows(x) => gpu::Op::LastRows(v(x)),
         Op::Output(x) => gpu::Op::Output(v(x)),
@@ -346,6 +350,7 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
     let offer = device.as_ref().map(|d| DeviceOffer {
         mode,
         device: Box::new(HostGpu {
+                precision: options.precision,
                 weights: RefCell::new(Vec::new()),
                 caches: RefCell::new(Vec::new()),
                 programs: RefCell::new(Vec::new()),

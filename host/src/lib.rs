@@ -31,8 +31,9 @@ mod runtime;
 pub use gpu::{
     Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, Gemm,
     GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice, Rotation, WgpuBackend, add_to_linker,
+    program::Precision,
 };
 pub use runtime::{
-    ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,
 };

@@ -2,6 +2,7 @@
 
 use crate::bindings::Inference;
 use crate::bindings::exports::wisp::llm::engine as wit;
+use crate::gpu::program::Precision;
 use crate::gpu::{self, GpuCtx};
 use anyhow::{Context, Result};
 use std::hash::{Hash, Hasher};
@@ -17,7 +18,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.4.0";
+const WIT_VERSION: &str = "0.5.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -84,6 +85,25 @@ pub enum GpuMode {
     Auto,
     /// Every product the device can hold goes to it (the rest stays on the CPU).
     On,
+}
+
+/// How a model is opened (the WIT `load-options`). A [`GpuMode`] alone converts into it, with
+/// [`Precision::Exact`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LoadOptions {
+    /// Where the guest runs its products.
+    pub gpu: GpuMode,
+    /// How exactly products and attention are computed: [`Precision::Exact`] (the default)
+    /// keeps f32 exactness on every path; [`Precision::Fast`] lets each path round products'
+    /// inputs to f16 (cooperative matrices on wgpu where the adapter offers them), held to the
+    /// golden thresholds instead. A path with nothing faster computes it exactly.
+    pub precision: Precision,
+}
+
+impl From<GpuMode> for LoadOptions {
+    fn from(gpu: GpuMode) -> Self {
+        LoadOptions { gpu, precision: Precision::Exact }
+    }
 }
 
 /// Sampling settings (the WIT `sampling` record). The default is greedy.
@@ -541,12 +561,17 @@ pub struct Instance {
 /// Engine calls return `Ok(Err(e))` for a typed engine error and `Err` for a trap.
 pub type Outcome<T> = Result<Result<T, EngineError>>;
 
-fn mode(m: GpuMode) -> wit::GpuMode {
-    match m {
+fn wit_options(o: LoadOptions) -> wit::LoadOptions {
+    let gpu = match o.gpu {
         GpuMode::Off => wit::GpuMode::Off,
         GpuMode::Auto => wit::GpuMode::Auto,
         GpuMode::On => wit::GpuMode::On,
-    }
+    };
+    let precision = match o.precision {
+        Precision::Exact => crate::bindings::wisp::llm::gpu::Precision::Exact,
+        Precision::Fast => crate::bindings::wisp::llm::gpu::Precision::Fast,
+    };
+    wit::LoadOptions { gpu, precision }
 }
 
 impl Instance {
@@ -586,21 +611,22 @@ impl Instance {
     /// Opens a model file inside the instance's model directory. A path that is there but is
     /// not a regular file (a directory, a pipe, a device) is [`EngineError::Io`]: the guest's
     /// read of a pipe would block, and of a device might never end.
-    pub fn open_model(&mut self, path: &Path, gpu: GpuMode) -> Outcome<Model> {
+    /// `options` is a [`LoadOptions`] or a [`GpuMode`] alone (exact precision).
+    pub fn open_model(&mut self, path: &Path, options: impl Into<LoadOptions>) -> Outcome<Model> {
         let dir = self.model_dir.as_deref().context("this instance has no model directory")?;
         let rel = relative(dir, path)?;
         if std::fs::metadata(dir.join(rel)).is_ok_and(|m| !m.is_file()) {
             return Ok(Err(EngineError::Io(format!("{} is not a regular file", path.display()))));
         }
         let guest_path = guest_path(rel)?;
-        let options = wit::LoadOptions { gpu: mode(gpu) };
+        let options = wit_options(options.into());
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_open(st, &guest_path, options))?;
         Ok(r.map(Model).map_err(Into::into))
     }
 
-    /// Opens a model given as bytes.
-    pub fn open_model_bytes(&mut self, bytes: &[u8], gpu: GpuMode) -> Outcome<Model> {
-        let options = wit::LoadOptions { gpu: mode(gpu) };
+    /// Opens a model given as bytes (`options` as for [`Self::open_model`]).
+    pub fn open_model_bytes(&mut self, bytes: &[u8], options: impl Into<LoadOptions>) -> Outcome<Model> {
+        let options = wit_options(options.into());
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_from_bytes(st, bytes, options))?;
         Ok(r.map(Model).map_err(Into::into))
     }

@@ -233,6 +233,14 @@ fn help_has_examples_for_every_subcommand() {
     for sub in ["run", "eval", "bench", "tokenize", "info", "fetch", "chat", "conformance", "serve", "bake"] {
         assert!(stdout(&o).contains(sub));
     }
+    // Every command that runs a model takes the precision of its products.
+    for sub in ["run", "eval", "bench", "info", "chat", "conformance", "serve"] {
+        let o = wisp(&[sub, "--help"]);
+        assert!(stdout(&o).contains("--precision <PRECISION>") && stdout(&o).contains("fast"), "{sub}: {}", stdout(&o));
+    }
+    let o = wisp(&["run", "--precision", "sloppy", "hello"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(stderr(&o).contains("'sloppy'") && stderr(&o).contains("exact, fast"), "{}", stderr(&o));
 }
 
 #[test]
@@ -315,10 +323,12 @@ fn conformance_runs_the_golden_check_after_the_kit_on_the_same_device() {
     }
     assert!(out.trim_end().ends_with("2 passed, 0 failed"), "{out}");
 
-    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json", "--golden-cases", "unicode"]);
+    // `fast` held to the same thresholds (the CPU reference computes it exactly).
+    let o = wisp(&["conformance", "--device", "cpu", "--seed", "1", "--json", "--golden-cases", "unicode", "--precision", "fast"]);
     assert!(o.status.success(), "{}", stderr(&o));
     let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
     let g = &v["golden"];
+    assert_eq!(g["precision"], "fast", "{g}");
     assert_eq!((g["passed"].as_u64(), g["failed"].as_u64(), &v["pass"]), (Some(1), Some(0), &Value::Bool(true)), "{v}");
     assert!(g["gpu_weights"].as_u64().unwrap() > 0, "the guest put no weight on the device: {g}");
     assert!(g["device"].as_str().unwrap().starts_with("wisp CPU reference"), "{g}");

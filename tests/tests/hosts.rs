@@ -5,7 +5,7 @@ use wisp::golden::{self, Case};
 use wisp::gpu::program;
 use wisp::{
     Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, GpuCtx,
-    GpuError, GpuMode, Instance, Model, Sampling,
+    GpuError, GpuMode, Instance, LoadOptions, Model, Sampling,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -157,10 +157,20 @@ fn every_golden_case_passes_on_wgpu() {
 }
 
 /// A device right in everything it offers, that offers no `blocks` (the trait's default): the
-/// guest runs the model's program there instead.
-struct NoBlocks<B: Backend>(B);
+/// guest runs the model's program there instead. It keeps the precisions of the products and
+/// attention of the programs made on it.
+struct NoBlocks<B: Backend>(B, Arc<Mutex<Vec<program::Precision>>>);
 
 impl<B: Backend> Backend for NoBlocks<B> {
+    fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
+        let mut seen = self.1.lock().unwrap();
+        for op in &p.ops {
+            if let program::Op::Matmul { precision, .. } | program::Op::Attention { precision, .. } = *op {
+                seen.push(precision);
+            }
+        }
+        self.0.prepare_program(p)
+    }
     fn device(&self) -> Option<Device> {
         self.0.device()
     }
@@ -200,9 +210,16 @@ impl<B: Backend> Backend for NoBlocks<B> {
 }
 
 /// On a device that offers programs and not `blocks`, every pass is one program run: the
-/// model's recipe, the one the guest's CPU runs, made on the device at load.
-fn passes_by_program(backend: impl Backend + 'static, cases: &[Case]) {
-    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(NoBlocks(backend)), Budget::default()), GpuMode::On);
+/// model's recipe, the one the guest's CPU runs, made on the device at load, its products and
+/// attention at the precision the model was opened with.
+fn passes_by_program(backend: impl Backend + 'static, cases: &[Case], precision: program::Precision) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let gpu = GpuCtx::new(Box::new(NoBlocks(backend, seen.clone())), Budget::default());
+    let (mut inst, m) = open(model(), gpu, LoadOptions { gpu: GpuMode::On, precision });
+    let seen = std::mem::take(&mut *seen.lock().unwrap());
+    // 18 layers of 7 products and an attention each, and the output projection where the
+    // device holds it.
+    assert!(seen.len() >= 18 * 8 && seen.iter().all(|&p| p == precision), "{precision:?}: {seen:?}");
     let (stats, decode_attention) = device_calls(&mut inst, m);
     // The prefill in one run (its 18 attentions counted), and each decode step the same;
     // nothing fell back. On the guest's CPU at most the output projection, where the device
@@ -215,14 +232,22 @@ fn passes_by_program(backend: impl Backend + 'static, cases: &[Case]) {
 #[test]
 fn the_golden_cases_pass_as_programs_on_the_cpu_reference_device() {
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
-    passes_by_program(CpuBackend::new(), &cases);
+    passes_by_program(CpuBackend::new(), &cases, program::Precision::Exact);
+}
+
+/// `fast` reaches the device's programs (the CPU reference computes it exactly); the golden
+/// thresholds hold.
+#[test]
+fn a_model_opened_fast_makes_fast_programs() {
+    let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name == "capital").collect();
+    passes_by_program(CpuBackend::new(), &cases, program::Precision::Fast);
 }
 
 #[test]
 fn a_golden_case_passes_as_programs_on_wgpu() {
     let Some(backend) = wgpu_backend() else { return };
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name == "capital").collect();
-    passes_by_program(backend, &cases);
+    passes_by_program(backend, &cases, program::Precision::Exact);
 }
 
 #[test]

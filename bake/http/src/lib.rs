@@ -26,7 +26,7 @@ mod bindings {
     });
 }
 
-use bindings::wisp::llm::engine::{self, GpuMode, LoadOptions, Model, Session};
+use bindings::wisp::llm::engine::{self, GpuMode, LoadOptions, Model, Precision, Session};
 
 /// The largest request body (`wisp serve`'s default `--max-body`).
 const MAX_BODY: usize = 16 << 20;
@@ -104,7 +104,7 @@ fn open() -> Result<Opened, ApiError> {
     let Some(path) = bindings::preloaded_model() else {
         return Err(ApiError::internal("this component was not pre-initialized with a model (make it with `wisp bake`)"));
     };
-    let model = Model::open(&path, LoadOptions { gpu: GpuMode::Off }).map_err(engine_error)?;
+    let model = Model::open(&path, LoadOptions { gpu: GpuMode::Off, precision: Precision::Exact }).map_err(engine_error)?;
     let info = model.info();
     let file = path.rsplit('/').next().unwrap_or(&path);
     let id = file.strip_suffix(".gguf").unwrap_or(file).to_string();

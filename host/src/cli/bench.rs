@@ -320,6 +320,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             serde_json::json!({
                 "model": l.path, "runs": a.runs.max(1), "prompt_tokens": prompt.len(), "decode_tokens": a.decode_tokens,
                 "prefill_tok_s": p, "decode_tok_s": d, "load_s": l.load_s,
+                "precision": format!("{:?}", a.model.precision).to_lowercase(),
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls,
                 "gpu_attention_calls": s.gpu_attention_calls, "device_matmul": matmuls,
                 "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
@@ -328,7 +329,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         );
     } else {
         println!("model:   {}", l.path.display());
-        println!("load:    {:.2} s", l.load_s);
+        println!("load:    {:.2} s ({:?} precision)", l.load_s, a.model.precision);
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
         println!(

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use wisp::conformance::{self, CaseResult};
 use wisp::golden::{self, Outcome};
-use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Options, WgpuBackend, Wisp};
+use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, LoadOptions, Options, WgpuBackend, Wisp};
 
 /// The golden file of the default model, from the workspace this binary was built in (when not
 /// found under the current directory).
@@ -38,6 +38,9 @@ pub struct ConformanceArgs {
     /// GGUF model of the golden check, or a known model's name [default: Gemma 3 270M Q4_K_M, fetched if missing]
     #[arg(short, long, conflicts_with = "no_golden")]
     model: Option<PathBuf>,
+    /// How exactly the golden check's model computes its products (the kit checks both).
+    #[arg(long, value_enum, default_value_t = super::PrecisionArg::Exact, conflicts_with = "no_golden")]
+    precision: super::PrecisionArg,
     /// Run only the gpu kit, not the golden check.
     #[arg(long)]
     no_golden: bool,
@@ -208,6 +211,7 @@ struct Golden {
     model: PathBuf,
     device: Option<String>,
     gpu_weights: u32,
+    precision: super::PrecisionArg,
     outcomes: Vec<(Outcome, f64)>,
 }
 
@@ -227,6 +231,7 @@ impl Golden {
         let failed = self.outcomes.iter().filter(|(o, _)| !o.pass()).count();
         json!({
             "file": self.file, "model": self.model, "device": self.device, "gpu_weights": self.gpu_weights,
+            "precision": format!("{:?}", self.precision).to_lowercase(),
             "thresholds": {"margin": golden::MARGIN, "top5": golden::TOP5_TOLERANCE, "rmse": golden::RMSE_TOLERANCE},
             "passed": self.outcomes.len() - failed, "failed": failed, "cases": cases,
         })
@@ -242,13 +247,13 @@ fn run_golden(a: &ConformanceArgs, file: &Path, cases: &[golden::Case]) -> Resul
     let device = describe_device(&gpu);
     let mut inst = Wisp::new(Options::default())?.instantiate(gpu, model.parent())?;
     let m = inst
-        .open_model(&model, GpuMode::On)?
+        .open_model(&model, LoadOptions { gpu: GpuMode::On, precision: a.precision.into() })?
         .map_err(anyhow::Error::new)
         .with_context(|| format!("cannot load {}", model.display()))?;
     let gpu_weights = inst.model_info(m)?.gpu_weights;
     if !a.json {
         println!("model:  {}", model.display());
-        println!("device: {}, {gpu_weights} weights on it\n", device.as_deref().unwrap_or("none (the guest's CPU)"));
+        println!("device: {}, {gpu_weights} weights on it, {:?} precision\n", device.as_deref().unwrap_or("none (the guest's CPU)"), a.precision);
         println!("{:<12} {:>5} {:>8} {:>15} {:>8} {:<6} {:>8}", "case", "steps", "argmax", "max|top5 diff|", "rmse", "result", "time");
     }
     let mut outcomes = Vec::new();
@@ -261,7 +266,7 @@ fn run_golden(a: &ConformanceArgs, file: &Path, cases: &[golden::Case]) -> Resul
         }
         outcomes.push((o, secs));
     }
-    Ok(Golden { file: file.to_path_buf(), model, device, gpu_weights, outcomes })
+    Ok(Golden { file: file.to_path_buf(), model, device, gpu_weights, precision: a.precision, outcomes })
 }
 
 fn print_golden(o: &Outcome, secs: f64) {

@@ -13,7 +13,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
-use wisp::{Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, WgpuBackend, Wisp, fetch};
+use wisp::{
+    Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, LoadOptions, Model, Options, Precision, Sampling, WgpuBackend, Wisp, fetch,
+};
 
 #[derive(Parser)]
 #[command(
@@ -134,6 +136,26 @@ impl From<GpuArg> for GpuMode {
     }
 }
 
+/// How exactly products are computed (the engine's load option).
+#[derive(Clone, Copy, ValueEnum, Default, Debug, PartialEq, Eq)]
+pub enum PrecisionArg {
+    /// f32 products and sums on every path, within f32 rounding of a float64 forward.
+    #[default]
+    Exact,
+    /// Held to the golden thresholds instead: products' inputs in f16 where a path gains by it
+    /// (cooperative matrices on GPUs that offer them); computed exactly where not.
+    Fast,
+}
+
+impl From<PrecisionArg> for Precision {
+    fn from(p: PrecisionArg) -> Self {
+        match p {
+            PrecisionArg::Exact => Precision::Exact,
+            PrecisionArg::Fast => Precision::Fast,
+        }
+    }
+}
+
 /// Which implementation of the `gpu` interface the host offers the guest.
 #[derive(Clone, Copy, ValueEnum, Default, Debug, PartialEq, Eq)]
 pub enum DeviceArg {
@@ -158,6 +180,9 @@ pub struct ModelArgs {
     /// The device the host offers (WISP_ADAPTER=name picks a wgpu adapter).
     #[arg(long, value_enum, default_value_t = DeviceArg::Wgpu)]
     pub device: DeviceArg,
+    /// How exactly products are computed.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
+    pub precision: PrecisionArg,
     /// Largest guest memory, in MiB.
     #[arg(long, default_value_t = 4096, value_name = "MIB")]
     pub max_memory: usize,
@@ -173,6 +198,11 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// How the model is opened: `--gpu` and `--precision`.
+    pub fn load_options(&self) -> LoadOptions {
+        LoadOptions { gpu: self.gpu.into(), precision: self.precision.into() }
+    }
+
     fn options(&self) -> Options {
         Options {
             max_memory: self.max_memory << 20,
@@ -421,7 +451,7 @@ pub fn load(args: &ModelArgs) -> Result<Loaded> {
     tracing::info!(device = ?gpu.device().map(|d| &d.name), "host device");
     let mut inst = wisp.instantiate(gpu, path.parent())?;
     spinner.set_message(format!("loading {}", path.display()));
-    let model = engine(inst.open_model(&path, args.gpu.into())?);
+    let model = engine(inst.open_model(&path, args.load_options())?);
     spinner.finish_and_clear();
     let model = model.with_context(|| format!("cannot load {}", path.display()))?;
     let load_s = start.elapsed().as_secs_f64();
@@ -519,7 +549,7 @@ fn run(a: RunArgs) -> Result<()> {
 }
 
 fn tokenize(a: TokenizeArgs) -> Result<()> {
-    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, max_memory: 4096, timeout: 600, max_stack: 2048, gpu_budget: 0 };
+    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, precision: PrecisionArg::Exact, max_memory: 4096, timeout: 600, max_stack: 2048, gpu_budget: 0 };
     let Loaded { mut inst, model, .. } = load(&args)?;
     let ids = engine(inst.tokenize(model, &a.text, !a.no_bos, a.parse_special)?)?;
     if a.json {

@@ -16,7 +16,8 @@ mod blocks;
 mod layout_checks;
 mod programs;
 
-use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError, program};
+use super::program::{self, Precision};
+use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -112,7 +113,7 @@ pub enum Gemm {
     Large,
     /// `gemm_tiled` below WIDE_MIN_T rows of x, from there `gemm_wide` (`gemm_large` for
     /// products of at least LARGE_MIN_GROUPS of its tiles, where it can run), or `gemm_coop`
-    /// where the adapter offers cooperative matrices and WISP_COOP=1 asks for them (GPUs).
+    /// for `fast` products where the adapter offers cooperative matrices (GPUs).
     BySize,
 }
 
@@ -461,9 +462,9 @@ impl WgpuBackend {
         let ainfo = adapter.get_info();
         // The adapter's own limits: the defaults would cap a storage binding at 128 MiB.
         let limits = adapter.limits();
-        // Cooperative matrices take f16 inputs: below the f32 accuracy the `gpu` contract
-        // promises (the conformance kit refuses it), so only on request.
-        let coop = offers_coop(&adapter) && std::env::var("WISP_COOP").is_ok_and(|v| v == "1");
+        // Cooperative matrices take f16 inputs: below the accuracy of `exact` products, so they
+        // serve `fast` ones only (`kernel_for`). WISP_COOP=0 keeps them off (to compare).
+        let coop = offers_coop(&adapter) && !std::env::var("WISP_COOP").is_ok_and(|v| v == "0");
         let mut required_features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
         let mut experimental_features = wgpu::ExperimentalFeatures::disabled();
         if coop {
@@ -656,8 +657,8 @@ impl WgpuBackend {
         self.spin_wait = on;
     }
 
-    /// Whether products of t >= 128 run on cooperative matrices here (f16 inputs, f32 sums):
-    /// where the adapter offers them and WISP_COOP=1 asks for them.
+    /// Whether `fast` products of t >= 128 run on cooperative matrices here (f16 inputs, f32
+    /// sums): where the adapter offers them, unless WISP_COOP=0.
     pub fn has_coop(&self) -> bool {
         self.coop
     }
@@ -668,16 +669,19 @@ impl WgpuBackend {
         self.limits.max_compute_workgroup_storage_size >= LARGE_WORKGROUP_BYTES
     }
 
-    /// The kernel of a product of `t` rows of x by `n_out` rows of weights in `format`, and the
-    /// rows of W and of x one workgroup of it covers.
-    fn kernel_for(&self, t: u32, n_out: u32, format: Format) -> (Kernel, u32, u32) {
+    /// The kernel of a product of `t` rows of x by `n_out` rows of weights in `format` at
+    /// `precision`, and the rows of W and of x one workgroup of it covers. Cooperative matrices
+    /// (f16 inputs) serve `fast` products only, unless [`Gemm::Coop`] is set.
+    fn kernel_for(&self, t: u32, n_out: u32, format: Format, precision: Precision) -> (Kernel, u32, u32) {
         if t < GEMM_MIN_T {
             return (Kernel::Gemv, gemv_rows(format) * WORKGROUP / self.gemv_lanes(format), 1);
         }
         let large_groups = (n_out as u64).div_ceil(WIDE_TILE as u64) * (t as u64).div_ceil(LARGE_T as u64);
         match self.gemm {
             Gemm::Coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
-            Gemm::BySize if t >= WIDE_MIN_T && self.coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
+            Gemm::BySize if t >= WIDE_MIN_T && self.coop && precision == Precision::Fast => {
+                (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE)
+            }
             Gemm::Wide => (Kernel::GemmWide, WIDE_TILE, WIDE_TILE),
             Gemm::Large => (Kernel::GemmLarge, WIDE_TILE, LARGE_T),
             Gemm::BySize if t >= WIDE_MIN_T && large_groups >= LARGE_MIN_GROUPS && self.has_large() => {
@@ -837,12 +841,13 @@ impl WgpuBackend {
     /// With `may_split`, a `gemm_wide` or `gemm_coop` product of few tiles is split over k (see
     /// [`SPLIT_GROUPS`]): it writes that many planes of partial sums, `t * n_out` values each,
     /// for the caller to add. Returns the planes (1: not split).
-    fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, may_split: bool, out: &mut Vec<Dispatch>) -> u32 {
-        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format);
+    #[allow(clippy::too_many_arguments)]
+    fn plan(&self, job: usize, w: &Weight, t: u32, x_quads: u32, precision: Precision, may_split: bool, out: &mut Vec<Dispatch>) -> u32 {
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format, precision);
         let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1) as u64;
         let gx_total = (w.n_out as u64).div_ceil(rows_per_group as u64);
         let gy_total = (t as u64).div_ceil(t_per_group as u64);
-        let splits = if may_split { self.k_splits(w, t) as u64 } else { 1 };
+        let splits = if may_split { self.k_splits(w, t, precision) as u64 } else { 1 };
         let macs_per_group = rows_per_group as u64 * t_per_group as u64 * (w.n_in as u64).div_ceil(splits);
         let groups_budget = (self.dispatch_macs / macs_per_group / splits).max(1);
         let gx = gx_total.min(max_dim).min(groups_budget).max(1);
@@ -877,8 +882,8 @@ impl WgpuBackend {
     }
 
     /// The runs of k `plan` splits a product of `t` rows by `w` into where it may (1: none).
-    fn k_splits(&self, w: &Weight, t: u32) -> u32 {
-        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format);
+    fn k_splits(&self, w: &Weight, t: u32, precision: Precision) -> u32 {
+        let (kernel, rows_per_group, t_per_group) = self.kernel_for(t, w.n_out, w.format, precision);
         let step = match kernel {
             Kernel::GemmWide => WIDE_STEP,
             Kernel::GemmCoop => COOP_STEP,
@@ -916,7 +921,7 @@ impl WgpuBackend {
         for (j, (id, &(offset, len))) in jobs.iter().zip(&offsets).enumerate() {
             let step = self.product(*id, (&input, x_bytes), (&output, offset, len * 4))?;
             let w = &self.weights[id];
-            self.plan(j, w, t, x_quads, false, &mut dispatches);
+            self.plan(j, w, t, x_quads, Precision::Exact, false, &mut dispatches);
             steps.push(step);
         }
         self.submit(&steps, &dispatches, &output, &offsets)
@@ -994,8 +999,8 @@ impl WgpuBackend {
             self.product(ids[2], (&hidden, hidden_bytes), (&output, 0, out_len * 4))?,
         ];
         let mut dispatches = Vec::new();
-        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, false, &mut dispatches);
-        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, false, &mut dispatches);
+        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
+        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
         let kernel = match act {
             Activation::GeluTanh => Kernel::GateGelu,
             Activation::Silu => Kernel::GateSilu,
@@ -1021,7 +1026,7 @@ impl WgpuBackend {
             dispatches.push(Dispatch { job: 2, kernel, params, groups: (groups_x, rows, 1) });
             t0 += rows;
         }
-        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, false, &mut dispatches);
+        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
         let mut out = self.submit(&steps, &dispatches, &output, &[(0, out_len)])?;
         Ok(out.pop().unwrap_or_default())
     }
@@ -1603,6 +1608,25 @@ mod tests {
         assert!(whole.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4), "{whole:?} vs {want:?}");
     }
 
+    /// Cooperative matrices (f16 inputs) serve `fast` products of at least WIDE_MIN_T rows
+    /// where the adapter offers them, and never an `exact` one.
+    #[test]
+    fn only_fast_products_run_on_cooperative_matrices() {
+        let Some(mut b) = backend("only_fast_products_run_on_cooperative_matrices") else { return };
+        b.set_gemm(Gemm::GPU).unwrap();
+        // Plans only: as offered here, then as if cooperative matrices were offered.
+        for coop in [b.coop, true] {
+            b.coop = coop;
+            for t in [1, GEMM_MIN_T, WIDE_MIN_T, 4096] {
+                for format in Format::ALL {
+                    assert!(b.kernel_for(t, 4096, format, Precision::Exact).0 != Kernel::GemmCoop, "exact, t = {t}");
+                    let fast = b.kernel_for(t, 4096, format, Precision::Fast).0;
+                    assert_eq!(fast == Kernel::GemmCoop, coop && t >= WIDE_MIN_T, "fast, t = {t}, coop {coop}");
+                }
+            }
+        }
+    }
+
     /// RELIABILITY 23: every product is split into dispatches of at most the device's budget
     /// multiply-adds (or one workgroup, when a single one is larger), within the device's
     /// workgroup counts, that together cover every (row, t) tile of the output exactly once;
@@ -1636,9 +1660,9 @@ mod tests {
                     let id = b.create(format, n_out, n_in).unwrap();
                     let mut plan = Vec::new();
                     let w = &b.weights[&id];
-                    let planes = b.plan(0, w, t, n_in.div_ceil(8) * 2, split, &mut plan);
-                    let z = if split { b.k_splits(w, t) } else { 1 };
-                    let kernel = b.kernel_for(t, n_out, format).0;
+                    let planes = b.plan(0, w, t, n_in.div_ceil(8) * 2, Precision::Exact, split, &mut plan);
+                    let z = if split { b.k_splits(w, t, Precision::Exact) } else { 1 };
+                    let kernel = b.kernel_for(t, n_out, format, Precision::Exact).0;
                     assert_eq!(planes, z, "{what}: planes");
                     let splittable = matches!(kernel, Kernel::GemmWide | Kernel::GemmCoop);
                     assert!(z as u64 <= MAX_SPLITS && (z == 1 || splittable), "{what}: {z} runs of k");

@@ -121,7 +121,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let open: Open = Arc::new(move || {
         let gpu = if shared { GpuCtx::none() } else { gpu_ctx(&margs)? };
         let mut inst = wisp.instantiate(gpu, mpath.parent())?;
-        let model = engine(inst.open_model(&mpath, mode)?).with_context(|| format!("cannot load {}", mpath.display()))?;
+        let model = engine(inst.open_model(&mpath, margs.load_options())?).with_context(|| format!("cannot load {}", mpath.display()))?;
         Ok((inst, model))
     });
     let metrics = Arc::new(metrics::Metrics::new());

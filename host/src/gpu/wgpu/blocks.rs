@@ -17,6 +17,7 @@ use super::{
 };
 use std::collections::HashMap;
 
+use crate::gpu::program::Precision;
 use crate::gpu::{Block, BlocksOutput, BlocksShape, BufferId, Format, GpuError, Rotation};
 
 /// `norm_rows` and `norm_pair_rows` flags (NORM_NONE, PAIR_KEEP in the shader).
@@ -308,7 +309,7 @@ impl WgpuBackend {
         let splits = |id: BufferId| {
             self.weights
                 .get(&id)
-                .map_or(1, |w| self.k_splits(w, t) as u64)
+                .map_or(1, |w| self.k_splits(w, t, Precision::Exact) as u64)
         };
         let (mut o_planes, mut parts_bytes) = (1, 16);
         for b in blocks {
@@ -592,7 +593,7 @@ impl WgpuBackend {
             }
             let summed = Planes::Summed(&parts);
             for (id, out) in [(b.wq, (&qb, 0, q_bytes)), (b.wk, k_out), (b.wv, v_out)] {
-                self.product_into(&mut rec, id, h_in, out, t, (e / 4) as u32, summed, X_PLAIN)?;
+                self.product_into(&mut rec, (id, Precision::Exact), h_in, out, t, (e / 4) as u32, summed, X_PLAIN)?;
             }
             bias(&mut rec, b.v_bias, v_out, nkv)?;
             let q_out = (&qb, 0, q_bytes);
@@ -636,7 +637,7 @@ impl WgpuBackend {
             let from = rec.dispatches.len();
             let planes = self.product_into(
                 &mut rec,
-                b.wo,
+                (b.wo, Precision::Exact),
                 (&ab, 0, q_bytes),
                 (&ob, 0, x_bytes),
                 t,
@@ -649,7 +650,7 @@ impl WgpuBackend {
             norm_pair(&mut rec, b.post_attn_norm, b.ffn_norm, Some(o))?;
             self.product_into(
                 &mut rec,
-                b.gate,
+                (b.gate, Precision::Exact),
                 h_in,
                 (&mid, 0, part),
                 t,
@@ -659,7 +660,7 @@ impl WgpuBackend {
             )?;
             self.product_into(
                 &mut rec,
-                b.up,
+                (b.up, Precision::Exact),
                 h_in,
                 (&mid, up_at, part),
                 t,
@@ -670,7 +671,7 @@ impl WgpuBackend {
             // down reads act(gate) * up as its x (X_ACT).
             let planes = self.product_into(
                 &mut rec,
-                b.down,
+                (b.down, Precision::Exact),
                 (&mid, 0, mid_bytes),
                 (&ob, 0, x_bytes),
                 t,
@@ -730,13 +731,13 @@ impl WgpuBackend {
     /// Adds weight `id`'s product over `input` (buffer, offset, bytes; rows of `x_quads` quads,
     /// read as `x_act` says: X_ACT in the shader) into `output` (buffer, offset, bytes): its
     /// bind group and its dispatches as `matmul` plans them, split over k where it has few
-    /// tiles, its planes of partial sums left as `planes` says. Returns the planes left in
-    /// `output` (1 where there is one sum).
+    /// tiles, its planes of partial sums left as `planes` says, at `precision`. Returns the
+    /// planes left in `output` (1 where there is one sum).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn product_into(
         &self,
         rec: &mut Recording,
-        id: BufferId,
+        (id, precision): (BufferId, Precision),
         input: (&wgpu::Buffer, u64, u64),
         output: (&wgpu::Buffer, u64, u64),
         t: u32,
@@ -748,7 +749,7 @@ impl WgpuBackend {
             .weights
             .get(&id)
             .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
-        let n = self.k_splits(w, t);
+        let n = self.k_splits(w, t, precision);
         let bytes = output.2 * n as u64;
         let y = match planes {
             Planes::Summed(parts) if n > 1 => (parts.clone(), 0, align_up(bytes, 16)),
@@ -761,7 +762,7 @@ impl WgpuBackend {
             y: y.clone(),
         });
         let from = rec.dispatches.len();
-        self.plan(bind, w, t, x_quads, true, &mut rec.dispatches);
+        self.plan(bind, w, t, x_quads, precision, true, &mut rec.dispatches);
         rec.formats.extend(std::iter::repeat_n(
             (w.format, x_act),
             rec.dispatches.len() - from,

@@ -174,10 +174,10 @@ impl WgpuBackend {
             (Kernel::SumPlanes, Format::F32),
         ];
         for op in &p.ops {
-            if let Op::Matmul { weight, .. } = *op {
+            if let Op::Matmul { weight, precision, .. } = *op {
                 let w = &p.weights[weight];
                 for t in [1, super::GEMM_MIN_T, super::WIDE_MIN_T, super::LARGE_T] {
-                    let (kernel, _, _) = self.kernel_for(t, w.rows, w.format);
+                    let (kernel, _, _) = self.kernel_for(t, w.rows, w.format, precision);
                     if !wanted.contains(&(kernel, w.format)) {
                         wanted.push((kernel, w.format));
                     }
@@ -238,9 +238,9 @@ impl WgpuBackend {
         // The partial sums of products split over k.
         let mut parts_bytes = 16;
         for op in &p.ops {
-            if let Op::Matmul { x, weight, .. } = *op {
+            if let Op::Matmul { x, weight, precision } = *op {
                 let w = self.weights.get(&p.weights[weight].id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {weight}")))?;
-                let n = self.k_splits(w, rows_of(x)) as u64;
+                let n = self.k_splits(w, rows_of(x), precision) as u64;
                 if n > 1 {
                     parts_bytes = parts_bytes.max(align_up(n * 4 * rows_of(x) as u64 * w.n_out as u64, 16));
                 }
@@ -314,10 +314,10 @@ impl WgpuBackend {
             let groups = width(i).div_ceil(WORKGROUP);
             match *op {
                 Op::Input { .. } => {}
-                Op::Matmul { x, weight, .. } => {
+                Op::Matmul { x, weight, precision } => {
                     let id = p.weights[weight].id;
                     let (input, output) = (value(x), value(i));
-                    self.product_into(&mut rec, id, (input, 0, bytes_of(x)), (output, 0, bytes_of(i)), t, width(x) / 4, Planes::Summed(&parts), X_PLAIN)?;
+                    self.product_into(&mut rec, (id, precision), (input, 0, bytes_of(x)), (output, 0, bytes_of(i)), t, width(x) / 4, Planes::Summed(&parts), X_PLAIN)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
                     let (weights, mut flags, offset) = match weight {
