@@ -327,6 +327,11 @@ pub struct WgpuBackend {
     placeholder: wgpu::Buffer,
     weights: HashMap<BufferId, Weight>,
     next: BufferId,
+    /// Joint weights (`programs`): the rows of products that share an input stacked in one
+    /// weight, by the ids of those products' weights, with each one's first row there.
+    joints: HashMap<Vec<BufferId>, (BufferId, Vec<u32>)>,
+    /// Whether programs' products of one input are joined (WISP_JOINTS=0: not, to compare).
+    join: bool,
     scratch: Scratch,
     /// The `attention` pipeline and its buffers.
     attn: attention::Attention,
@@ -587,6 +592,8 @@ impl WgpuBackend {
             placeholder,
             weights: HashMap::new(),
             next: 0,
+            joints: HashMap::new(),
+            join: !std::env::var("WISP_JOINTS").is_ok_and(|v| v == "0"),
             scratch: Scratch::default(),
             attn: attention::Attention::default(),
             block_buffers: blocks::Buffers::default(),
@@ -1298,7 +1305,8 @@ impl Backend for WgpuBackend {
             )));
         }
         let scopes = push_scopes(&self.device);
-        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        // COPY_SRC: a program's joint weights are copied from weights (`programs`).
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC;
         let data = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("weights"),
             size: data_bytes,
@@ -1334,6 +1342,7 @@ impl Backend for WgpuBackend {
 
     fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
         self.live()?;
+        self.forget_joints(id);
         let w = self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
         let row_bytes = w.row_bytes as usize;
         let stride = w.row_quads as usize * 16;
@@ -1453,6 +1462,7 @@ impl Backend for WgpuBackend {
         // Dropping the buffers frees them once no submitted work uses them (and no cached
         // bind group holds them).
         self.weights.remove(&id);
+        self.forget_joints(id);
         self.block_buffers.forget_groups();
     }
 

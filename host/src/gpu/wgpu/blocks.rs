@@ -60,7 +60,7 @@ type AttentionKey = [(wgpu::Buffer, u64, u64); 5];
 type BindKey = (
     wgpu::Buffer,
     wgpu::Buffer,
-    wgpu::Buffer,
+    (wgpu::Buffer, u64, u64),
     (wgpu::Buffer, u64, u64),
     (wgpu::Buffer, u64, u64),
 );
@@ -81,7 +81,7 @@ impl Buffers {
 #[derive(Clone)]
 pub(super) struct Bind {
     pub(super) weights: wgpu::Buffer,
-    pub(super) scales: wgpu::Buffer,
+    pub(super) scales: (wgpu::Buffer, u64, u64),
     pub(super) x: (wgpu::Buffer, u64, u64),
     pub(super) y: (wgpu::Buffer, u64, u64),
 }
@@ -252,6 +252,11 @@ fn plain_pass(encoder: &mut wgpu::CommandEncoder) -> wgpu::ComputePass<'static> 
 
 pub(super) fn whole(b: &wgpu::Buffer, bytes: u64) -> (wgpu::Buffer, u64, u64) {
     (b.clone(), 0, bytes)
+}
+
+/// All of `b`, bound.
+pub(super) fn entire(b: &wgpu::Buffer) -> (wgpu::Buffer, u64, u64) {
+    (b.clone(), 0, b.size())
 }
 
 impl WgpuBackend {
@@ -442,7 +447,7 @@ impl WgpuBackend {
             let flags = if w.is_none() { NORM_NONE } else { 0 };
             let bind = rec.bind(Bind {
                 weights: norm_weights(w)?,
-                scales: placeholder.clone(),
+                scales: entire(&placeholder),
                 x: whole(input, bytes * planes as u64),
                 y: whole(&xb, x_bytes),
             });
@@ -467,7 +472,7 @@ impl WgpuBackend {
             if let Some(id) = b {
                 let bind = rec.bind(Bind {
                     weights: vector(id)?,
-                    scales: placeholder.clone(),
+                    scales: entire(&placeholder),
                     x: unread.clone(),
                     y: (y.0.clone(), y.1, y.2),
                 });
@@ -519,7 +524,7 @@ impl WgpuBackend {
             };
             let bind = rec.bind(Bind {
                 weights,
-                scales: placeholder.clone(),
+                scales: entire(&placeholder),
                 x,
                 y: (y.0.clone(), y.1, y.2),
             });
@@ -560,7 +565,7 @@ impl WgpuBackend {
             }
             let bind = rec.bind(Bind {
                 weights: norm_weights(first)?,
-                scales: vector(second)?,
+                scales: entire(&vector(second)?),
                 x: input.map_or_else(
                     || unread.clone(),
                     |(b, bytes, planes)| whole(b, bytes * planes as u64),
@@ -757,7 +762,7 @@ impl WgpuBackend {
         };
         let bind = rec.bind(Bind {
             weights: w.data.clone(),
-            scales: w.scales.clone().unwrap_or_else(|| self.placeholder.clone()),
+            scales: entire(w.scales.as_ref().unwrap_or(&self.placeholder)),
             x: (input.0.clone(), input.1, input.2),
             y: y.clone(),
         });
@@ -774,7 +779,7 @@ impl WgpuBackend {
             // Bound as weights too, unread: a binding of at least 16 bytes, only ever read.
             let sum = rec.bind(Bind {
                 weights: y.0.clone(),
-                scales: self.placeholder.clone(),
+                scales: entire(&self.placeholder),
                 x: y,
                 y: (output.0.clone(), output.1, output.2),
             });
@@ -878,7 +883,7 @@ impl WgpuBackend {
                         },
                         wgpu::BindGroupEntry {
                             binding: 2,
-                            resource: b.scales.as_entire_binding(),
+                            resource: binding(&b.scales.0, b.scales.1, b.scales.2),
                         },
                         wgpu::BindGroupEntry {
                             binding: 3,

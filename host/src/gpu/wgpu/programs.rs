@@ -10,14 +10,23 @@
 //! kernels at the end of `shaders/matmul.wgsl` (cache writes and last rows are `copy_rows`).
 //! Outputs are copied to one staging buffer; `top-k` is taken on the host from its row.
 //!
+//! Fusions (the host's business, not the contract's): an rms-norm with the add or the rotation
+//! that alone reads it (`rms_norm_runs`); at one row, consecutive products of one input (q, k
+//! and v; gate and up) as one product over a joint weight (their rows stacked on the device
+//! when the program is made, each product's first row at a bindable offset: device memory for
+//! a copy of those weights, outside the guest's budget; WISP_JOINTS=0 turns it off), and a
+//! gated op of a joint's gate and up that only the next product reads, as that product reading
+//! act(gate) * up as its x (X_ACT, as `blocks` does).
+//!
 //! [`WgpuBackend::records`] says which runs this covers: products over rows of whole steps of
 //! 8 values, and queries of every sequence of a batch at an offset the device can bind. The
 //! rest is interpreted op by op (`program::run`).
 
-use super::blocks::{AttentionBind, Bind, Buffers, Command, Planes, Recording, whole};
-use super::{Kernel, Params, WORKGROUP, WgpuBackend, X_PLAIN, align_up, push_scopes};
+use super::blocks::{AttentionBind, Bind, Buffers, Command, Planes, Recording, entire, whole};
+use super::{Kernel, Params, WORKGROUP, Weight, WgpuBackend, X_PLAIN, align_up, push_scopes, x_act};
 use crate::gpu::program::{self, Op, Output, Program, Rows, SequenceRun};
-use crate::gpu::{Activation, AttentionShape, Format, GpuError, Rotation};
+use crate::gpu::{Activation, AttentionShape, BufferId, Format, GpuError, Rotation};
+use std::ops::Range;
 
 /// Dispatches a command buffer holds before it is submitted, at the next op's boundary: the
 /// device starts on the first ops while the host records the rest (as `blocks` submits every
@@ -57,6 +66,8 @@ pub(super) const SHADER_CONSTANTS: &[(&str, u64)] = &[
 struct Layout {
     /// The slot of each op's value (`usize::MAX` for ops that make none).
     slot: Vec<usize>,
+    /// The byte of its slot where each value starts (0 but for the products of a joint).
+    offset: Vec<u64>,
     /// Bytes of each slot, a multiple of 16.
     bytes: Vec<u64>,
 }
@@ -106,18 +117,30 @@ fn fusions(p: &Program) -> Vec<Fuse> {
 /// Gives each value a slot: the inputs first (they are written before anything runs, so each
 /// keeps its own until its last reader), then each other value, in order, the first slot whose
 /// values have all been read by the op before it (before the first op of a fused pair, for the
-/// value the pair makes). `size` is each value's bytes.
-fn layout(p: &Program, fuse: &[Fuse], size: impl Fn(usize) -> u64) -> Layout {
+/// value the pair makes). `size` is each value's bytes. A value `share` names as `(first,
+/// offset)` lives in `first`'s slot at that offset (the products of a joint; `size(first)` is
+/// the joint's bytes), which stays busy until its last value's last reader. `last_use` is the
+/// last op reading each value (the program's, or later where the recording reads it later).
+fn layout(p: &Program, fuse: &[Fuse], share: &[Option<(usize, u64)>], last_use: &[usize], size: impl Fn(usize) -> u64) -> Layout {
     let n = p.ops.len();
     let mut slot = vec![usize::MAX; n];
+    let mut offset = vec![0u64; n];
     // Each slot's bytes and the last op reading the value it holds.
     let mut slots: Vec<(u64, usize)> = Vec::new();
     let inputs = (0..n).filter(|&i| matches!(p.ops[i], Op::Input { .. }));
     let others = (0..n).filter(|&i| p.shapes[i].is_some() && !matches!(p.ops[i], Op::Input { .. }));
     let born = |i: usize| if i > 0 && fuse[i - 1] != Fuse::No { i - 1 } else { i };
     for (born, i) in inputs.map(|i| (0, i)).chain(others.map(|i| (born(i), i))) {
+        if let Some((first, at)) = share.get(i).copied().flatten().filter(|&(f, _)| f != i) {
+            let s = slot[first];
+            if let Some(held) = slots.get_mut(s) {
+                held.1 = held.1.max(last_use[i]);
+                (slot[i], offset[i]) = (s, at);
+                continue;
+            }
+        }
         let bytes = align_up(size(i).max(16), 16);
-        let busy_until = p.last_use[i];
+        let busy_until = last_use[i];
         match slots.iter().position(|&(_, until)| until < born) {
             Some(s) => {
                 slots[s] = (slots[s].0.max(bytes), busy_until);
@@ -129,10 +152,133 @@ fn layout(p: &Program, fuse: &[Fuse], size: impl Fn(usize) -> u64) -> Layout {
             }
         }
     }
-    Layout { slot, bytes: slots.into_iter().map(|(b, _)| b).collect() }
+    Layout { slot, offset, bytes: slots.into_iter().map(|(b, _)| b).collect() }
+}
+
+/// Runs of two or more consecutive products of one input, in one format and at one precision
+/// (q, k and v; gate and up). At one row of x, the recorder runs each such run as one product
+/// over a joint weight: the products' rows stacked, each one's first row where its output
+/// starts at an offset the device can bind (`joint_rows`).
+fn joint_runs(p: &Program) -> Vec<Range<usize>> {
+    let product = |i: usize| match p.ops.get(i) {
+        Some(&Op::Matmul { x, weight, precision }) => p.weights.get(weight).map(|w| (x, w.format, w.cols, precision)),
+        _ => None,
+    };
+    let mut runs = Vec::new();
+    let mut i = 0;
+    while i < p.ops.len() {
+        let Some(first) = product(i) else {
+            i += 1;
+            continue;
+        };
+        let mut j = i + 1;
+        while product(j) == Some(first) {
+            j += 1;
+        }
+        if j - i >= 2 {
+            runs.push(i..j);
+        }
+        i = j;
+    }
+    runs
+}
+
+/// The weights of the products `run`.
+fn joint_ids(p: &Program, run: Range<usize>) -> Vec<BufferId> {
+    run.filter_map(|i| match p.ops[i] {
+        Op::Matmul { weight, .. } => p.weights.get(weight).map(|w| w.id),
+        _ => None,
+    })
+    .collect()
+}
+
+/// The first row of each of the products of `rows` rows in a joint weight (each one's first
+/// output at a multiple of `align` values), and the joint's rows.
+fn joint_rows(rows: &[u32], align: u32) -> (Vec<u32>, u64) {
+    let mut at = 0u64;
+    let firsts = rows
+        .iter()
+        .map(|&r| {
+            let first = at;
+            at = (at + r as u64).div_ceil(align.max(1) as u64) * align.max(1) as u64;
+            first as u32
+        })
+        .collect();
+    (firsts, at)
 }
 
 impl WgpuBackend {
+    /// The joint weight of the weights `ids` (see [`joint_runs`]) and the first row of each
+    /// there: made on first use, by copies on the device, and kept until one of them is
+    /// written or freed. `None` where they differ in format or columns, or the joint would not
+    /// fit one binding, or making it failed (the products then run one by one).
+    pub(super) fn joint(&mut self, ids: &[BufferId]) -> Option<(BufferId, Vec<u32>)> {
+        if let Some(j) = self.joints.get(ids) {
+            return Some(j.clone());
+        }
+        if !self.join {
+            return None;
+        }
+        let ws: Vec<&Weight> = ids.iter().map(|id| self.weights.get(id)).collect::<Option<_>>()?;
+        let w0 = *ws.first()?;
+        if ws.iter().any(|w| w.format != w0.format || w.n_in != w0.n_in) {
+            return None;
+        }
+        let align = self.x_align();
+        let (firsts, rows) = joint_rows(&ws.iter().map(|w| w.n_out).collect::<Vec<_>>(), align);
+        let (row_data, row_scales) = (w0.row_quads as u64 * 16, w0.scale_row as u64 * 4);
+        let max = self.info.max_weight_bytes;
+        if rows > u32::MAX as u64 || rows * row_data > max || rows * row_scales > max {
+            return None;
+        }
+        let scopes = push_scopes(&self.device);
+        let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+        let make = |label, bytes| {
+            self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size: bytes, usage, mapped_at_creation: false })
+        };
+        // The rows between two products stay zero (buffers start zeroed): outputs never read.
+        let data = make("joint weights", rows * row_data);
+        let scales = w0.scales.as_ref().map(|_| make("joint scales", rows * row_scales));
+        let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("joint weights") });
+        for (w, &first) in ws.iter().zip(&firsts) {
+            encoder.copy_buffer_to_buffer(&w.data, 0, &data, first as u64 * row_data, w.n_out as u64 * row_data);
+            if let (Some(from), Some(to)) = (&w.scales, &scales) {
+                encoder.copy_buffer_to_buffer(from, 0, to, first as u64 * row_scales, w.n_out as u64 * row_scales);
+            }
+        }
+        self.queue.submit([encoder.finish()]);
+        let joint = Weight { n_out: rows as u32, data, scales, ..*w0 };
+        self.finish(scopes).ok()?;
+        let id = self.next;
+        self.next += 1;
+        self.weights.insert(id, joint);
+        self.joints.insert(ids.to_vec(), (id, firsts.clone()));
+        Some((id, firsts))
+    }
+
+    /// The values a product's first output is aligned to in a joint weight: where a binding
+    /// may start, and where a product reading a gated pair with X_ACT looks for up (X_ALIGN).
+    fn x_align(&self) -> u32 {
+        self.limits.min_storage_buffer_offset_alignment.max(16) / 4
+    }
+
+    /// Forgets the joint weights made from weight `id` (written or freed).
+    pub(super) fn forget_joints(&mut self, id: BufferId) {
+        if self.joints.is_empty() {
+            return;
+        }
+        let stale: Vec<Vec<BufferId>> = self.joints.keys().filter(|ids| ids.contains(&id)).cloned().collect();
+        if stale.is_empty() {
+            return;
+        }
+        for ids in stale {
+            if let Some((joint, _)) = self.joints.remove(&ids) {
+                self.weights.remove(&joint);
+            }
+        }
+        self.block_buffers.forget_groups();
+    }
+
     /// Whether [`Self::run_recorded`] runs `p` over `batch`: every product's x has rows of
     /// whole steps (a multiple of 8 values), every weight is here, each row and each run of a
     /// norm fits the device's workgroup counts, and each sequence's queries start where the
@@ -187,6 +333,17 @@ impl WgpuBackend {
         for (kernel, format) in wanted {
             self.pipeline(kernel, format, X_PLAIN)?;
         }
+        for run in joint_runs(p) {
+            self.joint(&joint_ids(p, run));
+        }
+        // A product reading a gated pair as its x (at one row: see `run_recorded`).
+        for (op, next) in p.ops.iter().zip(p.ops.iter().skip(1)) {
+            if let (&Op::Gated { act, .. }, &Op::Matmul { weight, precision, .. }) = (op, next) {
+                let w = &p.weights[weight];
+                let (kernel, _, _) = self.kernel_for(1, w.rows, w.format, precision);
+                self.pipeline(kernel, w.format, x_act(act))?;
+            }
+        }
         if p.ops.iter().any(|op| matches!(op, Op::Attention { .. })) {
             self.attention_pipeline()?;
         }
@@ -234,7 +391,44 @@ impl WgpuBackend {
             plans.push(list);
         }
         let fuse = fusions(p);
-        let lay = layout(p, &fuse, |i| bytes_of(i) + extra[i]);
+        // Products of one input at one row run as one product over their joint weight, each
+        // one's value at its offset in the joint's slot.
+        let mut share: Vec<Option<(usize, u64)>> = vec![None; p.ops.len()];
+        let mut joint_made: Vec<Option<(BufferId, u64)>> = vec![None; p.ops.len()];
+        for run in joint_runs(p) {
+            let Op::Matmul { x, .. } = p.ops[run.start] else { continue };
+            if rows_of(x) != 1 {
+                continue;
+            }
+            let Some((id, firsts)) = self.joint(&joint_ids(p, run.clone())) else { continue };
+            let rows = self.weights.get(&id).map_or(0, |w| w.n_out as u64);
+            joint_made[run.start] = Some((id, 4 * rows));
+            for (i, first) in run.clone().zip(firsts) {
+                share[i] = Some((run.start, 4 * first as u64));
+            }
+        }
+        // A gated op of two consecutive products of a joint (up where X_ACT looks for it)
+        // whose value only the next op, a product, reads: that product reads act(gate) * up as
+        // its x (X_ACT), and the gated op is not recorded.
+        let x_align = self.x_align() as u64;
+        let mut gated_into: Vec<Option<(usize, usize, u32)>> = vec![None; p.ops.len()];
+        for (i, op) in p.ops.iter().enumerate() {
+            let Op::Gated { gate, up, act } = *op else { continue };
+            let (Some((fg, og)), Some((fu, ou))) = (share[gate], share[up]) else { continue };
+            let read_by_product = matches!(p.ops.get(i + 1), Some(&Op::Matmul { x, .. }) if x == i);
+            if fg == fu && ou == og + 4 * align_up(width(gate) as u64, x_align) && read_by_product && p.last_use[i] == i + 1 && share[i + 1].is_none() {
+                gated_into[i + 1] = Some((gate, up, x_act(act)));
+            }
+        }
+        // The gate and up of such a pair are read by that product.
+        let mut last_use = p.last_use.clone();
+        for (d, g) in gated_into.iter().enumerate() {
+            if let Some((gate, up, _)) = *g {
+                last_use[gate] = last_use[gate].max(d);
+                last_use[up] = last_use[up].max(d);
+            }
+        }
+        let lay = layout(p, &fuse, &share, &last_use, |i| joint_made[i].map_or(bytes_of(i) + extra[i], |(_, bytes)| bytes));
         // The partial sums of products split over k.
         let mut parts_bytes = 16;
         for op in &p.ops {
@@ -275,7 +469,8 @@ impl WgpuBackend {
         self.finish(scopes).inspect_err(|_| self.block_buffers = Buffers::default())?;
 
         let value = |a: usize| &slots[lay.slot[a]];
-        let bound = |a: usize| whole(value(a), value(a).size());
+        let at = |a: usize| lay.offset[a];
+        let bound = |a: usize| (value(a).clone(), at(a), value(a).size() - at(a));
         let placeholder = self.placeholder.clone();
         let vector = |w: usize| -> Result<wgpu::Buffer, GpuError> {
             self.weights
@@ -291,6 +486,7 @@ impl WgpuBackend {
         let mut out_at = 0u64;
         // The first dispatch not yet in a command, and the first not yet submitted.
         let (mut open, mut submitted) = (0, 0);
+        let submit_every = std::env::var("WISP_SUBMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(SUBMIT_DISPATCHES);
         for (i, op) in p.ops.iter().enumerate() {
             if i > 0 && fuse[i - 1] != Fuse::No {
                 continue;
@@ -303,7 +499,7 @@ impl WgpuBackend {
             let small = |rec: &mut Recording, kernel, (x, scales, weights): (usize, Option<usize>, Option<wgpu::Buffer>), params: Params, groups_x| {
                 let bind = rec.bind(Bind {
                     weights: weights.unwrap_or_else(|| placeholder.clone()),
-                    scales: scales.map_or_else(|| placeholder.clone(), |b| value(b).clone()),
+                    scales: scales.map_or_else(|| entire(&placeholder), bound),
                     x: bound(x),
                     y: bound(made),
                 });
@@ -315,9 +511,17 @@ impl WgpuBackend {
             match *op {
                 Op::Input { .. } => {}
                 Op::Matmul { x, weight, precision } => {
-                    let id = p.weights[weight].id;
-                    let (input, output) = (value(x), value(i));
-                    self.product_into(&mut rec, (id, precision), (input, 0, bytes_of(x)), (output, 0, bytes_of(i)), t, width(x) / 4, Planes::Summed(&parts), X_PLAIN)?;
+                    let (input, x_act) = match gated_into[i] {
+                        Some((gate, _, act)) => ((value(gate), at(gate), value(gate).size() - at(gate)), act),
+                        None => ((value(x), at(x), bytes_of(x)), X_PLAIN),
+                    };
+                    let (id, bytes) = match (share[i], joint_made[i]) {
+                        // Made by the first product of its joint.
+                        (Some((first, _)), _) if first != i => continue,
+                        (_, Some(joint)) => joint,
+                        _ => (p.weights[weight].id, bytes_of(i)),
+                    };
+                    self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, Planes::Summed(&parts), x_act)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
                     let (weights, mut flags, offset) = match weight {
@@ -342,6 +546,8 @@ impl WgpuBackend {
                 Op::Mul(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_MUL, 0.0), groups),
                 Op::Scale { x, by } => small(&mut rec, Kernel::ElementwiseRows, (x, None, None), elementwise(OP_SCALE, by), groups),
                 Op::Bias { x, weight } => small(&mut rec, Kernel::ElementwiseRows, (x, None, Some(vector(weight)?)), elementwise(OP_BIAS, 0.0), groups),
+                // Read by the next product as it reads its x.
+                Op::Gated { .. } if gated_into.get(i + 1).is_some_and(|g| g.is_some()) => {}
                 Op::Gated { gate, up, act } => {
                     let code = match act {
                         Activation::GeluTanh => OP_GELU_TANH,
@@ -356,27 +562,27 @@ impl WgpuBackend {
                 }
                 Op::CacheWrite { k, v, cache } => {
                     let w = width(k);
-                    let mut at = 0;
+                    let mut row = 0;
                     for q in batch {
                         let (id, slots, _) = q.caches[cache as usize];
                         let c = self.attn.caches.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
                         for (from, to) in [(k, &c.k), (v, &c.v)] {
-                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: placeholder.clone(), x: bound(from), y: whole(to, to.size()) });
-                            let params = Params { n_out: w, t: q.rows, row_quads: at, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
+                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(from), y: whole(to, to.size()) });
+                            let params = Params { n_out: w, t: q.rows, row_quads: row, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
                             rec.rows(max_dim, Kernel::CopyRows, bind, params, w.div_ceil(WORKGROUP));
                         }
-                        at += q.rows;
+                        row += q.rows;
                     }
                 }
                 Op::Attention { q: qv, cache, .. } => {
                     rec.close_kernels(open);
                     let w = width(qv) as u64;
-                    let mut at = 0u64;
+                    let mut row = 0u64;
                     for (q, plan) in plans.next().into_iter().flatten() {
                         let (id, _, _) = q.caches[cache as usize];
                         rec.commands.push(Command::Attention(attention.len()));
-                        attention.push(AttentionBind { plan, cache: id, q: (value(qv).clone(), 4 * at * w), out: (value(i).clone(), 4 * at * w) });
-                        at += q.rows as u64;
+                        attention.push(AttentionBind { plan, cache: id, q: (value(qv).clone(), at(qv) + 4 * row * w), out: (value(i).clone(), 4 * row * w) });
+                        row += q.rows as u64;
                     }
                     open = rec.dispatches.len();
                 }
@@ -393,7 +599,7 @@ impl WgpuBackend {
                     rec.close_kernels(open);
                     open = rec.dispatches.len();
                     let n = bytes_of(x);
-                    rec.commands.push(Command::Copy(value(x).clone(), 0, staging.clone(), out_at, n));
+                    rec.commands.push(Command::Copy(value(x).clone(), at(x), staging.clone(), out_at, n));
                     let top = match *op {
                         Op::TopK { k, .. } => Some((k, width(x))),
                         _ => None,
@@ -402,7 +608,7 @@ impl WgpuBackend {
                     out_at += n;
                 }
             }
-            if rec.dispatches.len() - submitted >= SUBMIT_DISPATCHES && i + 1 < p.ops.len() {
+            if rec.dispatches.len() - submitted >= submit_every && i + 1 < p.ops.len() {
                 rec.close_kernels(open);
                 open = rec.dispatches.len();
                 submitted = open;
@@ -425,7 +631,13 @@ impl WgpuBackend {
                 })
                 .collect()
         };
-        self.record(rec, &attention, (&staging, out_bytes), read).inspect_err(|_| self.block_buffers = Buffers::default())
+        let host_times = self.host_times;
+        self.record(rec, &attention, (&staging, out_bytes), read).inspect_err(|e| {
+            if host_times {
+                eprintln!("program run failed: {e}");
+            }
+            self.block_buffers = Buffers::default();
+        })
     }
 }
 
@@ -448,7 +660,7 @@ mod tests {
             Op::Output(6),
         ];
         let p = check(ops, vec![w], 0).unwrap();
-        let lay = layout(&p, &fusions(&p), |i| if i == 6 { 64 } else { 32 });
+        let lay = layout(&p, &fusions(&p), &[], &p.last_use, |i| if i == 6 { 64 } else { 32 });
         let s = &lay.slot;
         // The inputs: slots of their own, the second not taken by values made before it.
         assert_ne!(s[0], s[4]);
@@ -481,9 +693,43 @@ mod tests {
         assert_eq!(fuse[4], Fuse::Rotate { table: 1, rotation: Rotation::Pairs });
         // Both operands of the add are the norm's: nothing to add it to.
         assert_eq!(fuse[6], Fuse::No);
-        let s = layout(&p, &fuse, |_| 32).slot;
+        let s = layout(&p, &fuse, &[], &p.last_use, |_| 32).slot;
         // Input 0 is read by the norm alone, yet the add's value (the pair's) is not put there.
         assert!(s[3] != s[0] && s[3] != s[1]);
         assert_ne!(s[5], s[3]);
+    }
+
+    #[test]
+    fn products_of_one_input_share_a_joint_slot_until_their_last_reader() {
+        let w = |id, rows| WeightRef { rep: 1, id, rows, cols: 8, format: Format::Q8x32 };
+        let f32w = WeightRef { rep: 1, id: 9, rows: 8, cols: 8, format: Format::F32 };
+        let mm = |x, weight| Op::Matmul { x, weight, precision: program::Precision::Exact };
+        let ops = vec![
+            Op::Input { width: 8 },
+            mm(0, 0),
+            mm(0, 1),
+            mm(0, 2),
+            // Another format: not in the run.
+            mm(0, 3),
+            Op::Add(2, 3),
+            Op::Mul(1, 5),
+            Op::Scale { x: 6, by: 2.0 },
+            Op::Output(7),
+        ];
+        let p = check(ops, vec![w(1, 8), w(2, 8), w(3, 8), f32w], 0).unwrap();
+        assert_eq!(joint_runs(&p), vec![1..4]);
+        assert_eq!(joint_ids(&p, 1..4), vec![1, 2, 3]);
+        // Each product's first output at a multiple of the alignment (in values).
+        assert_eq!(joint_rows(&[8, 8, 8], 64), (vec![0, 64, 128], 192));
+        assert_eq!(joint_rows(&[1024, 256, 256], 64), (vec![0, 1024, 1280], 1536));
+        assert_eq!(joint_rows(&[3, 5], 4), (vec![0, 4], 12));
+        let share = [None, Some((1, 0)), Some((1, 256)), Some((1, 512)), None, None, None, None, None];
+        let lay = layout(&p, &fusions(&p), &share, &p.last_use, |i| if i == 1 { 768 } else { 32 });
+        let s = &lay.slot;
+        assert!(s[1] == s[2] && s[2] == s[3] && s[0] != s[1]);
+        assert_eq!((lay.offset[1], lay.offset[2], lay.offset[3]), (0, 256, 512));
+        assert_eq!(lay.bytes[s[1]], 768);
+        // Value 1 is read last by op 6: nothing made up to there takes the joint's slot.
+        assert!(s[4] != s[1] && s[5] != s[1] && s[6] != s[1]);
     }
 }

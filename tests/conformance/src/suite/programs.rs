@@ -303,10 +303,15 @@ fn vector(rng: &mut Rng, n: u32) -> Weight {
 
 /// Runs one program of no caches on a random batch and holds it to the reference.
 fn check_program(ctx: &mut Ctx, what: &str, weights: &[Weight], ops: &[Op], widths: &[u32], bound: f64) -> Check {
+    let batch = random_batch(&mut ctx.rng, 3, 5);
+    check_program_over(ctx, what, weights, ops, widths, bound, batch)
+}
+
+/// [`check_program`] over the given batch.
+fn check_program_over(ctx: &mut Ctx, what: &str, weights: &[Weight], ops: &[Op], widths: &[u32], bound: f64, batch: Vec<Seq>) -> Check {
     let handles: Vec<Handle> = weights.iter().map(upload).collect::<Check<_>>()?;
     let decoded: Vec<Decoded> = weights.iter().map(|w| w.decode()).collect();
     let p = create(what, &handles.iter().collect::<Vec<_>>(), 0, ops)?;
-    let batch = random_batch(&mut ctx.rng, 3, 5);
     let inputs: Vec<Vec<f32>> = widths.iter().map(|&w| ctx.rng.vector(rows(&batch) * w as usize)).collect();
     let none: Vec<Vec<KvCache>> = batch.iter().map(|_| Vec::new()).collect();
     let got = run(what, &p, &inputs, &seqs(&batch, &none))?;
@@ -333,6 +338,43 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
             let ops = [Op::Input(n_in), mm(0, 0, precision), Op::Output(1)];
             check_program(ctx, &format!("matmul of {} [{n_out}, {n_in}], {precision:?}", f.name()), &[w], &ops, &[n_in], bound)?;
             n += 1;
+        }
+    }
+    // Products of one input side by side (a host may run them as one), their values read by
+    // ops of two operands, by a product of their gated pair (a host may fuse the two) and by
+    // outputs, at one row and over a random batch.
+    for precision in [Precision::Exact, Precision::Fast] {
+        let f = Format::ALL[ctx.rng.range(0, Format::ALL.len() as u32 - 1) as usize];
+        let (k, m, n_in, j) = (ctx.rng.range(1, 70), 32 * ctx.rng.range(1, 3), f.block() * ctx.rng.range(1, 4), ctx.rng.range(1, 40));
+        let mut ws = [k, m, m].map(|n_out| Weight::random(f, n_out, n_in, &mut ctx.rng)).to_vec();
+        ws.push(Weight::random(Format::Q8x32, j, m, &mut ctx.rng));
+        let act = if precision == Precision::Exact { Activation::Silu } else { Activation::GeluTanh };
+        let bound = if precision == Precision::Exact { EXACT } else { FAST };
+        // Three products, their values read by outputs and a gated op (up before gate).
+        let three = [
+            Op::Input(n_in),
+            mm(0, 0, precision),
+            mm(0, 1, precision),
+            mm(0, 2, precision),
+            Op::Gated(GatedOp { gate: 3, up: 2, act }),
+            Op::Output(4),
+            Op::Output(1),
+            Op::Output(3),
+        ];
+        // Gate and up read by their gated op alone, which the down product alone reads.
+        let ffn = [
+            Op::Input(n_in),
+            mm(0, 1, precision),
+            mm(0, 2, precision),
+            Op::Gated(GatedOp { gate: 1, up: 2, act }),
+            mm(3, 3, precision),
+            Op::Output(4),
+        ];
+        for (what, ops) in [(format!("three products of {} [{k}|{m}|{m}, {n_in}] of one input", f.name()), &three[..]), (format!("a feed-forward block of {} [{m}, {n_in}] and q8x32 [{j}, {m}]", f.name()), &ffn[..])] {
+            let what = format!("{what}, {precision:?}");
+            check_program_over(ctx, &what, &ws, ops, &[n_in], bound, vec![Seq { rows: 1, start: 0 }])?;
+            check_program(ctx, &what, &ws, ops, &[n_in], bound)?;
+            n += 2;
         }
     }
     for _ in 0..3 {
@@ -365,7 +407,7 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
             n += 1;
         }
     }
-    Ok(format!("{n} programs of one op each: products of every format in both precisions, norms, sums, gates, rotations, last rows"))
+    Ok(format!("{n} programs of one op each: products of every format in both precisions, products of one input side by side, norms, sums, gates, rotations, last rows"))
 }
 
 /// `top-k` of inputs with ties and NaN: exactly the documented order.
