@@ -1618,6 +1618,28 @@ mod tests {
         assert!(whole.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4), "{whole:?} vs {want:?}");
     }
 
+    /// Joint weights (programs' products of one input) are made once per set of weights, are
+    /// forgotten when one of them is written or freed, and together never take more device
+    /// memory than the weights they are made of.
+    #[test]
+    fn joint_weights_stay_within_the_weights_they_copy() {
+        let Some(mut b) = backend("joint_weights_stay_within_the_weights_they_copy") else { return };
+        let ids: Vec<BufferId> = (0..3).map(|_| b.create(Format::Q8x32, 40, 64).unwrap()).collect();
+        let (joint, firsts) = b.joint(&ids[..2]).expect("a joint of two");
+        let align = b.x_align();
+        assert_eq!(firsts, vec![0, 40u32.div_ceil(align) * align]);
+        assert_eq!(b.joint(&ids[..2]).map(|j| j.0), Some(joint), "made once");
+        // Another joint of two would take more than the three weights hold together.
+        assert!(b.joint(&ids[1..]).is_none());
+        // Writing a weight forgets the joints made from it, and so makes room.
+        let row = vec![0u8; Format::Q8x32.data_bytes(64).unwrap() as usize];
+        b.write_rows(ids[0], 0, &row, &[1.0; 2]).unwrap();
+        assert!(!b.weights.contains_key(&joint) && b.joints.is_empty());
+        assert!(b.joint(&ids[1..]).is_some());
+        b.free(ids[2]);
+        assert!(b.joints.is_empty());
+    }
+
     /// Cooperative matrices (f16 inputs) serve `fast` products of at least WIDE_MIN_T rows
     /// where the adapter offers them, and never an `exact` one.
     #[test]

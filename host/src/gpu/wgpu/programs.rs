@@ -195,16 +195,13 @@ fn joint_ids(p: &Program, run: Range<usize>) -> Vec<BufferId> {
 /// The first row of each of the products of `rows` rows in a joint weight (each one's first
 /// output at a multiple of `align` values), and the joint's rows.
 fn joint_rows(rows: &[u32], align: u32) -> (Vec<u32>, u64) {
-    let mut at = 0u64;
-    let firsts = rows
-        .iter()
-        .map(|&r| {
-            let first = at;
-            at = (at + r as u64).div_ceil(align.max(1) as u64) * align.max(1) as u64;
-            first as u32
-        })
-        .collect();
-    (firsts, at)
+    let (mut firsts, mut end) = (Vec::with_capacity(rows.len()), 0u64);
+    for &r in rows {
+        let first = end.div_ceil(align.max(1) as u64) * align.max(1) as u64;
+        firsts.push(first as u32);
+        end = first + r as u64;
+    }
+    (firsts, end)
 }
 
 impl WgpuBackend {
@@ -229,6 +226,17 @@ impl WgpuBackend {
         let (row_data, row_scales) = (w0.row_quads as u64 * 16, w0.scale_row as u64 * 4);
         let max = self.info.max_weight_bytes;
         if rows > u32::MAX as u64 || rows * row_data > max || rows * row_scales > max {
+            return None;
+        }
+        // The joint weights together take at most the bytes of the weights the guest holds:
+        // however a guest combines its weights in programs, they at most double its memory.
+        let bytes = |w: &Weight| w.data.size() + w.scales.as_ref().map_or(0, |s| s.size());
+        let joints: Vec<BufferId> = self.joints.values().map(|(id, _)| *id).collect();
+        let (mut held, mut joined) = (0u64, rows * (row_data + row_scales));
+        for (id, w) in &self.weights {
+            *(if joints.contains(id) { &mut joined } else { &mut held }) += bytes(w);
+        }
+        if joined > held {
             return None;
         }
         let scopes = push_scopes(&self.device);
@@ -258,7 +266,7 @@ impl WgpuBackend {
 
     /// The values a product's first output is aligned to in a joint weight: where a binding
     /// may start, and where a product reading a gated pair with X_ACT looks for up (X_ALIGN).
-    fn x_align(&self) -> u32 {
+    pub(super) fn x_align(&self) -> u32 {
         self.limits.min_storage_buffer_offset_alignment.max(16) / 4
     }
 
@@ -720,9 +728,9 @@ mod tests {
         assert_eq!(joint_runs(&p), vec![1..4]);
         assert_eq!(joint_ids(&p, 1..4), vec![1, 2, 3]);
         // Each product's first output at a multiple of the alignment (in values).
-        assert_eq!(joint_rows(&[8, 8, 8], 64), (vec![0, 64, 128], 192));
+        assert_eq!(joint_rows(&[8, 8, 8], 64), (vec![0, 64, 128], 136));
         assert_eq!(joint_rows(&[1024, 256, 256], 64), (vec![0, 1024, 1280], 1536));
-        assert_eq!(joint_rows(&[3, 5], 4), (vec![0, 4], 12));
+        assert_eq!(joint_rows(&[3, 5], 4), (vec![0, 4], 9));
         let share = [None, Some((1, 0)), Some((1, 256)), Some((1, 512)), None, None, None, None, None];
         let lay = layout(&p, &fusions(&p), &share, &p.last_use, |i| if i == 1 { 768 } else { 32 });
         let s = &lay.slot;
