@@ -494,7 +494,6 @@ impl WgpuBackend {
         let mut out_at = 0u64;
         // The first dispatch not yet in a command, and the first not yet submitted.
         let (mut open, mut submitted) = (0, 0);
-        let submit_every = std::env::var("WISP_SUBMIT").ok().and_then(|v| v.parse().ok()).unwrap_or(SUBMIT_DISPATCHES);
         for (i, op) in p.ops.iter().enumerate() {
             if i > 0 && fuse[i - 1] != Fuse::No {
                 continue;
@@ -616,7 +615,7 @@ impl WgpuBackend {
                     out_at += n;
                 }
             }
-            if rec.dispatches.len() - submitted >= submit_every && i + 1 < p.ops.len() {
+            if rec.dispatches.len() - submitted >= SUBMIT_DISPATCHES && i + 1 < p.ops.len() {
                 rec.close_kernels(open);
                 open = rec.dispatches.len();
                 submitted = open;
