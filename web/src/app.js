@@ -258,6 +258,7 @@ async function golden({ gpu = $('gpu-mode').value, cases = ['capital', 'count', 
   return serial.run(async () => {
     setBusy(true);
     try {
+      const runsBefore = state.guest.gpu.programRuns();
       const outcomes = [];
       for (const c of chosen) {
         const t0 = performance.now();
@@ -266,7 +267,9 @@ async function golden({ gpu = $('gpu-mode').value, cases = ['capital', 'count', 
         outcomes.push(o);
         showGolden(outcomes, gpu);
       }
-      return { gpu, load, device: state.info.device ? state.info.device.name : null, outcomes };
+      // The guest's whole passes on the device: runs of its model's program.
+      const programRuns = state.guest.gpu.programRuns() - runsBefore;
+      return { gpu, load, device: state.info.device ? state.info.device.name : null, outcomes, programRuns };
     } finally {
       setBusy(false);
     }

@@ -9,12 +9,10 @@
 // `unavailable`), synchronous so that it also serves a guest transpiled without JSPI. The
 // conformance kit (conformance.js) runs against the same import object.
 
+import { checkBatch, checkProgram, MAX_CACHES, MAX_HEAD_DIM, MAX_SEQUENCES } from './program.js';
 import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
 
 export { openDevice } from './webgpu.js';
-
-/** The widest head `attention` accepts (MAX_HEAD_DIM of host/src/gpu/mod.rs). */
-const MAX_HEAD_DIM = 512;
 
 /** What one instance may hold and send, as the native host's `Budget::default()`. */
 export const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
@@ -33,7 +31,7 @@ const oom = (m) => err('out-of-memory', m);
 export function createGpu(opened, why = 'this host has no GPU', { budget: limits = BUDGET } = {}) {
   if (!opened?.device) return noDevice(why);
   const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes, opened.attention);
-  const state = { usedBytes: 0n, usedHandles: 0, lost: null };
+  const state = { usedBytes: 0n, usedHandles: 0, lost: null, programRuns: 0 };
   const handles = new WeakSet();
   const cacheHandles = new WeakSet();
 
@@ -108,6 +106,7 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
       }
       try {
         await backend.writeRows(w, firstRow, data, scales);
+        if (w.vector) w.vector.set(new Float32Array(data.slice().buffer));
         return ok(undefined);
       } catch (e) {
         return failure(e);
@@ -434,23 +433,94 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     }
   }
 
-  // Programs (wisp:llm@0.4.0) are not offered by this host yet: the contract allows
-  // `unavailable`, and the guest runs its recipe with the calls above.
-  const noPrograms = () => err('unavailable', 'the browser host does not offer programs yet');
+  // Programs (wit/gpu.wit's `program`): checked when made (program.js), run on the device
+  // (webgpu.js's `runProgram`), each run's batch checked first.
+  const programs = new WeakSet();
   class Program {
-    async run() { return noPrograms(); }
-    ops() { return 0; }
-    [Symbol.dispose]() {}
+    #p;
+    #weights;
+    constructor(p, weights) {
+      this.#p = p;
+      this.#weights = weights;
+      programs.add(this);
+    }
+
+    async run(inputs, batch) {
+      const bad = ready();
+      if (bad) return bad;
+      const p = this.#p;
+      if (!p || !programs.has(this)) return invalid('not a live program handle of this instance');
+      const runs = [];
+      for (let s = 0; s < Math.min(batch.length, MAX_SEQUENCES + 1); s++) {
+        const q = batch[s];
+        const caches = [];
+        for (let c = 0; c < Math.min(q.caches.length, MAX_CACHES + 1); c++) {
+          const k = KvCache.inner(q.caches[c]);
+          if (!k) return invalid(`sequence ${s}: cache ${c} is not a live kv-cache handle of this instance`);
+          caches.push(k);
+        }
+        runs.push({ rows: q.rows, start: q.start, caches });
+      }
+      if (batch.length > MAX_SEQUENCES) return invalid(`a batch of ${batch.length} sequences: 1 to ${MAX_SEQUENCES}`);
+      const weights = this.#weights.map((h) => Weight.inner(h));
+      const dropped = weights.findIndex((w) => !w);
+      if (dropped >= 0) return invalid(`weight ${dropped} of the program was dropped`);
+      const refused = checkBatch(p, inputs, runs, backend.info.maxActivationElements);
+      if (refused) return err(refused[0], refused[1]);
+      try {
+        const outputs = await backend.runProgram(p, weights, inputs, runs);
+        state.programRuns += 1;
+        return ok(outputs);
+      } catch (e) {
+        return failure(e);
+      }
+    }
+
+    ops() {
+      return this.#p?.ops.length ?? 0;
+    }
+
+    [Symbol.dispose]() {
+      if (!this.#p) return;
+      this.#p = null;
+      this.#weights = null;
+      state.usedHandles -= 1;
+    }
   }
-  async function createProgram() {
+
+  async function createProgram(weights, caches, ops) {
     const bad = ready();
-    return bad ?? noPrograms();
+    if (bad) return bad;
+    if (weights.length > limits.handles) return invalid(`${weights.length} weights exceed the limit of ${limits.handles} a program`);
+    const refs = [];
+    for (let i = 0; i < weights.length; i++) {
+      const w = Weight.inner(weights[i]);
+      if (!w) return invalid(`weight ${i}: not a live weight handle of this instance`);
+      refs.push({ nOut: w.nOut, nIn: w.nIn, format: w.format });
+    }
+    let p;
+    try {
+      p = checkProgram(ops, refs, caches);
+    } catch (why) {
+      return invalid(String(why));
+    }
+    const over = overBudget(0n);
+    if (over) return over;
+    try {
+      await backend.prepareProgram(p, refs);
+    } catch (e) {
+      return failure(e);
+    }
+    state.usedHandles += 1;
+    return ok(new Program(p, [...weights]));
   }
 
   return {
     imports: { Weight, KvCache, Program, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached, blocks, createProgram },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
+    /** Program runs that succeeded on this instance's device. */
+    programRuns: () => state.programRuns,
     info: backend.info,
     why: null,
     simulateDeviceLoss: () => backend.simulateDeviceLoss(),
@@ -493,6 +563,7 @@ function noDevice(why) {
       createProgram: unavailable,
     },
     usage: () => ({ bytes: 0, handles: 0 }),
+    programRuns: () => 0,
     info: null,
     why,
     simulateDeviceLoss: () => {},

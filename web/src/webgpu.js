@@ -3,7 +3,8 @@
 // bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan, and
 // the same shaders/attention.wgsl for `attention`; `blocks` records every decoder block of a
 // call in one command buffer, as host/src/gpu/wgpu/blocks.rs does (without its split over k:
-// the browser's products run `gemm`, whose tiles are small).
+// the browser's products run `gemm`, whose tiles are small), and `runProgram` a whole run of a
+// program, as host/src/gpu/wgpu/programs.rs does (without joint products).
 //
 // Weights live in storage buffers in their upload format (the shader decodes them); f32 and
 // bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. A `matmul`
@@ -12,6 +13,8 @@
 // grown across calls. Every piece of device work runs inside error scopes: a validation or
 // out-of-memory error becomes a `GpuError`; a lost device makes every later call `device-lost`.
 // Arguments are checked by gpu.js before they get here.
+
+import { firstKey, interpret, topK } from './program.js';
 
 /** Invocations in a workgroup (WG in the shader). */
 const WORKGROUP = 64;
@@ -33,6 +36,18 @@ const NORM_NONE = 4;
 const PAIR_KEEP = 8;
 // X_ACT in matmul.wgsl: how a product reads x (0: as it is; 1, 2: act(gate) * up, GELU or SiLU).
 const X_ACT = { none: 0, gelu_tanh: 1, silu: 2 };
+/** elementwise_rows's op codes (OP_* in the shader; programs.rs's too). */
+const OP_ADD = 0;
+const OP_MUL = 1;
+const OP_SCALE = 2;
+const OP_BIAS = 3;
+const OP_GELU_TANH = 4;
+const OP_SILU = 5;
+/** rms_norm_runs's flags (NORM_OP_* in the shader). */
+const NORM_OP_WEIGHT = 1;
+const NORM_OP_ADD = 2;
+const NORM_OP_ROTATE = 4;
+const NORM_OP_PAIRS = 8;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {
@@ -71,6 +86,51 @@ export class GpuError extends Error {
 }
 
 const alignUp = (n, a) => Math.ceil(n / a) * a;
+
+/** What each op of program `p` fuses with the next, as host/src/gpu/wgpu/programs.rs's
+ *  `fusions` says (the host's business, not the contract's): an rms-norm whose value only the
+ *  next op reads, when that op adds it to another value (`{ add: other }`) or turns its heads
+ *  (`{ table, pairs }`), is one `rms_norm_runs` (NORM_OP_ADD, NORM_OP_ROTATE); null otherwise. */
+function programFusions(p) {
+  return p.ops.map((op, i) => {
+    const next = p.ops[i + 1];
+    if (op.tag !== 'rms-norm' || !next || p.lastUse[i] !== i + 1) return null;
+    const v = next.val;
+    if ((next.tag === 'add') && ((v[0] === i) !== (v[1] === i))) return { add: v[0] === i ? v[1] : v[0] };
+    // (Not where the table is the norm's own value: the fused kernel never makes that.)
+    if (next.tag === 'rotate' && v.x === i && v.table !== i && v.headDim === op.val.group) return { table: v.table, pairs: v.rotation === 'pairs' };
+    return null;
+  });
+}
+
+/** The slot of each value of program `p` (-1 for ops that make none) and the bytes of each
+ *  slot (`size(i)` the bytes of value i, each slot a multiple of 16), as
+ *  host/src/gpu/wgpu/programs.rs's `layout` gives them without joint products: the inputs
+ *  first, each in a slot of its own (they are written before anything runs), then each other
+ *  value in the first slot whose value has had its last reader before it. */
+function programSlots(p, fuse, size) {
+  const slot = new Array(p.ops.length).fill(-1);
+  const held = [];
+  const inputs = [];
+  const others = [];
+  p.ops.forEach((op, i) => {
+    // The value of a fused pair is born at its first op: it never takes that op's operand's slot.
+    if (op.tag === 'input') inputs.push([0, i]);
+    else if (p.shapes[i]) others.push([i > 0 && fuse[i - 1] ? i - 1 : i, i]);
+  });
+  for (const [born, i] of [...inputs, ...others]) {
+    const bytes = alignUp(Math.max(size(i), 16), 16);
+    const s = held.findIndex((h) => h.until < born);
+    if (s >= 0) {
+      held[s] = { bytes: Math.max(held[s].bytes, bytes), until: p.lastUse[i] };
+      slot[i] = s;
+    } else {
+      held.push({ bytes, until: p.lastUse[i] });
+      slot[i] = held.length - 1;
+    }
+  }
+  return { slot, bytes: held.map((h) => h.bytes) };
+}
 // A dispatch's pipeline in a `pipelinesFor` map: its kernel, format and X_ACT.
 const pipelineKey = (d) => `${d.kernel} ${d.format} ${d.xAct ?? X_ACT.none}`;
 
@@ -308,7 +368,9 @@ export class WebGpuBackend {
       scales?.destroy();
       throw e;
     }
-    return { format, nOut, nIn, rowBytes, rowQuads, scaleRow, data, scales };
+    // An f32 vector's values (zeros until written) for programs run op by op (biases, norms).
+    const vector = format === 'f32' && nOut === 1 ? new Float32Array(nIn) : undefined;
+    return { format, nOut, nIn, rowBytes, rowQuads, scaleRow, data, scales, vector };
   }
 
   async writeRows(w, firstRow, data, scales) {
@@ -502,8 +564,8 @@ export class WebGpuBackend {
   }
 
   /** Writes each dispatch's parameters (a `paramsStride` each) into the scratch buffer `slot`
-   *  and makes a bind group of matmul.wgsl's layout for each step: `weights`, `scales`,
-   *  `input` ([buffer, bytes, offset (default 0)]) and `output` ([buffer, offset, bytes]).
+   *  and makes a bind group of matmul.wgsl's layout for each step: `weights`, `scales` (a
+   *  buffer, or [buffer, bytes]), `input` ([buffer, bytes, offset (default 0)]) and `output` ([buffer, offset, bytes]).
    *  Inside error scopes. */
   matmulGroups(slot, dispatches, steps) {
     const paramsBytes = this.paramsStride * dispatches.length;
@@ -517,7 +579,7 @@ export class WebGpuBackend {
       entries: [
         { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
         { binding: 1, resource: { buffer: st.weights } },
-        { binding: 2, resource: { buffer: st.scales } },
+        { binding: 2, resource: Array.isArray(st.scales) ? { buffer: st.scales[0], size: st.scales[1] } : { buffer: st.scales } },
         { binding: 3, resource: { buffer: st.input[0], offset: st.input[2] ?? 0, size: st.input[1] } },
         { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
       ],
@@ -622,16 +684,7 @@ export class WebGpuBackend {
   /** `attention-cached` (wit/gpu.wit): the new rows written into the ring (two runs where it
    *  wraps), then `attendOver` it, key j in row (firstKey + j) % slots. */
   async attentionCached(q, kNew, vNew, firstNew, c, firstKey, s) {
-    this.live();
-    const rows = kNew.length / c.width;
-    const start = firstNew % c.slots;
-    const head = Math.min(rows, c.slots - start);
-    await this.scoped(() => {
-      for (const [buf, data] of [[c.k, kNew], [c.v, vNew]]) {
-        if (head > 0) this.device.queue.writeBuffer(buf, start * c.width * 4, data.subarray(0, head * c.width));
-        if (rows > head) this.device.queue.writeBuffer(buf, 0, data.subarray(head * c.width));
-      }
-    });
+    await this.writeCache(c, firstNew, kNew, vNew);
     return this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, firstKey % c.slots, c.slots);
   }
 
@@ -725,6 +778,308 @@ export class WebGpuBackend {
     }
   }
 
+  /** The dispatches (split by rows past the workgroups a dimension) of a small kernel of
+   *  matmul.wgsl over `params[2]` rows, `groupsX` workgroups a row, with step `job`'s bind group. */
+  rows(kernel, job, params, groupsX, out) {
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    for (let r0 = 0; r0 < params[2]; r0 += maxDim) {
+      const p = params.slice();
+      p[6] = r0;
+      out.push({ job, kernel, format: 'f32', params: p, groups: [groupsX, Math.min(maxDim, params[2] - r0)] });
+    }
+  }
+
+  /** A command encoder holding `commands` in order: `{ copy: [src, from, dst, to, bytes] }`,
+   *  `{ kernels: [first, end] }` (dispatches of matmul.wgsl, each with its step's bind group
+   *  from `groups` and its parameters at its index), or `{ attention: i }` (`attend(pass, i)`
+   *  records it), in compute passes between the copies. */
+  encode(label, commands, dispatches, pipelines, groups, attend) {
+    const encoder = this.device.createCommandEncoder({ label });
+    let pass = null;
+    const open = () => (pass ??= encoder.beginComputePass({ label }));
+    for (const c of commands) {
+      if (c.copy) {
+        pass?.end();
+        pass = null;
+        const [src, from, dst, to, n] = c.copy;
+        encoder.copyBufferToBuffer(src, from, dst, to, n);
+      } else if (c.kernels) {
+        const p = open();
+        for (let i = c.kernels[0]; i < c.kernels[1]; i++) {
+          const d = dispatches[i];
+          p.setPipeline(pipelines.get(pipelineKey(d)));
+          p.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
+          p.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
+        }
+      } else {
+        attend(open(), c.attention);
+      }
+    }
+    pass?.end();
+    return encoder;
+  }
+
+  /** Writes rows of keys and values to a kv-cache's ring from position `first` (two runs where
+   *  it wraps). */
+  async writeCache(c, first, k, v) {
+    this.live();
+    const rows = k.length / c.width;
+    const start = first % c.slots;
+    const head = Math.min(rows, c.slots - start);
+    await this.scoped(() => {
+      for (const [buf, data] of [[c.k, k], [c.v, v]]) {
+        if (head > 0) this.device.queue.writeBuffer(buf, start * c.width * 4, data.subarray(0, head * c.width));
+        if (rows > head) this.device.queue.writeBuffer(buf, 0, data.subarray(head * c.width));
+      }
+    });
+  }
+
+  /** Builds the pipelines a run of program `p` (checked, its weights `refs`) can use, so that
+   *  its first run does not wait for them. */
+  async prepareProgram(p, refs) {
+    const wanted = new Set(['elementwise_rows f32', 'rms_norm_runs f32', 'rotate_rows f32', 'copy_rows f32']);
+    for (const op of p.ops) {
+      if (op.tag === 'matmul') for (const kernel of ['gemv', 'gemm']) wanted.add(`${kernel} ${refs[op.val.weight].format}`);
+    }
+    for (const key of wanted) {
+      const [kernel, format] = key.split(' ');
+      await this.pipeline(kernel, format);
+    }
+    if (p.ops.some((op) => op.tag === 'attention')) await this.attentionKernel();
+  }
+
+  /** Whether `runProgram` records `p` on the device: every product's x has rows of whole steps
+   *  (a multiple of 8 values), and each row of every kernel fits the device's workgroups. */
+  recordsProgram(p) {
+    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
+    const width = (a) => p.shapes[a]?.width ?? 0;
+    return p.ops.every((op, i) => {
+      if (Math.ceil(Math.max(width(i), op.tag === 'cache-write' ? width(op.val.k) : 0) / WORKGROUP) > maxDim) return false;
+      if (op.tag === 'matmul') return width(op.val.x) % 8 === 0;
+      if (op.tag === 'rms-norm') return width(i) / op.val.group <= maxDim;
+      return true;
+    });
+  }
+
+  /**
+   * Runs checked program `p` (program.js) over a checked batch (each sequence's caches
+   * resolved), its weights `weights`: the whole run in one command buffer, one readback of its
+   * outputs. Each value lives in a slot (a buffer kept across runs): the inputs each in their
+   * own, any other value in the first slot whose value has had its last reader. Products are
+   * `matmul`'s kernels, attention `attention-cached`'s over each sequence's cache (a batch of
+   * several sequences copies each one's queries to a buffer of their own and its outputs back),
+   * cache writes and last rows `copy_rows`, the rest the small kernels of matmul.wgsl; top-k is
+   * taken here from the row read back. A program `recordsProgram` refuses runs op by op
+   * (program.js's `interpret`).
+   */
+  async runProgram(p, weights, inputs, batch) {
+    this.live();
+    if (!this.recordsProgram(p)) {
+      const device = {
+        matmul: async (x, t, w) => (await this.matmul(x, t, weights[w].nIn, [weights[w]]))[0],
+        writeCache: (c, first, k, v) => this.writeCache(c, first, k, v),
+        attend: (q, c, first, s) => this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, first % c.slots, c.slots),
+      };
+      return interpret(p, device, weights.map((w) => w.vector), inputs, batch);
+    }
+    const total = batch.reduce((n, q) => n + q.rows, 0);
+    const rowsOf = (a) => (p.shapes[a]?.rows === 'sequence' ? batch.length : total);
+    const width = (a) => p.shapes[a]?.width ?? 0;
+    const bytesOf = (a) => 4 * rowsOf(a) * width(a);
+    const max = this.info.maxWeightBytes;
+    const single = batch.length === 1;
+
+    // Attention's plans: one a sequence. With one sequence the partial sums follow the outputs
+    // in the value's slot; with several, in the scratch output.
+    const plans = [];
+    const extra = new Array(p.ops.length).fill(0);
+    let qScratch = 16;
+    let outScratch = 16;
+    p.ops.forEach((op, i) => {
+      if (op.tag !== 'attention') return;
+      const v = op.val;
+      const w = width(v.q);
+      for (const q of batch) {
+        const c = q.caches[v.cache];
+        const first = firstKey(q.start, v.window);
+        const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };
+        const plan = this.attentionPlan(q.rows * w, shape, first % c.slots, c.slots);
+        plans.push(plan);
+        if (single) extra[i] = plan.outBytes - plan.qBytes;
+        qScratch = Math.max(qScratch, plan.qBytes);
+        outScratch = Math.max(outScratch, plan.outBytes);
+      }
+    });
+    const fuse = programFusions(p);
+    const slots = programSlots(p, fuse, (i) => bytesOf(i) + extra[i]);
+    let outBytes = 0;
+    for (const op of p.ops) if (op.tag === 'output' || op.tag === 'top-k') outBytes += bytesOf(op.tag === 'output' ? op.val : op.val.x);
+    if ([...slots.bytes, outBytes, qScratch, outScratch].some((b) => b > max)) {
+      throw new GpuError('out-of-memory', `a run of ${total} rows needs buffers past the device's limit of ${max} bytes`);
+    }
+    const kernels = plans.length ? await this.attentionKernel() : null;
+    const usage = GPUBufferUsage;
+    const valueUsage = usage.STORAGE | usage.COPY_SRC | usage.COPY_DST;
+    const held = await this.buffers([
+      ...slots.bytes.map((b, s) => [`program values ${s}`, b, valueUsage]),
+      ['program staging', outBytes, usage.MAP_READ | usage.COPY_DST],
+      ['program queries', single ? 16 : qScratch, valueUsage],
+      ['program attention', single ? 16 : outScratch, valueUsage],
+    ]);
+    const [staging, qb, ab] = held.slice(slots.bytes.length);
+    this.unread ??= this.device.createBuffer({ label: 'unread', size: 16, usage: usage.STORAGE });
+    const unread = this.unread;
+    const value = (a) => held[slots.slot[a]];
+    // A value's slot bound as far as the slot reaches (the buffer may be larger: a binding may not).
+    const whole = (a) => [value(a), slots.bytes[slots.slot[a]]];
+
+    const binds = [];
+    const dispatches = [];
+    const commands = [];
+    const attention = [];
+    const reads = [];
+    let outAt = 0;
+    let from = 0;
+    const kernelsFrom = () => {
+      if (dispatches.length > from) commands.push({ kernels: [from, dispatches.length] });
+      from = dispatches.length;
+    };
+    const bind = (weights, scales, input, output) => binds.push({ weights, scales, input, output }) - 1;
+    const bits = (f) => new Uint32Array(new Float32Array([f]).buffer)[0];
+    // A small kernel of matmul.wgsl from x (b from `scales`, a vector from `weights`) into op
+    // i's value, `groupsX` workgroups a row; params as host/src/gpu/wgpu/programs.rs sets them.
+    const small = (i, kernel, x, b, weights, params, groupsX) => {
+      const job = bind(weights ?? unread, b === null ? this.placeholder : whole(b), whole(x), [value(i), 0, whole(i)[1]]);
+      this.rows(kernel, job, params, groupsX, dispatches);
+    };
+    const ELEMENTWISE = { add: OP_ADD, mul: OP_MUL, 'gelu-tanh': OP_GELU_TANH, silu: OP_SILU };
+    let planAt = 0;
+    p.ops.forEach((op, i) => {
+      // Made by the op before, fused with it.
+      if (i > 0 && fuse[i - 1]) return;
+      const v = op.val;
+      const t = rowsOf(i);
+      const groups = Math.ceil(width(i) / WORKGROUP);
+      const elementwise = (code, by = 0) => [0, width(i), t, 0, 0, code, 0, bits(by)];
+      switch (op.tag) {
+        case 'matmul': {
+          const w = weights[v.weight];
+          const job = bind(w.data, w.scales || this.placeholder, [value(v.x), bytesOf(v.x)], [value(i), 0, bytesOf(i)]);
+          this.plan(job, w, t, width(v.x) / 4, dispatches);
+          break;
+        }
+        case 'rms-norm': {
+          const hasWeight = v.weight !== undefined && v.weight !== null;
+          const f = fuse[i];
+          const turns = f?.table !== undefined ? NORM_OP_ROTATE | (f.pairs ? NORM_OP_PAIRS : 0) : 0;
+          const flags = (hasWeight ? NORM_OP_WEIGHT : 0) | (f?.add !== undefined ? NORM_OP_ADD : 0) | turns;
+          const b = f ? f.add ?? f.table : null;
+          const turned = f?.table !== undefined ? width(f.table) : 0;
+          const params = [v.group, width(i), t, turned, flags, bits(v.eps), 0, bits(hasWeight ? v.offset : 1)];
+          const made = f ? i + 1 : i;
+          small(made, 'rms_norm_runs', v.x, b, hasWeight ? weights[v.weight].data : null, params, width(i) / v.group);
+          break;
+        }
+        case 'add':
+        case 'mul':
+          small(i, 'elementwise_rows', v[0], v[1], null, elementwise(ELEMENTWISE[op.tag]), groups);
+          break;
+        case 'scale':
+          small(i, 'elementwise_rows', v.x, null, null, elementwise(OP_SCALE, v.by), groups);
+          break;
+        case 'bias':
+          small(i, 'elementwise_rows', v.x, null, weights[v.weight].data, elementwise(OP_BIAS), groups);
+          break;
+        case 'gated':
+          small(i, 'elementwise_rows', v.gate, v.up, null, elementwise(ELEMENTWISE[v.act]), groups);
+          break;
+        case 'rotate':
+          small(i, 'rotate_rows', v.x, v.table, null, [width(v.table), width(i), t, v.headDim, v.rotation === 'pairs' ? 1 : 0, 0, 0, 0], groups);
+          break;
+        case 'cache-write': {
+          const w = width(v.k);
+          let row = 0;
+          for (const q of batch) {
+            const c = q.caches[v.cache];
+            for (const [src, to] of [[v.k, c.k], [v.v, c.v]]) {
+              const job = bind(unread, this.placeholder, whole(src), [to, 0, to.size]);
+              this.rows('copy_rows', job, [0, w, q.rows, row, q.start % c.slots, 0, 0, c.slots], Math.ceil(w / WORKGROUP), dispatches);
+            }
+            row += q.rows;
+          }
+          break;
+        }
+        case 'attention': {
+          kernelsFrom();
+          const w4 = 4 * width(v.q);
+          let row = 0;
+          for (const q of batch) {
+            const plan = plans[planAt++];
+            const c = q.caches[v.cache];
+            const n = q.rows * w4;
+            if (!single) commands.push({ copy: [value(v.q), row * w4, qb, 0, n] });
+            commands.push({ attention: attention.length });
+            attention.push({ plan, c, q: single ? value(v.q) : qb, out: single ? value(i) : ab });
+            if (!single) commands.push({ copy: [ab, 0, value(i), row * w4, n] });
+            row += q.rows;
+          }
+          break;
+        }
+        case 'last-rows': {
+          const w = width(v);
+          let end = 0;
+          batch.forEach((q, s) => {
+            end += q.rows;
+            small(i, 'copy_rows', v, null, null, [0, w, 1, end - 1, s, 0, 0, 0xffffffff], Math.ceil(w / WORKGROUP));
+          });
+          break;
+        }
+        case 'output':
+        case 'top-k': {
+          kernelsFrom();
+          const x = op.tag === 'output' ? v : v.x;
+          commands.push({ copy: [value(x), 0, staging, outAt, bytesOf(x)] });
+          reads.push([outAt, bytesOf(x) / 4, op.tag === 'top-k' ? v.k : 0, width(x)]);
+          outAt += bytesOf(x);
+          break;
+        }
+      }
+    });
+    kernelsFrom();
+
+    const pipelines = await this.pipelinesFor(dispatches);
+    try {
+      return await this.scoped(async () => {
+        let input = 0;
+        p.ops.forEach((op, i) => {
+          if (op.tag === 'input') this.device.queue.writeBuffer(value(i), 0, inputs[input++]);
+        });
+        const groups = this.matmulGroups('program params', dispatches, binds);
+        const attnAt = [];
+        let attnBytes = 0;
+        for (const a of attention) {
+          attnAt.push(attnBytes);
+          attnBytes += a.plan.shapes.byteLength;
+        }
+        const attnParams = this.ensure('program attention params', Math.max(attnBytes, 16), usage.UNIFORM | usage.COPY_DST);
+        const attnGroups = attention.map((a, j) => {
+          this.device.queue.writeBuffer(attnParams, attnAt[j], a.plan.shapes);
+          return this.attentionGroup(kernels.layout, a.plan, attnParams, a.q, a.c.k, a.c.v, a.c.slots * a.c.width * 4, a.out);
+        });
+        const attend = (pass, j) => this.recordAttention(pass, attention[j].plan, kernels, attnGroups[j], attnAt[j]);
+        this.device.queue.submit([this.encode('program', commands, dispatches, pipelines, groups, attend).finish()]);
+        const got = await this.readBack(staging, outBytes, reads.map(([at, n]) => [at, n]));
+        return got.map((y, j) => {
+          const [, , k, w] = reads[j];
+          return k ? topK(y, w, k) : { tag: 'rows', val: y };
+        });
+      });
+    } catch (e) {
+      this.dropScratch();
+      throw e;
+    }
+  }
+
   /** `blocks` (wit/gpu.wit), as host/src/gpu/wgpu/blocks.rs runs it: every block of the call
    *  in one command buffer (compute passes between the copies of the new keys and values into
    *  the caches' rings), one readback of x (and, with `returnKv`, of every block's keys and
@@ -787,14 +1142,7 @@ export class WebGpuBackend {
     const kernelsFrom = (from) => {
       if (dispatches.length > from) commands.push({ kernels: [from, dispatches.length] });
     };
-    // One dispatch (split by rows) of a small kernel: `groupsX` workgroups a row.
-    const small = (kernel, job, params, groupsX) => {
-      for (let r0 = 0; r0 < params[2]; r0 += maxDim) {
-        const p = params.slice();
-        p[6] = r0;
-        dispatches.push({ job, kernel, format: 'f32', params: p, groups: [groupsX, Math.min(maxDim, params[2] - r0)] });
-      }
-    };
+    const small = (kernel, job, params, groupsX) => this.rows(kernel, job, params, groupsX, dispatches);
     const unread = [tables, 16];
     const epsBits = new Uint32Array(new Float32Array([s.eps]).buffer)[0];
     // norm_rows over the t rows of the residual stream: x += norm(input) * w (input: [buffer,
@@ -897,29 +1245,8 @@ export class WebGpuBackend {
           const c = blocks[l].cache;
           return this.attentionGroup(kernels.layout, p, attnParams, qb, c.k, c.v, c.slots * c.width * 4, ab);
         });
-        const encoder = this.device.createCommandEncoder({ label: 'blocks' });
-        let pass = null;
-        const open = () => (pass ??= encoder.beginComputePass({ label: 'blocks' }));
-        for (const c of commands) {
-          if (c.copy) {
-            pass?.end();
-            pass = null;
-            const [src, from, dst, to, n] = c.copy;
-            encoder.copyBufferToBuffer(src, from, dst, to, n);
-          } else if (c.kernels) {
-            const p = open();
-            for (let i = c.kernels[0]; i < c.kernels[1]; i++) {
-              const d = dispatches[i];
-              p.setPipeline(pipelines.get(pipelineKey(d)));
-              p.setBindGroup(0, groups[d.job], [i * this.paramsStride]);
-              p.dispatchWorkgroups(d.groups[0], d.groups[1], 1);
-            }
-          } else {
-            this.recordAttention(open(), plans[c.attention], kernels, attention[c.attention], attnAt[c.attention]);
-          }
-        }
-        pass?.end();
-        this.device.queue.submit([encoder.finish()]);
+        const attend = (pass, l) => this.recordAttention(pass, plans[l], kernels, attention[l], attnAt[l]);
+        this.device.queue.submit([this.encode('blocks', commands, dispatches, pipelines, groups, attend).finish()]);
         const reads = [[0, t * e]];
         if (returnKv) {
           for (let l = 0; l < 2 * blocks.length; l++) reads.push([xBytes + l * kvRun, t * nkv]);

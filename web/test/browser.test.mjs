@@ -155,6 +155,9 @@ describe('in Chromium with WebGPU and JSPI', () => {
       assert.ok(o.stats.gpuCalls > 0, `${o.name}: GPU on, yet no GPU call`);
       assert.equal(o.stats.cpuMatmuls, 0, `${o.name}: GPU on, yet matmuls on the CPU`);
     }
+    // The whole passes ran as runs of the model's program on the browser host.
+    t.diagnostic(`${r.programRuns} program runs`);
+    assert.ok(r.programRuns >= r.outcomes.length, `only ${r.programRuns} program runs for ${r.outcomes.length} cases`);
     t.diagnostic(elapsed());
   });
 

@@ -132,12 +132,17 @@ describe('the kit in Chromium against the WebGPU host', () => {
       assert.ok(c?.passed, `matmul-${f} did not pass: ${c?.message}`);
       assert.ok(c.maxError > 0, `matmul-${f} compared no product`);
     }
-    // The browser host offers ffn, attention, kv-caches and blocks (the same shaders): they
-    // must pass, not skip.
-    for (const name of ['ffn', 'attention', 'kv-cache', 'blocks', 'hostile-ffn', 'hostile-attention', 'hostile-kv-cache', 'hostile-blocks']) {
+    // The browser host offers ffn, attention, kv-caches, blocks and programs (the same
+    // shaders): they must pass, not skip; no case of the kit skips on a device.
+    const offered = ['ffn', 'attention', 'kv-cache', 'blocks', 'hostile-ffn', 'hostile-attention', 'hostile-kv-cache', 'hostile-blocks'];
+    const programs = ['program-ops', 'program-top-k', 'program-attention', 'program-decoder', 'program-lifetimes', 'hostile-programs', 'hostile-program-runs'];
+    assert.deepEqual(r.results.filter((c) => c.skipped).map((c) => `${c.name}: ${c.message}`), [], 'cases skipped on the browser host');
+    for (const name of [...offered, ...programs]) {
       const c = r.results.find((x) => x.name === name);
       assert.ok(c?.passed, `${name} did not pass on the browser host: ${c?.message}`);
-      if (!name.startsWith('hostile')) assert.ok(c.maxError > 0, `${name} compared nothing`);
+      // (top-k and the lifetimes case compare exactly: no error to report.)
+      const exact = ['program-top-k', 'program-lifetimes'];
+      if (!name.startsWith('hostile') && !exact.includes(name)) assert.ok(c.maxError > 0, `${name} compared nothing`);
     }
     assert.ok(r.results.find((x) => x.name === 'host-usage-after-kit').passed);
     t.diagnostic(`${r.results.length} cases, as many as ${from}`);

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 const MATMUL: &str = include_str!("../../../../shaders/matmul.wgsl");
 const ATTENTION: &str = include_str!("../../../../shaders/attention.wgsl");
 const WEBGPU: &str = include_str!("../../../../web/src/webgpu.js");
+const PROGRAM_JS: &str = include_str!("../../../../web/src/program.js");
 
 /// Every `const NAME: u32 = Nu;` of a WGSL source.
 fn wgsl_consts(src: &str) -> HashMap<String, u64> {
@@ -46,12 +47,12 @@ fn rust_fields(debug: &str) -> Vec<String> {
     body.split(',').filter_map(|f| f.split_once(':').map(|(n, _)| n.trim().to_string())).collect()
 }
 
-/// Every top-level `const NAME = <integer expression>;` of a JS source: integers, `a ** b`
-/// and `a << b`.
+/// Every top-level `const NAME = <integer expression>;` of a JS source (exported or not):
+/// integers, `a ** b` and `a << b`.
 fn js_consts(src: &str) -> HashMap<String, u64> {
     let mut out = HashMap::new();
     for line in src.lines() {
-        let Some(rest) = line.strip_prefix("const ") else { continue };
+        let Some(rest) = line.strip_prefix("export ").unwrap_or(line).strip_prefix("const ") else { continue };
         let Some((name, expr)) = rest.split_once(" = ") else { continue };
         let expr = expr.trim_end_matches(';');
         let num = |s: &str| s.trim().parse::<u64>().ok();
@@ -123,7 +124,7 @@ fn the_browser_hosts_constants_are_rusts() {
         ("NORM_NONE", super::blocks::NORM_NONE as u64),
         ("PAIR_KEEP", super::blocks::PAIR_KEEP as u64),
     ];
-    for &(name, v) in want {
+    for &(name, v) in want.iter().chain(super::programs::SHADER_CONSTANTS) {
         assert_eq!(js.get(name), Some(&v), "{name} in web/src/webgpu.js");
     }
     let acts = js_object(WEBGPU, "X_ACT");
@@ -141,6 +142,22 @@ fn the_browser_hosts_constants_are_rusts() {
 }
 
 #[test]
+fn the_browser_hosts_program_limits_are_rusts() {
+    use crate::gpu::program;
+    let js = js_consts(PROGRAM_JS);
+    let want: &[(&str, u64)] = &[
+        ("MAX_OPS", program::MAX_OPS as u64),
+        ("MAX_CACHES", program::MAX_CACHES as u64),
+        ("MAX_SEQUENCES", program::MAX_SEQUENCES as u64),
+        ("MAX_TOP_K", program::MAX_TOP_K as u64),
+        ("MAX_HEAD_DIM", crate::gpu::MAX_HEAD_DIM as u64),
+    ];
+    for &(name, v) in want {
+        assert_eq!(js.get(name), Some(&v), "{name} in web/src/program.js");
+    }
+}
+
+#[test]
 fn the_parsers_see_what_they_should() {
     // A constant or field the parsers skipped would pass the checks above vacuously.
     assert!(wgsl_consts(MATMUL).len() >= 20);
@@ -148,4 +165,5 @@ fn the_parsers_see_what_they_should() {
     assert_eq!(js_consts("const A = 2 ** 3;\nconst B = 1 << 4;\nconst C = 7;\n  const D = 1;")["A"], 8);
     assert_eq!(js_consts("const B = 1 << 4;")["B"], 16);
     assert!(!js_consts("  const D = 1;").contains_key("D"));
+    assert_eq!(js_consts("export const E = 5;")["E"], 5);
 }

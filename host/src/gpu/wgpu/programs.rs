@@ -107,7 +107,8 @@ fn fusions(p: &Program) -> Vec<Fuse> {
         }
         fuse[i] = match pair[1] {
             Op::Add(a, b) if (a == i) != (b == i) => Fuse::Add { other: if a == i { b } else { a } },
-            Op::Rotate { x, table, head_dim, rotation } if x == i && head_dim == group => Fuse::Rotate { table, rotation },
+            // Not by the norm's own value: the fused kernel never makes that.
+            Op::Rotate { x, table, head_dim, rotation } if x == i && table != i && head_dim == group => Fuse::Rotate { table, rotation },
             _ => Fuse::No,
         };
     }
@@ -700,6 +701,14 @@ mod tests {
         assert_eq!(fuse[4], Fuse::Rotate { table: 1, rotation: Rotation::Pairs });
         // Both operands of the add are the norm's: nothing to add it to.
         assert_eq!(fuse[6], Fuse::No);
+        // A rotation by the norm's own value: the fused kernel would read a value never made.
+        let own = vec![
+            Op::Input { width: 8 },
+            Op::RmsNorm { x: 0, weight: None, offset: 0.0, group: 8, eps: 1e-6 },
+            Op::Rotate { x: 1, table: 1, head_dim: 8, rotation: Rotation::Halves },
+            Op::Output(2),
+        ];
+        assert_eq!(fusions(&check(own, vec![], 0).unwrap())[1], Fuse::No);
         let s = layout(&p, &fuse, &[], &p.last_use, |_| 32).slot;
         // Input 0 is read by the norm alone, yet the add's value (the pair's) is not put there.
         assert!(s[3] != s[0] && s[3] != s[1]);

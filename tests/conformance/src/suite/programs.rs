@@ -405,6 +405,11 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
             let ops = [Op::Input(width), Op::Input(rot), Op::Rotate(RotateOp { x: 0, table: 1, head_dim: hd, rotation }), Op::Output(2)];
             check_program(ctx, &format!("rotate {rotation:?} of {heads} heads of {hd}, {rot} turned"), &[], &ops, &[width, rot], EXACT)?;
             n += 1;
+            // A head normed, then turned by its own values (a host fusing a norm with the
+            // rotation after it must not fuse this one).
+            let own = [Op::Input(hd), Op::RmsNorm(NormOp { x: 0, weight: None, offset: 0.0, group: hd, eps }), Op::Rotate(RotateOp { x: 1, table: 1, head_dim: hd, rotation }), Op::Output(2)];
+            check_program(ctx, &format!("a head of {hd} normed, then turned {rotation:?} by its own values"), &[], &own, &[hd], EXACT)?;
+            n += 1;
         }
     }
     Ok(format!("{n} programs of one op each: products of every format in both precisions, products of one input side by side, norms, sums, gates, rotations, last rows"))
