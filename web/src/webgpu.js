@@ -29,6 +29,12 @@ const DISPATCH_MACS = 2 ** 28;
 const WRITE_CHUNK = 64 << 20;
 /** Size of `Params` in the shader, and of `Shape` in attention.wgsl. */
 const PARAMS_BYTES = 32;
+/** matmul.wgsl's `Params`, field by field in order (layout_checks holds it to the Rust struct). */
+const PARAMS_FIELDS = ['nIn', 'nOut', 't', 'rowQuads', 'scaleRow', 'rowBase', 'tBase', 'xStride'];
+const T_FIELD = PARAMS_FIELDS.indexOf('t');
+const T_BASE_FIELD = PARAMS_FIELDS.indexOf('tBase');
+/** A dispatch's parameters from their names (a field not named is 0). */
+const paramsOf = (named) => PARAMS_FIELDS.map((f) => named[f] ?? 0);
 const SHAPE_BYTES = 48;
 /** `norm_rows` flags (NORM_* in the shader). */
 const NORM_NONE = 4;
@@ -414,8 +420,7 @@ export class WebGpuBackend {
       const ny = Math.min(gy, gyTotal - y0);
       for (let x0 = 0; x0 < gxTotal; x0 += gx) {
         const nx = Math.min(gx, gxTotal - x0);
-        // Params: n_in, n_out, t, row_quads, scale_row, row_base, t_base, x_stride.
-        const params = [w.nIn, w.nOut, t, w.rowQuads, w.scaleRow, x0 * rowsPerGroup, y0 * tPerGroup, xQuads];
+        const params = paramsOf({ nIn: w.nIn, nOut: w.nOut, t, rowQuads: w.rowQuads, scaleRow: w.scaleRow, rowBase: x0 * rowsPerGroup, tBase: y0 * tPerGroup, xStride: xQuads });
         out.push({ job, kernel, format: w.format, params, groups: [nx, ny] });
       }
     }
@@ -544,8 +549,8 @@ export class WebGpuBackend {
     this.plan(1, up, t, xElems / 4, dispatches);
     const kernel = act === 'silu' ? 'gate_silu' : 'gate_gelu';
     for (let t0 = 0; t0 < t; t0 += maxDim) {
-      // Params: n_in, n_out (the hidden width), t, -, -, row_base (up's first element), t_base, x_stride.
-      const params = [nFf, nFf, t, 0, 0, upAt / 4, t0, hElems / 4];
+      // The hidden width in n_in and n_out, up's first element in row_base.
+      const params = paramsOf({ nIn: nFf, nOut: nFf, t, rowBase: upAt / 4, tBase: t0, xStride: hElems / 4 });
       dispatches.push({ job: 2, kernel, format: 'f32', params, groups: [groupsX, Math.min(maxDim, t - t0)] });
     }
     this.plan(3, down, t, hElems / 4, dispatches);
@@ -779,13 +784,15 @@ export class WebGpuBackend {
   }
 
   /** The dispatches (split by rows past the workgroups a dimension) of a small kernel of
-   *  matmul.wgsl over `params[2]` rows, `groupsX` workgroups a row, with step `job`'s bind group. */
+   *  matmul.wgsl over the `t` rows of `params` (in PARAMS_FIELDS order), `groupsX` workgroups a
+   *  row, with step `job`'s bind group. */
   rows(kernel, job, params, groupsX, out) {
     const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
-    for (let r0 = 0; r0 < params[2]; r0 += maxDim) {
+    const t = params[T_FIELD];
+    for (let r0 = 0; r0 < t; r0 += maxDim) {
       const p = params.slice();
-      p[6] = r0;
-      out.push({ job, kernel, format: 'f32', params: p, groups: [groupsX, Math.min(maxDim, params[2] - r0)] });
+      p[T_BASE_FIELD] = r0;
+      out.push({ job, kernel, format: 'f32', params: p, groups: [groupsX, Math.min(maxDim, t - r0)] });
     }
   }
 
@@ -960,7 +967,8 @@ export class WebGpuBackend {
       const v = op.val;
       const t = rowsOf(i);
       const groups = Math.ceil(width(i) / WORKGROUP);
-      const elementwise = (code, by = 0) => [0, width(i), t, 0, 0, code, 0, bits(by)];
+      // elementwise_rows: the op's code in row_base, scale's factor in x_stride.
+      const elementwise = (code, by = 0) => paramsOf({ nOut: width(i), t, rowBase: code, xStride: bits(by) });
       switch (op.tag) {
         case 'matmul': {
           const w = weights[v.weight];
@@ -975,7 +983,9 @@ export class WebGpuBackend {
           const flags = (hasWeight ? NORM_OP_WEIGHT : 0) | (f?.add !== undefined ? NORM_OP_ADD : 0) | turns;
           const b = f ? f.add ?? f.table : null;
           const turned = f?.table !== undefined ? width(f.table) : 0;
-          const params = [v.group, width(i), t, turned, flags, bits(v.eps), 0, bits(hasWeight ? v.offset : 1)];
+          // rms_norm_runs: runs of n_in, the table's width in row_quads, flags in scale_row, eps
+          // in row_base, the offset in x_stride.
+          const params = paramsOf({ nIn: v.group, nOut: width(i), t, rowQuads: turned, scaleRow: flags, rowBase: bits(v.eps), xStride: bits(hasWeight ? v.offset : 1) });
           const made = f ? i + 1 : i;
           small(made, 'rms_norm_runs', v.x, b, hasWeight ? weights[v.weight].data : null, params, width(i) / v.group);
           break;
@@ -994,7 +1004,9 @@ export class WebGpuBackend {
           small(i, 'elementwise_rows', v.gate, v.up, null, elementwise(ELEMENTWISE[v.act]), groups);
           break;
         case 'rotate':
-          small(i, 'rotate_rows', v.x, v.table, null, [width(v.table), width(i), t, v.headDim, v.rotation === 'pairs' ? 1 : 0, 0, 0, 0], groups);
+          // rotate_rows: the table's width in n_in, heads of row_quads, pairs (1) or halves (0) in scale_row.
+          const turn = paramsOf({ nIn: width(v.table), nOut: width(i), t, rowQuads: v.headDim, scaleRow: v.rotation === 'pairs' ? 1 : 0 });
+          small(i, 'rotate_rows', v.x, v.table, null, turn, groups);
           break;
         case 'cache-write': {
           const w = width(v.k);
@@ -1003,7 +1015,9 @@ export class WebGpuBackend {
             const c = q.caches[v.cache];
             for (const [src, to] of [[v.k, c.k], [v.v, c.v]]) {
               const job = bind(unread, this.placeholder, whole(src), [to, 0, to.size]);
-              this.rows('copy_rows', job, [0, w, q.rows, row, q.start % c.slots, 0, 0, c.slots], Math.ceil(w / WORKGROUP), dispatches);
+              // copy_rows: x's rows from row_quads to the ring's rows from scale_row, of x_stride.
+              const copy = paramsOf({ nOut: w, t: q.rows, rowQuads: row, scaleRow: q.start % c.slots, xStride: c.slots });
+              this.rows('copy_rows', job, copy, Math.ceil(w / WORKGROUP), dispatches);
             }
             row += q.rows;
           }
@@ -1030,7 +1044,8 @@ export class WebGpuBackend {
           let end = 0;
           batch.forEach((q, s) => {
             end += q.rows;
-            small(i, 'copy_rows', v, null, null, [0, w, 1, end - 1, s, 0, 0, 0xffffffff], Math.ceil(w / WORKGROUP));
+            // copy_rows: the sequence's last row to row s (a ring of 2^32 - 1 rows never wraps).
+            small(i, 'copy_rows', v, null, null, paramsOf({ nOut: w, t: 1, rowQuads: end - 1, scaleRow: s, xStride: 0xffffffff }), Math.ceil(w / WORKGROUP));
           });
           break;
         }
@@ -1150,12 +1165,12 @@ export class WebGpuBackend {
     const norm = (w, input) => {
       const job = bind(w ? w.data : tables, this.placeholder, input, [xb, 0, xBytes]);
       const flags = w ? 0 : NORM_NONE;
-      // Params: n_in, n_out (output stride), t (rows), row_quads (input stride), flags, eps.
-      small('norm_rows', job, [e, e, t, e, flags, epsBits, 0, 0], 1);
+      // The output's stride in n_out, the input's in row_quads, flags in scale_row, eps in row_base.
+      small('norm_rows', job, paramsOf({ nIn: e, nOut: e, t, rowQuads: e, scaleRow: flags, rowBase: epsBits }), 1);
     };
     const bias = (w, output, n) => {
       if (!w) return;
-      small('bias_rows', bind(w.data, this.placeholder, unread, output), [n, n, t, 0, 0, 0, 0, 0], Math.ceil(n / WORKGROUP));
+      small('bias_rows', bind(w.data, this.placeholder, unread, output), paramsOf({ nIn: n, nOut: n, t }), Math.ceil(n / WORKGROUP));
     };
     // Each head of `output` turned by table `table`, first given its bias `b` where there is
     // one, then normed by `w` where there is one: the bias and the rotation in one kernel
@@ -1166,7 +1181,7 @@ export class WebGpuBackend {
       const withBias = !w && b;
       const weights = w ? w.data : withBias ? b.data : tables;
       const job = bind(weights, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
-      const params = [hd, heads, t, withBias ? 1 : 0, s.rotation === 'pairs' ? 1 : 0, epsBits, 0, 0];
+      const params = paramsOf({ nIn: hd, nOut: heads, t, rowQuads: withBias ? 1 : 0, scaleRow: s.rotation === 'pairs' ? 1 : 0, rowBase: epsBits });
       if (w) small('norm_rope_rows', job, params, heads);
       else small('rope_rows', job, params, Math.ceil((heads * hd) / 2 / WORKGROUP));
     };
@@ -1175,8 +1190,8 @@ export class WebGpuBackend {
     const normPair = (first, second, input) => {
       const flags = (first ? 0 : NORM_NONE) | (input ? 0 : PAIR_KEEP);
       const job = bind(first ? first.data : tables, second.data, input ?? unread, [xb, 0, hAt + xBytes]);
-      // Params: n_in, n_out (row stride), t, row_quads (h's first element), flags, eps.
-      small('norm_pair_rows', job, [e, e, t, hAt / 4, flags, epsBits, 0, 1], 1);
+      // The row stride in n_out, h's first element in row_quads, flags in scale_row, eps in row_base.
+      small('norm_pair_rows', job, paramsOf({ nIn: e, nOut: e, t, rowQuads: hAt / 4, scaleRow: flags, rowBase: epsBits, xStride: 1 }), 1);
     };
     const hIn = [xb, xBytes, hAt];
     const product = (w, input, output, xQuads, xAct = X_ACT.none) => {

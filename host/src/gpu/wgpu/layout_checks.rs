@@ -142,6 +142,23 @@ fn the_browser_hosts_constants_are_rusts() {
 }
 
 #[test]
+fn the_browser_hosts_params_are_rusts() {
+    // `const PARAMS_FIELDS = ['nIn', ...];`: the Rust field names in camel case, in order.
+    let line = WEBGPU.lines().find(|l| l.starts_with("const PARAMS_FIELDS = [")).expect("PARAMS_FIELDS in web/src/webgpu.js");
+    let js: Vec<String> = line[line.find('[').unwrap() + 1..line.rfind(']').unwrap()]
+        .split(',')
+        .map(|f| f.trim().trim_matches('\'').to_string())
+        .collect();
+    let camel = |snake: &str| {
+        let mut parts = snake.split('_');
+        let first = parts.next().unwrap_or("").to_string();
+        parts.fold(first, |acc, p| acc + &p[..1].to_uppercase() + &p[1..])
+    };
+    let rust: Vec<String> = rust_fields(&format!("{:?}", <Params as bytemuck::Zeroable>::zeroed())).iter().map(|f| camel(f)).collect();
+    assert_eq!(js, rust);
+}
+
+#[test]
 fn the_browser_hosts_program_limits_are_rusts() {
     use crate::gpu::program;
     let js = js_consts(PROGRAM_JS);
