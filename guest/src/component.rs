@@ -3,9 +3,7 @@
 
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
-use crate::dispatch::{
-    self, AttentionShape, BlocksOut, BlocksShape, DeviceBlock, DeviceError, DeviceLimits, DeviceSequence, Format, Mode,
-};
+use crate::dispatch::{self, AttentionShape, DeviceError, DeviceLimits, DeviceSequence, Format, Mode};
 use crate::program::{Op, Rotation};
 use crate::chat;
 use crate::constraint::Spec;
@@ -134,61 +132,6 @@ impl dispatch::Device for HostGpu {
         let cs = self.caches.borrow();
         let c = kv_cache(&cs, cache)?;
         Ok(gpu::attention_cached(q, k_new, v_new, first_new, c, first_key, wit_shape(s))?)
-    }
-
-    fn blocks(
-        &self,
-        x: &[f32],
-        t: u32,
-        pos: u32,
-        blocks: &[DeviceBlock],
-        shape: &BlocksShape,
-        rope: &[Vec<f32>],
-        return_kv: bool,
-    ) -> Result<BlocksOut, DeviceError> {
-        let (ws, cs) = (self.weights.borrow(), self.caches.borrow());
-        let w = |id: usize| weight(&ws, id);
-        let ow = |id: Option<usize>| id.map(w).transpose();
-        let mut call = Vec::with_capacity(blocks.len());
-        for b in blocks {
-            let i = &b.ids;
-            call.push(gpu::Block {
-                attn_norm: w(i.attn_norm)?,
-                wq: w(i.wq)?,
-                wk: w(i.wk)?,
-                wv: w(i.wv)?,
-                q_bias: ow(i.q_bias)?,
-                k_bias: ow(i.k_bias)?,
-                v_bias: ow(i.v_bias)?,
-                q_norm: ow(i.q_norm)?,
-                k_norm: ow(i.k_norm)?,
-                wo: w(i.wo)?,
-                o_bias: ow(i.o_bias)?,
-                post_attn_norm: ow(i.post_attn_norm)?,
-                ffn_norm: w(i.ffn_norm)?,
-                gate: w(i.gate)?,
-                up: w(i.up)?,
-                down: w(i.down)?,
-                post_ffn_norm: ow(i.post_ffn_norm)?,
-                cache: kv_cache(&cs, b.cache)?,
-                window: b.window,
-                rope: b.rope,
-            });
-        }
-        let shape = gpu::BlocksShape {
-            n_head: shape.n_head,
-            n_head_kv: shape.n_head_kv,
-            head_dim: shape.head_dim,
-            eps: shape.eps,
-            scale: shape.scale,
-            act: match shape.act {
-                Act::GeluTanh => gpu::Activation::GeluTanh,
-                Act::Silu => gpu::Activation::Silu,
-            },
-            rotation: if shape.pairs { gpu::Rotation::Pairs } else { gpu::Rotation::Halves },
-        };
-        let out = gpu::blocks(x, t, pos, &call, shape, rope, return_kv)?;
-        Ok(BlocksOut { x: out.x, keys: out.keys, values: out.values })
     }
 
     fn create_program(&self, weights: &[usize], caches: u32, ops: &[Op]) -> Result<usize, DeviceError> {

@@ -210,7 +210,6 @@ impl Model {
                 lost: Default::default(),
                 no_attention: Default::default(),
                 no_kv_cache: Default::default(),
-                no_blocks: Default::default(),
                 no_programs: Default::default(),
                 cpu_attention: Default::default(),
                 device_attention: Default::default(),
@@ -222,21 +221,11 @@ impl Model {
             (Some(gpu), Arch::Phi3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
             (None, _) => 0,
         };
-        // The device's whole-model paths, where it holds every product: the model's program,
-        // else `blocks` (the calls of 0.3, for hosts without programs).
+        // The device's whole-model path, where it holds every product: the model's program.
         match (&gpu, &mut arch) {
-            (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_program(gpu);
-                weights.place_blocks(gpu);
-            }
-            (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_program(gpu);
-                weights.place_blocks(gpu);
-            }
-            (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => {
-                weights.place_program(gpu);
-                weights.place_blocks(gpu);
-            }
+            (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
+            (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
+            (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
             _ => {}
         }
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;

@@ -149,8 +149,8 @@ fn every_golden_case_passes_on_wgpu() {
     eprintln!("device {:?}, {} weights resident", info.device, info.gpu_weights);
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
     let (stats, decode_attention) = device_calls(&mut inst, m);
-    // Every layer in one `blocks` call (its 18 attentions counted), and the output projection
-    // where it fits (not under lavapipe's 128 MiB binding cap); each decode step the same.
+    // Every layer in one run of the model's program (its 18 attentions counted), and the output
+    // projection where it does not fit (lavapipe's 128 MiB binding cap); each decode step the same.
     assert!(matches!(stats.gpu_calls, 1 | 2), "{stats:?}");
     assert!(stats.gpu_attention_calls == 18 && decode_attention == 2 * 18, "{stats:?}, {decode_attention}");
     check(&mut inst, m, &golden_cases());

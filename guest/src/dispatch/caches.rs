@@ -56,8 +56,8 @@ impl Dispatch {
         }
     }
 
-    /// Takes note of a whole pass of `t` rows at `pos` that ran on the device (`blocks` or the
-    /// model's program), over the layers of `caches`: their keys and values are on the device
+    /// Takes note of a whole pass of `t` rows at `pos` that ran on the device (the model's
+    /// program), over the layers of `caches`: their keys and values are on the device
     /// alone from `pos` on (see [`Dispatch::ring_holds`]).
     pub(super) fn ran_whole_pass(&mut self, (pos, t): (usize, usize), caches: &[LayerCache], flops: u64, start: Instant) {
         self.device_only_from = Some(self.device_only_from.map_or(pos, |p| p.min(pos)));
@@ -82,7 +82,7 @@ impl Dispatch {
 
     /// Whether the guest's rings hold every key and value before `pos`, so that the batch at
     /// `pos` can run layer by layer; `false` when the device alone holds some (see
-    /// [`Dispatch::blocks`]): the session must run its history again from position 0. A batch
+    /// [`Dispatch::run_program`]): the session must run its history again from position 0. A batch
     /// that runs here from `pos` rewrites the rings from there on.
     pub fn ring_holds(&mut self, pos: usize) -> bool {
         match self.device_only_from {

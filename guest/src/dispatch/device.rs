@@ -4,7 +4,6 @@
 //! Separate from the policy so that the policy can be tested against a fake device, and so
 //! that a change to the WIT's calls touches this file and the glue (`component`) alone.
 
-use crate::kernels::Act;
 use crate::program::Op;
 use crate::upload::Format;
 
@@ -57,21 +56,6 @@ pub trait Device {
     ) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no kv-cache on this device".into()))
     }
-    /// The model's decoder blocks over `x[t, n_embd]` at positions `pos..` (the WIT `blocks`),
-    /// their new keys and values too with `return_kv`. A device without it says `Unavailable`.
-    #[allow(clippy::too_many_arguments)]
-    fn blocks(
-        &self,
-        _x: &[f32],
-        _t: u32,
-        _pos: u32,
-        _blocks: &[DeviceBlock],
-        _shape: &BlocksShape,
-        _rope: &[Vec<f32>],
-        _return_kv: bool,
-    ) -> Result<BlocksOut, DeviceError> {
-        Err(DeviceError::Unavailable("no blocks on this device".into()))
-    }
     /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
     /// head_dim]`. A device without it says `Unavailable`.
     fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
@@ -96,59 +80,6 @@ pub struct DeviceSequence<'a> {
     pub rows: u32,
     pub start: u32,
     pub caches: &'a [usize],
-}
-
-/// One decoder block's device ids for `blocks` (the WIT `block` less its cache): matrices are
-/// uploaded weights, vectors f32 weights of one row.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BlockIds {
-    pub attn_norm: usize,
-    pub wq: usize,
-    pub wk: usize,
-    pub wv: usize,
-    pub q_bias: Option<usize>,
-    pub k_bias: Option<usize>,
-    pub v_bias: Option<usize>,
-    pub q_norm: Option<usize>,
-    pub k_norm: Option<usize>,
-    pub wo: usize,
-    pub o_bias: Option<usize>,
-    pub post_attn_norm: Option<usize>,
-    pub ffn_norm: usize,
-    pub gate: usize,
-    pub up: usize,
-    pub down: usize,
-    pub post_ffn_norm: Option<usize>,
-}
-
-/// A block of a `blocks` call: its ids, its `kv-cache`, window (0: none) and rotation table.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DeviceBlock {
-    pub ids: BlockIds,
-    pub cache: usize,
-    pub window: u32,
-    pub rope: u32,
-}
-
-/// The WIT `blocks-shape`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BlocksShape {
-    pub n_head: u32,
-    pub n_head_kv: u32,
-    pub head_dim: u32,
-    pub eps: f32,
-    pub scale: f32,
-    pub act: Act,
-    /// The rotation pairs `(h[2j], h[2j + 1])`, not the halves `(h[j], h[j + head_dim / 2])`.
-    pub pairs: bool,
-}
-
-/// The WIT `blocks-output`.
-#[derive(Debug, Clone, Default)]
-pub struct BlocksOut {
-    pub x: Vec<f32>,
-    pub keys: Vec<f32>,
-    pub values: Vec<f32>,
 }
 
 /// The WIT `attention-shape`: `t` queries over `n_keys` keys, the last `t` the queries' own.

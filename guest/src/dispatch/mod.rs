@@ -17,10 +17,8 @@ mod placement;
 mod policy;
 
 pub use crate::upload::Format;
-pub use device::{
-    AttentionShape, BlockIds, BlocksOut, BlocksShape, Device, DeviceBlock, DeviceError, DeviceLimits, DeviceSequence,
-};
-pub use placement::{BlockVectors, DeviceProgram, block_ids, free_block_vectors, place, place_blocks, place_program};
+pub use device::{AttentionShape, Device, DeviceError, DeviceLimits, DeviceSequence};
+pub use placement::{DeviceProgram, place, place_program};
 pub use policy::{Gpu, Rates, calibrate};
 
 use crate::kernels::{self, QActs, RowScratch};
@@ -70,8 +68,8 @@ pub struct Dispatch {
     caches: Vec<Option<DeviceCache>>,
     /// A cache could not be made for this session (out of memory): attention sends its keys.
     no_caches: bool,
-    /// The first position whose keys and values only the device holds (`blocks` ran there
-    /// without returning them): the guest's own rings lack them from there on.
+    /// The first position whose keys and values only the device holds (the model's program ran
+    /// there without returning them): the guest's own rings lack them from there on.
     device_only_from: Option<usize>,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
@@ -251,70 +249,14 @@ impl Dispatch {
         false
     }
 
-    /// Every decoder block in one device call (the WIT `blocks`), where the policy sends the
-    /// batch's products (`flops` of them) to the device and the device holds every layer's keys
-    /// before `pos`: `x` (`[t, n_embd]`, exactly) at positions `pos..` through all of `blocks`
-    /// (each layer's ids and rotation table). `rope` makes the rotation tables (`t * head_dim`
-    /// values each). The new keys and values stay on the device alone (a 512-token prefill of
-    /// Gemma's would read back 20 MB): the guest's rings lack them from `pos` on, and if the
-    /// device fails later, the session runs its history again on its own ([`Dispatch::ring_holds`]).
-    /// Once they lack rows, the device runs every batch it can, whatever the policy says.
-    /// `false`, with nothing changed, when the layers must go one by one.
-    #[allow(clippy::too_many_arguments)]
-    pub fn blocks(
-        &mut self,
-        x: &mut [f32],
-        t: usize,
-        pos: usize,
-        blocks: &[(BlockIds, u32)],
-        caches: &mut [LayerCache],
-        shape: BlocksShape,
-        flops: u64,
-        rope: impl FnOnce() -> Vec<Vec<f32>>,
-    ) -> bool {
-        let Some(gpu) = self.gpu.clone() else { return false };
-        if !gpu.usable() || gpu.no_blocks.get() || gpu.no_kv_cache.get() || self.no_caches || blocks.len() != caches.len() {
-            return false;
-        }
-        let e = x.len() / t.max(1);
-        let kv = (shape.n_head_kv * shape.head_dim) as usize;
-        if self.device_only_from.is_none() && !gpu.wants(t, flops, 8 * (t * e) as u64) {
-            return false;
-        }
-        // Each layer's device cache must hold the keys before the batch that its queries see.
-        let mut call = Vec::with_capacity(blocks.len());
-        for (l, (&(ids, table), cache)) in blocks.iter().zip(caches.iter()).enumerate() {
-            let first = cache.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            let Some(c) = self.device_cache(&gpu, l, cache.cap, kv) else { return false };
-            if !(c.lo <= first && pos <= c.hi) {
-                return false;
-            }
-            let window = cache.window.unwrap_or(0) as u32;
-            call.push(DeviceBlock { ids, cache: c.id, window, rope: table });
-        }
-        let start = Instant::now();
-        let answer = gpu.device.blocks(&x[..t * e], t as u32, pos as u32, &call, &shape, &rope(), false);
-        match answer {
-            Ok(out) if out.x.len() == t * e && out.keys.is_empty() && out.values.is_empty() => {
-                x[..t * e].copy_from_slice(&out.x);
-                self.ran_whole_pass((pos, t), &caches[..blocks.len()], flops, start);
-                true
-            }
-            other => {
-                self.forget_device_caches();
-                if gpu.failed(other.err(), "blocks", Some(&gpu.no_blocks)) {
-                    self.counters.gpu_fallbacks += 1;
-                }
-                false
-            }
-        }
-    }
-
     /// The model's program `prog` on the device over a batch of `t` rows at `pos` (`inputs` as
     /// its recipe says), this session's `kv-cache`s as its caches (one a layer, as many rows as
     /// the guest's rings `caches`). Returns the rows of the program's first output (the
     /// logits, `out_len` values), or `None`, with nothing changed, where the batch runs on the
-    /// CPU. As with [`Dispatch::blocks`], the keys and values stay on the device alone.
+    /// CPU. The new keys and values stay on the device alone (a 512-token prefill of Gemma's
+    /// would read back 20 MB): the guest's rings lack them from `pos` on, and if the device
+    /// fails later, the session runs its history again on its own ([`Dispatch::ring_holds`]).
+    /// Once they lack rows, the device runs every batch it can, whatever the policy says.
     #[allow(clippy::too_many_arguments)]
     pub fn run_program(
         &mut self,

@@ -1,9 +1,9 @@
-//! What goes to the device at load: the model's weights ([`place`]), each decoder block's
-//! ids for `blocks` ([`place_blocks`]) and the model's program ([`place_program`]).
+//! What goes to the device at load: the model's weights ([`place`]) and the model's program
+//! ([`place_program`]).
 //!
 //! Done once a model, apart from the per-batch choices of `Dispatch` and the policy.
 
-use super::{BlockIds, DeviceError, Gpu, Mode, calibrate};
+use super::{DeviceError, Gpu, Mode, calibrate};
 use crate::models::Linear;
 use crate::program::{Op, Program, Tensor, Tensors, WeightId};
 use crate::upload::{encode_rows, upload, upload_vector, uploadable};
@@ -80,84 +80,7 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
     Some(DeviceProgram { id: made?, caches, head })
 }
 
-/// The vectors of a block, in the order [`block_ids`] takes them: `attn_norm`, `q_bias`,
-/// `k_bias`, `v_bias`, `q_norm`, `k_norm`, `o_bias`, `post_attn_norm`, `ffn_norm`,
-/// `post_ffn_norm`.
-pub type BlockVectors<'a> = [Option<&'a [f32]>; 10];
 
-/// A decoder block's ids for `blocks`, its vectors uploaded now: `None` when one of its
-/// matrices (`wq`, `wk`, `wv`, `wo`, `gate`, `up`, `down`) is not on the device, a norm before
-/// attention or the feed-forward block is missing, or a vector cannot be uploaded (those
-/// uploaded are freed again).
-pub fn block_ids(gpu: &Gpu, m: [&Linear; 7], vectors: BlockVectors<'_>) -> Option<BlockIds> {
-    let [Some(wq), Some(wk), Some(wv), Some(wo), Some(gate), Some(up), Some(down)] = m.map(|w| w.gpu) else { return None };
-    let mut ids = [None; 10];
-    for (i, v) in vectors.iter().enumerate() {
-        if let Some(v) = v {
-            match upload_vector(gpu.device.as_ref(), v) {
-                Ok(id) => ids[i] = Some(id),
-                Err(e) => {
-                    ids.iter().flatten().for_each(|&id| gpu.device.free(id));
-                    if let DeviceError::Lost(why) = e {
-                        *gpu.lost.borrow_mut() = Some(why);
-                    }
-                    return None;
-                }
-            }
-        }
-    }
-    let [attn_norm, q_bias, k_bias, v_bias, q_norm, k_norm, o_bias, post_attn_norm, ffn_norm, post_ffn_norm] = ids;
-    let (Some(attn_norm), Some(ffn_norm)) = (attn_norm, ffn_norm) else {
-        ids.iter().flatten().for_each(|&id| gpu.device.free(id));
-        return None;
-    };
-    Some(BlockIds {
-        attn_norm,
-        wq,
-        wk,
-        wv,
-        q_bias,
-        k_bias,
-        v_bias,
-        q_norm,
-        k_norm,
-        wo,
-        o_bias,
-        post_attn_norm,
-        ffn_norm,
-        gate,
-        up,
-        down,
-        post_ffn_norm,
-    })
-}
-
-/// Frees the vectors [`block_ids`] uploaded.
-pub fn free_block_vectors(gpu: &Gpu, b: &BlockIds) {
-    let vectors = [b.attn_norm, b.ffn_norm].into_iter().map(Some);
-    let optional = [b.q_bias, b.k_bias, b.v_bias, b.q_norm, b.k_norm, b.o_bias, b.post_attn_norm, b.post_ffn_norm];
-    vectors.chain(optional).flatten().for_each(|id| gpu.device.free(id));
-}
-
-/// Every layer's [`block_ids`] (`layers` gives each one's matrices and vectors), or `None`
-/// (and nothing left uploaded) if one layer cannot have them. Only where the mode sends work
-/// to the device and the layers' matrices are there.
-pub fn place_blocks<'a>(gpu: &Gpu, layers: impl Iterator<Item = ([&'a Linear; 7], BlockVectors<'a>)>) -> Option<Vec<BlockIds>> {
-    if !gpu.usable() {
-        return None;
-    }
-    let mut all = Vec::new();
-    for (m, v) in layers {
-        match block_ids(gpu, m, v) {
-            Some(b) => all.push(b),
-            None => {
-                all.iter().for_each(|b| free_block_vectors(gpu, b));
-                return None;
-            }
-        }
-    }
-    Some(all)
-}
 
 /// Uploads the model's weights as the mode wants: every one with `On`; with `Auto`, one probe
 /// first, then the rest only if the measured device beats the CPU at a prefill-sized batch.

@@ -36,8 +36,6 @@ pub struct Gpu {
     /// The host answered `create-kv-cache` or `attention-cached` with `unavailable`: device
     /// attention sends its keys and values with each call.
     pub no_kv_cache: Cell<bool>,
-    /// The host answered `blocks` with `unavailable`: layers go call by call.
-    pub no_blocks: Cell<bool>,
     /// The host answered a program's run with `unavailable`: batches go call by call.
     pub no_programs: Cell<bool>,
     /// The CPU's attention FLOP/s, a running average of what ran (none ran yet: `None`).
@@ -224,7 +222,6 @@ mod tests {
             lost: RefCell::new(None),
             no_attention: Cell::new(false),
             no_kv_cache: Cell::new(false),
-            no_blocks: Cell::new(false),
             no_programs: Cell::new(false),
             cpu_attention: Cell::new(None),
             device_attention: Cell::new(None),
@@ -322,8 +319,8 @@ mod tests {
         assert!(g.no_attention.get());
         assert!(g.usable());
         assert!(g.failed(Some(DeviceError::Unavailable("no".into())), "outputs", None));
-        assert!(g.failed(Some(DeviceError::OutOfMemory("full".into())), "blocks", Some(&g.no_blocks)));
-        assert!(!g.no_blocks.get());
+        assert!(g.failed(Some(DeviceError::OutOfMemory("full".into())), "attention", Some(&g.no_kv_cache)));
+        assert!(!g.no_kv_cache.get());
         assert!(g.usable());
     }
 

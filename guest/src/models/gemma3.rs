@@ -14,8 +14,8 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, embed, recipe_pass, invalid, project_logits, vector};
-use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, recipe_pass, invalid, vector};
+use crate::dispatch::{self, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::Values;
@@ -90,8 +90,6 @@ pub struct Weights {
     /// `[n_embd]`
     pub output_norm: Vec<f32>,
     pub layers: Vec<Layer>,
-    /// Every layer's device ids for `blocks`, where they are all on the device.
-    pub blocks: Option<Vec<BlockIds>>,
     /// The model as a program (`recipe`), on the CPU and on the device.
     pub recipe: Recipe,
 }
@@ -226,25 +224,10 @@ impl Weights {
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            blocks: None,
             recipe: Recipe::default(),
         };
         w.recipe = Recipe::new(recipe(config, &w));
         Ok(w)
-    }
-
-    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there,
-    /// where the device has not made the model's program.
-    pub fn place_blocks(&mut self, gpu: &Gpu) {
-        if self.recipe.device.is_some() {
-            return;
-        }
-        let layers = self.layers.iter().map(|l| {
-            let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
-            let n = [&l.attn_norm, &l.q_norm, &l.k_norm, &l.post_attn_norm, &l.ffn_norm, &l.post_ffn_norm].map(|v| Some(v.as_slice()));
-            (m, [n[0], None, None, None, n[1], n[2], None, n[3], n[4], n[5]])
-        });
-        self.blocks = dispatch::place_blocks(gpu, layers);
     }
 
     /// Places the model's program on the device, once its matrices are there.
@@ -294,7 +277,7 @@ impl State {
             n_ctx,
             batch,
             cache,
-            buf: Scratch::new(h, n_ctx, batch),
+            buf: Scratch::new(h, n_ctx),
             values: Values::new(&w.recipe.program, &w.recipe.plan, batch),
             rope_local: rope::Table::new(batch, h.head_dim),
             rope_global: rope::Table::new(batch, h.head_dim),
@@ -325,42 +308,14 @@ pub fn forward(
     pos: usize,
     want_logits: bool,
 ) -> bool {
-    let (cfg, c) = (c, &c.hp);
+    let c = &c.hp;
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    let (e, hd) = (c.n_embd, c.head_dim);
-    let b = &mut s.buf;
     let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
     let global = rope::Freqs { base: c.rope_base, scale: c.rope_scale, factors: None };
     s.rope_local.fill(&local, pos, t);
     s.rope_global.fill(&global, pos, t);
 
-    // Every layer in one device call where the device has them all.
-    let on_device = w.blocks.as_ref().is_some_and(|ids| {
-        // x = embd[token] * sqrt(n_embd)
-        embed(&w.embd, tokens, &mut b.x);
-        let embd_scale = (e as f32).sqrt();
-        b.x[..t * e].iter_mut().for_each(|v| *v *= embd_scale);
-        let blocks: Vec<(BlockIds, u32)> = ids.iter().enumerate().map(|(l, &b)| (b, u32::from(!cfg.is_sliding(l)))).collect();
-        let shape = BlocksShape {
-            n_head: c.n_head as u32,
-            n_head_kv: c.n_head_kv as u32,
-            head_dim: hd as u32,
-            eps: c.eps,
-            scale: 1.0 / (hd as f32).sqrt(),
-            act: Act::GeluTanh,
-            pairs: false,
-        };
-        let (local, global) = (&s.rope_local, &s.rope_global);
-        d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![local.rows(t), global.rows(t)])
-    });
-
-    if on_device {
-        if want_logits {
-            project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, c.eps, t, d);
-        }
-        return true;
-    }
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: b };
+    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf };
     recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope_local, &s.rope_global]), st, d, c, w.layer_flops(t), (tokens, pos, want_logits))
 }

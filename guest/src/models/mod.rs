@@ -14,7 +14,6 @@ use crate::dispatch::{DeviceProgram, Dispatch};
 use crate::program::cpu::{self, Plan, Values};
 use crate::program::{Program, Tensors};
 use crate::gguf::{Gguf, TensorType};
-use crate::kernels::rms_norm;
 use crate::quant::{self, QMatrix};
 use std::fmt;
 
@@ -304,10 +303,6 @@ impl Hparams {
 
 /// A session's scratch for batches of up to `batch` tokens, allocated once.
 pub struct Scratch {
-    /// `[batch, n_embd]`: the residual stream of `blocks` on the device.
-    pub x: Vec<f32>,
-    /// `[n_embd]`: the last row, normed, for the output projection after `blocks`.
-    pub xb: Vec<f32>,
     /// `[n_ctx]`: attention scores of one query head.
     pub scores: Vec<f32>,
     /// `[n_vocab]`: logits after the last token.
@@ -315,17 +310,15 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(h: &Hparams, n_ctx: usize, batch: usize) -> Scratch {
+    pub fn new(h: &Hparams, n_ctx: usize) -> Scratch {
         Scratch {
-            x: vec![0.0; batch * h.n_embd],
-            xb: vec![0.0; h.n_embd],
             scores: vec![0.0; n_ctx],
             logits: vec![0.0; h.n_vocab],
         }
     }
 
     pub fn bytes(&self) -> usize {
-        let n = self.x.len() + self.xb.len() + self.scores.len() + self.logits.len();
+        let n = self.scores.len() + self.logits.len();
         4 * n
     }
 }
@@ -360,8 +353,7 @@ pub struct PassState<'a> {
     pub buf: &'a mut Scratch,
 }
 
-/// A pass of `tokens` (at positions `pos..`) through a model's recipe, where `blocks` did not
-/// take it: the model's program on the device as one run, where the device has it and the
+/// A pass of `tokens` (at positions `pos..`) through a model's recipe: the model's program on the device as one run, where the device has it and the
 /// dispatcher sends the batch there (see `Dispatch::run_program`), else the guest's CPU. The
 /// recipe's inputs are the tokens' embeddings (rows of `embd`) and the rotation `tables`, in
 /// order; the logits, when wanted, go to `buf.logits` (through the program's head product where
@@ -411,15 +403,4 @@ pub fn recipe_pass(
         st.buf.logits.copy_from_slice(st.values.get(&r.program, &r.plan, r.program.outputs[0], 1));
     }
     true
-}
-
-/// `logits = output(rms_norm(x[t - 1, :]) * norm)`: the head, on the batch's last token only.
-pub fn project_logits(s: &mut Scratch, output: &Linear, norm: &[f32], eps: f32, t: usize, d: &mut Dispatch) {
-    let start = std::time::Instant::now();
-    let e = norm.len();
-    let last = &mut s.xb[..e];
-    last.copy_from_slice(&s.x[(t - 1) * e..t * e]);
-    rms_norm(last, norm, eps);
-    d.matmul(&s.xb[..e], 1, &mut [(output, &mut s.logits)]);
-    d.counters.output_ns += start.elapsed().as_nanos() as u64;
 }

@@ -15,8 +15,8 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, embed, recipe_pass, optional_vector, project_logits, vector};
-use crate::dispatch::{self, BlockIds, BlocksShape, Dispatch, Gpu};
+use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, recipe_pass, optional_vector, vector};
+use crate::dispatch::{self, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::Values;
@@ -103,8 +103,6 @@ pub struct Weights {
     pub layers: Vec<Layer>,
     /// RoPE frequencies, with the file's `rope_freqs.weight` (`[head_dim / 2]`) if it has one.
     pub rope: rope::Freqs,
-    /// Every layer's device ids for `blocks`, where they are all on the device.
-    pub blocks: Option<Vec<BlockIds>>,
     /// The model as a program (`recipe`), on the CPU and on the device.
     pub recipe: Recipe,
 }
@@ -252,7 +250,6 @@ impl Weights {
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
-            blocks: None,
             recipe: Recipe::default(),
         };
         w.recipe = Recipe::new(recipe(c, &w));
@@ -260,21 +257,6 @@ impl Weights {
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
-    /// Uploads each layer's vectors for the device's `blocks`, once its matrices are there,
-    /// where the device has not made the model's program.
-    pub fn place_blocks(&mut self, gpu: &Gpu) {
-        if self.recipe.device.is_some() {
-            return;
-        }
-        let layers = self.layers.iter().map(|l| {
-            let m = [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down];
-            let norms = (Some(&l.attn_norm[..]), Some(&l.ffn_norm[..]));
-            let (bq, bk, bv, bo) = (l.bq.as_deref(), l.bk.as_deref(), l.bv.as_deref(), l.bo.as_deref());
-            (m, [norms.0, bq, bk, bv, None, None, bo, None, norms.1, None])
-        });
-        self.blocks = dispatch::place_blocks(gpu, layers);
-    }
-
     /// Places the model's program on the device, once its matrices are there.
     pub fn place_program(&mut self, gpu: &Gpu) {
         let device = dispatch::place_program(gpu, &self.recipe.program, self, self.layers.len());
@@ -316,7 +298,7 @@ impl State {
             n_ctx,
             batch,
             cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, None, batch, kv)).collect(),
-            buf: Scratch::new(h, n_ctx, batch),
+            buf: Scratch::new(h, n_ctx),
             values: Values::new(&w.recipe.program, &w.recipe.plan, batch),
             rope: rope::Table::new(batch, h.head_dim),
         }
@@ -345,34 +327,8 @@ pub fn forward(
     let h = &c.hp;
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    let (e, hd) = (h.n_embd, h.head_dim);
-    let b = &mut s.buf;
     s.rope.fill(&w.rope, pos, t);
 
-    // Every layer in one device call where the device has them all.
-    let on_device = w.blocks.as_ref().is_some_and(|ids| {
-        // x = embd[token]
-        embed(&w.embd, tokens, &mut b.x);
-        let blocks: Vec<(BlockIds, u32)> = ids.iter().map(|&b| (b, 0)).collect();
-        let shape = BlocksShape {
-            n_head: h.n_head as u32,
-            n_head_kv: h.n_head_kv as u32,
-            head_dim: hd as u32,
-            eps: h.eps,
-            scale: 1.0 / (hd as f32).sqrt(),
-            act: Act::Silu,
-            pairs: c.rope_style == Style::Norm,
-        };
-        let table = &s.rope;
-        d.blocks(&mut b.x[..t * e], t, pos, &blocks, &mut s.cache, shape, w.layer_flops(t), || vec![table.rows(t)])
-    });
-
-    if on_device {
-        if want_logits {
-            project_logits(b, w.output.as_ref().unwrap_or(&w.embd), &w.output_norm, h.eps, t, d);
-        }
-        return true;
-    }
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: b };
+    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf };
     recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope]), st, d, h, w.layer_flops(t), (tokens, pos, want_logits))
 }

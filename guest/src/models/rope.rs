@@ -92,8 +92,8 @@ impl Table {
         }
     }
 
-    /// The first `t` rows as the device's `blocks` takes a table: each row's cosines, then its
-    /// sines.
+    /// The first `t` rows as a program's `rotate` takes its table: each row's cosines, then
+    /// its sines.
     pub fn rows(&self, t: usize) -> Vec<f32> {
         let half = self.dim / 2;
         let mut out = Vec::with_capacity(t * self.dim);
