@@ -40,6 +40,17 @@ export function operands({ tag, val }) {
 /** The first position a query at `p` sees with `window` (0: none). */
 export const firstKey = (p, window) => (window === 0 ? 0 : Math.max(0, p + 1 - window));
 
+/** Whether an rms-norm op (its `val`) has a weight. */
+export const hasNormWeight = (v) => v.weight !== undefined && v.weight !== null;
+
+/** The first key and the shape of attention op `v` (its `val`) over sequence `q`'s rows: the
+ *  shape `attention-cached` takes, `nKeys` from the first key the queries see to the last. */
+export function attentionOver(q, v) {
+  const first = firstKey(q.start, v.window);
+  const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };
+  return { first, shape };
+}
+
 /**
  * Checks `ops` over `weights` (each `{ nOut, nIn, format }`) with `caches` cache indices:
  * returns `{ ops, weights, shapes, inputs, caches, lastUse }` (each shape `{ rows, width }` or
@@ -126,7 +137,7 @@ function shapeOf(p, i, op) {
     case 'rms-norm': {
       const s = value(p, i, v.x);
       if (v.group === 0 || s.width % v.group !== 0) throw `group ${v.group} does not divide the width ${s.width}`;
-      if (v.weight !== undefined && v.weight !== null) weight(p, v.weight, 1, v.group, true);
+      if (hasNormWeight(v)) weight(p, v.weight, 1, v.group, true);
       return s;
     }
     case 'add':
@@ -265,7 +276,7 @@ export async function interpret(p, device, vectors, inputs, batch) {
         break;
       case 'rms-norm': {
         const x = values[v.x];
-        const hasWeight = v.weight !== undefined && v.weight !== null;
+        const hasWeight = hasNormWeight(v);
         const w = hasWeight ? vectors[v.weight] : null;
         const offset = hasWeight ? v.offset : 1;
         made = new Float32Array(x.length);
@@ -333,8 +344,7 @@ export async function interpret(p, device, vectors, inputs, batch) {
         made = new Float32Array(values[v.q].length);
         let at = 0;
         for (const q of batch) {
-          const first = firstKey(q.start, v.window);
-          const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };
+          const { first, shape } = attentionOver(q, v);
           const n = q.rows * w;
           made.set(await device.attend(values[v.q].subarray(at, at + n), q.caches[v.cache], first, shape), at);
           at += n;

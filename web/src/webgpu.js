@@ -14,7 +14,7 @@
 // out-of-memory error becomes a `GpuError`; a lost device makes every later call `device-lost`.
 // Arguments are checked by gpu.js before they get here.
 
-import { firstKey, interpret, topK } from './program.js';
+import { attentionOver, hasNormWeight, interpret, topK } from './program.js';
 
 /** Invocations in a workgroup (WG in the shader). */
 const WORKGROUP = 64;
@@ -92,6 +92,8 @@ export class GpuError extends Error {
 }
 
 const alignUp = (n, a) => Math.ceil(n / a) * a;
+/** The bits of `f` as an f32, for a u32 parameter the shader bitcasts back. */
+const f32Bits = (f) => new Uint32Array(new Float32Array([f]).buffer)[0];
 
 /** What each op of program `p` fuses with the next, as host/src/gpu/wgpu/programs.rs's
  *  `fusions` says (the host's business, not the contract's): an rms-norm whose value only the
@@ -908,8 +910,7 @@ export class WebGpuBackend {
       const w = width(v.q);
       for (const q of batch) {
         const c = q.caches[v.cache];
-        const first = firstKey(q.start, v.window);
-        const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };
+        const { first, shape } = attentionOver(q, v);
         const plan = this.attentionPlan(q.rows * w, shape, first % c.slots, c.slots);
         plans.push(plan);
         if (single) extra[i] = plan.outBytes - plan.qBytes;
@@ -952,7 +953,6 @@ export class WebGpuBackend {
       from = dispatches.length;
     };
     const bind = (weights, scales, input, output) => binds.push({ weights, scales, input, output }) - 1;
-    const bits = (f) => new Uint32Array(new Float32Array([f]).buffer)[0];
     // A small kernel of matmul.wgsl from x (b from `scales`, a vector from `weights`) into op
     // i's value, `groupsX` workgroups a row; params as host/src/gpu/wgpu/programs.rs sets them.
     const small = (i, kernel, x, b, weights, params, groupsX) => {
@@ -968,7 +968,7 @@ export class WebGpuBackend {
       const t = rowsOf(i);
       const groups = Math.ceil(width(i) / WORKGROUP);
       // elementwise_rows: the op's code in row_base, scale's factor in x_stride.
-      const elementwise = (code, by = 0) => paramsOf({ nOut: width(i), t, rowBase: code, xStride: bits(by) });
+      const elementwise = (code, by = 0) => paramsOf({ nOut: width(i), t, rowBase: code, xStride: f32Bits(by) });
       switch (op.tag) {
         case 'matmul': {
           const w = weights[v.weight];
@@ -977,7 +977,7 @@ export class WebGpuBackend {
           break;
         }
         case 'rms-norm': {
-          const hasWeight = v.weight !== undefined && v.weight !== null;
+          const hasWeight = hasNormWeight(v);
           const f = fuse[i];
           const turns = f?.table !== undefined ? NORM_OP_ROTATE | (f.pairs ? NORM_OP_PAIRS : 0) : 0;
           const flags = (hasWeight ? NORM_OP_WEIGHT : 0) | (f?.add !== undefined ? NORM_OP_ADD : 0) | turns;
@@ -985,7 +985,7 @@ export class WebGpuBackend {
           const turned = f?.table !== undefined ? width(f.table) : 0;
           // rms_norm_runs: runs of n_in, the table's width in row_quads, flags in scale_row, eps
           // in row_base, the offset in x_stride.
-          const params = paramsOf({ nIn: v.group, nOut: width(i), t, rowQuads: turned, scaleRow: flags, rowBase: bits(v.eps), xStride: bits(hasWeight ? v.offset : 1) });
+          const params = paramsOf({ nIn: v.group, nOut: width(i), t, rowQuads: turned, scaleRow: flags, rowBase: f32Bits(v.eps), xStride: f32Bits(hasWeight ? v.offset : 1) });
           const made = f ? i + 1 : i;
           small(made, 'rms_norm_runs', v.x, b, hasWeight ? weights[v.weight].data : null, params, width(i) / v.group);
           break;
@@ -1003,11 +1003,12 @@ export class WebGpuBackend {
         case 'gated':
           small(i, 'elementwise_rows', v.gate, v.up, null, elementwise(ELEMENTWISE[v.act]), groups);
           break;
-        case 'rotate':
+        case 'rotate': {
           // rotate_rows: the table's width in n_in, heads of row_quads, pairs (1) or halves (0) in scale_row.
           const turn = paramsOf({ nIn: width(v.table), nOut: width(i), t, rowQuads: v.headDim, scaleRow: v.rotation === 'pairs' ? 1 : 0 });
           small(i, 'rotate_rows', v.x, v.table, null, turn, groups);
           break;
+        }
         case 'cache-write': {
           const w = width(v.k);
           let row = 0;
@@ -1159,7 +1160,7 @@ export class WebGpuBackend {
     };
     const small = (kernel, job, params, groupsX) => this.rows(kernel, job, params, groupsX, dispatches);
     const unread = [tables, 16];
-    const epsBits = new Uint32Array(new Float32Array([s.eps]).buffer)[0];
+    const epsBits = f32Bits(s.eps);
     // norm_rows over the t rows of the residual stream: x += norm(input) * w (input: [buffer,
     // bytes]); `w` null: x += input.
     const norm = (w, input) => {
