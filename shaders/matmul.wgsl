@@ -36,7 +36,6 @@
 // Entry points:
 //   gemv  small t (decode). Each invocation: 4 or 8 weight rows (64 / LANES_K apart) against
 //         one row of x (wid.y), sharing each x load among the rows.
-//   gate_gelu, gate_silu  the activation between the products of `ffn` (see there).
 //   gemm  t >= 4 (prefill), register-blocked: each invocation computes 8 weight rows (64
 //         apart) x 4 rows of x = 32 outputs; a workgroup covers 512 weight rows and 4 rows of
 //         x. All its invocations read the same x values (broadcast loads), and each decoded
@@ -138,11 +137,11 @@ fn q4_exact(word: u32) -> W8 {
     return W8(lo, hi);
 }
 
-// How the products read x: 0, as it is; 1 and 2, x holds a gated feed-forward block's gate
-// outputs g (params.t rows of x_stride quads) and then its up outputs u (the same shape, from
+// How the products read x: 0, as it is; 1 and 2, x holds the gate outputs g of a program's
+// gated op (params.t rows of x_stride quads) and then its up outputs u (the same shape, from
 // the first multiple of X_ALIGN elements past g: where a binding of them may start), and is
-// read as h = act(g) * u, act the tanh GELU (1) or SiLU (2) as `gate_step` computes it: the
-// down product does the activation step as it reads (`blocks`).
+// read as h = act(g) * u, act the tanh GELU (1) or SiLU (2) as `elementwise_rows` computes
+// it: the product after the gated op does the activation step as it reads.
 override X_ACT: u32 = 0u;
 override X_ALIGN: u32 = 4u;
 
@@ -509,48 +508,6 @@ fn gemm(@builtin(local_invocation_id) lid: vec3<u32>, @builtin(workgroup_id) wid
     }
 }
 
-// ---- gate_gelu, gate_silu: the activation step of `ffn` -----------------------------------
-
-// h = act(g) * u for a gated feed-forward block, between its products. The gate's and up's
-// outputs g[t, n] and u[t, n] (n = params.n_out) lie in the buffer bound as x, u from element
-// params.row_base; h goes to y in rows of params.x_stride quads, zero-padded past n, so that
-// the down product reads it as its x. One invocation an element of h; workgroup y is a row
-// (from params.t_base). act(g) = g / (1 + e^-a), with a = 2 sqrt(2 / pi) (g + 0.044715 g^3)
-// for the tanh GELU (0.5 g (1 + tanh(a / 2)) rewritten: no overflow, no tanh) and a = g for
-// SiLU, as the guest's own kernel computes it.
-fn gate_step(gid: vec3<u32>, wid: vec3<u32>, gelu: bool) {
-    let n = params.n_out;
-    let i = gid.x;
-    let r = params.t_base + wid.y;
-    let width = 4u * params.x_stride;
-    if (i >= width || r >= params.t) {
-        return;
-    }
-    var h = 0.0;
-    if (i < n) {
-        let at = r * n + i;
-        let g = x[at / 4u][at % 4u];
-        let ua = params.row_base + at;
-        let u = x[ua / 4u][ua % 4u];
-        var a = g;
-        if (gelu) {
-            a = 1.5957691216 * (g + 0.044715 * g * g * g);
-        }
-        h = g / (1.0 + exp(-a)) * u;
-    }
-    y[r * width + i] = h;
-}
-
-@compute @workgroup_size(64)
-fn gate_gelu(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    gate_step(gid, wid, true);
-}
-
-@compute @workgroup_size(64)
-fn gate_silu(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    gate_step(gid, wid, false);
-}
-
 // ---- gemm_tiled ---------------------------------------------------------------------------
 
 // t >= 4 on GPUs. A workgroup of 256 computes a 64 x 64 tile of y (64 rows of W, 64 rows of
@@ -712,7 +669,7 @@ fn gemm_tiled(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) w
 // Split over k: a dispatch of nz > 1 workgroups in z (few tiles, long rows: a product with few
 // output rows would leave most of a large GPU idle) gives workgroup z the z-th of nz runs of
 // whole steps, and its tile's partial sums go to plane z of y (t * n_out values a plane). The
-// planes are summed afterwards (`sum_planes`, or `norm_rows` as it reads them).
+// planes are summed afterwards (`sum_planes`).
 
 const WT: u32 = 128u;
 const WK: u32 = 16u;
@@ -831,27 +788,10 @@ fn gemm_wide(
     store_quad(plane, t + 64u, r + 64u, bb);
 }
 
-// ---- the steps of `blocks` between its products ----------------------------------------------
+// ---- the sums of a product split over k -----------------------------------------------------
 
-// Each reads and writes f32 rows (a row of `t` at wid.y + params.t_base); the fields of Params
-// mean, for these entry points:
-//   n_in     the width of a row (a run of values normed, a head turned)
-//   n_out    norm_rows: the output's row stride; bias_rows, sum_planes: the width of a row;
-//            rope_rows, norm_rope_rows: the heads a row
-//   t        rows
-//   row_quads  norm_rows, sum_planes: the input's row stride, in elements
-//   scale_row  norm_rows: flags (NORM_*); rope_rows, norm_rope_rows: 1 to turn pairs
-//              (2j, 2j + 1), 0 halves
-//   row_base   norm_rows, norm_rope_rows: eps, as the bits of an f32
-//   x_stride   norm_rows, sum_planes: planes of `in` summed as it is read (t * row_quads
-//              values a plane; 0 or 1: one)
-
-// A flag (scale_row) of norm_rows and norm_pair_rows: no norm and no weight, the input added
-// as it is (a residual add).
-const NORM_NONE: u32 = 4u;
-
-// Invocations of `norm_pair_rows`: a row's loads in flight at once (a decode step's rows of
-// 640 took ten dependent rounds with WG).
+// Invocations of a workgroup that reduces a run of values (`rms_norm_runs`): a row's loads in
+// flight at once (a decode step's rows of 640 took ten dependent rounds with WG).
 const PAIR_WG: u32 = 256u;
 
 var<workgroup> norm_sums: array<f32, PAIR_WG>;
@@ -885,88 +825,6 @@ fn planes_at(i: u32, plane: u32) -> f32 {
     return v;
 }
 
-// 1 / sqrt(mean(v^2) + eps) of the n values v of a row from x[at] (its planes of `plane` values
-// summed), eps = params.row_base, over a workgroup of `size` invocations (from uniform control
-// flow: it has barriers).
-fn rms_scale(li: u32, at: u32, n: u32, plane: u32, size: u32) -> f32 {
-    var ss = 0.0;
-    for (var j = li; j < n; j += size) {
-        let v = planes_at(at + j, plane);
-        ss += v * v;
-    }
-    return 1.0 / sqrt(workgroup_total(li, ss, size) / f32(n) + bitcast<f32>(params.row_base));
-}
-
-// y += norm(in) * w, `in` from x (its planes summed), norm(v) = v / sqrt(mean(v^2) + eps): one
-// workgroup a row, the sum of squares reduced through workgroup memory.
-@compute @workgroup_size(64)
-fn norm_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let r = params.t_base + wid.y;
-    if (r >= params.t) {
-        return;
-    }
-    let n = params.n_in;
-    let flags = params.scale_row;
-    let src = r * params.row_quads;
-    let dst = r * params.n_out;
-    var scale = 1.0;
-    if ((flags & NORM_NONE) == 0u) {
-        scale = rms_scale(li, src, n, params.t * params.row_quads, WG);
-    }
-    for (var j = li; j < n; j += WG) {
-        var o = plane_sum(src + j);
-        if ((flags & NORM_NONE) == 0u) {
-            o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
-        }
-        y[dst + j] = o + y[dst + j];
-    }
-}
-
-// norm_pair_rows: the residual stream x and a normed copy h are both in y (x's rows at
-// y[r * n_out], h's at y[row_quads + r * n_out]): x += norm(in) * w (NORM_NONE: x += in;
-// PAIR_KEEP: x as it is), then h = norm(x) * w2: the norm after a block's product, its residual
-// add and the norm before the next product in one kernel. `in` from x (its planes summed, rows of
-// n_out), w in weights, w2 in scales. One workgroup (of PAIR_WG) a row.
-const PAIR_KEEP: u32 = 8u;
-
-@compute @workgroup_size(256)
-fn norm_pair_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let r = params.t_base + wid.y;
-    if (r >= params.t) {
-        return;
-    }
-    let n = params.n_in;
-    let flags = params.scale_row;
-    let at = r * params.n_out;
-    let plane = params.t * params.n_out;
-    let eps = bitcast<f32>(params.row_base);
-    let add = (flags & PAIR_KEEP) == 0u;
-    let normed = (flags & NORM_NONE) == 0u;
-    var scale = 1.0;
-    if (add && normed) {
-        scale = rms_scale(li, at, n, plane, PAIR_WG);
-    }
-    var ss2 = 0.0;
-    for (var j = li; j < n; j += PAIR_WG) {
-        var v = y[at + j];
-        if (add) {
-            var o = planes_at(at + j, plane);
-            if (normed) {
-                o = o * scale * bitcast<f32>(weights[j / 4u][j % 4u]);
-            }
-            v = o + v;
-            y[at + j] = v;
-        }
-        ss2 += v * v;
-    }
-    // Every invocation has read the first total before `norm_sums` is written again.
-    workgroupBarrier();
-    let scale2 = 1.0 / sqrt(workgroup_total(li, ss2, PAIR_WG) / f32(n) + eps);
-    for (var j = li; j < n; j += PAIR_WG) {
-        y[params.row_quads + at + j] = y[at + j] * scale2 * scales[j];
-    }
-}
-
 // y[r, j] = the sum of x's planes at [r, j]: the partial sums of a product split over k
 // (n_out, row_quads: the width of a row). One invocation an element.
 @compute @workgroup_size(64)
@@ -977,87 +835,6 @@ fn sum_planes(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_
         return;
     }
     y[r * params.n_out + j] = plane_sum(r * params.row_quads + j);
-}
-
-// y[r, j] += w[j]: a bias on each row.
-@compute @workgroup_size(64)
-fn bias_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let r = params.t_base + wid.y;
-    let j = gid.x;
-    if (r >= params.t || j >= params.n_out) {
-        return;
-    }
-    y[r * params.n_out + j] += bitcast<f32>(weights[j / 4u][j % 4u]);
-}
-
-// Turns each head of row r of y by row r of the table in x (its cosines, then its sines): pair
-// j (a, b) becomes (a c - b s, a s + b c); with row_quads 1, the bias in weights (one value a
-// column of the row) is added first (bias_rows and rope_rows in one pass). One invocation a pair.
-@compute @workgroup_size(64)
-fn rope_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
-    let r = params.t_base + wid.y;
-    let hd = params.n_in;
-    let half = hd / 2u;
-    let i = gid.x;
-    if (r >= params.t || i >= params.n_out * half) {
-        return;
-    }
-    let head = r * params.n_out * hd + (i / half) * hd;
-    let j = i % half;
-    var a = head + j;
-    var b = a + half;
-    if (params.scale_row == 1u) {
-        a = head + 2u * j;
-        b = a + 1u;
-    }
-    let c = x[(r * hd + j) / 4u][(r * hd + j) % 4u];
-    let s = x[(r * hd + half + j) / 4u][(r * hd + half + j) % 4u];
-    var va = y[a];
-    var vb = y[b];
-    if (params.row_quads == 1u) {
-        let row = r * params.n_out * hd;
-        va += bitcast<f32>(weights[(a - row) / 4u][(a - row) % 4u]);
-        vb += bitcast<f32>(weights[(b - row) / 4u][(b - row) % 4u]);
-    }
-    y[a] = va * c - vb * s;
-    y[b] = va * s + vb * c;
-}
-
-// A head norm and the rotation after it, in one pass (Gemma 3's q and k): each head of row r of
-// y is normed as norm_rows norms a run (params.row_base: eps; the weights: the head's norm) and
-// then turned by row r of the table in x as rope_rows turns it. Workgroup (head, row); each
-// invocation owns the pairs li, li + WG, ... of the head, both of whose values it reads and
-// writes. n_in: head_dim; n_out: heads a row; scale_row: 1 to turn pairs (2j, 2j + 1).
-@compute @workgroup_size(64)
-fn norm_rope_rows(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
-    let r = params.t_base + wid.y;
-    let h = wid.x;
-    if (r >= params.t || h >= params.n_out) {
-        return;
-    }
-    let hd = params.n_in;
-    let half = hd / 2u;
-    let head = (r * params.n_out + h) * hd;
-    let pairs = params.scale_row == 1u;
-    var ss = 0.0;
-    for (var j = li; j < half; j += WG) {
-        let ja = select(j, 2u * j, pairs);
-        let jb = select(j + half, 2u * j + 1u, pairs);
-        let va = y[head + ja];
-        let vb = y[head + jb];
-        ss += va * va + vb * vb;
-    }
-    let scale = 1.0 / sqrt(workgroup_total(li, ss, WG) / f32(hd) + bitcast<f32>(params.row_base));
-    for (var j = li; j < half; j += WG) {
-        let ja = select(j, 2u * j, pairs);
-        let jb = select(j + half, 2u * j + 1u, pairs);
-        let va = y[head + ja] * scale * bitcast<f32>(weights[ja / 4u][ja % 4u]);
-        let vb = y[head + jb] * scale * bitcast<f32>(weights[jb / 4u][jb % 4u]);
-        let c = x[(r * hd + j) / 4u][(r * hd + j) % 4u];
-        let s = x[(r * hd + half + j) / 4u][(r * hd + half + j) % 4u];
-        y[head + ja] = va * c - vb * s;
-        y[head + jb] = va * s + vb * c;
-    }
 }
 
 // ---- the ops of a program (`wit/gpu.wit`'s `op`) between its products ----------------------
@@ -1084,7 +861,9 @@ fn weight_at(i: u32) -> f32 {
 }
 
 // add, mul: y = a op b; scale: y = a * bitcast<f32>(x_stride); bias: y = a + w[column]; the
-// gated ops: y = act(a) * b, act as `gate_step` computes it. One invocation an element.
+// gated ops: y = act(a) * b, act(g) = g / (1 + e^-a), with a = 2 sqrt(2 / pi) (g + 0.044715 g^3)
+// for the tanh GELU (0.5 g (1 + tanh(a / 2)) rewritten: no overflow, no tanh) and a = g for
+// SiLU, as the guest's own kernel computes it. One invocation an element.
 @compute @workgroup_size(64)
 fn elementwise_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;

@@ -33,8 +33,8 @@ export const KIT_WASM = process.env.WISP_CONFORMANCE_WASM
   ? resolve(process.env.WISP_CONFORMANCE_WASM)
   : join(TARGET, 'guest/wasm32-wasip2/release/wisp_conformance.wasm');
 
-const GPU = 'wisp:llm/gpu@0.5.0';
-const ENGINE = 'wisp:llm/engine@0.5.0';
+const GPU = 'wisp:llm/gpu@0.6.0';
+const ENGINE = 'wisp:llm/engine@0.6.0';
 
 // The gpu imports that return promises (WebGPU's error scopes, pipeline creation and readback
 // are async). jco matches these names exactly; a name it does not find is ignored without a
@@ -44,12 +44,7 @@ const ENGINE = 'wisp:llm/engine@0.5.0';
 export const ASYNC_IMPORTS = [
   `${GPU}#allocate`,
   `${GPU}#upload`,
-  `${GPU}#matmul`,
-  `${GPU}#ffn`,
-  `${GPU}#attention`,
   `${GPU}#create-kv-cache`,
-  `${GPU}#attention-cached`,
-  `${GPU}#blocks`,
   `${GPU}#[method]weight.write-rows`,
   `${GPU}#create-program`,
   `${GPU}#[method]program.run`,
@@ -116,7 +111,7 @@ export function checkJspi(js, { asyncExports = ASYNC_EXPORTS } = {}) {
       problems.push(`the guest imports ${name}, which is in neither ASYNC_IMPORTS nor SYNC_IMPORTS`);
     }
   }
-  if (![...imported.keys()].some((n) => n === `${GPU}#matmul`)) problems.push(`no trampoline for ${GPU}#matmul was found`);
+  if (![...imported.keys()].some((n) => n === `${GPU}#createProgram`)) problems.push(`no trampoline for ${GPU}#createProgram was found`);
   for (const name of asyncExports) {
     if (!js.includes(`= WebAssembly.promising(exports1['${name}'])`)) problems.push(`async export ${name} is not promising`);
   }

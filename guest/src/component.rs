@@ -12,6 +12,7 @@ use crate::kernels::Act;
 use crate::sampler::Params;
 use crate::session::Session;
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 pub struct Component;
@@ -59,6 +60,22 @@ struct HostGpu {
     weights: RefCell<Vec<Option<gpu::Weight>>>,
     caches: RefCell<Vec<Option<gpu::KvCache>>>,
     programs: RefCell<Vec<gpu::Program>>,
+    /// The programs of one op that serve the products and attention of a model that runs on
+    /// the guest's CPU with some of its work on the device (made on first use, kept by what
+    /// they compute; a program of products goes when one of its weights does).
+    small: RefCell<HashMap<Small, gpu::Program>>,
+}
+
+/// What a program of [`HostGpu::small`] computes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Small {
+    /// The products of one input with these weights (ids of `HostGpu::weights`).
+    Products(Vec<usize>),
+    /// Keys and values of this width written to a cache.
+    Write(u32),
+    /// Keys and values written to a cache, then attention over it: heads, key/value heads,
+    /// head width, window and the bits of the scale.
+    Attend([u32; 5]),
 }
 
 impl From<gpu::Error> for DeviceError {
@@ -70,6 +87,39 @@ impl From<gpu::Error> for DeviceError {
             gpu::Error::DeviceLost(m) => DeviceError::Lost(m),
         }
     }
+}
+
+impl HostGpu {
+    /// Runs the program `key` names, made first from `ops()` over the weights `weights` and
+    /// `caches` cache indices if there is none yet: the rows of its outputs.
+    fn run_small(
+        &self,
+        key: Small,
+        weights: &[usize],
+        caches: u32,
+        ops: impl FnOnce() -> Vec<gpu::Op>,
+        inputs: &[Vec<f32>],
+        batch: &[gpu::Sequence<'_>],
+    ) -> Result<Vec<Vec<f32>>, DeviceError> {
+        if !self.small.borrow().contains_key(&key) {
+            let ws = self.weights.borrow();
+            let handles = weights.iter().map(|&id| weight(&ws, id)).collect::<Result<Vec<&gpu::Weight>, _>>()?;
+            let p = gpu::create_program(&handles, caches, &ops())?;
+            self.small.borrow_mut().insert(key.clone(), p);
+        }
+        let small = self.small.borrow();
+        Ok(rows(small[&key].run(inputs, batch)?))
+    }
+}
+
+/// The rows of a run's `output` ops, in order.
+fn rows(outs: Vec<gpu::Output>) -> Vec<Vec<f32>> {
+    outs.into_iter()
+        .filter_map(|o| match o {
+            gpu::Output::Rows(v) => Some(v),
+            gpu::Output::Top(_) => None,
+        })
+        .collect()
 }
 
 impl dispatch::Device for HostGpu {
@@ -90,20 +140,23 @@ impl dispatch::Device for HostGpu {
         Ok(weight(&self.weights.borrow(), id)?.write_rows(first_row, data, scales)?)
     }
 
+    /// A program of `[input, matmul.., output..]` over the jobs' weights.
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError> {
-        let ws = self.weights.borrow();
-        let handles = jobs.iter().map(|&id| weight(&ws, id)).collect::<Result<Vec<&gpu::Weight>, _>>()?;
-        Ok(gpu::matmul(x, t, n_in, &handles)?)
+        let key = Small::Products(jobs.to_vec());
+        let n = jobs.len() as u32;
+        let ops = || {
+            let products = (0..n).map(|j| gpu::Op::Matmul(gpu::MatmulOp { x: 0, weight: j, precision: self.precision }));
+            std::iter::once(gpu::Op::Input(n_in)).chain(products).chain((1..=n).map(gpu::Op::Output)).collect()
+        };
+        let one = [gpu::Sequence { rows: t, start: 0, caches: Vec::new() }];
+        self.run_small(key, jobs, 0, ops, &[x.to_vec()], &one)
     }
 
     fn free(&self, id: usize) {
         if let Some(w) = self.weights.borrow_mut().get_mut(id) {
             w.take();
         }
-    }
-
-    fn attention(&self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
-        Ok(gpu::attention(q, k, v, wit_shape(s))?)
+        self.small.borrow_mut().retain(|k, _| !matches!(k, Small::Products(ids) if ids.contains(&id)));
     }
 
     fn create_kv_cache(&self, slots: u32, width: u32) -> Result<usize, DeviceError> {
@@ -129,9 +182,56 @@ impl dispatch::Device for HostGpu {
         first_key: u32,
         s: &AttentionShape,
     ) -> Result<Vec<f32>, DeviceError> {
+        let width = s.n_head_kv * s.head_dim;
+        let (t, rows) = (s.t, (k_new.len() / width.max(1) as usize) as u32);
+        // The queries' first position; the keys sent are the rows before them and theirs.
+        let pos = (first_new + rows).checked_sub(t).unwrap_or(u32::MAX);
+        let first_seen = if s.window == 0 { 0 } else { (pos + 1).saturating_sub(s.window) };
+        if rows < t || k_new.len() != v_new.len() || first_key != first_seen || s.n_keys != pos + t - first_key {
+            return Err(DeviceError::InvalidArgument("attention's keys are not the rows before its queries".into()));
+        }
         let cs = self.caches.borrow();
-        let c = kv_cache(&cs, cache)?;
-        Ok(gpu::attention_cached(q, k_new, v_new, first_new, c, first_key, wit_shape(s))?)
+        let seq = |rows: u32, start: u32| Ok::<_, DeviceError>([gpu::Sequence { rows, start, caches: vec![kv_cache(&cs, cache)?] }]);
+        let at = |i: u32| i as usize * width as usize;
+        if rows > t {
+            // The rows the device lacks before the queries': written by a program of their own
+            // (it outputs the last one: a program outputs something).
+            let ops = || {
+                vec![
+                    gpu::Op::Input(width),
+                    gpu::Op::Input(width),
+                    gpu::Op::CacheWrite(gpu::CacheWriteOp { k: 0, v: 1, cache: 0 }),
+                    gpu::Op::LastRows(0),
+                    gpu::Op::Output(3),
+                ]
+            };
+            let lack = [k_new[..at(rows - t)].to_vec(), v_new[..at(rows - t)].to_vec()];
+            self.run_small(Small::Write(width), &[], 1, ops, &lack, &seq(rows - t, first_new)?)?;
+        }
+        let key = Small::Attend([s.n_head, s.n_head_kv, s.head_dim, s.window, s.scale.to_bits()]);
+        let ops = || {
+            let attention = gpu::AttentionOp {
+                q: 0,
+                cache: 0,
+                n_head: s.n_head,
+                n_head_kv: s.n_head_kv,
+                head_dim: s.head_dim,
+                window: s.window,
+                scale: s.scale,
+                precision: self.precision,
+            };
+            vec![
+                gpu::Op::Input(s.n_head * s.head_dim),
+                gpu::Op::Input(width),
+                gpu::Op::Input(width),
+                gpu::Op::CacheWrite(gpu::CacheWriteOp { k: 1, v: 2, cache: 0 }),
+                gpu::Op::Attention(attention),
+                gpu::Op::Output(4),
+            ]
+        };
+        let inputs = [q.to_vec(), k_new[at(rows - t)..].to_vec(), v_new[at(rows - t)..].to_vec()];
+        let mut outs = self.run_small(key, &[], 1, ops, &inputs, &seq(t, pos)?)?;
+        Ok(outs.swap_remove(0))
     }
 
     fn create_program(&self, weights: &[usize], caches: u32, ops: &[Op]) -> Result<usize, DeviceError> {
@@ -152,14 +252,7 @@ impl dispatch::Device for HostGpu {
             let caches = s.caches.iter().map(|&c| kv_cache(&cs, c)).collect::<Result<Vec<_>, _>>()?;
             seqs.push(gpu::Sequence { rows: s.rows, start: s.start, caches });
         }
-        let outs = p.run(inputs, &seqs)?;
-        Ok(outs
-            .into_iter()
-            .filter_map(|o| match o {
-                gpu::Output::Rows(v) => Some(v),
-                gpu::Output::Top(_) => None,
-            })
-            .collect())
+        Ok(rows(p.run(inputs, &seqs)?))
     }
 }
 
@@ -220,17 +313,6 @@ fn kv_cache(cs: &[Option<gpu::KvCache>], id: usize) -> Result<&gpu::KvCache, Dev
     cs.get(id).and_then(|c| c.as_ref()).ok_or_else(|| DeviceError::InvalidArgument(format!("no kv-cache {id}")))
 }
 
-fn wit_shape(s: &AttentionShape) -> gpu::AttentionShape {
-    gpu::AttentionShape {
-        t: s.t,
-        n_keys: s.n_keys,
-        n_head: s.n_head,
-        n_head_kv: s.n_head_kv,
-        head_dim: s.head_dim,
-        window: s.window,
-        scale: s.scale,
-    }
-}
 
 thread_local! {
     /// The model `preload` loaded, and its path (a pre-initialized guest starts with it).
@@ -297,6 +379,7 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
                 weights: RefCell::new(Vec::new()),
                 caches: RefCell::new(Vec::new()),
                 programs: RefCell::new(Vec::new()),
+                small: RefCell::new(HashMap::new()),
             }),
         limits: DeviceLimits {
             name: d.name.clone(),

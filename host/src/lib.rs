@@ -29,7 +29,7 @@ mod preinit;
 mod runtime;
 
 pub use gpu::{
-    Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, Gemm,
+    Activation, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm,
     GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice, Rotation, WgpuBackend, add_to_linker,
     program::Precision,
 };

@@ -18,7 +18,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.5.0";
+const WIT_VERSION: &str = "0.6.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";

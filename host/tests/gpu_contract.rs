@@ -8,7 +8,8 @@
 use std::sync::{Arc, Mutex};
 use wasmtime::component::Resource;
 use wisp::gpu::WeightHandle;
-use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::gpu::program::Op;
+use wisp::{Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
 
 fn cpu(budget: Budget) -> GpuCtx {
     GpuCtx::new(Box::new(CpuBackend::new()), budget)
@@ -225,62 +226,12 @@ impl Backend for Recording {
     fn free(&mut self, id: BufferId) {
         self.inner.free(id)
     }
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        self.seen.lock().unwrap().push(format!("attention t {}, keys {}", s.t, s.n_keys));
-        self.inner.attention(q, k, v, s)
-    }
-    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        self.seen.lock().unwrap().push(format!("ffn t {t}, n-in {n_in}"));
-        self.inner.ffn(x, t, n_in, w, act)
-    }
 }
 
-/// `ffn` calls whose shapes do not chain, whose `x` does not match, whose handles are not
-/// live, or whose activations exceed the device: typed errors, and the backend never sees them.
-#[test]
-fn ffn_outside_the_contract_is_refused_before_the_backend() {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let mut ctx = GpuCtx::new(Box::new(Recording { inner: CpuBackend::new(), seen: seen.clone() }), Budget::default());
-    // gate and up [3, 4], down [2, 3]: x [t, 4] -> y [t, 2].
-    let (gate, up, down) = (ones(&mut ctx, 3, 4), ones(&mut ctx, 3, 4), ones(&mut ctx, 2, 3));
-    let (wide, tall) = (ones(&mut ctx, 3, 5), ones(&mut ctx, 4, 4));
-    let (g, u, d, w, h) = (gate.rep(), up.rep(), down.rep(), wide.rep(), tall.rep());
-    // A wider hidden layer: [8, 2] and [2, 8].
-    let (gate8, down8) = (ones(&mut ctx, 8, 2), ones(&mut ctx, 2, 8));
-    let (g8, d8) = (gate8.rep(), down8.rep());
-    let act = Activation::Silu;
-    let mut call = |x: &[f32], t: u32, n_in: u32, reps: [u32; 3]| {
-        let [a, b, c] = reps.map(borrow);
-        ctx.ffn(x, t, n_in, [&a, &b, &c], act)
-    };
-    invalid(call(&[], 0, 4, [g, u, d]), "empty input [0, 4]", "t = 0");
-    invalid(call(&[1.0; 7], 2, 4, [g, u, d]), "x has 7 values, t * n-in is 8", "a short x");
-    invalid(call(&[1.0; 4], 1, 4, [g, u, 999_999]), "down: not a live weight handle", "a forged down");
-    invalid(call(&[1.0; 4], 1, 4, [w, u, d]), "gate and up have 5 and 4 columns, n-in is 4", "a gate of 5 columns");
-    invalid(call(&[1.0; 4], 1, 4, [g, h, d]), "gate has 3 rows, up 4", "an up of 4 rows");
-    invalid(call(&[1.0; 4], 1, 4, [g, u, h]), "and down 4 columns", "a down of 4 columns");
-    // Past the device's 1024 values: the hidden values of 129 rows (1032), then the input.
-    out_of_memory(call(&[1.0; 258], 129, 2, [g8, g8, d8]), "hidden values of 1032 values exceeds", "1032 hidden values");
-    out_of_memory(call(&[1.0; 1028], 257, 4, [g, u, d]), "an input of 1028 values exceeds", "1028 input values");
-    assert!(!seen.lock().unwrap().iter().any(|c| c.starts_with("ffn")), "the backend saw {:?}", seen.lock().unwrap());
-    // A valid call: g = u = 4 (rows of ones), h = silu(4) * 4, y = 3 h.
-    let y = call(&[1.0; 8], 2, 4, [g, u, d]).unwrap();
-    let want = 3.0 * act.apply(4.0) * 4.0;
-    assert!(y.len() == 4 && y.iter().all(|v| (v - want).abs() < 1e-4), "{y:?} vs {want}");
-    assert_eq!(seen.lock().unwrap().last().map(String::as_str), Some("ffn t 2, n-in 4"));
-    // A backend without ffn says unavailable.
-    let mut plain = GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default());
-    let (a, b, c) = (ones(&mut plain, 3, 4), ones(&mut plain, 3, 4), ones(&mut plain, 2, 3));
-    match plain.ffn(&[1.0; 4], 1, 4, [&a, &b, &c], act) {
-        Err(GpuError::Unavailable(m)) if m.contains("does not offer ffn") => {}
-        other => panic!("ffn on a backend without it: {other:?}"),
-    }
-}
+/// A backend that keeps the trait's defaults: no kv-caches.
+struct NoCaches(CpuBackend);
 
-/// A backend that keeps the trait's defaults: no `attention`, no `ffn`.
-struct NoAttention(CpuBackend);
-
-impl Backend for NoAttention {
+impl Backend for NoCaches {
     fn device(&self) -> Option<Device> {
         self.0.device()
     }
@@ -298,78 +249,12 @@ impl Backend for NoAttention {
     }
 }
 
-/// One query of two heads of 2 over two keys of one head: `(q, k, v, shape)`.
-fn small_attention() -> (Vec<f32>, Vec<f32>, Vec<f32>, AttentionShape) {
-    let shape = AttentionShape { t: 1, n_keys: 2, n_head: 2, n_head_kv: 1, head_dim: 2, window: 0, scale: 1.0 };
-    (vec![1.0, 0.0, 0.0, 1.0], vec![0.0, 0.0, 1.0, 1.0], vec![1.0, 2.0, 3.0, 4.0], shape)
-}
-
-/// Attention shapes a guest could send that break the contract, and lists that do not match
-/// the shape or exceed the device: typed errors, and the backend never sees them; a backend
-/// without attention, or a context without a device, says `unavailable`.
-#[test]
-fn attention_outside_the_contract_is_refused_before_the_backend() {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let mut ctx = GpuCtx::new(Box::new(Recording { inner: CpuBackend::new(), seen: seen.clone() }), Budget::default());
-    let (q, k, v, ok) = small_attention();
-    let with = |f: fn(&mut AttentionShape)| {
-        let mut s = ok;
-        f(&mut s);
-        s
-    };
-    for (shape, message) in [
-        (with(|s| s.t = 0), "there must be at least one query"),
-        (with(|s| s.n_keys = 0), "a key for each"),
-        (with(|s| s.n_head_kv = 0), "cannot share 0 key/value heads"),
-        (with(|s| s.n_head = 0), "0 query heads cannot share"),
-        (with(|s| (s.n_head, s.n_head_kv) = (6, 4)), "6 query heads cannot share 4"),
-        (with(|s| s.head_dim = 0), "head-dim 0 is outside 1..=512"),
-        (with(|s| s.head_dim = 513), "head-dim 513 is outside"),
-        (with(|s| (s.t, s.n_keys, s.n_head, s.head_dim) = (u32::MAX, u32::MAX, u32::MAX, 512)), "overflow"),
-        (with(|s| s.n_keys = 3), "the shape implies 4, 6 and 6"),
-        (with(|s| s.head_dim = 1), "the shape implies 2, 2 and 2"),
-    ] {
-        invalid(ctx.attention(&q, &k, &v, &shape), message, &format!("{shape:?}"));
-    }
-    invalid(ctx.attention(&q, &k, &v[..3], &ok), "have 4, 4 and 3 values", "a short v");
-    // Past the device's 1024 values a list: the queries, then the keys.
-    let big = AttentionShape { t: 1, n_keys: 1025, n_head: 1, n_head_kv: 1, head_dim: 1, ..ok };
-    out_of_memory(
-        ctx.attention(&[0.0], &[0.0; 1025], &[0.0; 1025], &big),
-        "1025 values exceed the device's limit of 1024",
-        "1025 keys",
-    );
-    let big = AttentionShape { t: 1025, n_keys: 1025, ..big };
-    out_of_memory(ctx.attention(&[0.0; 1025], &[0.0; 1025], &[0.0; 1025], &big), "1025 values", "1025 queries");
-    assert!(seen.lock().unwrap().is_empty(), "the backend saw {:?}", seen.lock().unwrap());
-
-    // A valid call computes: head 0 prefers key 0, head 1 key 1, by e^1 : 1 ... and back.
-    let out = ctx.attention(&q, &k, &v, &ok).unwrap();
-    let e = std::f32::consts::E;
-    let (p0, p1) = (1.0 / (1.0 + e), e / (1.0 + e));
-    let want = [p0 * 1.0 + p1 * 3.0, p0 * 2.0 + p1 * 4.0, p0 * 1.0 + p1 * 3.0, p0 * 2.0 + p1 * 4.0];
-    assert!(out.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{out:?} vs {want:?}");
-    assert_eq!(*seen.lock().unwrap(), ["attention t 1, keys 2"]);
-    // With a window of 1, the query sees its own key alone.
-    assert_eq!(ctx.attention(&q, &k, &v, &AttentionShape { window: 1, ..ok }).unwrap(), [3.0, 4.0, 3.0, 4.0]);
-
-    for (mut ctx, message) in [
-        (GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default()), "does not offer attention"),
-        (GpuCtx::none(), "no GPU"),
-    ] {
-        match ctx.attention(&q, &k, &v, &ok) {
-            Err(GpuError::Unavailable(m)) if m.contains(message) => {}
-            other => panic!("want unavailable saying {message:?}, got {other:?}"),
-        }
-    }
-}
-
-/// `kv-cache`s: sizes that are empty or overflow, calls that do not fit the cache, a cache of
-/// another instance or a released one; the budget counts them; a backend without caches says
-/// `unavailable`.
+/// `kv-cache`s: sizes that are empty or overflow, past the device's limit or the budget; the
+/// budget counts them; a program's run with a cache of another instance, a weight's handle or a
+/// released cache is refused; a backend without caches says `unavailable`.
 #[test]
 fn kv_caches_outside_the_contract_are_refused() {
-    let mut ctx = cpu(Budget { bytes: 4096, handles: 2, jobs: 8 });
+    let mut ctx = cpu(Budget { bytes: 4096, handles: 3, jobs: 8 });
     invalid(ctx.create_kv_cache(0, 4), "empty kv-cache", "0 slots");
     invalid(ctx.create_kv_cache(4, 0), "empty kv-cache", "width 0");
     invalid(ctx.create_kv_cache(u32::MAX, u32::MAX), "kv-cache size overflows", "u32::MAX x u32::MAX");
@@ -377,34 +262,25 @@ fn kv_caches_outside_the_contract_are_refused() {
     out_of_memory(ctx.create_kv_cache(64, 9), "4608 more bytes exceed this instance's budget (0 of 4096 used)", "past the budget");
     let cache = ctx.create_kv_cache(8, 4).unwrap();
     assert_eq!(ctx.usage(), (256, 1));
-    let shape = AttentionShape { t: 1, n_keys: 2, n_head: 2, n_head_kv: 1, head_dim: 4, window: 0, scale: 0.5 };
-    let (q, row) = ([1.0f32; 8], [0.5f32; 4]);
-    // Two rows written one call after the other: the second query sees both.
-    ctx.attention_cached(&q, &row, &row, 0, &cache, 0, &AttentionShape { n_keys: 1, ..shape }).unwrap();
-    let out = ctx.attention_cached(&q, &[1.5; 4], &[1.5; 4], 1, &cache, 0, &shape).unwrap();
-    assert!(out.iter().all(|&o| o > 0.5 && o < 1.5), "{out:?}");
-    let mut call = |q: &[f32], k: &[f32], v: &[f32], s: AttentionShape| ctx.attention_cached(q, k, v, 0, &cache, 0, &s);
-    invalid(call(&q, &row, &row, AttentionShape { n_keys: 9, ..shape }), "do not fit a kv-cache of 8 slots of 4", "9 keys");
-    invalid(call(&q[..2], &row, &row, AttentionShape { head_dim: 1, ..shape }), "do not fit a kv-cache", "width 1");
-    invalid(call(&q, &row[..3], &row[..3], shape), "not the same whole rows of 4", "a partial row");
-    invalid(call(&q, &row, &[], shape), "not the same whole rows", "no values");
-    invalid(call(&q, &[0.0; 36], &[0.0; 36], shape), "at most 8 of them", "9 new rows");
-    invalid(call(&q[..7], &row, &row, shape), "q has 7 values, the shape implies 8", "a short q");
-    invalid(call(&q, &row, &row, AttentionShape { t: 0, ..shape }), "at least one query", "t = 0");
+    // A program that writes its input's rows to its one cache, and outputs them.
+    let writes = vec![Op::Input { width: 4 }, Op::CacheWrite { k: 0, v: 0, cache: 0 }, Op::Output(0)];
+    let p = ctx.create_program(&[], 1, writes).unwrap();
+    let run = |ctx: &mut GpuCtx, c: &Resource<wisp::gpu::KvCacheHandle>| ctx.run_program(&p, vec![vec![0.5; 4]], &[(1, 0, std::slice::from_ref(c))]);
+    run(&mut ctx, &cache).unwrap();
     // Another instance's handle, a weight's rep and a released one are not caches here.
     let mut other = cpu(Budget::default());
     let foreign = other.create_kv_cache(8, 4).unwrap();
-    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(foreign.rep()), 0, &shape), "not a live kv-cache", "foreign");
+    invalid(run(&mut ctx, &Resource::new_borrow(foreign.rep())), "not a live kv-cache", "foreign");
     let w = ones(&mut ctx, 1, 4);
-    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(w.rep()), 0, &shape), "not a live kv-cache", "a weight");
+    invalid(run(&mut ctx, &Resource::new_borrow(w.rep())), "not a live kv-cache", "a weight");
     let rep = cache.rep();
     ctx.release_cache(cache);
-    assert_eq!(ctx.usage(), (16, 1));
-    invalid(ctx.attention_cached(&q, &row, &row, 0, &Resource::new_borrow(rep), 0, &shape), "not a live kv-cache", "released");
+    assert_eq!(ctx.usage(), (16, 2));
+    invalid(run(&mut ctx, &Resource::new_borrow(rep)), "not a live kv-cache", "released");
     // A backend without caches.
-    let mut plain = GpuCtx::new(Box::new(NoAttention(CpuBackend::new())), Budget::default());
+    let mut plain = GpuCtx::new(Box::new(NoCaches(CpuBackend::new())), Budget::default());
     match plain.create_kv_cache(8, 4) {
-        Err(GpuError::Unavailable(m)) if m.contains("does not offer attention-cached") => {}
+        Err(GpuError::Unavailable(m)) if m.contains("does not offer kv-caches") => {}
         other => panic!("a kv-cache on a backend without them: {other:?}"),
     }
     assert_eq!(plain.usage(), (0, 0));
@@ -543,9 +419,6 @@ fn after_a_device_loss_every_call_is_device_lost() {
     device_lost(ctx.write_rows(&w, 0, &[0; 16], &[]).map(|_| ()), "write-rows");
     device_lost(ctx.allocate(Format::F32, 1, 1).map(|_| ()), "allocate");
     device_lost(ctx.upload(Format::F32, 1, 4, &[0; 16], &[]).map(|_| ()), "upload");
-    let (q, k, v, shape) = small_attention();
-    device_lost(ctx.attention(&q, &k, &v, &shape).map(|_| ()), "attention");
-    device_lost(ctx.ffn(&[1.0; 4], 1, 4, [&w, &w, &w], Activation::Silu).map(|_| ()), "ffn");
     device_lost(ctx.create_kv_cache(4, 4).map(|_| ()), "create-kv-cache");
     // Even a call that is invalid anyway: the loss is what the guest needs to know.
     device_lost(ctx.matmul(&[], 0, 0, &[]).map(|_| ()), "an invalid matmul");
@@ -595,7 +468,7 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
             _ => rng.next() as u32,
         };
         let len = rng.pick(&[0usize, 1, 3, 4, 16, 31, 32, 64, 128, 4096]);
-        match rng.next() % 9 {
+        match rng.next() % 6 {
             0 => {
                 let data = vec![1u8; len * 4];
                 let scales = vec![0.5f32; len / 8];
@@ -617,45 +490,9 @@ fn random_hostile_calls_never_panic_and_keep_the_books() {
                 let _ = ctx.matmul(&vec![0.5f32; len], t, n_in % 70, &jobs);
             }
             4 => {
-                let reps = [rep, rng.pick(&[rep, 7]), if live.is_empty() { rep } else { rng.pick(&live) }].map(borrow);
-                let act = if rng.next() % 2 == 0 { Activation::Silu } else { Activation::GeluTanh };
-                let _ = ctx.ffn(&vec![0.5f32; len], rng.pick(&[0, 1, 2, 3]), n_in % 70, [&reps[0], &reps[1], &reps[2]], act);
-            }
-            5 => {
-                let shape = AttentionShape {
-                    t: rng.pick(&[0, 1, 2, 4]),
-                    n_keys: rng.pick(&dims) % 70,
-                    n_head: rng.pick(&dims),
-                    n_head_kv: rng.pick(&dims),
-                    head_dim: rng.pick(&dims),
-                    window: rng.pick(&dims),
-                    scale: 0.5,
-                };
-                let v = vec![0.25f32; rng.pick(&[0usize, 1, 4, 16, 64])];
-                let _ = ctx.attention(&vec![0.5f32; len], &v, &v, &shape);
-            }
-            6 => {
                 if let Ok(c) = ctx.create_kv_cache(n_out % 70, n_in % 70) {
                     caches.push(c.rep());
                 }
-            }
-            7 => {
-                let cache = match rng.next() % 2 {
-                    0 if !caches.is_empty() => rng.pick(&caches),
-                    _ => rep,
-                };
-                let shape = AttentionShape {
-                    t: rng.pick(&[0, 1, 2]),
-                    n_keys: rng.pick(&[0, 1, 2, 16, 80]),
-                    n_head: rng.pick(&[0, 1, 2, 4]),
-                    n_head_kv: rng.pick(&[0, 1, 2]),
-                    head_dim: rng.pick(&dims) % 70,
-                    window: rng.pick(&dims),
-                    scale: 0.5,
-                };
-                let new_rows = vec![0.25f32; rng.pick(&[0usize, 1, 4, 32, 64])];
-                let first = rng.pick(&dims);
-                let _ = ctx.attention_cached(&vec![0.5f32; len], &new_rows, &new_rows, first, &Resource::new_borrow(cache), first, &shape);
             }
             _ => {
                 ctx.release(Resource::new_own(rep));

@@ -6,10 +6,8 @@
 //! a run; every test prints its seed.
 
 use std::time::Instant;
-use wisp::{
-    Activation, AttentionShape, Backend, Block, BlocksShape, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, Rotation,
-    WgpuBackend,
-};
+use wisp::gpu::program::{self, Op, Output, Precision, SequenceRun, WeightRef};
+use wisp::{Activation, AttentionShape, Backend, Budget, CpuBackend, Format, Gemm, GpuCtx, GpuError, Rotation, WgpuBackend};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -138,6 +136,15 @@ fn upload(b: &mut dyn Backend, w: &Weight) -> u64 {
     let id = b.create(w.format, w.n_out, w.n_in).expect("create");
     b.write_rows(id, 0, &w.data, &w.scales).expect("write_rows");
     id
+}
+
+/// Attention of `q` over the keys and values `k`, `v` as a program's `attention` op computes it:
+/// over a `kv-cache` of as many rows, made for the call and freed after it.
+fn attend(b: &mut dyn Backend, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+    let cache = b.create_cache(s.n_keys, s.n_head_kv * s.head_dim)?;
+    let out = b.write_cache(cache, 0, k, v).and_then(|()| b.attention_cached(q, &[], &[], 0, cache, 0, s));
+    b.free_cache(cache);
+    out
 }
 
 /// Checks `got` (outputs of `weights` over `x`) against the CPU reference and the tolerance.
@@ -331,7 +338,7 @@ fn spinning_and_blocking_readbacks_agree() {
     for spin in [false, true, false] {
         gpu.set_spin_wait(spin);
         let y = gpu.matmul(&x, 5, 128, &[id]).expect("matmul");
-        let a = gpu.attention(&q, &k, &k, &s).expect("attention");
+        let a = attend(&mut gpu, &q, &k, &k, &s).expect("attention");
         check(&format!("spin={spin}"), &[&w], &x, 5, &y);
         seen.push((y, a));
     }
@@ -352,41 +359,6 @@ fn spinning_and_blocking_readbacks_agree() {
     }
 }
 
-/// `ffn` on the device against the CPU's products and activation: mixed formats, both
-/// activations, a decode step, a batch and a batch for the large kernels, hidden widths that
-/// are and are not whole shader steps.
-#[test]
-fn ffn_matches_the_cpu() {
-    let Some(mut gpu) = backend("ffn_matches_the_cpu") else { return };
-    let mut rng = Rng::new("ffn_matches_the_cpu");
-    let mut cpu = CpuBackend::new();
-    let cases = [
-        (Format::Q4x32, Format::Q8x32, Format::F32, 1, 64, 96, 40, Activation::GeluTanh),
-        (Format::Q8x16, Format::Q8x16, Format::Q8x32, 5, 96, 160, 70, Activation::Silu),
-        (Format::F32, Format::Bf16, Format::F32, 7, 37, 45, 23, Activation::GeluTanh),
-        (Format::Q4x32, Format::Q4x32, Format::Q8x16, 130, 128, 256, 96, Activation::GeluTanh),
-        (Format::Q8x32, Format::Q4x32, Format::Bf16, 140, 64, 99, 130, Activation::Silu),
-    ];
-    for (fg, fu, fd, t, n_in, n_ff, n_out, act) in cases {
-        let what = format!("ffn t {t} [{n_in} -> {n_ff} -> {n_out}] {} {} {} {act:?}", fg.name(), fu.name(), fd.name());
-        let (gate, up) = (Weight::random(&mut rng, fg, n_ff, n_in), Weight::random(&mut rng, fu, n_ff, n_in));
-        let down = Weight::random(&mut rng, fd, n_out, n_ff);
-        let x = random_x(&mut rng, t, n_in);
-        let ids = [&gate, &up, &down].map(|w| upload(&mut gpu, w));
-        let got = gpu.ffn(&x, t, n_in, ids, act).unwrap_or_else(|e| panic!("{what}: {e}"));
-        // The reference: the CPU's products, the activation as the contract reads, then down.
-        let (g, u) = (upload(&mut cpu, &gate), upload(&mut cpu, &up));
-        let gu = cpu.matmul(&x, t, n_in, &[g, u]).expect("cpu products");
-        let h: Vec<f32> = gu[0].iter().zip(&gu[1]).map(|(&g, &u)| act.apply(g) * u).collect();
-        // `ffn` is exact: never on cooperative matrices, whatever the adapter offers.
-        check_within(TOLERANCE, &what, &[&down], &h, t, &[got]);
-        for id in ids {
-            gpu.free(id);
-        }
-    }
-    println!("ffn_matches_the_cpu: {} cases", cases.len());
-}
-
 /// Random queries, keys and values of `shape`, each in [-2, 2).
 fn attention_inputs(rng: &mut Rng, s: &AttentionShape) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (q, k) = s.lens().expect("a small shape");
@@ -405,7 +377,7 @@ fn check_attention(what: &str, got: &[f32], want: &[f32], v: &[f32]) {
     }
 }
 
-/// `attention` on the device against the CPU reference: grouped heads, heads of every width up
+/// Attention on the device against the CPU reference: grouped heads, heads of every width up
 /// to the contract's 512 (and odd ones), windows, more keys than the kernel's chunk, one query
 /// and many; then a device loss makes it `device-lost`.
 #[test]
@@ -414,10 +386,11 @@ fn attention_matches_the_cpu() {
     let mut rng = Rng::new("attention_matches_the_cpu");
     let mut cpu = CpuBackend::new();
     let mut shapes = vec![
-        // Gemma 3 270M's prefill batch and decode step, a sliding layer.
+        // A 270M model's prefill batch and decode step (one key/value head of 256), a sliding
+        // layer.
         AttentionShape { t: 64, n_keys: 200, n_head: 4, n_head_kv: 1, head_dim: 256, window: 150, scale: 0.0625 },
         AttentionShape { t: 1, n_keys: 130, n_head: 4, n_head_kv: 1, head_dim: 256, window: 0, scale: 0.0625 },
-        // Qwen2.5 0.5B's heads.
+        // 14 heads of 64 sharing 2.
         AttentionShape { t: 7, n_keys: 70, n_head: 14, n_head_kv: 2, head_dim: 64, window: 0, scale: 0.125 },
         AttentionShape { t: 3, n_keys: 3, n_head: 2, n_head_kv: 2, head_dim: 512, window: 1, scale: 0.04 },
         AttentionShape { t: 2, n_keys: 5, n_head: 3, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 },
@@ -438,8 +411,8 @@ fn attention_matches_the_cpu() {
     for s in &shapes {
         let what = format!("{s:?}");
         let (q, k, v) = attention_inputs(&mut rng, s);
-        let want = cpu.attention(&q, &k, &v, s).expect("the reference");
-        let got = gpu.attention(&q, &k, &v, s).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let want = attend(&mut cpu, &q, &k, &v, s).expect("the reference");
+        let got = attend(&mut gpu, &q, &k, &v, s).unwrap_or_else(|e| panic!("{what}: {e}"));
         check_attention(&what, &got, &want, &v);
     }
     println!("attention_matches_the_cpu: {} shapes", shapes.len());
@@ -447,7 +420,7 @@ fn attention_matches_the_cpu() {
     let s = &shapes[2];
     let (q, k, v) = attention_inputs(&mut rng, s);
     gpu.simulate_device_loss();
-    match gpu.attention(&q, &k, &v, s) {
+    match attend(&mut gpu, &q, &k, &v, s) {
         Err(GpuError::DeviceLost(m)) if !m.is_empty() => {}
         other => panic!("attention after the loss: {other:?}, not device-lost with a reason"),
     }
@@ -676,71 +649,95 @@ fn tiled_gemm_matches_the_cpu() {
     }
 }
 
-/// `blocks` with `gemm_wide` on every product of 4 rows or more gives the CPU reference's rows
-/// and keys: at t = 130 its products have 2 to 8 tiles, so each is split over k (2 to 4 runs)
-/// and the planes of partial sums are added by `sum_planes` (q, k, v, gate, up) or by the norm
-/// that reads them (`wo`, `down`); then a token, unsplit. A Gemma-like block (head norms, norms
-/// after attention and the FFN, GELU) and a Qwen-like one (biases, SiLU), matrices in every
-/// format. Tolerance: 1e-3 of each row's rms; where the adapter offers cooperative matrices,
-/// the Gemma-like block again with `gemm_coop` (f16 inputs),
-/// within 1e-2 (the Qwen-like one, with no norms after its products, grows values past
-/// f16's range).
+/// A decoder block as a program, recorded on the device with `gemm_wide` on every product of 4
+/// rows or more, gives the rows, keys and values of the CPU reference's op-by-op run: at t = 130
+/// its products have 2 to 8 tiles, so each is split over k (2 to 4 runs) and the planes of
+/// partial sums are added by `sum_planes`; then a token, unsplit. A block with head norms, norms
+/// after attention and the feed-forward products, GELU and rotation by halves, and one with
+/// biases, SiLU and rotation by pairs; matrices in every format. Tolerance: 1e-3 of each row's
+/// rms; where the adapter offers cooperative matrices, the normed block again with `gemm_coop`
+/// and `fast` products (f16 inputs), within 1e-2 (the other, with no norms after its products,
+/// grows values past f16's range).
 #[test]
-fn blocks_split_over_k_match_the_cpu() {
-    let Some(mut gpu) = backend("blocks_split_over_k_match_the_cpu") else { return };
+fn programs_split_over_k_match_the_cpu() {
+    let Some(mut gpu) = backend("programs_split_over_k_match_the_cpu") else { return };
     let mut cpu = CpuBackend::new();
-    let mut rng = Rng::new("blocks_split_over_k_match_the_cpu");
+    let mut rng = Rng::new("programs_split_over_k_match_the_cpu");
     let (e, ff, n_head, n_head_kv, hd, slots) = (256u32, 512u32, 4u32, 1u32, 64u32, 160u32);
     let (nq, nkv) = (n_head * hd, n_head_kv * hd);
     let coop = gpu.has_coop().then_some((Gemm::Coop, 1e-2, true));
-    for (gemm, tolerance, gemma) in [(Gemm::Wide, 1e-3, true), (Gemm::Wide, 1e-3, false)].into_iter().chain(coop) {
+    for (gemm, tolerance, normed) in [(Gemm::Wide, 1e-3, true), (Gemm::Wide, 1e-3, false)].into_iter().chain(coop) {
         gpu.set_gemm(gemm).expect("gemm");
-        let shape = BlocksShape {
-            n_embd: e,
-            n_ff: ff,
-            n_head,
-            n_head_kv,
-            head_dim: hd,
-            eps: 1e-6,
-            scale: 0.01,
-            act: if gemma { Activation::GeluTanh } else { Activation::Silu },
-            rotation: if gemma { Rotation::Halves } else { Rotation::Pairs },
-        };
-        let mut both = |w: &Weight| (upload(&mut gpu, w), upload(&mut cpu, w));
+        let precision = if gemm == Gemm::Coop { Precision::Fast } else { Precision::Exact };
+        // The weights, each on both backends: (format, rows, columns), and f32 values of vectors.
+        let mut weights: Vec<(Weight, u64, u64)> = Vec::new();
         let mut f = Format::ALL.iter().cycle().skip(rng.range(0, 4) as usize);
-        let mut mat = |n_out, n_in| both(&Weight::random(&mut rng, *f.next().unwrap(), n_out, n_in));
-        let (wq, wk, wv, wo) = (mat(nq, e), mat(nkv, e), mat(nkv, e), mat(e, nq));
-        let (gate, up, down) = (mat(ff, e), mat(ff, e), mat(e, ff));
-        let mut vector = |n, on: bool| on.then(|| both(&Weight::random(&mut rng, Format::F32, 1, n)));
-        let (attn_norm, ffn_norm) = (vector(e, true).unwrap(), vector(e, true).unwrap());
-        let (q_bias, k_bias, v_bias, o_bias) = (vector(nq, !gemma), vector(nkv, !gemma), vector(nkv, !gemma), vector(e, !gemma));
-        let (q_norm, k_norm) = (vector(hd, gemma), vector(hd, gemma));
-        let (post_attn_norm, post_ffn_norm) = (vector(e, gemma), vector(e, gemma));
-        let caches = (gpu.create_cache(slots, nkv).expect("cache"), cpu.create_cache(slots, nkv).expect("cache"));
-        let block = |side: fn((u64, u64)) -> u64| Block {
-            attn_norm: side(attn_norm),
-            wq: side(wq),
-            wk: side(wk),
-            wv: side(wv),
-            q_bias: q_bias.map(side),
-            k_bias: k_bias.map(side),
-            v_bias: v_bias.map(side),
-            q_norm: q_norm.map(side),
-            k_norm: k_norm.map(side),
-            wo: side(wo),
-            o_bias: o_bias.map(side),
-            post_attn_norm: post_attn_norm.map(side),
-            ffn_norm: side(ffn_norm),
-            gate: side(gate),
-            up: side(up),
-            down: side(down),
-            post_ffn_norm: post_ffn_norm.map(side),
-            cache: side(caches),
-            slots,
-            window: 0,
-            rope: 0,
+        let mut add = |rng: &mut Rng, format: Format, n_out: u32, n_in: u32| {
+            let w = Weight::random(rng, format, n_out, n_in);
+            let ids = (upload(&mut gpu, &w), upload(&mut cpu, &w));
+            weights.push((w, ids.0, ids.1));
+            weights.len() - 1
         };
-        let (on_gpu, on_cpu) = ([block(|p| p.0)], [block(|p| p.1)]);
+        let mut mat = |rng: &mut Rng, n_out, n_in| add(rng, *f.next().unwrap(), n_out, n_in);
+        let (wq, wk, wv, wo) = (mat(&mut rng, nq, e), mat(&mut rng, nkv, e), mat(&mut rng, nkv, e), mat(&mut rng, e, nq));
+        let (gate, up, down) = (mat(&mut rng, ff, e), mat(&mut rng, ff, e), mat(&mut rng, e, ff));
+        let mut vector = |rng: &mut Rng, n| add(rng, Format::F32, 1, n);
+        let (attn_norm, ffn_norm) = (vector(&mut rng, e), vector(&mut rng, e));
+        let eps = 1e-6;
+        let norm = |x, weight, group| Op::RmsNorm { x, weight: Some(weight), offset: 0.0, group, eps };
+        let mm = |x, weight| Op::Matmul { x, weight, precision };
+        let (rotation, act) = if normed { (Rotation::Halves, Activation::GeluTanh) } else { (Rotation::Pairs, Activation::Silu) };
+        let [after_q, after_k, after_o, after_down] = if normed {
+            let (q, k) = (vector(&mut rng, hd), vector(&mut rng, hd));
+            let (o, d) = (vector(&mut rng, e), vector(&mut rng, e));
+            [norm(3, q, hd), norm(4, k, hd), norm(12, o, e), norm(19, d, e)]
+        } else {
+            let (q, k, o) = (vector(&mut rng, nq), vector(&mut rng, nkv), vector(&mut rng, e));
+            [Op::Bias { x: 3, weight: q }, Op::Bias { x: 4, weight: k }, Op::Bias { x: 12, weight: o }, Op::Scale { x: 19, by: 1.0 }]
+        };
+        let ops = vec![
+            Op::Input { width: e },
+            Op::Input { width: hd },
+            norm(0, attn_norm, e),
+            mm(2, wq),
+            mm(2, wk),
+            mm(2, wv),
+            after_q,
+            after_k,
+            Op::Rotate { x: 6, table: 1, head_dim: hd, rotation },
+            Op::Rotate { x: 7, table: 1, head_dim: hd, rotation },
+            Op::CacheWrite { k: 9, v: 5, cache: 0 },
+            Op::Attention { q: 8, cache: 0, n_head, n_head_kv, head_dim: hd, window: 0, scale: 0.01, precision },
+            mm(11, wo),
+            after_o,
+            Op::Add(0, 13),
+            norm(14, ffn_norm, e),
+            mm(15, gate),
+            mm(15, up),
+            Op::Gated { gate: 16, up: 17, act },
+            mm(18, down),
+            after_down,
+            Op::Add(14, 20),
+            Op::Output(21),
+            Op::Output(9),
+            Op::Output(5),
+        ];
+        let refs = |on_gpu: bool| {
+            let of = |(i, (w, g, c)): (usize, &(Weight, u64, u64))| WeightRef {
+                rep: i as u32,
+                id: if on_gpu { *g } else { *c },
+                rows: w.n_out,
+                cols: w.n_in,
+                format: w.format,
+            };
+            weights.iter().enumerate().map(of).collect::<Vec<_>>()
+        };
+        let (on_gpu, on_cpu) = (program::check(ops.clone(), refs(true), 1).unwrap(), program::check(ops, refs(false), 1).unwrap());
+        let vectors: Vec<Vec<f32>> =
+            weights.iter().map(|(w, ..)| if w.format == Format::F32 && w.n_out == 1 { w.decoded.clone() } else { Vec::new() }).collect();
+        let vectors: Vec<&[f32]> = vectors.iter().map(Vec::as_slice).collect();
+        gpu.prepare_program(&on_gpu).expect("the program's pipelines");
+        let caches = (gpu.create_cache(slots, nkv).expect("cache"), cpu.create_cache(slots, nkv).expect("cache"));
         for (t, pos) in [(130u32, 0u32), (1, 130)] {
             let x: Vec<f32> = (0..t * e).map(|_| rng.unit()).collect();
             let mut table = vec![0f32; (t * hd) as usize];
@@ -750,13 +747,13 @@ fn blocks_split_over_k_match_the_cpu() {
                     (row[j], row[hd as usize / 2 + j]) = (angle.cos() as f32, angle.sin() as f32);
                 }
             }
-            let rope = [table];
-            let got = gpu.blocks(&x, t, pos, &on_gpu, &shape, &rope, true).expect("gpu blocks");
-            let want = cpu.blocks(&x, t, pos, &on_cpu, &shape, &rope, true).expect("cpu blocks");
-            let what = format!("{gemm:?}, {} block, t {t} at {pos}", if gemma { "gemma-like" } else { "qwen-like" });
-            for (name, got, want, width) in
-                [("x", &got.x, &want.x, e), ("keys", &got.keys, &want.keys, nkv), ("values", &got.values, &want.values, nkv)]
-            {
+            let inputs = vec![x, table];
+            let batch = |cache| [SequenceRun { rows: t, start: pos, caches: vec![(cache, slots, nkv)] }];
+            let got = gpu.run_program(&on_gpu, &inputs, &batch(caches.0)).expect("the run recorded").expect("the device's run");
+            let want = program::run(&on_cpu, &mut cpu, &vectors, inputs.clone(), &batch(caches.1)).expect("the reference's run");
+            let what = format!("{gemm:?}, {} block, t {t} at {pos}", if normed { "normed" } else { "biased" });
+            for ((name, width), (got, want)) in [("x", e), ("keys", nkv), ("values", nkv)].into_iter().zip(got.iter().zip(&want)) {
+                let (Output::Rows(got), Output::Rows(want)) = (got, want) else { panic!("{what}: {name}: not rows") };
                 assert_eq!(got.len(), want.len(), "{what}: {name}: lengths");
                 for (r, (g, c)) in got.chunks_exact(width as usize).zip(want.chunks_exact(width as usize)).enumerate() {
                     let rms = (c.iter().map(|v| v * v).sum::<f32>() / width as f32).sqrt();
@@ -912,7 +909,7 @@ fn round_trip_sweep() {
     }
     let (q, k) = (rows(&mut rng, n_head * head_dim), rows(&mut rng, width));
     let us = median_us(&mut || {
-        gpu.attention(&q, &k, &k, &shape(1, 1)).expect("one key");
+        attend(&mut gpu, &q, &k, &k, &shape(1, 1)).expect("one key");
     });
     println!("sweep round trip: attention over one key: {us:.0} us");
     let id = upload(&mut gpu, &Weight::random(&mut rng, Format::F32, 64, 64));
@@ -924,7 +921,7 @@ fn round_trip_sweep() {
     let t = 512;
     let (q, k) = (rows(&mut rng, t * n_head * head_dim), rows(&mut rng, t * width));
     let us = median_us(&mut || {
-        gpu.attention(&q, &k, &k, &shape(t, t)).expect("a batch");
+        attend(&mut gpu, &q, &k, &k, &shape(t, t)).expect("a batch");
     });
     println!("sweep round trip: attention, a batch of {t} queries: {us:.0} us");
 }

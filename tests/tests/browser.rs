@@ -43,7 +43,7 @@ fn the_browser_host_passes_its_suite() {
     for test in [
         "golden teacher forcing with the GPU off",
         "every case of the kit passes on the browser host's WebGPU device",
-        "a deliberately broken browser host fails the kit: perturbed-matmul",
+        "a deliberately broken browser host fails the kit: perturbed-products",
         "generate follows a JSON schema, a regex and a grammar; a bad one is a typed error",
     ] {
         assert!(text.contains(test), "`npm test` did not run \"{test}\"");

@@ -1,13 +1,14 @@
 //! The conformance kit (`tests/conformance`) against each host: it passes on the CPU reference
 //! backend and on wgpu, reports its device cases as skipped without a device, and fails, naming
 //! the case and the call, on hosts that are broken on purpose: one that decodes a format wrongly,
-//! one whose matmul ignores its inputs, and one that accepts calls it must refuse.
+//! one whose products ignore their inputs, one whose attention ignores the window, one whose
+//! cache writes land a row off, and one that accepts calls it must refuse.
 
 use std::collections::{HashMap, HashSet};
 use wasmtime::component::{HasSelf, Resource};
 use wisp::conformance::{self, CaseResult, KitState};
-use wisp::gpu::{KvCacheHandle, ProgramHandle, WeightHandle};
-use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError};
+use wisp::gpu::{KvCacheHandle, ProgramHandle, WeightHandle, program};
+use wisp::{Activation, AttentionShape, Backend, Budget, BufferId, CpuBackend, Device, Format, GpuCtx, GpuError, Precision, Rotation};
 use wisp_tests::wgpu_backend;
 
 /// The seed of a run: `WISP_TEST_SEED`, else fresh, printed either way.
@@ -130,38 +131,21 @@ fn a_host_that_decodes_one_format_wrongly_fails_that_formats_cases() {
     for name in ["matmul-f32", "matmul-bf16", "matmul-q8x32", "matmul-q8x16", "hostile-upload-lengths"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
-    assert!(failed(&results).contains(&"matmul-batch"), "the batch holds a q4x32 job");
-    // It keeps the trait's default attention, ffn and kv-caches, `unavailable`: allowed, so a skip.
-    for (name, what) in [
-        ("attention", "attention"),
-        ("hostile-attention", "attention"),
-        ("ffn", "ffn"),
-        ("hostile-ffn", "ffn"),
-        ("kv-cache", "kv-caches"),
-        ("hostile-kv-cache", "kv-caches"),
-        ("blocks", "kv-caches"),
-        ("hostile-blocks", "kv-caches"),
-    ] {
+    assert!(failed(&results).contains(&"matmul-batch"), "the batch holds a q4x32 product");
+    // It keeps the trait's default kv-caches, `unavailable`: allowed, so a skip.
+    for name in ["hostile-kv-cache", "program-attention", "program-decoder", "hostile-program-runs"] {
         let a = case(&results, name);
-        assert!(a.skipped && a.message.contains(&format!("does not offer {what}")), "{a:?}");
+        assert!(a.skipped && a.message.contains("does not offer kv-caches"), "{a:?}");
     }
 }
 
 /// A backend right in all but one thing: its attention ignores the window (every query sees
-/// every key before it), or its ffn applies the other activation (SiLU for GELU and back).
-struct Tampered {
+/// every key of the call, from the first its sequence's first row sees).
+struct IgnoresWindow {
     inner: CpuBackend,
-    no_window: bool,
-    other_activation: bool,
 }
 
-impl Tampered {
-    fn new(no_window: bool, other_activation: bool) -> Box<Tampered> {
-        Box::new(Tampered { inner: CpuBackend::new(), no_window, other_activation })
-    }
-}
-
-impl Backend for Tampered {
+impl Backend for IgnoresWindow {
     fn device(&self) -> Option<Device> {
         self.inner.device()
     }
@@ -177,42 +161,48 @@ impl Backend for Tampered {
     fn free(&mut self, id: BufferId) {
         self.inner.free(id)
     }
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        let window = if self.no_window { 0 } else { s.window };
-        self.inner.attention(q, k, v, &AttentionShape { window, ..*s })
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.inner.create_cache(slots, width)
     }
-    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        let act = match (self.other_activation, act) {
-            (false, a) => a,
-            (true, Activation::Silu) => Activation::GeluTanh,
-            (true, Activation::GeluTanh) => Activation::Silu,
-        };
-        self.inner.ffn(x, t, n_in, w, act)
+    fn free_cache(&mut self, id: BufferId) {
+        self.inner.free_cache(id)
+    }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.inner.write_cache(id, first, k, v)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        self.inner.attention_cached(q, k_new, v_new, first_new, cache, first_key, &AttentionShape { window: 0, ..*shape })
     }
 }
 
 #[test]
-fn a_host_whose_ffn_applies_the_other_activation_fails_the_ffn_case() {
-    let results = conformance::run(GpuCtx::new(Tampered::new(false, true), conformance::budget()), seed()).unwrap();
+fn a_host_whose_attention_ignores_the_window_fails_the_program_cases_with_windows() {
+    let broken = IgnoresWindow { inner: CpuBackend::new() };
+    let results = conformance::run(GpuCtx::new(Box::new(broken), conformance::budget()), seed()).unwrap();
     eprintln!("{}", table(&results));
-    assert_eq!(failed(&results), ["ffn"]);
-    let f = case(&results, "ffn");
-    assert!(f.message.starts_with("ffn t 1,") && f.message.contains("where the reference is"), "{}", f.message);
-    assert!(case(&results, "hostile-ffn").passed);
+    // The decoder's first run holds a sequence of 7 rows under a window of 5: always caught.
+    // program-attention draws its windows and batches, and fails where one matters.
+    let f = failed(&results);
+    assert!(f.contains(&"program-decoder"), "{}", table(&results));
+    assert!(f.iter().all(|n| ["program-decoder", "program-attention"].contains(n)), "{f:?}\n{}", table(&results));
+    let d = case(&results, "program-decoder");
+    assert!(d.message.contains("where the reference is"), "{}", d.message);
+    for name in ["program-ops", "hostile-program-runs", "hostile-kv-cache"] {
+        assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
+    }
 }
 
-#[test]
-fn a_host_whose_attention_ignores_the_window_fails_the_attention_case() {
-    let results = conformance::run(GpuCtx::new(Tampered::new(true, false), conformance::budget()), seed()).unwrap();
-    eprintln!("{}", table(&results));
-    assert_eq!(failed(&results), ["attention"]);
-    let a = case(&results, "attention");
-    assert!(a.message.contains("window: ") && a.message.contains("where the exact value is"), "{}", a.message);
-    assert!(case(&results, "hostile-attention").passed);
-}
-
-/// A backend right in all but one thing: its cache writes land one position later than asked
-/// (the calls of 0.3 write through `attention_cached`, which stays right).
+/// A backend right in all but one thing: its cache writes land one position later than asked.
 struct ShiftedCacheWrites {
     inner: CpuBackend,
 }
@@ -268,12 +258,13 @@ fn a_host_whose_program_cache_writes_are_one_row_off_fails_the_program_cases_tha
     }
     let a = case(&results, "program-attention");
     assert!(a.message.contains("where the reference is"), "{}", a.message);
-    for name in ["program-ops", "program-top-k", "hostile-programs", "kv-cache"] {
+    for name in ["program-ops", "program-top-k", "hostile-programs", "hostile-kv-cache"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
 }
 
-/// A backend whose matmul ignores its inputs: zeros of the right shape.
+/// A backend whose matmul ignores its inputs: zeros of the right shape. (`program::run`, which
+/// interprets the kit's programs on the CPU backend, computes each product with it.)
 struct IgnoresInputs {
     inner: CpuBackend,
     rows: HashMap<BufferId, u32>,
@@ -301,7 +292,7 @@ impl Backend for IgnoresInputs {
 }
 
 #[test]
-fn a_host_whose_matmul_ignores_its_inputs_fails_every_product_case() {
+fn a_host_whose_products_ignore_their_inputs_fails_every_product_case() {
     let broken = IgnoresInputs { inner: CpuBackend::new(), rows: HashMap::new() };
     let results = conformance::run(GpuCtx::new(Box::new(broken), conformance::budget()), seed()).unwrap();
     eprintln!("{}", table(&results));
@@ -343,14 +334,17 @@ mod other_host {
 use other_host::wisp::llm::gpu as wit;
 
 /// A host that fits what it gets to what it expects instead of refusing it: `data`, `scales`
-/// and `x` padded or cut to the shape's length, an empty job list answered with no outputs.
-/// Device work goes to a `GpuCtx` over the CPU backend.
+/// and a run's inputs padded or cut to the shape's length, a kv-cache of no size made of one, a
+/// program that returns nothing made to return its last value. Device work goes to a `GpuCtx`
+/// over the CPU backend.
 struct Lenient {
     inner: GpuCtx,
     budget: Budget,
     shapes: HashMap<u32, (wit::WeightFormat, u32, u32)>,
     /// Each live kv-cache's slots and width.
     caches: HashMap<u32, (u32, u32)>,
+    /// Each live program's input widths and ops.
+    programs: HashMap<u32, (Vec<u32>, u32)>,
 }
 
 fn format(f: wit::WeightFormat) -> Format {
@@ -372,15 +366,53 @@ fn error(e: GpuError) -> wit::Error {
     }
 }
 
-fn shape_of(s: wit::AttentionShape) -> AttentionShape {
-    AttentionShape {
-        t: s.t,
-        n_keys: s.n_keys,
-        n_head: s.n_head,
-        n_head_kv: s.n_head_kv,
-        head_dim: s.head_dim,
-        window: s.window,
-        scale: s.scale,
+fn precision(p: wit::Precision) -> Precision {
+    match p {
+        wit::Precision::Exact => Precision::Exact,
+        wit::Precision::Fast => Precision::Fast,
+    }
+}
+
+/// The WIT `op` as `GpuCtx` takes it.
+fn op(o: wit::Op) -> program::Op {
+    use program::Op;
+    let ix = |v: u32| v as usize;
+    match o {
+        wit::Op::Input(width) => Op::Input { width },
+        wit::Op::Matmul(m) => Op::Matmul { x: ix(m.x), weight: ix(m.weight), precision: precision(m.precision) },
+        wit::Op::RmsNorm(n) => Op::RmsNorm { x: ix(n.x), weight: n.weight.map(ix), offset: n.offset, group: n.group, eps: n.eps },
+        wit::Op::Add((a, b)) => Op::Add(ix(a), ix(b)),
+        wit::Op::Mul((a, b)) => Op::Mul(ix(a), ix(b)),
+        wit::Op::Bias(b) => Op::Bias { x: ix(b.x), weight: ix(b.weight) },
+        wit::Op::Scale(s) => Op::Scale { x: ix(s.x), by: s.by },
+        wit::Op::Gated(g) => {
+            let act = match g.act {
+                wit::Activation::GeluTanh => Activation::GeluTanh,
+                wit::Activation::Silu => Activation::Silu,
+            };
+            Op::Gated { gate: ix(g.gate), up: ix(g.up), act }
+        }
+        wit::Op::Rotate(r) => {
+            let rotation = match r.rotation {
+                wit::Rotation::Halves => Rotation::Halves,
+                wit::Rotation::Pairs => Rotation::Pairs,
+            };
+            Op::Rotate { x: ix(r.x), table: ix(r.table), head_dim: r.head_dim, rotation }
+        }
+        wit::Op::CacheWrite(c) => Op::CacheWrite { k: ix(c.k), v: ix(c.v), cache: c.cache },
+        wit::Op::Attention(a) => Op::Attention {
+            q: ix(a.q),
+            cache: a.cache,
+            n_head: a.n_head,
+            n_head_kv: a.n_head_kv,
+            head_dim: a.head_dim,
+            window: a.window,
+            scale: a.scale,
+            precision: precision(a.precision),
+        },
+        wit::Op::LastRows(x) => Op::LastRows(ix(x)),
+        wit::Op::Output(x) => Op::Output(ix(x)),
+        wit::Op::TopK(t) => Op::TopK { x: ix(t.x), k: t.k },
     }
 }
 
@@ -426,110 +458,57 @@ impl wit::Host for Lenient {
         Ok(w)
     }
 
-    fn matmul(
-        &mut self,
-        mut x: Vec<f32>,
-        t: u32,
-        n_in: u32,
-        jobs: Vec<Resource<WeightHandle>>,
-    ) -> Result<Vec<Vec<f32>>, wit::Error> {
-        if jobs.is_empty() {
-            return Ok(Vec::new());
-        }
-        let want = t as u64 * n_in as u64;
-        if want <= FIT_LIMIT {
-            x.resize(want as usize, 0.0);
-        }
-        self.inner.matmul(&x, t, n_in, &jobs).map_err(error)
-    }
-
-    fn create_program(&mut self, _: Vec<Resource<WeightHandle>>, _: u32, _: Vec<wit::Op>) -> Result<Resource<ProgramHandle>, wit::Error> {
-        Err(wit::Error::Unavailable("the lenient host does not offer programs".into()))
-    }
-
-    fn ffn(
-        &mut self,
-        mut x: Vec<f32>,
-        t: u32,
-        n_in: u32,
-        gate: Resource<WeightHandle>,
-        up: Resource<WeightHandle>,
-        down: Resource<WeightHandle>,
-        act: wit::Activation,
-    ) -> Result<Vec<f32>, wit::Error> {
-        let want = t as u64 * n_in as u64;
-        if want <= FIT_LIMIT {
-            x.resize(want as usize, 0.0);
-        }
-        let act = match act {
-            wit::Activation::GeluTanh => Activation::GeluTanh,
-            wit::Activation::Silu => Activation::Silu,
-        };
-        self.inner.ffn(&x, t, n_in, [&gate, &up, &down], act).map_err(error)
-    }
-
-    fn blocks(
-        &mut self,
-        _x: Vec<f32>,
-        _t: u32,
-        _pos: u32,
-        _blocks: Vec<wit::Block>,
-        _shape: wit::BlocksShape,
-        _rope: Vec<Vec<f32>>,
-        _return_kv: bool,
-    ) -> Result<wit::BlocksOutput, wit::Error> {
-        Err(wit::Error::Unavailable("the lenient host does not offer blocks".into()))
-    }
-
     fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<Resource<KvCacheHandle>, wit::Error> {
+        let (slots, width) = (slots.max(1), width.max(1));
         let c = self.inner.create_kv_cache(slots, width).map_err(error)?;
         self.caches.insert(c.rep(), (slots, width));
         Ok(c)
     }
 
-    fn attention_cached(
+    fn create_program(
         &mut self,
-        mut q: Vec<f32>,
-        k_new: Vec<f32>,
-        v_new: Vec<f32>,
-        first_new: u32,
-        cache: Resource<KvCacheHandle>,
-        first_key: u32,
-        shape: wit::AttentionShape,
-    ) -> Result<Vec<f32>, wit::Error> {
-        let s = shape_of(shape);
-        if let Some((q_len, _)) = s.lens().filter(|&(q, _)| q <= FIT_LIMIT) {
-            q.resize(q_len as usize, 0.0);
+        weights: Vec<Resource<WeightHandle>>,
+        caches: u32,
+        mut ops: Vec<wit::Op>,
+    ) -> Result<Resource<ProgramHandle>, wit::Error> {
+        if !ops.is_empty() && !ops.iter().any(|o| matches!(o, wit::Op::Output(_) | wit::Op::TopK(_))) {
+            ops.push(wit::Op::Output(ops.len() as u32 - 1));
         }
-        self.inner.attention_cached(&q, &k_new, &v_new, first_new, &cache, first_key, &s).map_err(error)
-    }
-
-    fn attention(
-        &mut self,
-        mut q: Vec<f32>,
-        mut k: Vec<f32>,
-        mut v: Vec<f32>,
-        shape: wit::AttentionShape,
-    ) -> Result<Vec<f32>, wit::Error> {
-        let s = shape_of(shape);
-        if let Some((q_len, k_len)) = s.lens().filter(|&(q, k)| q.max(k) <= FIT_LIMIT) {
-            q.resize(q_len as usize, 0.0);
-            k.resize(k_len as usize, 0.0);
-            v.resize(k_len as usize, 0.0);
-        }
-        self.inner.attention(&q, &k, &v, &s).map_err(error)
+        let inputs = ops.iter().filter_map(|o| if let wit::Op::Input(w) = o { Some(*w) } else { None }).collect();
+        let n = ops.len() as u32;
+        let p = self.inner.create_program(&weights, caches, ops.into_iter().map(op).collect()).map_err(error)?;
+        self.programs.insert(p.rep(), (inputs, n));
+        Ok(p)
     }
 }
 
-/// Programs it does not offer (allowed: `unavailable`), so no program handle is ever made.
 impl wit::HostProgram for Lenient {
-    fn run(&mut self, _: Resource<ProgramHandle>, _: Vec<Vec<f32>>, _: Vec<wit::Sequence>) -> Result<Vec<wit::Output>, wit::Error> {
-        Err(wit::Error::Unavailable("the lenient host does not offer programs".into()))
+    fn run(&mut self, p: Resource<ProgramHandle>, mut inputs: Vec<Vec<f32>>, batch: Vec<wit::Sequence>) -> Result<Vec<wit::Output>, wit::Error> {
+        let rows: u64 = batch.iter().map(|s| s.rows as u64).sum();
+        if let Some((widths, _)) = self.programs.get(&p.rep()) {
+            for (x, &w) in inputs.iter_mut().zip(widths) {
+                let want = rows * w as u64;
+                if want <= FIT_LIMIT {
+                    x.resize(want as usize, 0.0);
+                }
+            }
+        }
+        let batch: Vec<_> = batch.iter().map(|s| (s.rows, s.start, &s.caches[..])).collect();
+        let outputs = self.inner.run_program(&p, inputs, &batch).map_err(error)?;
+        Ok(outputs
+            .into_iter()
+            .map(|o| match o {
+                program::Output::Rows(v) => wit::Output::Rows(v),
+                program::Output::Top { values, indices } => wit::Output::Top(wit::TopRows { values, indices }),
+            })
+            .collect())
     }
-    fn ops(&mut self, _: Resource<ProgramHandle>) -> u32 {
-        0
+    fn ops(&mut self, p: Resource<ProgramHandle>) -> u32 {
+        self.programs.get(&p.rep()).map_or(0, |s| s.1)
     }
-    fn drop(&mut self, _: Resource<ProgramHandle>) -> wasmtime::Result<()> {
+    fn drop(&mut self, p: Resource<ProgramHandle>) -> wasmtime::Result<()> {
+        self.programs.remove(&p.rep());
+        self.inner.release_program(p);
         Ok(())
     }
 }
@@ -577,7 +556,8 @@ impl wit::HostWeight for Lenient {
 #[test]
 fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     let budget = conformance::budget();
-    let host = Lenient { inner: GpuCtx::new(Box::new(CpuBackend::new()), budget), budget, shapes: HashMap::new(), caches: HashMap::new() };
+    let inner = GpuCtx::new(Box::new(CpuBackend::new()), budget);
+    let host = Lenient { inner, budget, shapes: HashMap::new(), caches: HashMap::new(), programs: HashMap::new() };
     let link = |l: &mut wasmtime::component::Linker<KitState<Lenient>>| {
         wit::add_to_linker::<_, HasSelf<Lenient>>(l, |s: &mut KitState<Lenient>| &mut s.gpu)?;
         Ok(())
@@ -586,15 +566,20 @@ fn a_host_that_accepts_what_it_must_refuse_fails_the_hostile_cases() {
     eprintln!("{}", table(&results));
     assert!(case(&results, "device-info").message.starts_with("lenient "));
     let f = failed(&results);
-    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-empty-jobs", "hostile-attention", "hostile-ffn", "hostile-kv-cache"] {
+    for name in ["hostile-upload-lengths", "hostile-x-length", "hostile-no-outputs", "hostile-kv-cache", "hostile-programs", "hostile-program-runs"] {
         assert!(f.contains(&name), "{name} should fail:\n{}", table(&results));
     }
     let u = case(&results, "hostile-upload-lengths");
     assert!(u.message.contains("was accepted; want invalid-argument"), "{}", u.message);
-    assert!(case(&results, "hostile-empty-jobs").message.contains("matmul with no jobs was accepted"));
-    // Its products are right: only the refusals fail.
-    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "attention", "ffn", "kv-cache"] {
+    let x = case(&results, "hostile-x-length");
+    assert!(x.message.starts_with("a run of a product of n-in 32 over 3 rows with 95 values of x was accepted"), "{}", x.message);
+    let o = case(&results, "hostile-no-outputs");
+    assert!(o.message.starts_with("create-program of an input alone was accepted"), "{}", o.message);
+    let k = case(&results, "hostile-kv-cache");
+    assert!(k.message.starts_with("create-kv-cache of 0 slots of 6 was accepted"), "{}", k.message);
+    // Its products and programs are right: only the refusals fail.
+    for name in ["matmul-f32", "matmul-q4x32", "matmul-batch", "handle-lifetimes", "hostile-write-rows", "program-ops", "program-attention", "program-decoder"] {
         assert!(case(&results, name).passed, "{name} should pass:\n{}", table(&results));
     }
-    assert_eq!(host.inner.usage(), (0, 0), "the kit dropped every weight it accepted");
+    assert_eq!(host.inner.usage(), (0, 0), "the kit dropped every weight, cache and program it was given");
 }

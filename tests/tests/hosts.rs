@@ -4,8 +4,8 @@
 use wisp::golden::{self, Case};
 use wisp::gpu::program;
 use wisp::{
-    Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Budget, CpuBackend, Device, Format, GpuCtx,
-    GpuError, GpuMode, Instance, LoadOptions, Model, Sampling,
+    AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, GpuCtx, GpuError, GpuMode, Instance, LoadOptions, Model,
+    Sampling,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,7 +32,11 @@ fn greedy(inst: &mut Instance, m: Model, prompt: &[u32], n: usize) -> Vec<u32> {
 /// Every weight created, as (format, rows, columns), and the writes to it as (first row, bytes).
 type WriteLog = Arc<Mutex<HashMap<BufferId, ((Format, u32, u32), Vec<(u32, usize)>)>>>;
 
-/// The CPU reference device, recording how each weight was written.
+/// Ops a program of [`Slices`] may have.
+const SMALL_PROGRAMS: usize = 8;
+
+/// The CPU reference device, recording how each weight was written, that makes no program of
+/// more than [`SMALL_PROGRAMS`] ops (a host's limit: it refuses the model's program).
 struct Slices {
     inner: CpuBackend,
     log: WriteLog,
@@ -59,17 +63,20 @@ impl Backend for Slices {
     fn free(&mut self, id: BufferId) {
         self.inner.free(id)
     }
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        self.inner.attention(q, k, v, s)
-    }
-    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, w: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        self.inner.ffn(x, t, n_in, w, act)
-    }
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
         self.inner.create_cache(slots, width)
     }
     fn free_cache(&mut self, id: BufferId) {
         self.inner.free_cache(id)
+    }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.inner.write_cache(id, first, k, v)
+    }
+    fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
+        if p.ops.len() > SMALL_PROGRAMS {
+            return Err(GpuError::OutOfMemory(format!("{} ops: this host makes programs of at most {SMALL_PROGRAMS}", p.ops.len())));
+        }
+        self.inner.prepare_program(p)
     }
     fn attention_cached(
         &mut self,
@@ -128,12 +135,12 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
         }
     }
     assert!(sliced > 0, "no weight was larger than one slice");
-    // This host hides the reference's `blocks` and kv-cache writes (it keeps the trait's
-    // defaults), so programs cannot run either: attention went to the device too (18 layers of
-    // one batch), each layer's products in four calls (q/k/v, wo, gate/up, down), the output
-    // projection's in one, and nothing fell back. The two decode steps,
-    // while the model has measured neither attention yet: to the CPU (measured first), to the
-    // device over its kv-caches (measured next), then to the faster.
+    // This host refuses the model's program: the guest runs its recipe on its CPU, with its
+    // products and attention on the device as programs of one op each. Attention went to the
+    // device (18 layers of one batch), each layer's products in four calls (q/k/v, wo,
+    // gate/up, down), the output projection's in one, and nothing fell back. The two decode
+    // steps, while the model has measured neither attention yet: to the CPU (measured first),
+    // to the device over its kv-caches (measured next), then to the faster.
     let (stats, decode_attention) = device_calls(&mut inst, m);
     assert!(stats.gpu_attention_calls == 18 && stats.gpu_calls == 4 * 18 + 1 && stats.gpu_fallbacks == 0, "{stats:?}");
     assert!(decode_attention > 0 && decode_attention < 2 * 18, "{decode_attention}");
@@ -156,12 +163,11 @@ fn every_golden_case_passes_on_wgpu() {
     check(&mut inst, m, &golden_cases());
 }
 
-/// A device right in everything it offers, that offers no `blocks` (the trait's default): the
-/// guest runs the model's program there instead. It keeps the precisions of the products and
-/// attention of the programs made on it.
-struct NoBlocks<B: Backend>(B, Arc<Mutex<Vec<program::Precision>>>);
+/// A device that keeps the precisions of the products and attention of the programs made on
+/// it.
+struct Precisions<B: Backend>(B, Arc<Mutex<Vec<program::Precision>>>);
 
-impl<B: Backend> Backend for NoBlocks<B> {
+impl<B: Backend> Backend for Precisions<B> {
     fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
         let mut seen = self.1.lock().unwrap();
         for op in &p.ops {
@@ -209,12 +215,12 @@ impl<B: Backend> Backend for NoBlocks<B> {
     }
 }
 
-/// On a device that offers programs and not `blocks`, every pass is one program run: the
+/// On a device that offers programs, every pass is one program run: the
 /// model's recipe, the one the guest's CPU runs, made on the device at load, its products and
 /// attention at the precision the model was opened with.
 fn passes_by_program(backend: impl Backend + 'static, cases: &[Case], precision: program::Precision) {
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let gpu = GpuCtx::new(Box::new(NoBlocks(backend, seen.clone())), Budget::default());
+    let gpu = GpuCtx::new(Box::new(Precisions(backend, seen.clone())), Budget::default());
     let (mut inst, m) = open(model(), gpu, LoadOptions { gpu: GpuMode::On, precision });
     let seen = std::mem::take(&mut *seen.lock().unwrap());
     // 18 layers of 7 products and an attention each, and the output projection where the
@@ -299,8 +305,10 @@ fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
     let prompt = golden_cases()[0].prompt_tokens.clone();
     let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
     let want = greedy(&mut off, m_off, &prompt, 12);
-    // 18 layers x 4 batches per token: lost during the third generated token.
-    let failing = Failing { inner: CpuBackend::new(), healthy: 4 * 18 * 3 + 5, lost: false };
+    // Without kv-caches the model runs its recipe on the CPU, its products on the device as
+    // programs of one op: 18 layers of 7 products a token and the output projection, each its
+    // own backend call. Lost during the third generated token.
+    let failing = Failing { inner: CpuBackend::new(), healthy: (7 * 18 + 1) * 3 + 5, lost: false };
     let (mut inst, m) = open(model(), GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
     let s = inst.new_session(m, 64).unwrap().unwrap();
     inst.feed(s, &prompt).unwrap().unwrap();
@@ -317,8 +325,7 @@ fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
     assert_eq!(inst.next(s2, &greedy_s).unwrap().unwrap().token, want[0]);
 }
 
-/// The CPU reference, lost at its `healthy`-th whole pass (a program's run, or a `blocks` call
-/// for a guest that sends blocks).
+/// The CPU reference, lost at its `healthy`-th whole pass (a program's run).
 struct LosesPasses {
     inner: CpuBackend,
     healthy: usize,
@@ -395,19 +402,6 @@ impl Backend for LosesPasses {
         }
         // The CPU reference interprets programs: over this backend, so its calls are counted.
         self.inner.run_program(p, inputs, batch)
-    }
-    fn blocks(
-        &mut self,
-        x: &[f32],
-        t: u32,
-        pos: u32,
-        blocks: &[Block],
-        shape: &BlocksShape,
-        rope: &[Vec<f32>],
-        return_kv: bool,
-    ) -> Result<BlocksOutput, GpuError> {
-        self.pass()?;
-        self.inner.blocks(x, t, pos, blocks, shape, rope, return_kv)
     }
 }
 

@@ -15,7 +15,7 @@ const VARIANT = 'conformance/jspi';
 
 /** The budget the kit gets, as `wisp conformance` gives it (`conformance::budget()`): small enough
  *  for the `budget-bytes` case to fill (it skips above 256 MiB). */
-export const KIT_BUDGET = { bytes: 64n << 20n, handles: 4096, jobs: 64 };
+export const KIT_BUDGET = { bytes: 64n << 20n, handles: 4096 };
 
 /** The kit's part of dist/guest.json: its source, sha256 and jco flags (`missing` when build.mjs
  *  found no kit to transpile). */

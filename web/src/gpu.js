@@ -1,21 +1,22 @@
 // The `wisp:llm/gpu` imports for one guest instance: the browser's counterpart of
-// host/src/gpu/mod.rs. Everything the guest sends is checked here (shapes, lengths, handles,
-// the device's limits, the instance's budget of bytes, handles and jobs) before webgpu.js does
-// the device work. Nothing the guest sends can throw: every result is `{ tag: 'ok' | 'err' }`
-// with the WIT error variant, and a lost device makes every later call `device-lost`.
+// host/src/gpu/mod.rs. Everything the guest sends is checked here (handles, lengths, the
+// device's limits, the instance's budget of bytes and handles; programs and their runs with
+// program.js) before webgpu.js does the device work. Nothing the guest sends can throw: every
+// result is `{ tag: 'ok' | 'err' }` with the WIT error variant, and a lost device makes every
+// later call `device-lost`.
 //
 // `createGpu(opened)` (opened by `openDevice`) gives the import object over WebGPU;
 // `createGpu(null, why)` the one of a host without a device (`available` is none, every call
 // `unavailable`), synchronous so that it also serves a guest transpiled without JSPI. The
 // conformance kit (conformance.js) runs against the same import object.
 
-import { checkBatch, checkProgram, MAX_CACHES, MAX_HEAD_DIM, MAX_SEQUENCES } from './program.js';
+import { checkBatch, checkProgram, MAX_CACHES, MAX_SEQUENCES } from './program.js';
 import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
 
 export { openDevice } from './webgpu.js';
 
-/** What one instance may hold and send, as the native host's `Budget::default()`. */
-export const BUDGET = { bytes: 8n << 30n, handles: 4096, jobs: 64 };
+/** What one instance may hold, as the native host's `Budget::default()`. */
+export const BUDGET = { bytes: 8n << 30n, handles: 4096 };
 
 const ok = (val) => ({ tag: 'ok', val });
 const err = (tag, message) => ({ tag: 'err', val: { tag, val: message } });
@@ -183,93 +184,6 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
     return a;
   }
 
-  async function matmul(x, t, nIn, jobs) {
-    const bad = ready();
-    if (bad) return bad;
-    const maxElems = backend.info.maxActivationElements;
-    if (t === 0 || nIn === 0) return invalid(`empty input [${t}, ${nIn}]`);
-    if (x.length !== t * nIn) return invalid(`x has ${x.length} values, t * n-in is ${t * nIn}`);
-    if (jobs.length === 0) return invalid('no jobs');
-    if (jobs.length > limits.jobs) return invalid(`${jobs.length} jobs exceed the limit of ${limits.jobs} per call`);
-    if (x.length > maxElems) return oom(`an input of ${x.length} values exceeds the device's limit of ${maxElems}`);
-    const ws = [];
-    for (let i = 0; i < jobs.length; i++) {
-      const w = Weight.inner(jobs[i]);
-      if (!w) return invalid(`job ${i}: not a live weight handle of this instance`);
-      if (w.nIn !== nIn) return invalid(`job ${i}: the weight has ${w.nIn} columns, n-in is ${nIn}`);
-      if (t * w.nOut > maxElems) return oom(`job ${i}: an output of ${t * w.nOut} values exceeds the device's limit of ${maxElems}`);
-      ws.push(w);
-    }
-    try {
-      return ok(await backend.matmul(x, t, nIn, ws));
-    } catch (e) {
-      return failure(e);
-    }
-  }
-
-  async function ffn(x, t, nIn, gate, up, down, act) {
-    const bad = ready();
-    if (bad) return bad;
-    const maxElems = backend.info.maxActivationElements;
-    if (t === 0 || nIn === 0) return invalid(`empty input [${t}, ${nIn}]`);
-    if (x.length !== t * nIn) return invalid(`x has ${x.length} values, t * n-in is ${t * nIn}`);
-    const ws = [];
-    for (const [h, name] of [[gate, 'gate'], [up, 'up'], [down, 'down']]) {
-      const w = Weight.inner(h);
-      if (!w) return invalid(`${name}: not a live weight handle of this instance`);
-      ws.push(w);
-    }
-    const [g, u, d] = ws;
-    if (g.nIn !== nIn || u.nIn !== nIn) return invalid(`gate and up have ${g.nIn} and ${u.nIn} columns, n-in is ${nIn}`);
-    if (u.nOut !== g.nOut || d.nIn !== g.nOut) {
-      return invalid(`gate has ${g.nOut} rows, up ${u.nOut}, and down ${d.nIn} columns: they must be equal`);
-    }
-    for (const [what, n] of [['an input', x.length], ['hidden values', t * g.nOut], ['an output', t * d.nOut]]) {
-      if (n > maxElems) return oom(`${what} of ${n} values exceeds the device's limit of ${maxElems}`);
-    }
-    try {
-      return ok(await backend.ffn(x, t, nIn, ws, act));
-    } catch (e) {
-      return failure(e);
-    }
-  }
-
-  // Why a shape breaks the contract (host/src/gpu/mod.rs's `AttentionShape::invalid`), and
-  // the lengths of q and of k (BigInts), or an error result.
-  function checkShape(shape) {
-    const { t, nKeys, nHead, nHeadKv, headDim } = shape;
-    if (t === 0 || nKeys < t) {
-      return invalid(`${nKeys} keys for ${t} queries: there must be at least one query and a key for each`);
-    }
-    if (nHeadKv === 0 || nHead === 0 || nHead % nHeadKv !== 0) {
-      return invalid(`${nHead} query heads cannot share ${nHeadKv} key/value heads`);
-    }
-    if (headDim === 0 || headDim > MAX_HEAD_DIM) return invalid(`head-dim ${headDim} is outside 1..=${MAX_HEAD_DIM}`);
-    const qLen = BigInt(t) * BigInt(nHead) * BigInt(headDim);
-    const kLen = BigInt(nKeys) * BigInt(nHeadKv) * BigInt(headDim);
-    if (qLen >= 1n << 64n || kLen >= 1n << 64n) return invalid("the shape's sizes overflow");
-    return { qLen, kLen };
-  }
-
-  async function attention(q, k, v, shape) {
-    const bad = ready();
-    if (bad) return bad;
-    const checked = checkShape(shape);
-    if (checked.tag === 'err') return checked;
-    const { qLen, kLen } = checked;
-    if (BigInt(q.length) !== qLen || BigInt(k.length) !== kLen || BigInt(v.length) !== kLen) {
-      return invalid(`q, k and v have ${q.length}, ${k.length} and ${v.length} values, the shape implies ${qLen}, ${kLen} and ${kLen}`);
-    }
-    const maxElems = BigInt(backend.info.maxActivationElements);
-    const most = qLen > kLen ? qLen : kLen;
-    if (most > maxElems) return oom(`${most} values exceed the device's limit of ${maxElems} a list`);
-    try {
-      return ok(await backend.attention(q, k, v, shape));
-    } catch (e) {
-      return failure(e);
-    }
-  }
-
   class KvCache {
     #c;
     #bytes;
@@ -316,118 +230,6 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
       state.usedBytes += 2n * half;
       state.usedHandles += 1;
       return ok(new KvCache(c, 2n * half));
-    } catch (e) {
-      return failure(e);
-    }
-  }
-
-  async function attentionCached(q, kNew, vNew, firstNew, cache, firstKey, shape) {
-    const bad = ready();
-    if (bad) return bad;
-    const c = KvCache.inner(cache);
-    if (!c) return invalid('not a live kv-cache handle of this instance');
-    const checked = checkShape(shape);
-    if (checked.tag === 'err') return checked;
-    if (shape.nKeys > c.slots || shape.nHeadKv * shape.headDim !== c.width) {
-      return invalid(`${shape.nKeys} keys of ${shape.nHeadKv} heads of ${shape.headDim} do not fit a kv-cache of ${c.slots} slots of ${c.width}`);
-    }
-    if (BigInt(q.length) !== checked.qLen) return invalid(`q has ${q.length} values, the shape implies ${checked.qLen}`);
-    const rows = kNew.length / c.width;
-    if (kNew.length !== vNew.length || !Number.isInteger(rows) || rows > c.slots) {
-      return invalid(`k-new and v-new have ${kNew.length} and ${vNew.length} values: not the same whole rows of ${c.width}, at most ${c.slots} of them`);
-    }
-    const maxElems = BigInt(backend.info.maxActivationElements);
-    const most = checked.qLen > BigInt(kNew.length) ? checked.qLen : BigInt(kNew.length);
-    if (most > maxElems) return oom(`${most} values exceed the device's limit of ${maxElems} a list`);
-    try {
-      return ok(await backend.attentionCached(q, kNew, vNew, firstNew, c, firstKey, shape));
-    } catch (e) {
-      return failure(e);
-    }
-  }
-
-  // `blocks` (wit/gpu.wit), checked as host/src/gpu/mod.rs's `GpuCtx::blocks` checks it: the
-  // handles, each weight's shape (vectors f32 rows), the heads, the rotation tables, and that
-  // each block's keys fit its cache.
-  async function blocks(x, t, pos, list, shape, rope, returnKv) {
-    const bad = ready();
-    if (bad) return bad;
-    const maxElems = BigInt(backend.info.maxActivationElements);
-    if (list.length === 0) return invalid('no blocks');
-    if (list.length > limits.handles) return invalid(`${list.length} blocks exceed the limit of ${limits.handles} a call`);
-    const { nHead, nHeadKv, headDim: hd } = shape;
-    if (nHead === 0 || nHeadKv === 0 || nHead % nHeadKv !== 0) {
-      return invalid(`${nHead} query heads cannot share ${nHeadKv} key/value heads`);
-    }
-    if (hd < 2 || hd % 2 !== 0 || hd > MAX_HEAD_DIM) return invalid(`head-dim ${hd} is not even within 2..=${MAX_HEAD_DIM}`);
-    const nEmbd = Weight.inner(list[0].wq)?.nIn ?? 0;
-    const nFf = Weight.inner(list[0].gate)?.nOut ?? 0;
-    const nq = nHead * hd;
-    const nkv = nHeadKv * hd;
-    if (t === 0 || nEmbd === 0 || x.length !== t * nEmbd) {
-      return invalid(`x has ${x.length} values for ${t} rows of the blocks' width ${nEmbd}`);
-    }
-    if (nq > 0xffffffff) return invalid('the attention width overflows');
-    for (let i = 0; i < rope.length; i++) {
-      if (rope[i].length !== t * hd) return invalid(`rotation table ${i} has ${rope[i].length} values, t * head-dim is ${t * hd}`);
-    }
-    const widest = BigInt(Math.max(nEmbd, nq, nFf)) * BigInt(t);
-    if (widest > maxElems || BigInt(t) * BigInt(hd) > maxElems) {
-      return oom(`activations of ${widest} values exceed the device's limit of ${maxElems}`);
-    }
-    const resolved = [];
-    for (let l = 0; l < list.length; l++) {
-      const b = list[l];
-      let refused = null;
-      const shaped = (h, what, rows, cols, vector) => {
-        if (refused) return null;
-        const w = Weight.inner(h);
-        if (!w) refused = invalid(`block ${l}: ${what}: not a live weight handle of this instance`);
-        else if (vector && w.format !== 'f32') refused = invalid(`block ${l}: ${what}: a vector must be an f32 weight, not ${w.format}`);
-        else if (w.nOut !== rows || w.nIn !== cols) {
-          refused = invalid(`block ${l}: ${what}: the weight is [${w.nOut}, ${w.nIn}], the block needs [${rows}, ${cols}]`);
-        }
-        return refused ? null : w;
-      };
-      const vector = (h, what, n) => shaped(h, what, 1, n, true);
-      const optional = (h, what, n) => (h == null ? null : vector(h, what, n));
-      const c = KvCache.inner(b.cache);
-      if (!c) return invalid(`block ${l}: not a live kv-cache handle of this instance`);
-      if (c.width !== nkv) return invalid(`block ${l}: a kv-cache of width ${c.width} for key/value rows of ${nkv}`);
-      if (b.rope >= rope.length) return invalid(`block ${l}: rotation table ${b.rope} of ${rope.length}`);
-      const block = {
-        attnNorm: vector(b.attnNorm, 'attn-norm', nEmbd),
-        wq: shaped(b.wq, 'wq', nq, nEmbd),
-        wk: shaped(b.wk, 'wk', nkv, nEmbd),
-        wv: shaped(b.wv, 'wv', nkv, nEmbd),
-        qBias: optional(b.qBias, 'q-bias', nq),
-        kBias: optional(b.kBias, 'k-bias', nkv),
-        vBias: optional(b.vBias, 'v-bias', nkv),
-        qNorm: optional(b.qNorm, 'q-norm', hd),
-        kNorm: optional(b.kNorm, 'k-norm', hd),
-        wo: shaped(b.wo, 'wo', nEmbd, nq),
-        oBias: optional(b.oBias, 'o-bias', nEmbd),
-        postAttnNorm: optional(b.postAttnNorm, 'post-attn-norm', nEmbd),
-        ffnNorm: vector(b.ffnNorm, 'ffn-norm', nEmbd),
-        gate: shaped(b.gate, 'gate', nFf, nEmbd),
-        up: shaped(b.up, 'up', nFf, nEmbd),
-        down: shaped(b.down, 'down', nEmbd, nFf),
-        postFfnNorm: optional(b.postFfnNorm, 'post-ffn-norm', nEmbd),
-        cache: c,
-        window: b.window,
-        rope: b.rope,
-      };
-      if (refused) return refused;
-      const first = b.window === 0 ? 0 : Math.max(0, pos + 1 - b.window);
-      const nKeys = pos + t - first;
-      if (t > c.slots || nKeys > c.slots || BigInt(nKeys) * BigInt(nkv) > maxElems) {
-        return invalid(`block ${l}: ${t} new rows and ${nKeys} keys do not fit a kv-cache of ${c.slots} slots`);
-      }
-      resolved.push(block);
-    }
-    const s = { ...shape, nEmbd, nFf };
-    try {
-      return ok(await backend.blocks(x, t, pos, resolved, s, rope, returnKv));
     } catch (e) {
       return failure(e);
     }
@@ -516,7 +318,7 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
   }
 
   return {
-    imports: { Weight, KvCache, Program, available, upload, allocate, matmul, ffn, attention, createKvCache, attentionCached, blocks, createProgram },
+    imports: { Weight, KvCache, Program, available, upload, allocate, createKvCache, createProgram },
     /** Bytes and handles this instance holds on the device. */
     usage: () => ({ bytes: Number(state.usedBytes), handles: state.usedHandles }),
     /** Program runs that succeeded on this instance's device. */
@@ -544,17 +346,12 @@ function noDevice(why) {
       available: () => undefined,
       upload: unavailable,
       allocate: unavailable,
-      matmul: unavailable,
-      ffn: unavailable,
-      attention: unavailable,
       KvCache: class {
         slots() { return 0; }
         width() { return 0; }
         [Symbol.dispose]() {}
       },
       createKvCache: unavailable,
-      attentionCached: unavailable,
-      blocks: unavailable,
       Program: class {
         run() { return unavailable(); }
         ops() { return 0; }

@@ -44,7 +44,8 @@ export const firstKey = (p, window) => (window === 0 ? 0 : Math.max(0, p + 1 - w
 export const hasNormWeight = (v) => v.weight !== undefined && v.weight !== null;
 
 /** The first key and the shape of attention op `v` (its `val`) over sequence `q`'s rows: the
- *  shape `attention-cached` takes, `nKeys` from the first key the queries see to the last. */
+ *  shape of attention.wgsl's `Shape` (webgpu.js's `attentionPlan`), `nKeys` from the first key
+ *  the queries see to the last. */
 export function attentionOver(q, v) {
   const first = firstKey(q.start, v.window);
   const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };

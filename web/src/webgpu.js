@@ -1,18 +1,17 @@
 // Device work on WebGPU for the `wisp:llm/gpu` imports: the browser's counterpart of
 // host/src/gpu/wgpu.rs, running the same shaders/matmul.wgsl (fetched at run time) with the same
 // bind group layout, override constants (FORMAT, LANES_K), entry points and dispatch plan, and
-// the same shaders/attention.wgsl for `attention`; `blocks` records every decoder block of a
-// call in one command buffer, as host/src/gpu/wgpu/blocks.rs does (without its split over k:
-// the browser's products run `gemm`, whose tiles are small), and `runProgram` a whole run of a
-// program, as host/src/gpu/wgpu/programs.rs does (without joint products).
+// the same shaders/attention.wgsl for the `attention` op. `runProgram` records a whole run of a
+// program in one command buffer, as host/src/gpu/wgpu/programs.rs does (without joint
+// products); a program it cannot record runs op by op (program.js's `interpret`) over
+// `product`, `writeCache` and `attend`.
 //
 // Weights live in storage buffers in their upload format (the shader decodes them); f32 and
-// bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. A `matmul`
-// writes x once, records every job's dispatches in one compute pass, copies all outputs to one
-// staging buffer and maps it once; input, output, staging and parameter buffers are kept and
-// grown across calls. Every piece of device work runs inside error scopes: a validation or
-// out-of-memory error becomes a `GpuError`; a lost device makes every later call `device-lost`.
-// Arguments are checked by gpu.js before they get here.
+// bf16 rows are padded with zeros to whole shader steps, and so are the rows of x. Values,
+// inputs, outputs, staging and parameter buffers are kept and grown across runs. Every piece of
+// device work runs inside error scopes: a validation or out-of-memory error becomes a
+// `GpuError`; a lost device makes every later call `device-lost`. Arguments are checked by
+// gpu.js and program.js before they get here.
 
 import { attentionOver, hasNormWeight, interpret, topK } from './program.js';
 
@@ -36,11 +35,9 @@ const T_BASE_FIELD = PARAMS_FIELDS.indexOf('tBase');
 /** A dispatch's parameters from their names (a field not named is 0). */
 const paramsOf = (named) => PARAMS_FIELDS.map((f) => named[f] ?? 0);
 const SHAPE_BYTES = 48;
-/** `norm_rows` flags (NORM_* in the shader). */
-const NORM_NONE = 4;
-// norm_pair_rows: x as it is (only its normed copy made).
-const PAIR_KEEP = 8;
-// X_ACT in matmul.wgsl: how a product reads x (0: as it is; 1, 2: act(gate) * up, GELU or SiLU).
+// matmul.wgsl's X_ACT (how a product reads x: 0 as it is; 1, 2 act(gate) * up, GELU or SiLU).
+// This host's programs use `none` alone; layout_checks holds the spellings to the native
+// host's all the same.
 const X_ACT = { none: 0, gelu_tanh: 1, silu: 2 };
 /** elementwise_rows's op codes (OP_* in the shader; programs.rs's too). */
 const OP_ADD = 0;
@@ -139,8 +136,8 @@ function programSlots(p, fuse, size) {
   }
   return { slot, bytes: held.map((h) => h.bytes) };
 }
-// A dispatch's pipeline in a `pipelinesFor` map: its kernel, format and X_ACT.
-const pipelineKey = (d) => `${d.kernel} ${d.format} ${d.xAct ?? X_ACT.none}`;
+// A dispatch's pipeline in a `pipelinesFor` map: its kernel and format.
+const pipelineKey = (d) => `${d.kernel} ${d.format}`;
 
 /** What the adapter is, for `device-info` and the choice of LANES_K. */
 export function describeAdapter(adapter) {
@@ -190,8 +187,8 @@ export async function openDevice(shaderUrl, { lanes } = {}) {
   const res = await fetch(shaderUrl);
   if (!res.ok) return { why: `fetching ${shaderUrl}: HTTP ${res.status}` };
   const shader = await res.text();
-  // attention.wgsl beside it; without it the host still offers products (attention is
-  // `unavailable`, and the guest attends on its CPU).
+  // attention.wgsl beside it; without it the host still runs programs without attention (one
+  // with an `attention` op is `unavailable`, and the guest attends on its CPU).
   const attentionUrl = new URL('attention.wgsl', new URL(shaderUrl, globalThis.location?.href));
   const attention = await fetch(attentionUrl).then((r) => (r.ok ? r.text() : null), () => null);
   return { device, adapter, shader, lanes, attention };
@@ -299,9 +296,9 @@ export class WebGpuBackend {
     }
   }
 
-  /** The pipeline of `kernel` for weights in `format`, reading x as `xAct` says (X_ACT). */
-  async pipeline(kernel, format, xAct = X_ACT.none) {
-    const key = `${kernel} ${format} ${xAct}`;
+  /** The pipeline of `kernel` for weights in `format` (products read x as it is). */
+  async pipeline(kernel, format) {
+    const key = `${kernel} ${format}`;
     const cached = this.pipelines.get(key);
     if (cached) return cached;
     let pipeline;
@@ -317,7 +314,7 @@ export class WebGpuBackend {
             constants: {
               FORMAT: FORMATS[format].id,
               LANES_K: this.lanesK,
-              X_ACT: xAct,
+              X_ACT: X_ACT.none,
               X_ALIGN: Math.max(this.storageAlign, 16) / 4,
             },
           },
@@ -428,36 +425,24 @@ export class WebGpuBackend {
     }
   }
 
-  async matmul(x, t, nIn, jobs) {
+  /** `y[t, n-out] = x[t, n-in] @ W^T` for one weight: a product of a program run op by op
+   *  (`interpret`). x written once (rows padded with zeros to whole shader steps of 8), one
+   *  submission, one readback. */
+  async product(x, t, w) {
     this.live();
-    // Rows of x padded with zeros to whole shader steps of 8.
-    const xElems = Math.ceil(nIn / 8) * 8;
-    const xQuads = xElems / 4;
+    const xElems = Math.ceil(w.nIn / 8) * 8;
     const xBytes = t * xElems * 4;
-    if (xBytes > this.info.maxWeightBytes) {
-      throw new GpuError('out-of-memory', `an input of ${x.length} values exceeds the device's limit`);
+    const outBytes = t * w.nOut * 4;
+    if (xBytes > this.info.maxWeightBytes || outBytes > this.info.maxWeightBytes) {
+      throw new GpuError('out-of-memory', `a product over [${t}, ${w.nIn}] needs buffers past the device's limit`);
     }
-    // Group the jobs so that each group's outputs fit one buffer (almost always one group).
-    const batches = [];
-    let start = 0;
-    let bytes = 0;
-    jobs.forEach((w, i) => {
-      const len = t * w.nOut * 4;
-      const at = alignUp(bytes, this.storageAlign);
-      if (i > start && at + len > this.limits.maxBufferSize) {
-        batches.push(jobs.slice(start, i));
-        start = i;
-        bytes = len;
-      } else {
-        bytes = at + len;
-      }
-    });
-    batches.push(jobs.slice(start));
-
-    await this.writeInput(x, t, nIn, xElems);
-    const outs = [];
-    for (const batch of batches) outs.push(...(await this.runBatch(xBytes, xQuads, t, batch)));
-    return outs;
+    await this.writeInput(x, t, w.nIn, xElems);
+    const [output] = await this.buffers([['output', outBytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC]]);
+    const dispatches = [];
+    this.plan(0, w, t, xElems / 4, dispatches);
+    const step = { weights: w.data, scales: w.scales || this.placeholder, input: [this.scratch.input, xBytes], output: [output, 0, outBytes] };
+    const [y] = await this.submit([step], dispatches, output, [[0, t * w.nOut]]);
+    return y;
   }
 
   /** Writes x[t, nIn] to the input buffer, each row padded with zeros to xElems. */
@@ -489,91 +474,20 @@ export class WebGpuBackend {
     }
   }
 
-  /** The bind group contents of weight w's product, reading x from `input` and writing `output`. */
-  product(w, input, output) {
-    return { weights: w.data, scales: w.scales || this.placeholder, input, output };
-  }
-
-  /** Runs jobs whose outputs fit one output buffer over the input already written: one
-   *  submission, one readback. */
-  async runBatch(xBytes, xQuads, t, jobs) {
-    const reads = [];
-    const dispatches = [];
-    let outBytes = 0;
-    jobs.forEach((w, j) => {
-      outBytes = alignUp(outBytes, this.storageAlign);
-      reads.push([outBytes, t * w.nOut]);
-      outBytes += t * w.nOut * 4;
-      this.plan(j, w, t, xQuads, dispatches);
-    });
-    const [output] = await this.buffers([['output', outBytes, GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC]]);
-    const input = [this.scratch.input, xBytes];
-    const steps = jobs.map((w, j) => this.product(w, input, [output, reads[j][0], reads[j][1] * 4]));
-    return this.submit(steps, dispatches, output, reads);
-  }
-
-  /** `ffn` (wit/gpu.wit), as host/src/gpu/wgpu.rs runs it: gate and up into `mid`, the
-   *  activation (gate_gelu or gate_silu) into `hidden` with rows padded as an x, the down
-   *  product into the output; one submission, one readback of y alone. */
-  async ffn(x, t, nIn, [gate, up, down], act) {
-    this.live();
-    const nFf = gate.nOut;
-    const xElems = Math.ceil(nIn / 8) * 8;
-    const hElems = Math.ceil(nFf / 8) * 8;
-    const part = t * nFf * 4;
-    const upAt = alignUp(part, this.storageAlign);
-    const midBytes = alignUp(upAt + part, 16);
-    const hiddenBytes = t * hElems * 4;
-    const outLen = t * down.nOut;
-    if ([t * xElems * 4, midBytes, hiddenBytes, outLen * 4].some((b) => b > this.info.maxWeightBytes)) {
-      throw new GpuError('out-of-memory', `ffn over [${t}, ${nIn}] needs buffers past the device's limit`);
-    }
-    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
-    const groupsX = Math.ceil(hElems / WORKGROUP);
-    if (groupsX > maxDim) throw new GpuError('out-of-memory', `${nFf} hidden values a row exceed the device's workgroups`);
-    await this.writeInput(x, t, nIn, xElems);
-    const usage = GPUBufferUsage;
-    const [mid, hidden, output] = await this.buffers([
-      ['ffn mid', midBytes, usage.STORAGE],
-      ['ffn hidden', hiddenBytes, usage.STORAGE],
-      ['output', outLen * 4, usage.STORAGE | usage.COPY_SRC],
-    ]);
-    const xIn = [this.scratch.input, t * xElems * 4];
-    const steps = [
-      this.product(gate, xIn, [mid, 0, part]),
-      this.product(up, xIn, [mid, upAt, part]),
-      // The activation reads both halves of `mid` as its x and writes `hidden`.
-      { weights: mid, scales: this.placeholder, input: [mid, midBytes], output: [hidden, 0, hiddenBytes] },
-      this.product(down, [hidden, hiddenBytes], [output, 0, outLen * 4]),
-    ];
-    const dispatches = [];
-    this.plan(0, gate, t, xElems / 4, dispatches);
-    this.plan(1, up, t, xElems / 4, dispatches);
-    const kernel = act === 'silu' ? 'gate_silu' : 'gate_gelu';
-    for (let t0 = 0; t0 < t; t0 += maxDim) {
-      // The hidden width in n_in and n_out, up's first element in row_base.
-      const params = paramsOf({ nIn: nFf, nOut: nFf, t, rowBase: upAt / 4, tBase: t0, xStride: hElems / 4 });
-      dispatches.push({ job: 2, kernel, format: 'f32', params, groups: [groupsX, Math.min(maxDim, t - t0)] });
-    }
-    this.plan(3, down, t, hElems / 4, dispatches);
-    const [y] = await this.submit(steps, dispatches, output, [[0, outLen]]);
-    return y;
-  }
-
   /** The pipeline of each dispatch's kernel and format, by `${kernel} ${format}`. */
   async pipelinesFor(dispatches) {
     const pipelines = new Map();
     for (const d of dispatches) {
       const key = pipelineKey(d);
-      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format, d.xAct));
+      if (!pipelines.has(key)) pipelines.set(key, await this.pipeline(d.kernel, d.format));
     }
     return pipelines;
   }
 
   /** Writes each dispatch's parameters (a `paramsStride` each) into the scratch buffer `slot`
    *  and makes a bind group of matmul.wgsl's layout for each step: `weights`, `scales` (a
-   *  buffer, or [buffer, bytes]), `input` ([buffer, bytes, offset (default 0)]) and `output` ([buffer, offset, bytes]).
-   *  Inside error scopes. */
+   *  buffer, or [buffer, bytes]), `input` ([buffer, bytes]) and `output` ([buffer, offset,
+   *  bytes]). Inside error scopes. */
   matmulGroups(slot, dispatches, steps) {
     const paramsBytes = this.paramsStride * dispatches.length;
     const paramsBuf = this.ensure(slot, paramsBytes, GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST);
@@ -587,7 +501,7 @@ export class WebGpuBackend {
         { binding: 0, resource: { buffer: paramsBuf, offset: 0, size: PARAMS_BYTES } },
         { binding: 1, resource: { buffer: st.weights } },
         { binding: 2, resource: Array.isArray(st.scales) ? { buffer: st.scales[0], size: st.scales[1] } : { buffer: st.scales } },
-        { binding: 3, resource: { buffer: st.input[0], offset: st.input[2] ?? 0, size: st.input[1] } },
+        { binding: 3, resource: { buffer: st.input[0], size: st.input[1] } },
         { binding: 4, resource: { buffer: st.output[0], offset: st.output[1], size: st.output[2] } },
       ],
     }));
@@ -647,26 +561,6 @@ export class WebGpuBackend {
     return this.attentionPipeline;
   }
 
-  /** `attention` (wit/gpu.wit): the keys and values into buffers kept for the purpose, then
-   *  `attendOver` them. `s` is the checked shape (gpu.js). */
-  async attention(q, k, v, s) {
-    this.live();
-    const kBytes = k.length * 4;
-    if (kBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${k.length} keys do not fit the device`);
-    const input = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
-    const [kb, vb] = await this.buffers([['attention k', kBytes, input], ['attention v', kBytes, input]]);
-    try {
-      await this.scoped(() => {
-        this.device.queue.writeBuffer(kb, 0, k);
-        this.device.queue.writeBuffer(vb, 0, v);
-      });
-    } catch (e) {
-      this.dropScratch();
-      throw e;
-    }
-    return this.attendOver(q, kb, vb, kBytes, s, 0, s.nKeys);
-  }
-
   /** A zeroed `kv-cache` of `slots` rows of `width` values: `{ slots, width, k, v }`. */
   async createCache(slots, width) {
     this.live();
@@ -686,13 +580,6 @@ export class WebGpuBackend {
       throw e;
     }
     return { slots, width, k, v };
-  }
-
-  /** `attention-cached` (wit/gpu.wit): the new rows written into the ring (two runs where it
-   *  wraps), then `attendOver` it, key j in row (firstKey + j) % slots. */
-  async attentionCached(q, kNew, vNew, firstNew, c, firstKey, s) {
-    await this.writeCache(c, firstNew, kNew, vNew);
-    return this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, firstKey % c.slots, c.slots);
   }
 
   /** The dispatches of attention of shape `s` over a ring of `slots` rows whose key 0 is row
@@ -738,27 +625,30 @@ export class WebGpuBackend {
     }
   }
 
-  /** An attention bind group: parameters from byte 0 of `params`, then q, k, v (`kvBytes`
-   *  bound) and the output, sized by `plan`. */
-  attentionGroup(layout, plan, params, qb, kb, vb, kvBytes, out) {
+  /** An attention bind group: parameters from byte 0 of `params`, then q, the keys and values
+   *  of kv-cache `c`, and the output, sized by `plan`. */
+  attentionGroup(layout, plan, params, qb, c, out) {
+    const kvBytes = c.slots * c.width * 4;
     return this.device.createBindGroup({
       label: 'attention',
       layout,
       entries: [
         { binding: 0, resource: { buffer: params, offset: 0, size: SHAPE_BYTES } },
         { binding: 1, resource: { buffer: qb, offset: 0, size: plan.qBytes } },
-        { binding: 2, resource: { buffer: kb, offset: 0, size: kvBytes } },
-        { binding: 3, resource: { buffer: vb, offset: 0, size: kvBytes } },
+        { binding: 2, resource: { buffer: c.k, offset: 0, size: kvBytes } },
+        { binding: 3, resource: { buffer: c.v, offset: 0, size: kvBytes } },
         { binding: 4, resource: { buffer: out, offset: 0, size: plan.outBytes } },
       ],
     });
   }
 
-  /** shaders/attention.wgsl over `q` and keys and values in `kb`, `vb` (`kvBytes` bound), one
-   *  workgroup a (head, query), key j in row (firstSlot + j) % slots: the queries split over
-   *  dispatches as host/src/gpu/wgpu/attention.rs does, one submission, one readback. */
-  async attendOver(q, kb, vb, kvBytes, s, firstSlot, slots) {
-    const plan = this.attentionPlan(q.length, s, firstSlot, slots);
+  /** shaders/attention.wgsl over `q` and kv-cache `c`, an attention op of a program run op by
+   *  op (`interpret`): one workgroup a (head, query), key j (of `s.nKeys`) in the ring's row
+   *  (firstKey + j) % slots; the queries split over dispatches as
+   *  host/src/gpu/wgpu/attention.rs does, one submission, one readback. */
+  async attend(q, c, firstKey, s) {
+    this.live();
+    const plan = this.attentionPlan(q.length, s, firstKey % c.slots, c.slots);
     const kernels = await this.attentionKernel();
     try {
       return await this.scoped(async () => {
@@ -769,7 +659,7 @@ export class WebGpuBackend {
         const staging = this.ensure('attention staging', plan.qBytes, usage.MAP_READ | usage.COPY_DST);
         const params = this.ensure('attention params', plan.shapes.byteLength, usage.UNIFORM | usage.COPY_DST);
         this.device.queue.writeBuffer(params, 0, plan.shapes);
-        const group = this.attentionGroup(kernels.layout, plan, params, qb, kb, vb, kvBytes, out);
+        const group = this.attentionGroup(kernels.layout, plan, params, qb, c, out);
         const encoder = this.device.createCommandEncoder({ label: 'attention' });
         const pass = encoder.beginComputePass({ label: 'attention' });
         this.recordAttention(pass, plan, kernels, group, 0);
@@ -875,19 +765,19 @@ export class WebGpuBackend {
    * resolved), its weights `weights`: the whole run in one command buffer, one readback of its
    * outputs. Each value lives in a slot (a buffer kept across runs): the inputs each in their
    * own, any other value in the first slot whose value has had its last reader. Products are
-   * `matmul`'s kernels, attention `attention-cached`'s over each sequence's cache (a batch of
+   * `gemv` or `gemm` (`plan`), attention attention.wgsl over each sequence's cache (a batch of
    * several sequences copies each one's queries to a buffer of their own and its outputs back),
    * cache writes and last rows `copy_rows`, the rest the small kernels of matmul.wgsl; top-k is
    * taken here from the row read back. A program `recordsProgram` refuses runs op by op
-   * (program.js's `interpret`).
+   * (program.js's `interpret`, over `product`, `writeCache` and `attend`).
    */
   async runProgram(p, weights, inputs, batch) {
     this.live();
     if (!this.recordsProgram(p)) {
       const device = {
-        matmul: async (x, t, w) => (await this.matmul(x, t, weights[w].nIn, [weights[w]]))[0],
+        matmul: (x, t, w) => this.product(x, t, weights[w]),
         writeCache: (c, first, k, v) => this.writeCache(c, first, k, v),
-        attend: (q, c, first, s) => this.attendOver(q, c.k, c.v, c.slots * c.width * 4, s, first % c.slots, c.slots),
+        attend: (q, c, first, s) => this.attend(q, c, first, s),
       };
       return interpret(p, device, weights.map((w) => w.vector), inputs, batch);
     }
@@ -1080,7 +970,7 @@ export class WebGpuBackend {
         const attnParams = this.ensure('program attention params', Math.max(attnBytes, 16), usage.UNIFORM | usage.COPY_DST);
         const attnGroups = attention.map((a, j) => {
           this.device.queue.writeBuffer(attnParams, attnAt[j], a.plan.shapes);
-          return this.attentionGroup(kernels.layout, a.plan, attnParams, a.q, a.c.k, a.c.v, a.c.slots * a.c.width * 4, a.out);
+          return this.attentionGroup(kernels.layout, a.plan, attnParams, a.q, a.c, a.out);
         });
         const attend = (pass, j) => this.recordAttention(pass, attention[j].plan, kernels, attnGroups[j], attnAt[j]);
         this.device.queue.submit([this.encode('program', commands, dispatches, pipelines, groups, attend).finish()]);
@@ -1089,196 +979,6 @@ export class WebGpuBackend {
           const [, , k, w] = reads[j];
           return k ? topK(y, w, k) : { tag: 'rows', val: y };
         });
-      });
-    } catch (e) {
-      this.dropScratch();
-      throw e;
-    }
-  }
-
-  /** `blocks` (wit/gpu.wit), as host/src/gpu/wgpu/blocks.rs runs it: every block of the call
-   *  in one command buffer (compute passes between the copies of the new keys and values into
-   *  the caches' rings), one readback of x (and, with `returnKv`, of every block's keys and
-   *  values). `blocks` hold the weights and caches themselves; `s` the checked shape with the
-   *  widths (gpu.js). */
-  async blocks(x, t, pos, blocks, s, rope, returnKv) {
-    this.live();
-    const e = s.nEmbd;
-    const ff = s.nFf;
-    const hd = s.headDim;
-    const nq = s.nHead * hd;
-    const nkv = s.nHeadKv * hd;
-    // Rows feed the products as their x: whole steps of 8 values, no padding.
-    if ([e, nq, ff].some((w) => w % 8 !== 0)) {
-      throw new GpuError('unavailable', `blocks of widths ${e}, ${nq} and ${ff} (this host runs them where each is a multiple of 8)`);
-    }
-    const align = this.storageAlign;
-    const xBytes = 4 * t * e;
-    // The normed copy of x, after x in the same buffer (norm_pair_rows writes both).
-    const hAt = alignUp(xBytes, align);
-    const qBytes = 4 * t * nq;
-    const part = 4 * t * ff;
-    const upAt = alignUp(part, align);
-    const midBytes = alignUp(upAt + part, 16);
-    const kvRow = 4 * t * nkv;
-    const kvRun = alignUp(kvRow, align);
-    const kvBytes = 2 * blocks.length * kvRun;
-    const tableRun = alignUp(4 * t * hd, align);
-    const tablesBytes = alignUp(tableRun * Math.max(rope.length, 1), 16);
-    const plans = blocks.map((b) => {
-      const first = b.window === 0 ? 0 : Math.max(0, pos + 1 - b.window);
-      const shape = { t, nKeys: pos + t - first, nHead: s.nHead, nHeadKv: s.nHeadKv, headDim: hd, window: b.window, scale: s.scale };
-      return this.attentionPlan(t * nq, shape, first % b.cache.slots, b.cache.slots);
-    });
-    const aBytes = Math.max(qBytes, ...plans.map((p) => p.outBytes));
-    if ([hAt + xBytes, qBytes, aBytes, midBytes, kvBytes, tablesBytes].some((n) => n > this.info.maxWeightBytes)) {
-      throw new GpuError('out-of-memory', `blocks over [${t}, ${e}] need buffers past the device's limit`);
-    }
-    const kernels = await this.attentionKernel();
-    const usage = GPUBufferUsage;
-    const storage = usage.STORAGE;
-    const [xb, qb, ab, ob, mid, kvb, tables, staging] = await this.buffers([
-      ['blocks x and normed x', hAt + xBytes, storage | usage.COPY_SRC | usage.COPY_DST],
-      ['blocks q', qBytes, storage],
-      ['blocks attention', aBytes, storage],
-      ['blocks output', xBytes, storage],
-      ['blocks gate and up', midBytes, storage],
-      ['blocks keys and values', kvBytes, storage | usage.COPY_SRC],
-      ['blocks rotations', tablesBytes, storage | usage.COPY_DST],
-      ['blocks staging', xBytes + (returnKv ? kvBytes : 0), usage.MAP_READ | usage.COPY_DST],
-    ]);
-
-    // The commands in order: kernels (dispatches of matmul.wgsl, each with its bind), a
-    // block's attention, or a copy.
-    const binds = [];
-    const dispatches = [];
-    const commands = [];
-    const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
-    const bind = (weights, scales, input, output) => binds.push({ weights, scales, input, output }) - 1;
-    const kernelsFrom = (from) => {
-      if (dispatches.length > from) commands.push({ kernels: [from, dispatches.length] });
-    };
-    const small = (kernel, job, params, groupsX) => this.rows(kernel, job, params, groupsX, dispatches);
-    const unread = [tables, 16];
-    const epsBits = f32Bits(s.eps);
-    // norm_rows over the t rows of the residual stream: x += norm(input) * w (input: [buffer,
-    // bytes]); `w` null: x += input.
-    const norm = (w, input) => {
-      const job = bind(w ? w.data : tables, this.placeholder, input, [xb, 0, xBytes]);
-      const flags = w ? 0 : NORM_NONE;
-      // The output's stride in n_out, the input's in row_quads, flags in scale_row, eps in row_base.
-      small('norm_rows', job, paramsOf({ nIn: e, nOut: e, t, rowQuads: e, scaleRow: flags, rowBase: epsBits }), 1);
-    };
-    const bias = (w, output, n) => {
-      if (!w) return;
-      small('bias_rows', bind(w.data, this.placeholder, unread, output), paramsOf({ nIn: n, nOut: n, t }), Math.ceil(n / WORKGROUP));
-    };
-    // Each head of `output` turned by table `table`, first given its bias `b` where there is
-    // one, then normed by `w` where there is one: the bias and the rotation in one kernel
-    // (rope_rows, row_quads 1) where there is no norm, the norm and the rotation (norm_rope_rows)
-    // where there is.
-    const turn = (b, w, table, output, heads) => {
-      if (w) bias(b, output, heads * hd);
-      const withBias = !w && b;
-      const weights = w ? w.data : withBias ? b.data : tables;
-      const job = bind(weights, this.placeholder, [tables, alignUp(4 * t * hd, 16), table * tableRun], output);
-      const params = paramsOf({ nIn: hd, nOut: heads, t, rowQuads: withBias ? 1 : 0, scaleRow: s.rotation === 'pairs' ? 1 : 0, rowBase: epsBits });
-      if (w) small('norm_rope_rows', job, params, heads);
-      else small('rope_rows', job, params, Math.ceil((heads * hd) / 2 / WORKGROUP));
-    };
-    // norm_pair_rows: x += norm(input) * first (first null: x += input; input null: x as it
-    // is), then h = norm(x) * second; x at 0 and h at hAt of xb.
-    const normPair = (first, second, input) => {
-      const flags = (first ? 0 : NORM_NONE) | (input ? 0 : PAIR_KEEP);
-      const job = bind(first ? first.data : tables, second.data, input ?? unread, [xb, 0, hAt + xBytes]);
-      // The row stride in n_out, h's first element in row_quads, flags in scale_row, eps in row_base.
-      small('norm_pair_rows', job, paramsOf({ nIn: e, nOut: e, t, rowQuads: hAt / 4, scaleRow: flags, rowBase: epsBits, xStride: 1 }), 1);
-    };
-    const hIn = [xb, xBytes, hAt];
-    const product = (w, input, output, xQuads, xAct = X_ACT.none) => {
-      const from = dispatches.length;
-      this.plan(bind(w.data, w.scales || this.placeholder, input, output), w, t, xQuads, dispatches);
-      for (let i = from; i < dispatches.length; i++) dispatches[i].xAct = xAct;
-    };
-
-    blocks.forEach((b, l) => {
-      let from = dispatches.length;
-      const kAt = l * kvRun;
-      const vAt = (blocks.length + l) * kvRun;
-      const kOut = [kvb, kAt, kvRow];
-      const vOut = [kvb, vAt, kvRow];
-      // h = norm(x) (the block before made it, but for the first); q, k, v = h W^T + bias;
-      // head norms; rotations.
-      if (l === 0) normPair(null, b.attnNorm, null);
-      product(b.wq, hIn, [qb, 0, qBytes], e / 4);
-      product(b.wk, hIn, kOut, e / 4);
-      product(b.wv, hIn, vOut, e / 4);
-      bias(b.vBias, vOut, nkv);
-      turn(b.qBias, b.qNorm, b.rope, [qb, 0, qBytes], s.nHead);
-      turn(b.kBias, b.kNorm, b.rope, kOut, s.nHeadKv);
-      kernelsFrom(from);
-      // The new rows into the cache's ring (two runs where it wraps), then attention.
-      const c = b.cache;
-      const row = 4 * nkv;
-      const start = pos % c.slots;
-      const head = Math.min(t, c.slots - start);
-      for (const [src, dst] of [[kAt, c.k], [vAt, c.v]]) {
-        commands.push({ copy: [kvb, src, dst, start * row, head * row] });
-        if (head < t) commands.push({ copy: [kvb, src + head * row, dst, 0, (t - head) * row] });
-      }
-      commands.push({ attention: l });
-      // x += norm(a wo^T + bias); h = norm(x); x += norm(ffn(h)); h = the next block's norm(x).
-      from = dispatches.length;
-      product(b.wo, [ab, qBytes], [ob, 0, xBytes], nq / 4);
-      bias(b.oBias, [ob, 0, xBytes], e);
-      normPair(b.postAttnNorm, b.ffnNorm, [ob, xBytes]);
-      product(b.gate, hIn, [mid, 0, part], e / 4);
-      product(b.up, hIn, [mid, upAt, part], e / 4);
-      // down reads act(gate) * up as its x (X_ACT).
-      product(b.down, [mid, midBytes], [ob, 0, xBytes], ff / 4, s.act === 'silu' ? X_ACT.silu : X_ACT.gelu_tanh);
-      if (l + 1 < blocks.length) normPair(b.postFfnNorm, blocks[l + 1].attnNorm, [ob, xBytes]);
-      else norm(b.postFfnNorm, [ob, xBytes]);
-      kernelsFrom(from);
-    });
-    commands.push({ copy: [xb, 0, staging, 0, xBytes] });
-    if (returnKv) commands.push({ copy: [kvb, 0, staging, xBytes, kvBytes] });
-
-    const pipelines = await this.pipelinesFor(dispatches);
-    try {
-      return await this.scoped(async () => {
-        this.device.queue.writeBuffer(xb, 0, x);
-        rope.forEach((table, i) => this.device.queue.writeBuffer(tables, i * tableRun, table));
-        const groups = this.matmulGroups('blocks params', dispatches, binds);
-        const attnAt = [];
-        let attnBytes = 0;
-        for (const p of plans) {
-          attnAt.push(attnBytes);
-          attnBytes += p.shapes.byteLength;
-        }
-        const attnParams = this.ensure('blocks attention params', attnBytes, usage.UNIFORM | usage.COPY_DST);
-        plans.forEach((p, i) => this.device.queue.writeBuffer(attnParams, attnAt[i], p.shapes));
-        const attention = plans.map((p, l) => {
-          const c = blocks[l].cache;
-          return this.attentionGroup(kernels.layout, p, attnParams, qb, c.k, c.v, c.slots * c.width * 4, ab);
-        });
-        const attend = (pass, l) => this.recordAttention(pass, plans[l], kernels, attention[l], attnAt[l]);
-        this.device.queue.submit([this.encode('blocks', commands, dispatches, pipelines, groups, attend).finish()]);
-        const reads = [[0, t * e]];
-        if (returnKv) {
-          for (let l = 0; l < 2 * blocks.length; l++) reads.push([xBytes + l * kvRun, t * nkv]);
-        }
-        const got = await this.readBack(staging, xBytes + (returnKv ? kvBytes : 0), reads);
-        const join = (parts) => {
-          const all = new Float32Array(parts.reduce((n, p) => n + p.length, 0));
-          let at = 0;
-          for (const p of parts) {
-            all.set(p, at);
-            at += p.length;
-          }
-          return all;
-        };
-        const n = blocks.length;
-        return { x: got[0], keys: join(got.slice(1, 1 + n)), values: join(got.slice(1 + n)) };
       });
     } catch (e) {
       this.dropScratch();

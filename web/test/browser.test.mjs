@@ -55,11 +55,12 @@ test('the component jco transpiled is byte for byte the native host\'s guest', {
 
 test('a gpu import left out of --async-imports fails the build', { timeout: 2 * MINUTE }, (t) => {
   if (!existsSync(GUEST_WASM)) return unavailable(t, `${GUEST_WASM} is missing (cargo build --release -p wisp)`);
-  // jco ignores the missing name without a word; the guest would then get a promise for a list.
+  // jco ignores the missing name without a word; the guest would then get a promise for a run's
+  // outputs.
   const out = mkdtempSync(join(tmpdir(), 'wisp-jco-'));
   try {
-    const asyncImports = ASYNC_IMPORTS.filter((n) => !n.endsWith('#matmul'));
-    assert.throws(() => transpile(GUEST_WASM, out, { jspi: true, asyncImports }), /wisp:llm\/gpu@\d+\.\d+\.\d+#matmul is not marked async/);
+    const asyncImports = ASYNC_IMPORTS.filter((n) => !n.endsWith('#[method]program.run'));
+    assert.throws(() => transpile(GUEST_WASM, out, { jspi: true, asyncImports }), /wisp:llm\/gpu@\d+\.\d+\.\d+#run is not marked async/);
   } finally {
     rmSync(out, { recursive: true, force: true });
   }

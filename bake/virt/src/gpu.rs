@@ -4,8 +4,7 @@
 use alloc::vec::Vec;
 
 use crate::bindings::exports::wisp::llm::gpu::{
-    self, Activation, AttentionShape, Block, BlocksOutput, BlocksShape, DeviceInfo, Error,
-    KvCache, KvCacheBorrow, Op, Output, Program, Sequence, Weight, WeightBorrow, WeightFormat,
+    self, DeviceInfo, Error, KvCache, Op, Output, Program, Sequence, Weight, WeightBorrow, WeightFormat,
 };
 use crate::{Never, Virt};
 
@@ -37,61 +36,7 @@ impl gpu::Guest for Virt {
         Err(unavailable())
     }
 
-    fn attention(
-        _: Vec<f32>,
-        _: Vec<f32>,
-        _: Vec<f32>,
-        _: AttentionShape,
-    ) -> Result<Vec<f32>, Error> {
-        Err(unavailable())
-    }
-
     fn create_kv_cache(_: u32, _: u32) -> Result<KvCache, Error> {
-        Err(unavailable())
-    }
-
-    fn attention_cached(
-        _: Vec<f32>,
-        _: Vec<f32>,
-        _: Vec<f32>,
-        _: u32,
-        _: KvCacheBorrow<'_>,
-        _: u32,
-        _: AttentionShape,
-    ) -> Result<Vec<f32>, Error> {
-        Err(unavailable())
-    }
-
-    fn ffn(
-        _: Vec<f32>,
-        _: u32,
-        _: u32,
-        _: WeightBorrow<'_>,
-        _: WeightBorrow<'_>,
-        _: WeightBorrow<'_>,
-        _: Activation,
-    ) -> Result<Vec<f32>, Error> {
-        Err(unavailable())
-    }
-
-    fn blocks(
-        _: Vec<f32>,
-        _: u32,
-        _: u32,
-        _: Vec<Block<'_>>,
-        _: BlocksShape,
-        _: Vec<Vec<f32>>,
-        _: bool,
-    ) -> Result<BlocksOutput, Error> {
-        Err(unavailable())
-    }
-
-    fn matmul(
-        _: Vec<f32>,
-        _: u32,
-        _: u32,
-        _: Vec<WeightBorrow<'_>>,
-    ) -> Result<Vec<Vec<f32>>, Error> {
         Err(unavailable())
     }
 }

@@ -1,5 +1,6 @@
-//! The host boundary: the `gpu` imports as a trait ([`Device`]), their errors, limits and
-//! the records the calls take and give.
+//! The host boundary: what the guest asks of the `gpu` imports, as a trait ([`Device`]), their
+//! errors, limits and the records the calls take and give. Products and attention for a model
+//! on the guest's CPU are programs of one op each in the glue (`component`).
 //!
 //! Separate from the policy so that the policy can be tested against a fake device, and so
 //! that a change to the WIT's calls touches this file and the glue (`component`) alone.
@@ -30,7 +31,7 @@ pub struct DeviceLimits {
 pub trait Device {
     fn allocate(&self, format: Format, n_out: u32, n_in: u32) -> Result<usize, DeviceError>;
     fn write_rows(&self, id: usize, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), DeviceError>;
-    /// One output per job, each `[t, n_out]`.
+    /// `x[t, n_in] @ W^T` for each job `W`: one output per job, each `[t, n_out]`.
     fn matmul(&self, x: &[f32], t: u32, n_in: u32, jobs: &[usize]) -> Result<Vec<Vec<f32>>, DeviceError>;
     /// Releases a weight's device memory.
     fn free(&self, id: usize);
@@ -41,8 +42,9 @@ pub trait Device {
     }
     /// Releases a `kv-cache`.
     fn free_kv_cache(&self, _id: usize) {}
-    /// Attention over a `kv-cache` after writing `k_new`, `v_new` at positions `first_new..`
-    /// (the WIT `attention-cached`).
+    /// Attention of the `shape.t` queries `q` over a `kv-cache` after writing `k_new`, `v_new`
+    /// at positions `first_new..` (the last `shape.t` rows are the queries' own), the keys of
+    /// positions `first_key..` (the window of the first query); `[t, n_head * head_dim]`.
     #[allow(clippy::too_many_arguments)]
     fn attention_cached(
         &self,
@@ -55,11 +57,6 @@ pub trait Device {
         _shape: &AttentionShape,
     ) -> Result<Vec<f32>, DeviceError> {
         Err(DeviceError::Unavailable("no kv-cache on this device".into()))
-    }
-    /// Causal attention over the keys and values sent (the WIT `attention`); `[t, n_head *
-    /// head_dim]`. A device without it says `Unavailable`.
-    fn attention(&self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, DeviceError> {
-        Err(DeviceError::Unavailable("no attention on this device".into()))
     }
     /// A program of `ops` (the WIT `create-program`) over the device weights `weights`, which
     /// the ops' weight ids index, with `caches` cache indices. A device without programs says
@@ -82,7 +79,7 @@ pub struct DeviceSequence<'a> {
     pub caches: &'a [usize],
 }
 
-/// The WIT `attention-shape`: `t` queries over `n_keys` keys, the last `t` the queries' own.
+/// The shape of an attention: `t` queries over `n_keys` keys, the last `t` the queries' own.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     pub t: u32,

@@ -61,12 +61,12 @@ pub enum Mode {
 pub struct Dispatch {
     acts: QActs,
     rows: RowScratch,
-    /// A batch's keys and values in order of position, as `attention` sends them.
+    /// A batch's keys and values in order of position, as `attention_cached` sends them.
     keys: Vec<f32>,
     values: Vec<f32>,
     /// Each layer's `kv-cache` on the device, made at its first device attention.
     caches: Vec<Option<DeviceCache>>,
-    /// A cache could not be made for this session (out of memory): attention sends its keys.
+    /// A cache could not be made for this session (out of memory): the CPU attends.
     no_caches: bool,
     /// The first position whose keys and values only the device holds (the model's program ran
     /// there without returning them): the guest's own rings lack them from there on.
@@ -159,13 +159,13 @@ impl Dispatch {
         self.counters.attention_ns += start.elapsed().as_nanos() as u64;
     }
 
-    /// Attention on the device, if the policy sends it there and the device answers; `false`
-    /// when the CPU must do it. With a `kv-cache` for the layer, only the keys and values the
+    /// Attention on the device over the layer's `kv-cache`, if the policy sends it there and
+    /// the device answers; `false` when the CPU must do it. Only the keys and values the
     /// device does not hold yet go with the call (one row a decode step).
     #[allow(clippy::too_many_arguments)]
     fn device_attend(&mut self, layer: usize, cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, out: &mut [f32]) -> bool {
         let Some(gpu) = self.gpu.clone() else { return false };
-        if !gpu.usable() || gpu.no_attention.get() {
+        if !gpu.usable() || gpu.no_attention.get() || gpu.no_kv_cache.get() || self.no_caches {
             return false;
         }
         // The keys of the batch's first query to its last: the last `window` before the first
@@ -178,27 +178,21 @@ impl Dispatch {
         if (q.len().max(n_keys * kv)) as u64 > max {
             return false;
         }
-        // Positions the device needs that it does not hold: all of `first..` without a cache,
-        // else from where its copy ends (what lies at or past `pos` is stale: a rewind).
+        // Positions the device needs that it does not hold: from where its copy ends (what
+        // lies at or past `pos` is stale: a rewind), else all of `first..`.
         let from_given = |device: Option<DeviceCache>| match device {
             Some(c) if c.lo <= first && first <= c.hi.min(pos) => c.hi.min(pos),
             _ => first,
         };
-        // The policy first (a cache it may never use is not made), with the cache this layer
-        // has or can have.
-        let cacheable = !gpu.no_kv_cache.get() && !self.no_caches;
+        // The policy first (a cache it may never use is not made).
         let known = self.caches.get(layer).copied().flatten();
-        let rows = pos + t - if cacheable { from_given(known) } else { first };
+        let rows = pos + t - from_given(known);
         let bytes = 4 * (2 * q.len() + 2 * rows * kv) as u64;
-        if !gpu.wants_attention(t, cacheable, attention_flops(cache, h, pos, t), bytes) {
+        if !gpu.wants_attention(t, attention_flops(cache, h, pos, t), bytes) {
             return false;
         }
-        let device = if cacheable { self.device_cache(&gpu, layer, cache.cap, kv) } else { None };
-        if cacheable && device.is_none() && t == 1 {
-            // The choice counted on a cache that could not be made: the guest attends.
-            return false;
-        }
-        let from = from_given(device);
+        let Some(device) = self.device_cache(&gpu, layer, cache.cap, kv) else { return false };
+        let from = from_given(Some(device));
         let rows = pos + t - from;
         let (keys, values) = (&mut self.keys, &mut self.values);
         for buf in [&mut *keys, &mut *values] {
@@ -223,10 +217,7 @@ impl Dispatch {
             window: cache.window.unwrap_or(0) as u32,
             scale: h.scale,
         };
-        let answer = match device {
-            Some(c) => gpu.device.attention_cached(q, keys, values, from as u32, c.id, first as u32, &shape),
-            None => gpu.device.attention(q, keys, values, &shape),
-        };
+        let answer = gpu.device.attention_cached(q, keys, values, from as u32, device.id, first as u32, &shape);
         // The device's copy now ends at the batch, back to `first` or further (a continuation),
         // less what the ring overwrote; after a failure it is unknown: nothing.
         if let Some(c) = self.caches.get_mut(layer).and_then(Option::as_mut) {
@@ -240,8 +231,7 @@ impl Dispatch {
                 return true;
             }
             other => {
-                let not_offered = if device.is_some() { &gpu.no_kv_cache } else { &gpu.no_attention };
-                if gpu.failed(other.err(), "attention", Some(not_offered)) {
+                if gpu.failed(other.err(), "attention", Some(&gpu.no_kv_cache)) {
                     self.counters.gpu_fallbacks += 1;
                 }
             }

@@ -31,10 +31,9 @@ pub struct Gpu {
     pub rates: Cell<Option<Rates>>,
     /// Why the device is no longer used, once it was lost.
     pub lost: RefCell<Option<String>>,
-    /// The host answered `attention` with `unavailable`: attention stays on the CPU.
+    /// Attention stays on the CPU (the CPU beat the device at load).
     pub no_attention: Cell<bool>,
-    /// The host answered `create-kv-cache` or `attention-cached` with `unavailable`: device
-    /// attention sends its keys and values with each call.
+    /// The host answered `create-kv-cache` or an attention with `unavailable`: the CPU attends.
     pub no_kv_cache: Cell<bool>,
     /// The host answered a program's run with `unavailable`: batches go call by call.
     pub no_programs: Cell<bool>,
@@ -67,18 +66,16 @@ impl Gpu {
         }
     }
 
-    /// The policy for an attention batch: the device's estimate as for products, the CPU's
-    /// from its own measured attention rate (with none yet, the CPU runs it and is measured).
-    /// With `On`, batches of queries (prefill) go to the device. A single query (a decode step)
-    /// goes there only if the device keeps the layer's keys and values (`cached`; without, each
-    /// call would send the whole cache for one query's arithmetic: on an H200 decode at 512
-    /// keys ran at half the speed that way), and then, in either mode, to whichever has been
-    /// faster: the device's measured time a call against the CPU's measured rate for these
-    /// keys (the CPU is measured first, then the device once). On an H200 a call costs ~0.1
-    /// ms (~0.3 before its keys were split in runs of 16), the CPU's attention at 128 keys ~0.08
-    /// and at 576 ~0.5.
-    pub(super) fn wants_attention(&self, t: usize, cached: bool, flops: u64, bytes: u64) -> bool {
-        if self.mode != Mode::Off && t == 1 && cached {
+    /// The policy for an attention batch over the device's `kv-cache` of its layer: the
+    /// device's estimate as for products, the CPU's from its own measured attention rate (with
+    /// none yet, the CPU runs it and is measured). With `On`, batches of queries (prefill) go
+    /// to the device. A single query (a decode step) goes, in either mode, to whichever has
+    /// been faster: the device's measured time a call against the CPU's measured rate for
+    /// these keys (the CPU is measured first, then the device once). On an H200 a call costs
+    /// ~0.1 ms (~0.3 before its keys were split in runs of 16), the CPU's attention at 128
+    /// keys ~0.08 and at 576 ~0.5.
+    pub(super) fn wants_attention(&self, t: usize, flops: u64, bytes: u64) -> bool {
+        if self.mode != Mode::Off && t == 1 {
             return match (self.cpu_attention.get(), self.device_attention.get()) {
                 (Some(cpu), Some(device)) => device < flops as f64 / cpu,
                 (Some(_), None) => true,
@@ -87,7 +84,7 @@ impl Gpu {
         }
         match self.mode {
             Mode::Off => false,
-            Mode::On => t > 1,
+            Mode::On => true,
             Mode::Auto => match (self.rates.get(), self.cpu_attention.get()) {
                 (Some(r), Some(cpu)) => {
                     r.gpu_latency + bytes as f64 / r.gpu_bytes + flops as f64 / r.gpu_flops < flops as f64 / cpu
@@ -277,28 +274,26 @@ mod tests {
     fn decode_attention_measures_the_cpu_then_the_device_then_takes_the_faster() {
         for mode in [Mode::Auto, Mode::On] {
             let g = gpu(mode, Some(RATES));
-            assert!(!g.wants_attention(1, true, 100, 0));
+            assert!(!g.wants_attention(1, 100, 0));
             // The CPU attends at 100 FLOP/s.
             g.observe_cpu_attention(100, 1.0);
-            assert!(g.wants_attention(1, true, 100, 0));
+            assert!(g.wants_attention(1, 100, 0));
             // The device takes 0.5 s a call; the CPU 1 s for 100 FLOPs, 0.5 s for 50.
             g.observe_device_attention(0.5);
-            assert!(g.wants_attention(1, true, 100, 0));
-            assert!(!g.wants_attention(1, true, 50, 0), "a tie stays on the CPU");
-            assert!(!g.wants_attention(1, true, 25, 0));
+            assert!(g.wants_attention(1, 100, 0));
+            assert!(!g.wants_attention(1, 50, 0), "a tie stays on the CPU");
+            assert!(!g.wants_attention(1, 25, 0));
         }
         let off = gpu(Mode::Off, Some(RATES));
         off.observe_cpu_attention(100, 1.0);
-        assert!(!off.wants_attention(1, true, 100, 0));
+        assert!(!off.wants_attention(1, 100, 0));
     }
 
-    /// `On` sends batches of queries, cached or not, but not a decode step without a cache.
+    /// `On` sends batches of queries, measured or not; `Off` none.
     #[test]
-    fn on_sends_prefill_attention_but_not_an_uncached_decode_step() {
-        let on = gpu(Mode::On, None);
-        assert!(on.wants_attention(4, false, 100, 0));
-        assert!(on.wants_attention(4, true, 100, 0));
-        assert!(!on.wants_attention(1, false, 100, 0));
+    fn on_sends_prefill_attention_and_off_does_not() {
+        assert!(gpu(Mode::On, None).wants_attention(4, 100, 0));
+        assert!(!gpu(Mode::Off, Some(RATES)).wants_attention(4, 100, 0));
     }
 
     /// A lost device is remembered: a counted failure, and no call after.

@@ -2,7 +2,7 @@
 //! format to f32 and multiplies plainly. It defines what the device backends must compute, and
 //! lets the guest's device path be tested on any machine.
 
-use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError, Rotation};
+use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use std::collections::HashMap;
 
 struct Weight {
@@ -91,95 +91,6 @@ pub fn attention_reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) 
     out
 }
 
-/// `v <- v / sqrt(mean(v^2) + eps) * w` for each run of `w.len()` values of `v`, the mean in
-/// f64: the programs' `rms-norm` with no offset.
-pub fn norm_runs(v: &mut [f32], w: &[f32], eps: f32) {
-    super::program::rms_norm(v, w, 0.0, eps);
-}
-
-/// Turns each head of each row of `v` (`[t, heads * head_dim]`) by its row of `table` (`[t,
-/// head_dim]`: cosines, then sines), pairing values as `rotation` says: the programs' `rotate`
-/// of whole heads.
-pub fn rotate_rows(v: &mut [f32], table: &[f32], head_dim: usize, rotation: Rotation) {
-    let width = v.len() / (table.len() / head_dim).max(1);
-    super::program::rotate(v, width.max(1), table, head_dim, head_dim, rotation);
-}
-
-impl CpuBackend {
-    /// A vector (an f32 weight of one row), decoded.
-    fn vector(&self, id: BufferId) -> Result<&[f32], GpuError> {
-        self.weights.get(&id).map(|w| w.w.as_slice()).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))
-    }
-
-    /// `y[t, n_out] = x @ W^T` of one weight.
-    fn product(&mut self, x: &[f32], t: u32, n_in: u32, id: BufferId) -> Result<Vec<f32>, GpuError> {
-        Ok(self.matmul(x, t, n_in, &[id])?.pop().unwrap_or_default())
-    }
-
-    /// Adds a vector to each row of `y`, where there is one.
-    fn add_bias(&self, y: &mut [f32], bias: Option<BufferId>) -> Result<(), GpuError> {
-        if let Some(id) = bias {
-            let b = self.vector(id)?;
-            for row in y.chunks_exact_mut(b.len()) {
-                row.iter_mut().zip(b).for_each(|(a, b)| *a += b);
-            }
-        }
-        Ok(())
-    }
-
-    /// `x += norm(y, w)` row by row (`x += y` without a norm).
-    fn add_normed(&self, x: &mut [f32], mut y: Vec<f32>, norm: Option<BufferId>, eps: f32) -> Result<(), GpuError> {
-        if let Some(id) = norm {
-            norm_runs(&mut y, self.vector(id)?, eps);
-        }
-        x.iter_mut().zip(&y).for_each(|(a, b)| *a += b);
-        Ok(())
-    }
-
-    /// One block of `blocks` over `x`, its keys and values appended to `keys`, `values`.
-    #[allow(clippy::too_many_arguments)]
-    fn block(
-        &mut self,
-        x: &mut [f32],
-        t: u32,
-        pos: u32,
-        b: &Block,
-        s: &BlocksShape,
-        table: &[f32],
-        out: &mut BlocksOutput,
-    ) -> Result<(), GpuError> {
-        let (e, hd) = (s.n_embd, s.head_dim as usize);
-        let nq = s.n_head * s.head_dim;
-        let mut h = x.to_vec();
-        norm_runs(&mut h, self.vector(b.attn_norm)?, s.eps);
-        let mut qkv = self.matmul(&h, t, e, &[b.wq, b.wk, b.wv])?;
-        let (mut v, mut k, mut q) = (qkv.pop().unwrap_or_default(), qkv.pop().unwrap_or_default(), qkv.pop().unwrap_or_default());
-        self.add_bias(&mut q, b.q_bias)?;
-        self.add_bias(&mut k, b.k_bias)?;
-        self.add_bias(&mut v, b.v_bias)?;
-        if let Some(id) = b.q_norm {
-            norm_runs(&mut q, self.vector(id)?, s.eps);
-        }
-        if let Some(id) = b.k_norm {
-            norm_runs(&mut k, self.vector(id)?, s.eps);
-        }
-        rotate_rows(&mut q, table, hd, s.rotation);
-        rotate_rows(&mut k, table, hd, s.rotation);
-        let first = b.first_key(pos);
-        let shape = s.attention(t, pos + t - first, b.window);
-        let a = self.attention_cached(&q, &k, &v, pos, b.cache, first, &shape)?;
-        out.keys.extend_from_slice(&k);
-        out.values.extend_from_slice(&v);
-        let mut o = self.product(&a, t, nq, b.wo)?;
-        self.add_bias(&mut o, b.o_bias)?;
-        self.add_normed(x, o, b.post_attn_norm, s.eps)?;
-        let mut h = x.to_vec();
-        norm_runs(&mut h, self.vector(b.ffn_norm)?, s.eps);
-        let f = self.ffn(&h, t, e, [b.gate, b.up, b.down], s.act)?;
-        self.add_normed(x, f, b.post_ffn_norm, s.eps)
-    }
-}
-
 impl Backend for CpuBackend {
     fn device(&self) -> Option<Device> {
         Some(Device {
@@ -231,10 +142,6 @@ impl Backend for CpuBackend {
         self.weights.remove(&id);
     }
 
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        Ok(attention_reference(q, k, v, shape))
-    }
-
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
         let n = slots as usize * width as usize;
         let mut k = Vec::new();
@@ -279,41 +186,9 @@ impl Backend for CpuBackend {
         let (slots, width, k, v) = self.caches.get(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
         let (slots, width) = (*slots, *width);
         let row = |p: u64| (p % slots as u64) as usize * width;
-        // The shape's keys in order of position, then attention as `attention` reads.
+        // The shape's keys in order of position, then attention as the contract reads it.
         let keys: Vec<usize> = (0..shape.n_keys as u64).map(|j| row(first_key as u64 + j)).collect();
         let gather = |m: &[f32]| keys.iter().flat_map(|&at| m[at..at + width].iter().copied()).collect::<Vec<f32>>();
         Ok(attention_reference(q, &gather(k), &gather(v), shape))
-    }
-
-    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, [gate, up, down]: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        let mut y = self.matmul(x, t, n_in, &[gate, up])?;
-        let (u, g) = (y.pop().unwrap_or_default(), y.pop().unwrap_or_default());
-        let h: Vec<f32> = g.iter().zip(&u).map(|(&g, &u)| act.apply(g) * u).collect();
-        let n_ff = (h.len() / t.max(1) as usize) as u32;
-        Ok(self.matmul(&h, t, n_ff, &[down])?.pop().unwrap_or_default())
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn blocks(
-        &mut self,
-        x: &[f32],
-        t: u32,
-        pos: u32,
-        blocks: &[Block],
-        shape: &BlocksShape,
-        rope: &[Vec<f32>],
-        return_kv: bool,
-    ) -> Result<BlocksOutput, GpuError> {
-        let mut out = BlocksOutput { x: x.to_vec(), ..BlocksOutput::default() };
-        let mut xs = std::mem::take(&mut out.x);
-        for b in blocks {
-            let table = rope.get(b.rope as usize).ok_or_else(|| GpuError::InvalidArgument(format!("no table {}", b.rope)))?;
-            self.block(&mut xs, t, pos, b, shape, table, &mut out)?;
-        }
-        out.x = xs;
-        if !return_kv {
-            (out.keys, out.values) = (Vec::new(), Vec::new());
-        }
-        Ok(out)
     }
 }

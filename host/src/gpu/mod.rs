@@ -161,7 +161,7 @@ pub struct Device {
     pub max_activation_elements: u64,
 }
 
-/// The activation of a gated feed-forward block (the WIT `activation`).
+/// The activation of a `gated` op (the WIT `activation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Activation {
     /// `0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))`, the tanh approximation of GELU.
@@ -192,7 +192,8 @@ impl From<wit::Activation> for Activation {
     }
 }
 
-/// The shape of an `attention` call (the WIT `attention-shape`; see `wit/gpu.wit`).
+/// The shape of an attention over a `kv-cache` ([`Backend::attention_cached`], with which a
+/// program's `attention` op runs op by op).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionShape {
     /// Queries.
@@ -211,7 +212,7 @@ pub struct AttentionShape {
     pub scale: f32,
 }
 
-/// The widest head `attention` accepts.
+/// The widest head an `attention` op accepts.
 pub const MAX_HEAD_DIM: u32 = 512;
 
 impl AttentionShape {
@@ -228,34 +229,6 @@ impl AttentionShape {
         let q = (self.t as u64).checked_mul(self.n_head as u64)?.checked_mul(self.head_dim as u64)?;
         let k = (self.n_keys as u64).checked_mul(self.n_head_kv as u64)?.checked_mul(self.head_dim as u64)?;
         Some((q, k))
-    }
-
-    /// Why the shape breaks the contract, if it does.
-    fn invalid(&self) -> Option<String> {
-        let s = self;
-        if s.t == 0 || s.n_keys < s.t {
-            Some(format!("{} keys for {} queries: there must be at least one query and a key for each", s.n_keys, s.t))
-        } else if s.n_head_kv == 0 || s.n_head == 0 || s.n_head % s.n_head_kv != 0 {
-            Some(format!("{} query heads cannot share {} key/value heads", s.n_head, s.n_head_kv))
-        } else if s.head_dim == 0 || s.head_dim > MAX_HEAD_DIM {
-            Some(format!("head-dim {} is outside 1..={MAX_HEAD_DIM}", s.head_dim))
-        } else {
-            None
-        }
-    }
-}
-
-impl From<wit::AttentionShape> for AttentionShape {
-    fn from(s: wit::AttentionShape) -> Self {
-        AttentionShape {
-            t: s.t,
-            n_keys: s.n_keys,
-            n_head: s.n_head,
-            n_head_kv: s.n_head_kv,
-            head_dim: s.head_dim,
-            window: s.window,
-            scale: s.scale,
-        }
     }
 }
 
@@ -277,112 +250,6 @@ impl From<wit::Rotation> for Rotation {
     }
 }
 
-/// One decoder block of a `blocks` call (the WIT `block`), its handles resolved to the
-/// backend's ids and checked by [`GpuCtx`]: every shape chains, every vector is an f32 row.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Block {
-    /// `[1, n_embd]`: the norm before attention.
-    pub attn_norm: BufferId,
-    /// `[nq, n_embd]`: the query product.
-    pub wq: BufferId,
-    /// `[nkv, n_embd]`: the key product.
-    pub wk: BufferId,
-    /// `[nkv, n_embd]`: the value product.
-    pub wv: BufferId,
-    /// `[1, nq]`: the query bias.
-    pub q_bias: Option<BufferId>,
-    /// `[1, nkv]`: the key bias.
-    pub k_bias: Option<BufferId>,
-    /// `[1, nkv]`: the value bias.
-    pub v_bias: Option<BufferId>,
-    /// `[1, head_dim]`: the norm of each query head.
-    pub q_norm: Option<BufferId>,
-    /// `[1, head_dim]`: the norm of each key head.
-    pub k_norm: Option<BufferId>,
-    /// `[n_embd, nq]`: the output product.
-    pub wo: BufferId,
-    /// `[1, n_embd]`: the output bias.
-    pub o_bias: Option<BufferId>,
-    /// `[1, n_embd]`: the norm of attention's output.
-    pub post_attn_norm: Option<BufferId>,
-    /// `[1, n_embd]`: the norm before the feed-forward block.
-    pub ffn_norm: BufferId,
-    /// `[n_ff, n_embd]`: the gate product.
-    pub gate: BufferId,
-    /// `[n_ff, n_embd]`: the up product.
-    pub up: BufferId,
-    /// `[n_embd, n_ff]`: the down product.
-    pub down: BufferId,
-    /// `[1, n_embd]`: the norm of the feed-forward output.
-    pub post_ffn_norm: Option<BufferId>,
-    /// The block's `kv-cache`.
-    pub cache: BufferId,
-    /// The cache's rows.
-    pub slots: u32,
-    /// Keys a query sees, up to its own; 0: all.
-    pub window: u32,
-    /// Index of the block's rotation table.
-    pub rope: u32,
-}
-
-impl Block {
-    /// The keys the block's batch attends over: positions `first..pos + t`.
-    pub fn first_key(&self, pos: u32) -> u32 {
-        if self.window == 0 { 0 } else { (pos + 1).saturating_sub(self.window) }
-    }
-}
-
-/// What the blocks of a `blocks` call share (the WIT `blocks-shape`, with the widths the
-/// weights imply).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BlocksShape {
-    /// The residual stream's width (columns of `wq`).
-    pub n_embd: u32,
-    /// The feed-forward block's hidden width (rows of `gate`).
-    pub n_ff: u32,
-    /// Query heads.
-    pub n_head: u32,
-    /// Key/value heads.
-    pub n_head_kv: u32,
-    /// Width of every head (even).
-    pub head_dim: u32,
-    /// Added to the mean square of every RMS norm.
-    pub eps: f32,
-    /// Multiplies each query-key product before the softmax.
-    pub scale: f32,
-    /// The feed-forward activation.
-    pub act: Activation,
-    /// How the rotation pairs a head's values.
-    pub rotation: Rotation,
-}
-
-impl BlocksShape {
-    /// The attention of a batch of `t` at `pos` over `n_keys` keys, with `window`.
-    pub fn attention(&self, t: u32, n_keys: u32, window: u32) -> AttentionShape {
-        AttentionShape {
-            t,
-            n_keys,
-            n_head: self.n_head,
-            n_head_kv: self.n_head_kv,
-            head_dim: self.head_dim,
-            window,
-            scale: self.scale,
-        }
-    }
-}
-
-/// What `blocks` returns (the WIT `blocks-output`).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct BlocksOutput {
-    /// `[t, n_embd]` after the last block.
-    pub x: Vec<f32>,
-    /// `[blocks, t, n_head_kv * head_dim]`: the keys each block wrote to its cache (empty
-    /// unless asked for).
-    pub keys: Vec<f32>,
-    /// The values, as `keys`.
-    pub values: Vec<f32>,
-}
-
 /// Identifies a weight inside a backend.
 pub type BufferId = u64;
 
@@ -399,16 +266,10 @@ pub trait Backend: Send {
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
-    /// A gated feed-forward block, `y = (act(x @ gate^T) * (x @ up^T)) @ down^T` (see
-    /// `wit/gpu.wit`); the shapes chain (checked by [`GpuCtx`]). A backend without it keeps this
-    /// default, `unavailable`, and the guest makes the products with `matmul`.
-    fn ffn(&mut self, _x: &[f32], _t: u32, _n_in: u32, _weights: [BufferId; 3], _act: Activation) -> Result<Vec<f32>, GpuError> {
-        Err(GpuError::Unavailable("this host does not offer ffn".into()))
-    }
     /// Reserves a zeroed `kv-cache` of `slots` rows of `width` values (keys and values alike).
-    /// A backend without `attention_cached` keeps this default, `unavailable`.
+    /// A backend without kv-caches keeps this default, `unavailable`.
     fn create_cache(&mut self, _slots: u32, _width: u32) -> Result<BufferId, GpuError> {
-        Err(GpuError::Unavailable("this host does not offer attention-cached".into()))
+        Err(GpuError::Unavailable("this host does not offer kv-caches".into()))
     }
     /// Frees a `kv-cache`. Never fails.
     fn free_cache(&mut self, _id: BufferId) {}
@@ -418,9 +279,11 @@ pub trait Backend: Send {
     fn write_cache(&mut self, _id: BufferId, _first: u32, _k: &[f32], _v: &[f32]) -> Result<(), GpuError> {
         Err(GpuError::Unavailable("this host does not offer kv-caches".into()))
     }
-    /// `attention-cached` (see `wit/gpu.wit`): writes the whole rows `k_new`, `v_new` at the
-    /// rows of positions `first_new..`, then attends over the `shape.n_keys` rows of positions
-    /// `first_key..`, position `p` in row `p % slots`. Checked by [`GpuCtx`] already.
+    /// Causal grouped-query attention of `q` over a `kv-cache` (a program's `attention` op, run
+    /// op by op, as `wit/gpu.wit` reads it): writes the whole rows `k_new`, `v_new` (possibly
+    /// none) at the rows of positions `first_new..`, then attends over the `shape.n_keys` rows
+    /// of positions `first_key..`, position `p` in row `p % slots`. Returns `[t, n_head *
+    /// head_dim]`. Checked by [`program::Program::check_batch`] already.
     #[allow(clippy::too_many_arguments)]
     fn attention_cached(
         &mut self,
@@ -432,31 +295,7 @@ pub trait Backend: Send {
         _first_key: u32,
         _shape: &AttentionShape,
     ) -> Result<Vec<f32>, GpuError> {
-        Err(GpuError::Unavailable("this host does not offer attention-cached".into()))
-    }
-    /// Causal grouped-query attention (see `wit/gpu.wit`); `q`, `k` and `v` have the lengths
-    /// `shape` implies. Returns `[t, n_head * head_dim]`. A backend without it keeps this
-    /// default, `unavailable`, and the guest attends on its own CPU.
-    fn attention(&mut self, _q: &[f32], _k: &[f32], _v: &[f32], _shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        Err(GpuError::Unavailable("this host does not offer attention".into()))
-    }
-    /// `blocks` (see `wit/gpu.wit`): `x[t, n_embd]` at positions `pos..` through each block in
-    /// order. Checked by [`GpuCtx`] already: the shapes chain, each rotation table holds
-    /// `t * head_dim` values, and each block's keys fit its cache. The keys and values come
-    /// back only with `return_kv`. A backend without it keeps this default, `unavailable`, and
-    /// the guest runs the blocks with the other calls.
-    #[allow(clippy::too_many_arguments)]
-    fn blocks(
-        &mut self,
-        _x: &[f32],
-        _t: u32,
-        _pos: u32,
-        _blocks: &[Block],
-        _shape: &BlocksShape,
-        _rope: &[Vec<f32>],
-        _return_kv: bool,
-    ) -> Result<BlocksOutput, GpuError> {
-        Err(GpuError::Unavailable("this host does not offer blocks".into()))
+        Err(GpuError::Unavailable("this host does not offer kv-caches".into()))
     }
     /// Makes ready what running `p` will need (pipelines, say): called once, when the program
     /// is made, so that its first run does not wait for them. The default has nothing to do.
@@ -684,59 +523,6 @@ impl GpuCtx {
         Ok(Resource::new_own(rep))
     }
 
-    /// `attention` over keys and values held in `cache`: writes the whole rows `k_new` and
-    /// `v_new` at the rows of positions `first_new..`, then attends over the `shape.n_keys` rows
-    /// of positions `first_key..` (position `p` in row `p % slots`).
-    ///
-    /// Errors: those of [`attention`](GpuCtx::attention) for the shape and `q`, and
-    /// `InvalidArgument` for a `cache` that is not a live handle of this context, new rows that
-    /// are not whole rows, differ in number, or are more than the slots, or a shape whose keys
-    /// do not fit the cache (`n_keys > slots`, `n_head_kv * head_dim != width`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_cached(
-        &mut self,
-        q: &[f32],
-        k_new: &[f32],
-        v_new: &[f32],
-        first_new: u32,
-        cache: &Resource<KvCacheHandle>,
-        first_key: u32,
-        shape: &AttentionShape,
-    ) -> Result<Vec<f32>, GpuError> {
-        let max_elems = self.ready()?.max_activation_elements;
-        let c = self.caches.get(&cache.rep()).ok_or_else(|| GpuError::InvalidArgument("not a live kv-cache handle of this instance".into()))?;
-        let (id, slots, width) = (c.id, c.slots, c.width);
-        if let Some(why) = shape.invalid() {
-            return invalid(why);
-        }
-        if shape.n_keys > slots || shape.n_head_kv as u64 * shape.head_dim as u64 != width as u64 {
-            return invalid(format!(
-                "{} keys of {} heads of {} do not fit a kv-cache of {slots} slots of {width}",
-                shape.n_keys, shape.n_head_kv, shape.head_dim
-            ));
-        }
-        let Some((q_len, _)) = shape.lens() else { return invalid("the shape's sizes overflow") };
-        if q.len() as u64 != q_len {
-            return invalid(format!("q has {} values, the shape implies {q_len}", q.len()));
-        }
-        let rows = k_new.len() / width as usize;
-        if k_new.len() != v_new.len() || k_new.len() % width as usize != 0 || rows > slots as usize {
-            return invalid(format!(
-                "k-new and v-new have {} and {} values: not the same whole rows of {width}, at most {slots} of them",
-                k_new.len(),
-                v_new.len()
-            ));
-        }
-        if q_len.max(k_new.len() as u64) > max_elems {
-            return Err(GpuError::OutOfMemory(format!(
-                "{} values exceed the device's limit of {max_elems} a list",
-                q_len.max(k_new.len() as u64)
-            )));
-        }
-        let r = self.backend.attention_cached(q, k_new, v_new, first_new, id, first_key, shape);
-        self.track(r)
-    }
-
     /// Frees a `kv-cache`'s device memory and returns it to the budget; a handle that is not a
     /// live cache of this context is ignored.
     pub fn release_cache(&mut self, c: Resource<KvCacheHandle>) {
@@ -851,6 +637,9 @@ impl GpuCtx {
 
     /// `y_j[t, n_out_j] = x[t, n_in] @ W_j^T` for each job `W_j`: one output per job, in order,
     /// each `t * n_out_j` f32 values, row-major. `x` holds `t * n_in` f32 values, row-major.
+    /// Not a call of the WIT (a guest's products are ops of its programs): the backend's
+    /// products alone, checked as the WIT checks a program's, for `wisp bench` and the tests
+    /// of the kernels.
     ///
     /// Errors: `InvalidArgument` for an empty input, an `x` of the wrong length, no jobs, more
     /// jobs than the [`Budget`] allows, or a job that is not a live handle of this context or
@@ -892,209 +681,6 @@ impl GpuCtx {
             ids.push(h.id);
         }
         let r = self.backend.matmul(x, t, n_in, &ids);
-        self.track(r)
-    }
-
-    /// A gated feed-forward block in one call: `y[t, n_out] = (act(x @ gate^T) * (x @ up^T)) @
-    /// down^T`, the hidden values kept on the device.
-    ///
-    /// Errors: `InvalidArgument` for an empty input, an `x` of the wrong length, a handle that is
-    /// not a live weight of this context, or shapes that do not chain (`gate` and `up` of `n_in`
-    /// columns and the same rows, `down` of as many columns); `OutOfMemory` when the input, the
-    /// hidden values or the output exceed the device's `max_activation_elements`; `Unavailable`
-    /// where the backend has no `ffn`, or `DeviceLost`.
-    pub fn ffn(
-        &mut self,
-        x: &[f32],
-        t: u32,
-        n_in: u32,
-        weights: [&Resource<WeightHandle>; 3],
-        act: Activation,
-    ) -> Result<Vec<f32>, GpuError> {
-        let max_elems = self.ready()?.max_activation_elements;
-        if t == 0 || n_in == 0 {
-            return invalid(format!("empty input [{t}, {n_in}]"));
-        }
-        if x.len() as u64 != t as u64 * n_in as u64 {
-            return invalid(format!("x has {} values, t * n-in is {}", x.len(), t as u64 * n_in as u64));
-        }
-        let mut hs = Vec::with_capacity(3);
-        for (w, name) in weights.iter().zip(["gate", "up", "down"]) {
-            let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("{name}: not a live weight handle of this instance")))?;
-            hs.push((h.id, h.rows, h.cols));
-        }
-        let [(gate, n_ff, gate_cols), (up, up_rows, up_cols), (down, n_out, down_cols)] = hs[..] else {
-            return invalid("three weights");
-        };
-        if gate_cols != n_in || up_cols != n_in {
-            return invalid(format!("gate and up have {gate_cols} and {up_cols} columns, n-in is {n_in}"));
-        }
-        if up_rows != n_ff || down_cols != n_ff {
-            return invalid(format!(
-                "gate has {n_ff} rows, up {up_rows}, and down {down_cols} columns: they must be equal"
-            ));
-        }
-        for (what, n) in [("an input", x.len() as u64), ("hidden values", t as u64 * n_ff as u64), ("an output", t as u64 * n_out as u64)] {
-            if n > max_elems {
-                return Err(GpuError::OutOfMemory(format!("{what} of {n} values exceeds the device's limit of {max_elems}")));
-            }
-        }
-        let r = self.backend.ffn(x, t, n_in, [gate, up, down], act);
-        self.track(r)
-    }
-
-    /// Causal grouped-query attention of `shape.t` queries over the `shape.n_keys` keys and
-    /// values sent with the call (see `wit/gpu.wit`). Returns `[t, n_head * head_dim]`.
-    ///
-    /// Errors: `InvalidArgument` for a shape outside the contract (no query, fewer keys than
-    /// queries, heads that do not group, a head-dim past [`MAX_HEAD_DIM`]) or lengths that do
-    /// not match it; `OutOfMemory` when `q` or `k` exceeds the device's
-    /// `max_activation_elements`; `Unavailable` where the backend has no attention, or
-    /// `DeviceLost`.
-    pub fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        let max_elems = self.ready()?.max_activation_elements;
-        if let Some(why) = shape.invalid() {
-            return invalid(why);
-        }
-        let Some((q_len, k_len)) = shape.lens() else { return invalid("the shape's sizes overflow") };
-        if q.len() as u64 != q_len || k.len() as u64 != k_len || v.len() as u64 != k_len {
-            return invalid(format!(
-                "q, k and v have {}, {} and {} values, the shape implies {q_len}, {k_len} and {k_len}",
-                q.len(),
-                k.len(),
-                v.len()
-            ));
-        }
-        if q_len.max(k_len) > max_elems {
-            return Err(GpuError::OutOfMemory(format!(
-                "{} values exceed the device's limit of {max_elems} a list",
-                q_len.max(k_len)
-            )));
-        }
-        let r = self.backend.attention(q, k, v, shape);
-        self.track(r)
-    }
-
-    /// A live weight of this context by its handle, checked to be `[rows, cols]` (and, with
-    /// `vector`, an `f32` weight of one row); `what` names it in the error.
-    fn shaped(&self, w: &Resource<WeightHandle>, what: &str, rows: u32, cols: u32, vector: bool) -> Result<BufferId, GpuError> {
-        let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("{what}: not a live weight handle of this instance")))?;
-        if vector && h.format != Format::F32 {
-            return invalid(format!("{what}: a vector must be an f32 weight, not {}", h.format.name()));
-        }
-        if (h.rows, h.cols) != (rows, cols) {
-            return invalid(format!("{what}: the weight is [{}, {}], the block needs [{rows}, {cols}]", h.rows, h.cols));
-        }
-        Ok(h.id)
-    }
-
-    /// Runs `x[t, n_embd]` (positions `pos..`) through `blocks` on the device, returning each
-    /// block's new keys and values too with `return_kv`: see `wit/gpu.wit`.
-    ///
-    /// Errors: `InvalidArgument` for an empty or mismatched `x`, no blocks, more blocks than
-    /// handles the [`Budget`] allows, a handle that is not a live weight or kv-cache of this
-    /// context, a vector that is not an `f32` weight `[1, n]`, shapes that do not chain, heads
-    /// that do not group or an odd or too wide head, a table index past `rope` or a table
-    /// that does not hold `t * head_dim` values, or keys that do not fit a cache (or a batch of
-    /// more rows than its slots); `OutOfMemory` when an activation exceeds the device's
-    /// `max_activation_elements`; `Unavailable` where the backend has no `blocks`, or
-    /// `DeviceLost`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn blocks(
-        &mut self,
-        x: &[f32],
-        t: u32,
-        pos: u32,
-        blocks: &[wit::Block],
-        shape: &wit::BlocksShape,
-        rope: &[Vec<f32>],
-        return_kv: bool,
-    ) -> Result<BlocksOutput, GpuError> {
-        let max_elems = self.ready()?.max_activation_elements;
-        let Some(first) = blocks.first() else { return invalid("no blocks") };
-        if blocks.len() > self.budget.handles as usize {
-            return invalid(format!("{} blocks exceed the limit of {} a call", blocks.len(), self.budget.handles));
-        }
-        let (n_head, n_head_kv, hd) = (shape.n_head, shape.n_head_kv, shape.head_dim);
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return invalid(format!("{n_head} query heads cannot share {n_head_kv} key/value heads"));
-        }
-        if hd < 2 || hd % 2 != 0 || hd > MAX_HEAD_DIM {
-            return invalid(format!("head-dim {hd} is not even within 2..={MAX_HEAD_DIM}"));
-        }
-        let n_embd = self.weight(&first.wq).map(|h| h.cols).unwrap_or(0);
-        let n_ff = self.weight(&first.gate).map(|h| h.rows).unwrap_or(0);
-        let (nq, nkv) = (n_head as u64 * hd as u64, n_head_kv as u64 * hd as u64);
-        if t == 0 || n_embd == 0 || x.len() as u64 != t as u64 * n_embd as u64 {
-            return invalid(format!("x has {} values for {t} rows of the blocks' width {n_embd}", x.len()));
-        }
-        if nq > u32::MAX as u64 {
-            return invalid("the attention width overflows");
-        }
-        let (nq, nkv) = (nq as u32, nkv as u32);
-        for (i, table) in rope.iter().enumerate() {
-            if table.len() as u64 != t as u64 * hd as u64 {
-                return invalid(format!("rotation table {i} has {} values, t * head-dim is {}", table.len(), t as u64 * hd as u64));
-            }
-        }
-        let widest = [n_embd, nq, n_ff].into_iter().max().unwrap_or(0) as u64 * t as u64;
-        if widest > max_elems || t as u64 * hd as u64 > max_elems {
-            return Err(GpuError::OutOfMemory(format!("activations of {widest} values exceed the device's limit of {max_elems}")));
-        }
-        let mut ids = Vec::with_capacity(blocks.len());
-        for (l, b) in blocks.iter().enumerate() {
-            let m = |w: &Resource<WeightHandle>, what: &str, rows, cols| self.shaped(w, &format!("block {l}: {what}"), rows, cols, false);
-            let v = |w: &Resource<WeightHandle>, what: &str, n| self.shaped(w, &format!("block {l}: {what}"), 1, n, true);
-            let ov = |w: &Option<Resource<WeightHandle>>, what: &str, n| w.as_ref().map(|w| v(w, what, n)).transpose();
-            let c = self.caches.get(&b.cache.rep()).ok_or_else(|| GpuError::InvalidArgument(format!("block {l}: not a live kv-cache handle of this instance")))?;
-            if c.width != nkv {
-                return invalid(format!("block {l}: a kv-cache of width {} for key/value rows of {nkv}", c.width));
-            }
-            let (cache, slots) = (c.id, c.slots);
-            if b.rope as usize >= rope.len() {
-                return invalid(format!("block {l}: rotation table {} of {}", b.rope, rope.len()));
-            }
-            let block = Block {
-                attn_norm: v(&b.attn_norm, "attn-norm", n_embd)?,
-                wq: m(&b.wq, "wq", nq, n_embd)?,
-                wk: m(&b.wk, "wk", nkv, n_embd)?,
-                wv: m(&b.wv, "wv", nkv, n_embd)?,
-                q_bias: ov(&b.q_bias, "q-bias", nq)?,
-                k_bias: ov(&b.k_bias, "k-bias", nkv)?,
-                v_bias: ov(&b.v_bias, "v-bias", nkv)?,
-                q_norm: ov(&b.q_norm, "q-norm", hd)?,
-                k_norm: ov(&b.k_norm, "k-norm", hd)?,
-                wo: m(&b.wo, "wo", n_embd, nq)?,
-                o_bias: ov(&b.o_bias, "o-bias", n_embd)?,
-                post_attn_norm: ov(&b.post_attn_norm, "post-attn-norm", n_embd)?,
-                ffn_norm: v(&b.ffn_norm, "ffn-norm", n_embd)?,
-                gate: m(&b.gate, "gate", n_ff, n_embd)?,
-                up: m(&b.up, "up", n_ff, n_embd)?,
-                down: m(&b.down, "down", n_embd, n_ff)?,
-                post_ffn_norm: ov(&b.post_ffn_norm, "post-ffn-norm", n_embd)?,
-                cache,
-                slots,
-                window: b.window,
-                rope: b.rope,
-            };
-            let n_keys = pos as u64 + t as u64 - block.first_key(pos) as u64;
-            if t > slots || n_keys > slots as u64 || n_keys * nkv as u64 > max_elems {
-                return invalid(format!("block {l}: {t} new rows and {n_keys} keys do not fit a kv-cache of {slots} slots"));
-            }
-            ids.push(block);
-        }
-        let shape = BlocksShape {
-            n_embd,
-            n_ff,
-            n_head,
-            n_head_kv,
-            head_dim: hd,
-            eps: shape.eps,
-            scale: shape.scale,
-            act: shape.act.into(),
-            rotation: shape.rotation.into(),
-        };
-        let r = self.backend.blocks(x, t, pos, &ids, &shape, rope, return_kv);
         self.track(r)
     }
 
@@ -1232,68 +818,8 @@ impl wit::Host for GpuCtx {
         Ok(GpuCtx::allocate(self, format.into(), n_out, n_in).map_err(Into::into))
     }
 
-    fn ffn(
-        &mut self,
-        x: Vec<f32>,
-        t: u32,
-        n_in: u32,
-        gate: Resource<WeightHandle>,
-        up: Resource<WeightHandle>,
-        down: Resource<WeightHandle>,
-        act: wit::Activation,
-    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
-        Ok(GpuCtx::ffn(self, &x, t, n_in, [&gate, &up, &down], act.into()).map_err(Into::into))
-    }
-
-    fn attention(
-        &mut self,
-        q: Vec<f32>,
-        k: Vec<f32>,
-        v: Vec<f32>,
-        shape: wit::AttentionShape,
-    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
-        Ok(GpuCtx::attention(self, &q, &k, &v, &shape.into()).map_err(Into::into))
-    }
-
     fn create_kv_cache(&mut self, slots: u32, width: u32) -> wasmtime::Result<Result<Resource<KvCacheHandle>, wit::Error>> {
         Ok(GpuCtx::create_kv_cache(self, slots, width).map_err(Into::into))
-    }
-
-    fn attention_cached(
-        &mut self,
-        q: Vec<f32>,
-        k_new: Vec<f32>,
-        v_new: Vec<f32>,
-        first_new: u32,
-        cache: Resource<KvCacheHandle>,
-        first_key: u32,
-        shape: wit::AttentionShape,
-    ) -> wasmtime::Result<Result<Vec<f32>, wit::Error>> {
-        Ok(GpuCtx::attention_cached(self, &q, &k_new, &v_new, first_new, &cache, first_key, &shape.into()).map_err(Into::into))
-    }
-
-    fn blocks(
-        &mut self,
-        x: Vec<f32>,
-        t: u32,
-        pos: u32,
-        blocks: Vec<wit::Block>,
-        shape: wit::BlocksShape,
-        rope: Vec<Vec<f32>>,
-        return_kv: bool,
-    ) -> wasmtime::Result<Result<wit::BlocksOutput, wit::Error>> {
-        let out = GpuCtx::blocks(self, &x, t, pos, &blocks, &shape, &rope, return_kv);
-        Ok(out.map(|o| wit::BlocksOutput { x: o.x, keys: o.keys, values: o.values }).map_err(Into::into))
-    }
-
-    fn matmul(
-        &mut self,
-        x: Vec<f32>,
-        t: u32,
-        n_in: u32,
-        jobs: Vec<Resource<WeightHandle>>,
-    ) -> wasmtime::Result<Result<Vec<Vec<f32>>, wit::Error>> {
-        Ok(GpuCtx::matmul(self, &x, t, n_in, &jobs).map_err(Into::into))
     }
 
     fn create_program(

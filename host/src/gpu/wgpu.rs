@@ -12,12 +12,12 @@
 //! makes every later call return [`GpuError::DeviceLost`].
 
 mod attention;
-mod blocks;
 mod layout_checks;
 mod programs;
+mod record;
 
 use super::program::{self, Precision};
-use super::{Activation, AttentionShape, Backend, Block, BlocksOutput, BlocksShape, BufferId, Device, Format, GpuError};
+use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError};
 use anyhow::{Context, Result, bail};
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -56,9 +56,9 @@ const TILE: u32 = 64;
 const WIDE_TILE: u32 = 128;
 /// Rows of x from which GPUs run `gemm_wide`: below, most of its 128-row tiles would be empty.
 const WIDE_MIN_T: u32 = 128;
-/// Workgroups from which a `gemm_wide` or `gemm_coop` product is not split over k (`blocks`
-/// only): ~2 a multiprocessor of a large GPU (the H200 has 132). Fewer tiles than that
-/// (Gemma's `wo` and `down` at t = 512: 20) leave most of it idle; split, each tile's run of k
+/// Workgroups from which a `gemm_wide` or `gemm_coop` product is not split over k (recorded
+/// runs only): ~2 a multiprocessor of a large GPU (the H200 has 132). Fewer tiles than that
+/// (a 270M model's output and down products at t = 512: 20) leave most of it idle; split, each tile's run of k
 /// is shared by up to MAX_SPLITS workgroups, each at least MIN_SPLIT_COLUMNS long, and the
 /// partial sums are added afterwards.
 const SPLIT_GROUPS: u64 = 256;
@@ -133,13 +133,6 @@ enum Kernel {
     GemmWide,
     GemmCoop,
     GemmLarge,
-    GateGelu,
-    GateSilu,
-    NormRows,
-    BiasRows,
-    RopeRows,
-    NormRopeRows,
-    NormPairRows,
     SumPlanes,
     ElementwiseRows,
     RmsNormRuns,
@@ -150,19 +143,12 @@ enum Kernel {
 impl Kernel {
     fn entry(self) -> &'static str {
         match self {
-            Kernel::GateGelu => "gate_gelu",
-            Kernel::GateSilu => "gate_silu",
             Kernel::Gemv => "gemv",
             Kernel::Gemm => "gemm",
             Kernel::GemmTiled => "gemm_tiled",
             Kernel::GemmWide => "gemm_wide",
             Kernel::GemmCoop => "gemm_coop",
             Kernel::GemmLarge => "gemm_large",
-            Kernel::NormRows => "norm_rows",
-            Kernel::BiasRows => "bias_rows",
-            Kernel::RopeRows => "rope_rows",
-            Kernel::NormRopeRows => "norm_rope_rows",
-            Kernel::NormPairRows => "norm_pair_rows",
             Kernel::SumPlanes => "sum_planes",
             Kernel::ElementwiseRows => "elementwise_rows",
             Kernel::RmsNormRuns => "rms_norm_runs",
@@ -175,7 +161,7 @@ impl Kernel {
 /// X_ACT in the shader: products read x as it is.
 const X_PLAIN: u32 = 0;
 
-/// X_ACT in the shader for a product that reads a gated block's gate and up outputs as
+/// X_ACT in the shader for a product that reads a gated op's gate and up outputs as
 /// act(gate) * up.
 fn x_act(act: Activation) -> u32 {
     match act {
@@ -252,9 +238,6 @@ struct Step {
 struct Scratch {
     input: Option<wgpu::Buffer>,
     output: Option<wgpu::Buffer>,
-    /// `ffn`'s gate and up outputs, and its activations (the down product's x).
-    mid: Option<wgpu::Buffer>,
-    hidden: Option<wgpu::Buffer>,
     staging: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
 }
@@ -302,11 +285,11 @@ pub struct WgpuBackend {
     lanes_set: Option<u32>,
     /// Whether a readback spins before it blocks (GPUs; see [`Self::spin_for`]).
     spin_wait: bool,
-    /// WISP_PROFILE=1, where the adapter offers timestamp queries: each `blocks` call times
+    /// WISP_PROFILE=1, where the adapter offers timestamp queries: each recorded run times
     /// every kernel in a pass of its own and prints the sums by kernel (a diagnostic: the
     /// passes' boundaries slow the call).
     profile: bool,
-    /// WISP_TIMES=1: each recorded call (`blocks`, a program's run) prints to stderr how long
+    /// WISP_TIMES=1: each recorded run of a program prints to stderr how long
     /// the host took to record it and how long after that its results came back (a diagnostic
     /// of where a decode step's time goes: the host or the device).
     host_times: bool,
@@ -335,8 +318,8 @@ pub struct WgpuBackend {
     scratch: Scratch,
     /// The `attention` pipeline and its buffers.
     attn: attention::Attention,
-    /// The buffers of `blocks`.
-    block_buffers: blocks::Buffers,
+    /// The buffers and bind groups of recorded runs.
+    recorded: record::Buffers,
     /// Where the adapter offers timestamp queries: two timestamps around each call's compute
     /// pass, resolved into `resolve`, and nanoseconds per tick.
     timer: Option<Timer>,
@@ -596,7 +579,7 @@ impl WgpuBackend {
             join: !std::env::var("WISP_JOINTS").is_ok_and(|v| v == "0"),
             scratch: Scratch::default(),
             attn: attention::Attention::default(),
-            block_buffers: blocks::Buffers::default(),
+            recorded: record::Buffers::default(),
             timer,
             last_kernel_ns: None,
             repeats: 0,
@@ -950,92 +933,6 @@ impl WgpuBackend {
             self.queue.write_buffer(&input, 0, bytemuck::cast_slice(&padded));
         }
         self.finish(scopes).inspect_err(|_| self.scratch = Scratch::default())
-    }
-
-    /// `ffn` (see [`Backend::ffn`]): the gate and up products into `mid`, the activation into
-    /// `hidden` (rows padded as an x), the down product into the output; one submission, one
-    /// readback of `y` alone.
-    fn run_ffn(&mut self, x: &[f32], t: u32, n_in: u32, ids: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        self.last_kernel_ns = None;
-        self.live()?;
-        let [gate, up, down] = ids.map(|id| self.weights.get(&id).map(|w| (w.n_out, w.n_in)));
-        let (Some((n_ff, g_in)), Some((u_out, u_in)), Some((n_out, d_in))) = (gate, up, down) else {
-            return Err(GpuError::InvalidArgument("no such weight".into()));
-        };
-        if t == 0 || x.len() as u64 != t as u64 * n_in as u64 || g_in != n_in || u_in != n_in || u_out != n_ff || d_in != n_ff
-        {
-            return Err(GpuError::InvalidArgument(format!("the weights of ffn do not chain over x [{t}, {n_in}]")));
-        }
-        let x_elems = (n_in as u64).div_ceil(8) * 8;
-        let h_elems = (n_ff as u64).div_ceil(8) * 8;
-        let storage_align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
-        let part = t as u64 * n_ff as u64 * 4;
-        let up_at = align_up(part, storage_align);
-        let mid_bytes = align_up(up_at + part, 16);
-        let hidden_bytes = t as u64 * h_elems * 4;
-        let out_len = t as u64 * n_out as u64;
-        let max = self.info.max_weight_bytes;
-        if [t as u64 * x_elems * 4, mid_bytes, hidden_bytes, out_len * 4].iter().any(|&b| b > max) {
-            return Err(GpuError::OutOfMemory(format!("ffn over [{t}, {n_in}] needs buffers past the device's limit")));
-        }
-        self.write_input(x, t, n_in, x_elems)?;
-
-        let scopes = push_scopes(&self.device);
-        let cap = self.limits.max_buffer_size;
-        let s = &mut self.scratch;
-        let storage = wgpu::BufferUsages::STORAGE;
-        let mid = Self::ensure(&self.device, &mut s.mid, mid_bytes, cap, storage, "ffn gate and up");
-        let hidden = Self::ensure(&self.device, &mut s.hidden, hidden_bytes, cap, storage, "ffn hidden");
-        let output = Self::ensure(&self.device, &mut s.output, out_len * 4, cap, storage | wgpu::BufferUsages::COPY_SRC, "output");
-        let input = s.input.clone();
-        self.finish(scopes).inspect_err(|_| self.scratch = Scratch::default())?;
-        let Some(input) = input else { return Err(GpuError::Unavailable("no input buffer".into())) };
-
-        let x_in = (&input, t as u64 * x_elems * 4);
-        let steps = [
-            self.product(ids[0], x_in, (&mid, 0, part))?,
-            self.product(ids[1], x_in, (&mid, up_at, part))?,
-            // The activation reads both halves of `mid` as its x and writes `hidden`.
-            Step {
-                format: Format::F32,
-                weights: mid.clone(),
-                scales: self.placeholder.clone(),
-                input: (mid.clone(), mid_bytes),
-                output: (hidden.clone(), 0, hidden_bytes),
-            },
-            self.product(ids[2], (&hidden, hidden_bytes), (&output, 0, out_len * 4))?,
-        ];
-        let mut dispatches = Vec::new();
-        self.plan(0, &self.weights[&ids[0]], t, (x_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
-        self.plan(1, &self.weights[&ids[1]], t, (x_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
-        let kernel = match act {
-            Activation::GeluTanh => Kernel::GateGelu,
-            Activation::Silu => Kernel::GateSilu,
-        };
-        let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
-        let groups_x = (h_elems as u32).div_ceil(WORKGROUP);
-        if groups_x > max_dim {
-            return Err(GpuError::OutOfMemory(format!("{n_ff} hidden values a row exceed the device's workgroups")));
-        }
-        let mut t0 = 0;
-        while t0 < t {
-            let rows = (t - t0).min(max_dim);
-            let params = Params {
-                n_in: n_ff,
-                n_out: n_ff,
-                t,
-                row_quads: 0,
-                scale_row: 0,
-                row_base: (up_at / 4) as u32,
-                t_base: t0,
-                x_stride: (h_elems / 4) as u32,
-            };
-            dispatches.push(Dispatch { job: 2, kernel, params, groups: (groups_x, rows, 1) });
-            t0 += rows;
-        }
-        self.plan(3, &self.weights[&ids[2]], t, (h_elems / 4) as u32, Precision::Exact, false, &mut dispatches);
-        let mut out = self.submit(&steps, &dispatches, &output, &[(0, out_len)])?;
-        Ok(out.pop().unwrap_or_default())
     }
 
     /// The step of weight `id`'s product, reading x from `input` and writing to `output`.
@@ -1463,11 +1360,7 @@ impl Backend for WgpuBackend {
         // bind group holds them).
         self.weights.remove(&id);
         self.forget_joints(id);
-        self.block_buffers.forget_groups();
-    }
-
-    fn attention(&mut self, q: &[f32], k: &[f32], v: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        self.run_attention(q, k, v, shape)
+        self.recorded.forget_groups();
     }
 
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
@@ -1476,7 +1369,7 @@ impl Backend for WgpuBackend {
 
     fn free_cache(&mut self, id: BufferId) {
         self.attn.caches.remove(&id);
-        self.block_buffers.forget_groups();
+        self.recorded.forget_groups();
     }
 
     fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
@@ -1496,11 +1389,6 @@ impl Backend for WgpuBackend {
         self.run_attention_cached(q, k_new, v_new, first_new, cache, first_key, shape)
     }
 
-    fn ffn(&mut self, x: &[f32], t: u32, n_in: u32, weights: [BufferId; 3], act: Activation) -> Result<Vec<f32>, GpuError> {
-        self.run_ffn(x, t, n_in, weights, act)
-    }
-
-    #[allow(clippy::too_many_arguments)]
     fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
         self.prepare(p)
     }
@@ -1512,19 +1400,6 @@ impl Backend for WgpuBackend {
         batch: &[program::SequenceRun],
     ) -> Option<Result<Vec<program::Output>, GpuError>> {
         self.records(p, batch).then(|| self.run_recorded(p, inputs, batch))
-    }
-
-    fn blocks(
-        &mut self,
-        x: &[f32],
-        t: u32,
-        pos: u32,
-        blocks: &[Block],
-        shape: &BlocksShape,
-        rope: &[Vec<f32>],
-        return_kv: bool,
-    ) -> Result<BlocksOutput, GpuError> {
-        self.run_blocks(x, t, pos, blocks, shape, rope, return_kv)
     }
 }
 
@@ -1600,7 +1475,7 @@ mod tests {
         assert_eq!(b.last_kernel_ns(), None);
     }
 
-    /// An `attention` whose queries exceed a dispatch's budget runs as several dispatches (each
+    /// An attention whose queries exceed a dispatch's budget runs as several dispatches (each
     /// its own `query_base`), with the same outputs as one.
     #[test]
     fn attention_split_over_dispatches_equals_one() {
@@ -1609,10 +1484,12 @@ mod tests {
         let (q_len, k_len) = s.lens().unwrap();
         let wave = |n: u64, f: f32| (0..n).map(|i| (i as f32 * f).sin()).collect::<Vec<f32>>();
         let (q, k, v) = (wave(q_len, 0.37), wave(k_len, 0.11), wave(k_len, 0.23));
-        let whole = b.attention(&q, &k, &v, &s).unwrap();
+        let cache = b.create_cache(s.n_keys, s.n_head_kv * s.head_dim).unwrap();
+        b.write_cache(cache, 0, &k, &v).unwrap();
+        let whole = b.attention_cached(&q, &[], &[], 0, cache, 0, &s).unwrap();
         // Two queries a dispatch: five dispatches.
         b.dispatch_macs = 2 * 2 * s.n_head as u64 * s.n_keys as u64 * s.head_dim as u64;
-        let split = b.attention(&q, &k, &v, &s).unwrap();
+        let split = b.attention_cached(&q, &[], &[], 0, cache, 0, &s).unwrap();
         assert_eq!(whole, split);
         let want = super::super::cpu::attention_reference(&q, &k, &v, &s);
         assert!(whole.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-4), "{whole:?} vs {want:?}");

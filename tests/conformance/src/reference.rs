@@ -1,6 +1,6 @@
 //! The kit's own reading of the upload formats of `wit/gpu.wit`: random weights in each
 //! format, their decoding in f64, the reference product, and the comparison of a host's
-//! answer against it.
+//! answer against it; and the activations of `gated` ops.
 //!
 //! Tolerance: every output `y[t, n]` must satisfy
 //! `|y - y_ref| <= tolerance(n_in) * ||(m[n, k] * x[t, k])_k||_2`, where `y_ref` is the exact
@@ -258,6 +258,23 @@ pub fn compare(y: &[f32], x: &[f32], t: usize, w: &Decoded) -> Result<Comparison
     }
 }
 
+/// The activation of a gated feed-forward block, as the WIT `activation`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    GeluTanh,
+    Silu,
+}
+
+impl Act {
+    /// The activation in f64, from the contract's words.
+    pub fn apply(self, g: f64) -> f64 {
+        match self {
+            Act::GeluTanh => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh()),
+            Act::Silu => g / (1.0 + (-g).exp()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -325,152 +342,4 @@ mod tests {
         assert_eq!(d.w[0], 0.5 * 1.0 - 0.25);
         assert_eq!(d.w[1], 0.5 * 2.0 - 0.25);
     }
-}
-
-/// The shape of an `attention` call, as the WIT `attention-shape`.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Attention {
-    pub t: u32,
-    pub n_keys: u32,
-    pub n_head: u32,
-    pub n_head_kv: u32,
-    pub head_dim: u32,
-    pub window: u32,
-    pub scale: f32,
-}
-
-/// The error `attention` may make, as a fraction of the largest `|v|` of the key/value head
-/// (every output is a weighted mean of those values).
-pub const ATTENTION_TOLERANCE: f64 = 1e-4;
-
-impl Attention {
-    /// Values in `q`, and in each of `k` and `v`.
-    pub fn lens(&self) -> (usize, usize) {
-        let hd = self.head_dim as usize;
-        (self.t as usize * self.n_head as usize * hd, self.n_keys as usize * self.n_head_kv as usize * hd)
-    }
-}
-
-/// Compares `out` from a host with attention computed exactly (scores, softmax and sums in
-/// f64, straight from the contract's words). `Ok` holds the largest error as a fraction of its
-/// head's largest `|v|`; `Err` says what is wrong.
-pub fn compare_attention(out: &[f32], q: &[f32], k: &[f32], v: &[f32], s: &Attention) -> Result<f64, Mismatch> {
-    let (q_len, _) = s.lens();
-    if out.len() != q_len {
-        let message = format!("the output has {} values; t * n-head * head-dim is {q_len}", out.len());
-        return Err(Mismatch { message, max_error: 0.0 });
-    }
-    let hd = s.head_dim as usize;
-    let per_kv = s.n_head / s.n_head_kv;
-    let mut max_error = 0.0f64;
-    for i in 0..s.t as usize {
-        // Query i is at key position n_keys - t + i; it sees that key and those before it, the
-        // last `window` of them when there is a window.
-        let own = s.n_keys as usize - s.t as usize + i;
-        let first = if s.window == 0 { 0 } else { (own + 1).saturating_sub(s.window as usize) };
-        for h in 0..s.n_head as usize {
-            let g = h / per_kv as usize;
-            let row = |m: &[f32], j: usize| -> Vec<f64> {
-                let at = (j * s.n_head_kv as usize + g) * hd;
-                m[at..at + hd].iter().map(|&x| x as f64).collect()
-            };
-            let qi: Vec<f64> = q[(i * s.n_head as usize + h) * hd..][..hd].iter().map(|&x| x as f64).collect();
-            let scores: Vec<f64> = (first..=own)
-                .map(|j| s.scale as f64 * row(k, j).iter().zip(&qi).map(|(a, b)| a * b).sum::<f64>())
-                .collect();
-            let top = scores.iter().fold(f64::MIN, |m, &x| m.max(x));
-            let e: Vec<f64> = scores.iter().map(|x| (x - top).exp()).collect();
-            let total: f64 = e.iter().sum();
-            let mut want = vec![0f64; hd];
-            let mut vmax = 0f64;
-            for (j, w) in (first..=own).zip(&e) {
-                for (d, x) in row(v, j).into_iter().enumerate() {
-                    want[d] += w / total * x;
-                    vmax = vmax.max(x.abs());
-                }
-            }
-            for (d, want) in want.iter().enumerate() {
-                let got = out[(i * s.n_head as usize + h) * hd + d];
-                let err = if vmax > 0.0 { (got as f64 - want).abs() / vmax } else { (got as f64 - want).abs() };
-                if !(err <= ATTENTION_TOLERANCE) {
-                    let message = format!(
-                        "query {i}, head {h}, dimension {d}: {got} where the exact value is {want:.7} (error {err:.2e} \
-                         of the largest |v|, tolerance {ATTENTION_TOLERANCE:e})"
-                    );
-                    return Err(Mismatch { message, max_error: max_error.max(if err.is_nan() { f64::INFINITY } else { err }) });
-                }
-                max_error = max_error.max(err);
-            }
-        }
-    }
-    Ok(max_error)
-}
-
-/// The activation of a gated feed-forward block, as the WIT `activation`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    GeluTanh,
-    Silu,
-}
-
-impl Act {
-    /// The activation in f64, from the contract's words.
-    pub fn apply(self, g: f64) -> f64 {
-        match self {
-            Act::GeluTanh => 0.5 * g * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g)).tanh()),
-            Act::Silu => g / (1.0 + (-g).exp()),
-        }
-    }
-}
-
-/// Compares `y[t, down.n_out]` from a host's `ffn` with `(act(x @ gate^T) * (x @ up^T)) @
-/// down^T` computed exactly. The host's hidden values carry the rounding of two products and
-/// an activation, which the down product carries on: the error is measured against
-/// `||down_k h_k||_2 + sum_k |down_k| (1.2 |u_k| G_k + |act(g_k)| U_k)`, with `G_k`, `U_k` the
-/// norms of the terms of the gate and up products (1.2 bounds the slope of both activations),
-/// and held to `tolerance` of the widest sum. `Ok` holds the largest such error.
-pub fn compare_ffn(y: &[f32], x: &[f32], t: usize, [gate, up, down]: [&Decoded; 3], act: Act) -> Result<f64, Mismatch> {
-    let (n_in, n_ff, n_out) = (gate.n_in, gate.n_out, down.n_out);
-    if y.len() != t * n_out {
-        let message = format!("the output has {} values; t * down's rows is {}", y.len(), t * n_out);
-        return Err(Mismatch { message, max_error: 0.0 });
-    }
-    let tol = tolerance(n_in.max(n_ff));
-    let mut max_error = 0.0f64;
-    for ti in 0..t {
-        let xr = &x[ti * n_in..(ti + 1) * n_in];
-        // Each hidden value exactly, and the size of the error a host may make in it.
-        let mut h = vec![0f64; n_ff];
-        let mut h_err = vec![0f64; n_ff];
-        for k in 0..n_ff {
-            let row = |w: &Decoded| {
-                let (wr, mr) = (&w.w[k * n_in..(k + 1) * n_in], &w.mag[k * n_in..(k + 1) * n_in]);
-                let value: f64 = wr.iter().zip(xr).map(|(w, &x)| w * x as f64).sum();
-                let norm = mr.iter().zip(xr).map(|(m, &x)| (m * x as f64).powi(2)).sum::<f64>().sqrt();
-                (value, norm)
-            };
-            let ((g, g_norm), (u, u_norm)) = (row(gate), row(up));
-            h[k] = act.apply(g) * u;
-            h_err[k] = 1.2 * u.abs() * g_norm + act.apply(g).abs() * u_norm;
-        }
-        for n in 0..n_out {
-            let (dr, mr) = (&down.w[n * n_ff..(n + 1) * n_ff], &down.mag[n * n_ff..(n + 1) * n_ff]);
-            let want: f64 = dr.iter().zip(&h).map(|(d, h)| d * h).sum();
-            let terms = mr.iter().zip(&h).map(|(m, h)| (m * h).powi(2)).sum::<f64>().sqrt();
-            let carried: f64 = mr.iter().zip(&h_err).map(|(m, e)| m * e).sum();
-            let got = y[ti * n_out + n];
-            let scale = terms + carried;
-            let diff = (got as f64 - want).abs();
-            let err = if scale > 0.0 { diff / scale } else if diff == 0.0 { 0.0 } else { f64::INFINITY };
-            if !(err <= tol) {
-                let message = format!(
-                    "y[{ti}, {n}] is {got:e} where the reference is {want:.7e} (error {err:.2e} of the terms' norm, \
-                     tolerance {tol:.1e})"
-                );
-                return Err(Mismatch { message, max_error: max_error.max(if err.is_nan() { f64::INFINITY } else { err }) });
-            }
-            max_error = max_error.max(err);
-        }
-    }
-    Ok(max_error)
 }

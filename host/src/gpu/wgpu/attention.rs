@@ -68,8 +68,6 @@ pub(super) struct Attention {
     pipeline: Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline)>,
     pub(super) caches: std::collections::HashMap<BufferId, Cache>,
     q: Option<wgpu::Buffer>,
-    k: Option<wgpu::Buffer>,
-    v: Option<wgpu::Buffer>,
     out: Option<wgpu::Buffer>,
     staging: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
@@ -123,32 +121,6 @@ impl WgpuBackend {
         self.finish(scopes)?;
         self.attn.pipeline = Some((layout.clone(), attend.clone(), merge.clone()));
         Ok((layout, attend, merge))
-    }
-
-    /// See [`crate::gpu::Backend::attention`]; the shape is checked by `GpuCtx` already. The
-    /// keys and values go to buffers kept for the purpose, read as a ring of `n_keys` rows.
-    pub(super) fn run_attention(
-        &mut self,
-        q: &[f32],
-        k: &[f32],
-        v: &[f32],
-        s: &AttentionShape,
-    ) -> Result<Vec<f32>, GpuError> {
-        self.last_kernel_ns = None;
-        self.live()?;
-        let k_bytes = 4 * k.len() as u64;
-        if k.is_empty() || k.len() != v.len() || k_bytes > self.info.max_weight_bytes {
-            return Err(GpuError::InvalidArgument(format!("{} keys do not fit the device", k.len())));
-        }
-        let scopes = push_scopes(&self.device);
-        let cap = self.limits.max_buffer_size;
-        let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
-        let kb = Self::ensure(&self.device, &mut self.attn.k, k_bytes, cap, storage, "attention k");
-        let vb = Self::ensure(&self.device, &mut self.attn.v, k_bytes, cap, storage, "attention v");
-        self.queue.write_buffer(&kb, 0, bytemuck::cast_slice(k));
-        self.queue.write_buffer(&vb, 0, bytemuck::cast_slice(v));
-        self.finish(scopes).inspect_err(|_| self.drop_attention_buffers())?;
-        self.attend_over(q, (&kb, &vb, k_bytes), s, 0, s.n_keys)
     }
 
     /// Reserves a zeroed `kv-cache` (see [`crate::gpu::Backend::create_cache`]).

@@ -99,8 +99,6 @@ fn the_shaders_constants_are_rusts() {
         ("Q8X32", format_id(Format::Q8x32) as u64),
         ("Q8X16", format_id(Format::Q8x16) as u64),
         ("Q4X32", format_id(Format::Q4x32) as u64),
-        ("NORM_NONE", super::blocks::NORM_NONE as u64),
-        ("PAIR_KEEP", super::blocks::PAIR_KEEP as u64),
     ];
     for &(name, v) in want.iter().chain(super::programs::SHADER_CONSTANTS) {
         assert_eq!(m.get(name), Some(&v), "{name} in matmul.wgsl");
@@ -121,8 +119,6 @@ fn the_browser_hosts_constants_are_rusts() {
         ("WRITE_CHUNK", WRITE_CHUNK as u64),
         ("PARAMS_BYTES", PARAMS_BYTES),
         ("SHAPE_BYTES", attention::PARAMS_BYTES),
-        ("NORM_NONE", super::blocks::NORM_NONE as u64),
-        ("PAIR_KEEP", super::blocks::PAIR_KEEP as u64),
     ];
     for &(name, v) in want.iter().chain(super::programs::SHADER_CONSTANTS) {
         assert_eq!(js.get(name), Some(&v), "{name} in web/src/webgpu.js");

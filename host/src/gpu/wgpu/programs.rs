@@ -22,7 +22,7 @@
 //! 8 values, and queries of every sequence of a batch at an offset the device can bind. The
 //! rest is interpreted op by op (`program::run`).
 
-use super::blocks::{AttentionBind, Bind, Buffers, Command, Planes, Recording, entire, whole};
+use super::record::{AttentionBind, Bind, Buffers, Command, Recording, entire, whole};
 use super::{Kernel, Params, WORKGROUP, Weight, WgpuBackend, X_PLAIN, align_up, push_scopes, x_act};
 use crate::gpu::program::{self, Op, Output, Program, Rows, SequenceRun};
 use crate::gpu::{Activation, AttentionShape, BufferId, Format, GpuError, Rotation};
@@ -285,7 +285,7 @@ impl WgpuBackend {
                 self.weights.remove(&joint);
             }
         }
-        self.block_buffers.forget_groups();
+        self.recorded.forget_groups();
     }
 
     /// Whether [`Self::run_recorded`] runs `p` over `batch`: every product's x has rows of
@@ -460,7 +460,7 @@ impl WgpuBackend {
         let scopes = push_scopes(&self.device);
         let cap = self.limits.max_buffer_size;
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST;
-        let m = &mut self.block_buffers;
+        let m = &mut self.recorded;
         m.slots.resize(m.slots.len().max(lay.bytes.len()), None);
         let slots: Vec<wgpu::Buffer> = lay
             .bytes
@@ -475,7 +475,7 @@ impl WgpuBackend {
         for ((i, _), x) in input_ops.zip(inputs) {
             self.queue.write_buffer(&slots[lay.slot[i]], 0, bytemuck::cast_slice(x));
         }
-        self.finish(scopes).inspect_err(|_| self.block_buffers = Buffers::default())?;
+        self.finish(scopes).inspect_err(|_| self.recorded = Buffers::default())?;
 
         let value = |a: usize| &slots[lay.slot[a]];
         let at = |a: usize| lay.offset[a];
@@ -529,7 +529,7 @@ impl WgpuBackend {
                         (_, Some(joint)) => joint,
                         _ => (p.weights[weight].id, bytes_of(i)),
                     };
-                    self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, Planes::Summed(&parts), x_act)?;
+                    self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, &parts, x_act)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
                     let (weights, mut flags, offset) = match weight {
@@ -644,7 +644,7 @@ impl WgpuBackend {
             if host_times {
                 eprintln!("program run failed: {e}");
             }
-            self.block_buffers = Buffers::default();
+            self.recorded = Buffers::default();
         })
     }
 }

@@ -5,15 +5,12 @@
 //! `Err(Stop::Fail)` what went wrong (the call, the shape, the values), `Err(Stop::Skip)` why the
 //! case cannot run on this host. Every case drops what it uploaded before it returns.
 
-mod attention;
-mod blocks;
-mod ffn;
 mod hostile;
 mod products;
 mod programs;
 mod resources;
 
-use crate::bindings::wisp::llm::gpu::{self, DeviceInfo, Error, Weight as Handle, WeightFormat};
+use crate::bindings::wisp::llm::gpu::{self, DeviceInfo, Error, MatmulOp, Op, Output, Precision, Program, Sequence, Weight as Handle, WeightFormat};
 use crate::bindings::{CaseResult, Guest};
 use crate::reference::{self, Decoded, Format, Weight};
 use crate::rng::Rng;
@@ -62,10 +59,6 @@ const DEVICE_CASES: &[Case] = &[
     ("unwritten-rows-read-zero", products::unwritten_rows),
     ("nan-inf-input", products::non_finite_input),
     ("nan-inf-weights", products::non_finite_weights),
-    ("ffn", ffn::matches),
-    ("attention", attention::matches),
-    ("kv-cache", attention::cached),
-    ("blocks", blocks::matches),
     ("weight-accessors", resources::accessors),
     ("handle-lifetimes", resources::lifetimes),
     ("budget-handles", resources::budget_handles),
@@ -77,14 +70,11 @@ const DEVICE_CASES: &[Case] = &[
     ("hostile-zero-shapes", hostile::zero_shapes),
     ("hostile-overflowing-shapes", hostile::overflowing_shapes),
     ("hostile-x-length", hostile::x_length),
-    ("hostile-empty-jobs", hostile::empty_jobs),
+    ("hostile-no-outputs", hostile::no_outputs),
     ("hostile-cols-mismatch", hostile::cols_mismatch),
-    ("hostile-huge-job-list", hostile::huge_job_list),
+    ("hostile-huge-weight-list", hostile::huge_weight_list),
     ("hostile-write-rows", hostile::write_rows),
-    ("hostile-ffn", ffn::hostile),
-    ("hostile-attention", attention::hostile),
-    ("hostile-kv-cache", attention::cached_hostile),
-    ("hostile-blocks", blocks::hostile),
+    ("hostile-kv-cache", hostile::kv_cache),
     ("program-ops", programs::ops),
     ("program-top-k", programs::top_k),
     ("program-attention", programs::attention),
@@ -169,12 +159,10 @@ fn no_device() -> Check<String> {
     let u = &[Kind::Unavailable];
     expect("upload of f32 [1, 1]", gpu::upload(WeightFormat::F32, 1, 1, &[0; 4], &[]), u)?;
     expect("allocate of q8x32 [1, 32]", gpu::allocate(WeightFormat::Q8x32, 1, 32), u)?;
-    expect("matmul with no jobs", gpu::matmul(&[1.0], 1, 1, &[]), u)?;
-    let shape = gpu::AttentionShape { t: 1, n_keys: 1, n_head: 1, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 };
-    expect("attention of one query over one key", gpu::attention(&[1.0], &[1.0], &[1.0], shape), u)?;
-    let ops = [gpu::Op::Input(1), gpu::Op::Output(0)];
+    expect("create-kv-cache of 4 slots of 8", gpu::create_kv_cache(4, 8), u)?;
+    let ops = [Op::Input(1), Op::Output(0)];
     expect("create-program of an input and its output", gpu::create_program(&[], 0, &ops), u)?;
-    Ok("upload, allocate, matmul, attention and create-program are all `unavailable`".into())
+    Ok("upload, allocate, create-kv-cache and create-program are all `unavailable`".into())
 }
 
 /// The variants of the WIT `error`.
@@ -283,13 +271,42 @@ pub fn write_rows(h: &Handle, w: &Weight, first: u32, count: u32) -> Check {
         .or_else(|e| fail(format!("write-rows {first}..{} of {} failed: {}", first + count, shape(w), describe(&e))))
 }
 
-/// A `matmul` that must succeed with one output per job.
+/// `y_j[t, n_out_j] = x[t, n_in] @ W_j^T` for each job, as a program of one product a job
+/// (`exact`) over one input, run on one sequence of `t` rows; it must succeed with one output
+/// of rows per job.
 pub fn matmul(what: &str, x: &[f32], t: u32, n_in: u32, jobs: &[&Handle]) -> Check<Vec<Vec<f32>>> {
-    let y = gpu::matmul(x, t, n_in, jobs).or_else(|e| fail(format!("{what}: matmul failed: {}", describe(&e))))?;
+    let p = gpu::create_program(jobs, 0, &products(n_in, jobs.len() as u32))
+        .or_else(|e| fail(format!("{what}: create-program of {} products failed: {}", jobs.len(), describe(&e))))?;
+    let y = p
+        .run(&[x.to_vec()], &[one_sequence(t)])
+        .or_else(|e| fail(format!("{what}: the run of {} products failed: {}", jobs.len(), describe(&e))))?;
     if y.len() != jobs.len() {
-        return fail(format!("{what}: matmul returned {} outputs for {} jobs", y.len(), jobs.len()));
+        return fail(format!("{what}: the run returned {} outputs for {} products", y.len(), jobs.len()));
     }
-    Ok(y)
+    y.into_iter()
+        .enumerate()
+        .map(|(j, o)| match o {
+            Output::Rows(v) => Ok(v),
+            Output::Top(_) => fail(format!("{what}: output {j} of the run is a top, not rows")),
+        })
+        .collect()
+}
+
+/// The ops of `jobs` products of one input of width `n_in`: `input(n_in)`, `matmul(0, j,
+/// exact)` for each weight `j`, then an `output` of each.
+pub fn products(n_in: u32, jobs: u32) -> Vec<Op> {
+    let mm = (0..jobs).map(|j| Op::Matmul(MatmulOp { x: 0, weight: j, precision: Precision::Exact }));
+    std::iter::once(Op::Input(n_in)).chain(mm).chain((1..=jobs).map(Op::Output)).collect()
+}
+
+/// A program of no caches that must be made.
+pub fn program(what: &str, weights: &[&Handle], ops: &[Op]) -> Check<Program> {
+    gpu::create_program(weights, 0, ops).or_else(|e| fail(format!("create-program of {what} failed: {}", describe(&e))))
+}
+
+/// A batch's one sequence: `rows` rows from position 0, no caches.
+pub fn one_sequence<'a>(rows: u32) -> Sequence<'a> {
+    Sequence { rows, start: 0, caches: Vec::new() }
 }
 
 impl Ctx {

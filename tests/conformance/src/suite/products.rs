@@ -1,5 +1,6 @@
-//! Products: every upload format on fresh random shapes, batches of jobs, weights written in
-//! chunks or only in part, and NaN / infinity in inputs and weights.
+//! Products: every upload format on fresh random shapes, several products of one input,
+//! weights written in chunks or only in part, and NaN / infinity in inputs and weights. Each
+//! product is a program of `matmul` ops (`exact`) over one input (see [`super::matmul`]).
 
 use super::{Check, Ctx, allocate, matmul, shape, upload, write_rows};
 use crate::reference::{Decoded, Format, Weight};
@@ -25,7 +26,7 @@ fn shapes(f: Format, rng: &mut Rng) -> [(u32, u32, u32); 5] {
     ]
 }
 
-/// One format: `upload`, then `matmul` held to the kit's own decoding.
+/// One format: `upload`, then its product held to the kit's own decoding.
 pub fn format(ctx: &mut Ctx, f: Format) -> Check<String> {
     let mut done = Vec::new();
     for (t, n_out, n_in) in shapes(f, &mut ctx.rng) {
@@ -40,7 +41,7 @@ pub fn format(ctx: &mut Ctx, f: Format) -> Check<String> {
     Ok(format!("{}: {}", f.name(), done.join(", ")))
 }
 
-/// Every format in one call, a job repeated, for a decode step and for a batch.
+/// Every format in one program, a weight named twice, for a decode step and for a batch.
 pub fn batch(ctx: &mut Ctx) -> Check<String> {
     let n_in = 32 * ctx.rng.range(2, 20);
     let weights: Vec<Weight> =
@@ -52,15 +53,15 @@ pub fn batch(ctx: &mut Ctx) -> Check<String> {
     let mut ts = Vec::new();
     for t in [1, ctx.rng.range(5, 24)] {
         let x = ctx.rng.vector((t * n_in) as usize);
-        let what = format!("a batch of {} jobs, n-in {n_in}, t {t}", jobs.len());
+        let what = format!("{} products of one input, n-in {n_in}, t {t}", jobs.len());
         let y = matmul(&what, &x, t, n_in, &jobs)?;
         for (j, &i) in order.iter().enumerate() {
-            ctx.check(&format!("{what}, job {j} ({})", shape(&weights[i])), &y[j], &x, t, &decoded[i])?;
+            ctx.check(&format!("{what}, product {j} ({})", shape(&weights[i])), &y[j], &x, t, &decoded[i])?;
         }
         ts.push(t.to_string());
     }
     let shapes: Vec<_> = order.iter().map(|&i| shape(&weights[i])).collect();
-    Ok(format!("jobs {} at t {}", shapes.join(", "), ts.join(" and ")))
+    Ok(format!("products of {} at t {}", shapes.join(", "), ts.join(" and ")))
 }
 
 /// `allocate`, then `write-rows` in several chunks, last chunk first.
@@ -133,7 +134,7 @@ pub fn non_finite_input(ctx: &mut Ctx) -> Check<String> {
         let what = format!("f32 [37, 64] and q4x32 [29, 64] with NaN and infinities in x, t {t}");
         let y = matmul(&what, x, t, n_in, &[&handles[0], &handles[1]])?;
         for j in 0..2 {
-            ctx.check(&format!("{what}, job {j}"), &y[j], x, t, &decoded[j])?;
+            ctx.check(&format!("{what}, product {j}"), &y[j], x, t, &decoded[j])?;
         }
     }
     Ok("NaN, +inf and -inf in x (t 6 and t 1): their rows NaN or infinite, the other rows exact".into())
@@ -166,7 +167,7 @@ pub fn non_finite_weights(ctx: &mut Ctx) -> Check<String> {
     let what = "weights of every format with NaN and infinities in data or scales, t 5";
     let y = matmul(what, &x, 5, n_in, &jobs)?;
     for (j, w) in weights.iter().enumerate() {
-        ctx.check(&format!("{what}, job {j} ({})", shape(w)), &y[j], &x, 5, &w.decode())?;
+        ctx.check(&format!("{what}, product {j} ({})", shape(w)), &y[j], &x, 5, &w.decode())?;
     }
     Ok("NaN and infinities in f32 and bf16 data, q8 scales, q4 d and m: their outputs NaN or infinite, the rest exact"
         .into())

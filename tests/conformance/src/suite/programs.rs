@@ -260,13 +260,10 @@ fn run(what: &str, p: &Program, inputs: &[Vec<f32>], batch: &[Sequence<'_>]) -> 
     p.run(inputs, batch).or_else(|e| fail(format!("{what}: run failed: {}", describe(&e))))
 }
 
-/// A program that must be made; a host that does not offer programs (`unavailable`, allowed
-/// until every host runs them) skips the case.
+/// A program that must be made. (Programs are the interface's only way to compute since 0.6:
+/// a host with a device that answers `unavailable` fails.)
 fn create(what: &str, weights: &[&Handle], caches: u32, ops: &[Op]) -> Check<Program> {
-    gpu::create_program(weights, caches, ops).or_else(|e| match e {
-        Error::Unavailable(m) => skip(format!("the host does not offer programs: {m}")),
-        e => fail(format!("{what}: create-program failed: {}", describe(&e))),
-    })
+    gpu::create_program(weights, caches, ops).or_else(|e| fail(format!("{what}: create-program failed: {}", describe(&e))))
 }
 
 /// A `kv-cache` that must be made; a host without kv-caches (`unavailable`, allowed) skips the
@@ -276,11 +273,6 @@ fn cache(slots: u32, width: u32) -> Check<KvCache> {
         Error::Unavailable(m) => skip(format!("the host does not offer kv-caches: {m}")),
         e => fail(format!("create-kv-cache of {slots} slots of {width} failed: {}", describe(&e))),
     })
-}
-
-/// Skips the case on a host that does not offer programs (see [`create`]).
-fn offered() -> Check {
-    create("an input and its output", &[], 0, &[Op::Input(1), Op::Output(0)]).map(drop)
 }
 
 /// Random sequences: 1 to `n` of them, each of 1 to `max_rows` rows from a random start.
@@ -328,7 +320,6 @@ fn mm(x: u32, weight: u32, precision: Precision) -> Op {
 /// Each op alone (with an `input` before it and an `output` after), on random shapes and both
 /// precisions.
 pub fn ops(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let mut n = 0;
     for f in Format::ALL {
         for precision in [Precision::Exact, Precision::Fast] {
@@ -417,7 +408,6 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
 
 /// `top-k` of inputs with ties and NaN: exactly the documented order.
 pub fn top_k(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let width = ctx.rng.range(8, 300);
     let k = ctx.rng.range(1, width.min(50));
     let p = create("top-k", &[], 0, &[Op::Input(width), Op::TopK(TopKOp { x: 0, k })])?;
@@ -446,7 +436,6 @@ pub fn top_k(ctx: &mut Ctx) -> Check<String> {
 /// `cache-write` and `attention` over two runs (a prompt chunk, then single rows), grouped
 /// heads and windows, both precisions.
 pub fn attention(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let mut n = 0;
     for precision in [Precision::Exact, Precision::Fast] {
         for _ in 0..2 {
@@ -495,7 +484,6 @@ pub fn attention(ctx: &mut Ctx) -> Check<String> {
 /// sequences of different lengths and positions, then decode steps; each run held to the
 /// reference, and each sequence's rows equal to a run of that sequence alone.
 pub fn decoder(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let r = &mut ctx.rng;
     let (n_head, n_head_kv, hd) = (4u32, 2u32, 16u32);
     let (e, nq, nkv, ff, vocab) = (64u32, n_head * hd, n_head_kv * hd, 96u32, 200u32);
@@ -610,7 +598,6 @@ pub fn decoder(ctx: &mut Ctx) -> Check<String> {
 /// Programs that break the contract: each `create-program` refused with `invalid-argument`,
 /// nothing held after.
 pub fn hostile_programs(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let w = Weight::random(Format::F32, 8, 4, &mut ctx.rng);
     let v = vector(&mut ctx.rng, 4);
     let (hw, hv) = (upload(&w)?, upload(&v)?);
@@ -663,7 +650,6 @@ pub fn hostile_programs(ctx: &mut Ctx) -> Check<String> {
 /// valid run after reads the caches as the valid runs left them), and a run after a weight of
 /// the program was dropped.
 pub fn hostile_runs(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let (hd, width) = (4u32, 8u32);
     let w = Weight::random(Format::F32, width, width, &mut ctx.rng);
     let hw = upload(&w)?;
@@ -711,7 +697,6 @@ pub fn hostile_runs(ctx: &mut Ctx) -> Check<String> {
 /// Programs count as handles: making one takes a handle, dropping it gives it back; the
 /// handle budget bounds how many a guest holds.
 pub fn lifetimes(ctx: &mut Ctx) -> Check<String> {
-    offered()?;
     let before = super::budget()?;
     let p = create("a program", &[], 0, &[Op::Input(4), Op::Output(0)])?;
     let held = super::budget()?;

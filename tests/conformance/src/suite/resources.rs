@@ -1,8 +1,8 @@
 //! Handles and budgets: accessors, dropping and re-uploading, exhausting the handle and byte
 //! budgets, the device's size limits, and the state the kit leaves behind.
 
-use super::{Check, Ctx, Kind, allocate, budget, expect, fail, matmul, refused, shape, skip, upload, wit};
-use crate::bindings::wisp::llm::gpu::{self, Error, WeightFormat};
+use super::{Check, Ctx, Kind, allocate, budget, expect, fail, matmul, one_sequence, products, program, refused, shape, skip, upload, wit};
+use crate::bindings::wisp::llm::gpu::{self, Error, Op, WeightFormat};
 use crate::reference::{Format, Weight};
 
 /// The most handles the kit allocates to exhaust the handle budget.
@@ -192,31 +192,33 @@ pub fn limit_weight_bytes(ctx: &mut Ctx) -> Check<String> {
     Ok(format!("weights of every format one row past max-weight-bytes {max}: out-of-memory"))
 }
 
-/// An input or output past `max-activation-elements` is `out-of-memory`.
+/// A run whose value (an input, or a product it makes) holds more than
+/// `max-activation-elements` values is `out-of-memory`.
 pub fn limit_activations(ctx: &mut Ctx) -> Check<String> {
     let max = ctx.device.max_activation_elements;
     let (bytes, _) = budget()?;
-    // Output side: t rows of x against a weight [n_out, 1], t * n_out one past the limit.
+    // A product's value: t rows of x against a weight [n_out, 1], t * n_out one past the limit.
     let t = max.min(1 << 16);
     let n_out = max / t + 1;
     if n_out > u32::MAX as u64 || 4 * n_out > ctx.device.max_weight_bytes.min(bytes) {
         return skip(format!("max-activation-elements {max} needs a weight larger than the device or budget takes"));
     }
     let h = allocate(Format::F32, n_out as u32, 1)?;
+    let p = program(&format!("a product of f32 [{n_out}, 1]"), &[&h], &products(1, 1))?;
     let x = vec![1.0f32; t as usize];
     let what = format!(
-        "matmul of t {t} by f32 [{n_out}, 1] (an output of {} values, max-activation-elements {max})",
+        "a run of a product of {t} rows by f32 [{n_out}, 1] (a value of {} values, max-activation-elements {max})",
         t * n_out
     );
-    refused(&what, &[Kind::OutOfMemory], || gpu::matmul(&x, t as u32, 1, &[&h]))?;
+    refused(&what, &[Kind::OutOfMemory], || p.run(&[x], &[one_sequence(t as u32)]))?;
     let mut checked = vec![what];
-    // Input side, where the input fits in a list the kit can send (16 MiB).
+    // An input's value, where the input fits in a list the kit can send (16 MiB).
     if max < 1 << 22 {
-        let one = allocate(Format::F32, 1, 1)?;
+        let p = program("an input of width 1 and its output", &[], &[Op::Input(1), Op::Output(0)])?;
         let t = max + 1;
         let x = vec![1.0f32; t as usize];
-        let what = format!("matmul of t {t} by f32 [1, 1] (an input of {t} values, max-activation-elements {max})");
-        refused(&what, &[Kind::OutOfMemory], || gpu::matmul(&x, t as u32, 1, &[&one]))?;
+        let what = format!("a run of an input of {t} rows of 1 (max-activation-elements {max})");
+        refused(&what, &[Kind::OutOfMemory], || p.run(&[x], &[one_sequence(t as u32)]))?;
         checked.push(what);
     }
     Ok(checked.join("; ") + ": out-of-memory")
