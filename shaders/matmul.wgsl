@@ -903,12 +903,15 @@ fn elementwise_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(work
 // a row (w: 0 without a weight), eps and offset the bits of row_base and x_stride. Flags in
 // scale_row (NORM_OP_*): with ADD, y = that + b, b from `scales` (a norm and the add after it);
 // with ROTATE, each run (a head) is then turned as `rotate_rows` turns it, by the row's table in
-// `scales` of row_quads values (a head norm and the rotation after it). One workgroup a run
-// (wid.x) of a row.
+// `scales` of row_quads values (a head norm and the rotation after it); with NEXT (and ADD, a
+// run the whole row, no offset: x_stride is free), that sum y is normed again, by the weights
+// from element x_stride on, into y from element row_quads on (a norm after a product, the
+// residual add and the norm before the next product). One workgroup a run (wid.x) of a row.
 const NORM_OP_WEIGHT: u32 = 1u;
 const NORM_OP_ADD: u32 = 2u;
 const NORM_OP_ROTATE: u32 = 4u;
 const NORM_OP_PAIRS: u32 = 8u;
+const NORM_OP_NEXT: u32 = 16u;
 
 @compute @workgroup_size(256)
 fn rms_norm_runs(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
@@ -924,10 +927,13 @@ fn rms_norm_runs(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id
         let v = x_at(at + j);
         ss += v * v;
     }
-    let scale = 1.0 / sqrt(workgroup_total(li, ss, PAIR_WG) / f32(n) + bitcast<f32>(params.row_base));
-    let offset = bitcast<f32>(params.x_stride);
+    let eps = bitcast<f32>(params.row_base);
+    let scale = 1.0 / sqrt(workgroup_total(li, ss, PAIR_WG) / f32(n) + eps);
+    let next = (flags & NORM_OP_NEXT) != 0u;
+    let offset = select(bitcast<f32>(params.x_stride), 0.0, next);
     let turned = params.row_quads;
     let half = turned / 2u;
+    var ss2 = 0.0;
     for (var j = li; j < n; j += PAIR_WG) {
         var v = x_at(at + j) * scale * norm_weight(j, offset);
         if ((flags & NORM_OP_ROTATE) != 0u && j < turned) {
@@ -948,6 +954,15 @@ fn rms_norm_runs(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id
             v = scales[at + j] + v;
         }
         y[at + j] = v;
+        ss2 += v * v;
+    }
+    if (next) {
+        // Every invocation has read the first total before `norm_sums` is written again.
+        workgroupBarrier();
+        let scale2 = 1.0 / sqrt(workgroup_total(li, ss2, PAIR_WG) / f32(n) + eps);
+        for (var j = li; j < n; j += PAIR_WG) {
+            y[turned + at + j] = y[at + j] * scale2 * weight_at(params.x_stride + j);
+        }
     }
 }
 

@@ -51,6 +51,9 @@ const NORM_OP_WEIGHT = 1;
 const NORM_OP_ADD = 2;
 const NORM_OP_ROTATE = 4;
 const NORM_OP_PAIRS = 8;
+// The native recorder's fusion of a norm, the add after it and the norm after that (this host
+// fuses pairs alone); layout_checks holds the spelling all the same.
+const NORM_OP_NEXT = 16;
 
 /** The upload formats of `wit/gpu.wit`: FORMAT in the shader, elements per scale block. */
 export const FORMATS = {

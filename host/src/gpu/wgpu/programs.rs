@@ -4,19 +4,21 @@
 //! Each value lives in a slot, a buffer kept across runs (grown as needed); a value takes the
 //! first slot whose last value has had its last reader, so a model's run needs a few slots
 //! however many layers it has, and a decode step binds what the step before it bound (its bind
-//! groups come from the cache `blocks` keeps). The inputs go up first, each to a slot of its
-//! own. Products are `matmul`'s kernels as `blocks` records them (`product_into`); attention
-//! is `attention-cached`'s kernel over each sequence's cache; the other ops are the small
-//! kernels at the end of `shaders/matmul.wgsl` (cache writes and last rows are `copy_rows`).
-//! Outputs are copied to one staging buffer; `top-k` is taken on the host from its row.
+//! groups come from the cache `record` keeps). The inputs go up first, each to a slot of its
+//! own. Products are the kernels `plan` picks (`product_into`); attention is `attention.wgsl`
+//! over each sequence's cache; the other ops are the small kernels at the end of
+//! `shaders/matmul.wgsl` (cache writes and last rows are `copy_rows`). Outputs are copied to
+//! one staging buffer; `top-k` is taken on the host from its row.
 //!
 //! Fusions (the host's business, not the contract's): an rms-norm with the add or the rotation
-//! that alone reads it (`rms_norm_runs`); at one row, consecutive products of one input (q, k
-//! and v; gate and up) as one product over a joint weight (their rows stacked on the device
-//! when the program is made, each product's first row at a bindable offset: device memory for
-//! a copy of those weights, outside the guest's budget; WISP_JOINTS=0 turns it off), and a
-//! gated op of a joint's gate and up that only the next product reads, as that product reading
-//! act(gate) * up as its x (X_ACT, as `blocks` does).
+//! that alone reads it, and a norm, the add after it and the norm of that sum (a block's norm
+//! after a product, its residual add and the norm before the next product: their weights
+//! joined on the device), each as one `rms_norm_runs`; at one row, consecutive products of one
+//! input (q, k and v; gate and up) as one product over a joint weight (their rows stacked on
+//! the device when the program is made, each product's first row at a bindable offset: device
+//! memory for a copy of those weights, outside the guest's budget; WISP_JOINTS=0 turns it off,
+//! and the joined norm weights with it), and a gated op of a joint's gate and up that only the
+//! next product reads, as that product reading act(gate) * up as its x (X_ACT).
 //!
 //! [`WgpuBackend::records`] says which runs this covers: products over rows of whole steps of
 //! 8 values, and queries of every sequence of a batch at an offset the device can bind. The
@@ -29,8 +31,7 @@ use crate::gpu::{Activation, AttentionShape, BufferId, Format, GpuError, Rotatio
 use std::ops::Range;
 
 /// Dispatches a command buffer holds before it is submitted, at the next op's boundary: the
-/// device starts on the first ops while the host records the rest (as `blocks` submits every
-/// few blocks).
+/// device starts on the first ops while the host records the rest.
 const SUBMIT_DISPATCHES: usize = 48;
 
 /// `elementwise_rows`'s op codes (OP_* in the shader).
@@ -46,6 +47,7 @@ const NORM_OP_WEIGHT: u32 = 1;
 const NORM_OP_ADD: u32 = 2;
 const NORM_OP_ROTATE: u32 = 4;
 const NORM_OP_PAIRS: u32 = 8;
+const NORM_OP_NEXT: u32 = 16;
 
 /// The constants above under their names in the shader (for `layout_checks`).
 #[cfg(test)]
@@ -60,6 +62,7 @@ pub(super) const SHADER_CONSTANTS: &[(&str, u64)] = &[
     ("NORM_OP_ADD", NORM_OP_ADD as u64),
     ("NORM_OP_ROTATE", NORM_OP_ROTATE as u64),
     ("NORM_OP_PAIRS", NORM_OP_PAIRS as u64),
+    ("NORM_OP_NEXT", NORM_OP_NEXT as u64),
 ];
 
 /// Where a run's values live: the slot of each value and the bytes of each slot.
@@ -95,21 +98,52 @@ enum Fuse {
     /// An rms-norm of heads that the next op turns by `table`: `rms_norm_runs` with
     /// NORM_OP_ROTATE.
     Rotate { table: usize, rotation: Rotation },
+    /// An rms-norm of rows whose value the next op adds to `other`, and whose sum the op after
+    /// that norms by the program's weight `weight` (the same eps, neither with an offset): a
+    /// block's norm after a product, its residual add and the next norm before a product, as
+    /// one `rms_norm_runs` with NORM_OP_ADD and NORM_OP_NEXT, which writes the sum and, beside
+    /// it in the sum's slot, its norm.
+    AddNorm { other: usize, weight: usize },
+    /// The add of an [`Fuse::AddNorm`], recorded by the op before it (as is the norm after it).
+    Within,
 }
 
 /// What each op fuses with the next (see [`Fuse`]).
 fn fusions(p: &Program) -> Vec<Fuse> {
     let mut fuse = vec![Fuse::No; p.ops.len()];
-    for (i, pair) in p.ops.windows(2).enumerate() {
-        let Op::RmsNorm { group, .. } = pair[0] else { continue };
+    let width = |a: usize| p.shapes[a].map_or(0, |s| s.width);
+    let mut i = 0;
+    while i + 1 < p.ops.len() {
+        let Op::RmsNorm { weight, offset, group, eps, .. } = p.ops[i] else {
+            i += 1;
+            continue;
+        };
         if p.last_use[i] != i + 1 {
+            i += 1;
             continue;
         }
-        fuse[i] = match pair[1] {
-            Op::Add(a, b) if (a == i) != (b == i) => Fuse::Add { other: if a == i { b } else { a } },
+        fuse[i] = match p.ops[i + 1] {
+            Op::Add(a, b) if (a == i) != (b == i) => {
+                let other = if a == i { b } else { a };
+                let whole = weight.is_some() && offset == 0.0 && group == width(i);
+                match p.ops.get(i + 2) {
+                    Some(&Op::RmsNorm { x, weight: Some(next), offset: 0.0, group: g, eps: e }) if whole && x == i + 1 && g == group && e == eps => {
+                        Fuse::AddNorm { other, weight: next }
+                    }
+                    _ => Fuse::Add { other },
+                }
+            }
             // Not by the norm's own value: the fused kernel never makes that.
             Op::Rotate { x, table, head_dim, rotation } if x == i && table != i && head_dim == group => Fuse::Rotate { table, rotation },
             _ => Fuse::No,
+        };
+        i += match fuse[i] {
+            Fuse::No => 1,
+            Fuse::AddNorm { .. } => {
+                fuse[i + 1] = Fuse::Within;
+                3
+            }
+            _ => 2,
         };
     }
     fuse
@@ -345,6 +379,11 @@ impl WgpuBackend {
         for run in joint_runs(p) {
             self.joint(&joint_ids(p, run));
         }
+        for (i, fuse) in fusions(p).into_iter().enumerate() {
+            if let (Fuse::AddNorm { weight, .. }, Op::RmsNorm { weight: Some(first), .. }) = (fuse, p.ops[i]) {
+                self.joint(&[p.weights[first].id, p.weights[weight].id]);
+            }
+        }
         // A product reading a gated pair as its x (at one row: see `run_recorded`).
         for (op, next) in p.ops.iter().zip(p.ops.iter().skip(1)) {
             if let (&Op::Gated { act, .. }, &Op::Matmul { weight, precision, .. }) = (op, next) {
@@ -399,10 +438,28 @@ impl WgpuBackend {
             extra[i] = end - bytes_of(i);
             plans.push(list);
         }
-        let fuse = fusions(p);
+        let mut fuse = fusions(p);
+        let mut share: Vec<Option<(usize, u64)>> = vec![None; p.ops.len()];
+        // The two weights of each norm-add-norm side by side in a joint weight (the second
+        // from the element `beside` says), its second norm's value beside the sum in the sum's
+        // slot, at an offset the device can bind; the plain pair where the joint is not made.
+        let bind_align = self.x_align() as u64 * 4;
+        let mut beside: Vec<Option<(BufferId, u32)>> = vec![None; p.ops.len()];
+        for i in 0..p.ops.len() {
+            let (Fuse::AddNorm { other, weight }, Op::RmsNorm { weight: Some(first), .. }) = (fuse[i], p.ops[i]) else { continue };
+            match self.joint(&[p.weights[first].id, p.weights[weight].id]) {
+                Some((id, firsts)) => {
+                    let row = self.weights.get(&id).map_or(0, |w| 4 * w.row_quads);
+                    beside[i] = Some((id, firsts[1] * row));
+                    let at = align_up(bytes_of(i + 1), bind_align);
+                    share[i + 2] = Some((i + 1, at));
+                    extra[i + 1] = at + bytes_of(i + 2) - bytes_of(i + 1);
+                }
+                None => (fuse[i], fuse[i + 1]) = (Fuse::Add { other }, Fuse::No),
+            }
+        }
         // Products of one input at one row run as one product over their joint weight, each
         // one's value at its offset in the joint's slot.
-        let mut share: Vec<Option<(usize, u64)>> = vec![None; p.ops.len()];
         let mut joint_made: Vec<Option<(BufferId, u64)>> = vec![None; p.ops.len()];
         for run in joint_runs(p) {
             let Op::Matmul { x, .. } = p.ops[run.start] else { continue };
@@ -468,9 +525,9 @@ impl WgpuBackend {
             .enumerate()
             .map(|(s, &b)| Self::ensure(&self.device, &mut m.slots[s], b, cap, usage, "program values"))
             .collect();
-        let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, wgpu::BufferUsages::STORAGE, "blocks partial sums");
+        let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, wgpu::BufferUsages::STORAGE, "partial sums");
         let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-        let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "blocks staging");
+        let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "run staging");
         let input_ops = p.ops.iter().enumerate().filter(|(_, op)| matches!(op, Op::Input { .. }));
         for ((i, _), x) in input_ops.zip(inputs) {
             self.queue.write_buffer(&slots[lay.slot[i]], 0, bytemuck::cast_slice(x));
@@ -532,22 +589,29 @@ impl WgpuBackend {
                     self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, &parts, x_act)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
-                    let (weights, mut flags, offset) = match weight {
+                    let (mut weights, mut flags, offset) = match weight {
                         Some(w) => (Some(vector(w)?), NORM_OP_WEIGHT, offset),
                         None => (None, 0, 1.0),
                     };
-                    let (b, turned) = match fuse[i] {
-                        Fuse::No => (None, 0),
+                    // The operand from `scales`, row_quads and x_stride (see the shader).
+                    let (b, row_quads, x_stride) = match fuse[i] {
+                        Fuse::No | Fuse::Within => (None, 0, offset.to_bits()),
                         Fuse::Add { other } => {
                             flags |= NORM_OP_ADD;
-                            (Some(other), 0)
+                            (Some(other), 0, offset.to_bits())
+                        }
+                        Fuse::AddNorm { other, .. } => {
+                            let (joint, second) = beside[i].ok_or_else(|| GpuError::InvalidArgument("no joint of a norm's weights".into()))?;
+                            weights = self.weights.get(&joint).map(|w| w.data.clone());
+                            flags |= NORM_OP_ADD | NORM_OP_NEXT;
+                            (Some(other), ((at(i + 2) - at(i + 1)) / 4) as u32, second)
                         }
                         Fuse::Rotate { table, rotation } => {
                             flags |= NORM_OP_ROTATE | if rotation == Rotation::Pairs { NORM_OP_PAIRS } else { 0 };
-                            (Some(table), width(table))
+                            (Some(table), width(table), offset.to_bits())
                         }
                     };
-                    let params = Params { n_in: group, row_quads: turned, scale_row: flags, row_base: eps.to_bits(), x_stride: offset.to_bits(), ..rows_params(width(i)) };
+                    let params = Params { n_in: group, row_quads, scale_row: flags, row_base: eps.to_bits(), x_stride, ..rows_params(width(i)) };
                     small(&mut rec, Kernel::RmsNormRuns, (x, b, weights), params, width(i) / group);
                 }
                 Op::Add(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_ADD, 0.0), groups),
@@ -713,6 +777,36 @@ mod tests {
         // Input 0 is read by the norm alone, yet the add's value (the pair's) is not put there.
         assert!(s[3] != s[0] && s[3] != s[1]);
         assert_ne!(s[5], s[3]);
+    }
+
+    #[test]
+    fn a_norm_the_add_after_it_and_the_norm_of_the_sum_fuse_as_one() {
+        let v = |rep, id| WeightRef { rep, id, rows: 1, cols: 8, format: Format::F32 };
+        let norm = |x, weight| Op::RmsNorm { x, weight, offset: 0.0, group: 8, eps: 1e-6 };
+        let ops = vec![
+            Op::Input { width: 8 },
+            Op::Input { width: 8 },
+            norm(0, Some(0)),
+            Op::Add(1, 2),
+            norm(3, Some(1)),
+            // The sum read again (the residual), beside its norm.
+            Op::Add(3, 4),
+            // A first norm without a weight: the pair alone.
+            norm(5, None),
+            Op::Add(5, 6),
+            norm(7, Some(1)),
+            Op::Output(8),
+        ];
+        let p = check(ops, vec![v(1, 1), v(2, 2)], 0).unwrap();
+        let fuse = fusions(&p);
+        assert_eq!(fuse[2], Fuse::AddNorm { other: 1, weight: 1 });
+        assert_eq!(&fuse[3..6], &[Fuse::Within, Fuse::No, Fuse::No]);
+        assert_eq!(fuse[6], Fuse::Add { other: 5 });
+        assert_eq!(&fuse[7..], &[Fuse::No, Fuse::No, Fuse::No]);
+        // Another eps in the second norm: the pair alone.
+        let mut ops = p.ops.clone();
+        ops[4] = Op::RmsNorm { x: 3, weight: Some(1), offset: 0.0, group: 8, eps: 1e-5 };
+        assert_eq!(fusions(&check(ops, vec![v(1, 1), v(2, 2)], 0).unwrap())[2], Fuse::Add { other: 1 });
     }
 
     #[test]
