@@ -583,31 +583,27 @@ pub fn rotate(v: &mut [f32], width: usize, table: &[f32], table_width: usize, he
 }
 
 /// The top `k` of each row of `x` (rows of `width`): largest first, lower index first among
-/// equals, NaN below every number.
+/// equals, NaN below every number. One pass a row: a value enters the `k` kept (in order) only
+/// where it ranks above the last of them, and a later value never ranks above an equal one.
 pub fn top_k(x: &[f32], width: usize, k: usize) -> Output {
     let rows = x.len() / width.max(1);
     let mut values = Vec::with_capacity(rows * k);
     let mut indices = Vec::with_capacity(rows * k);
-    let mut order: Vec<u32> = Vec::with_capacity(width);
+    // Whether value `a` ranks above `b`, a later one.
+    let above = |a: f32, b: f32| !a.is_nan() && (b.is_nan() || a > b);
+    let mut kept: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
     for row in x.chunks_exact(width) {
-        order.clear();
-        order.extend(0..width as u32);
-        let cmp = |a: &u32, b: &u32| {
-            let (va, vb) = (row[*a as usize], row[*b as usize]);
-            match (va.is_nan(), vb.is_nan()) {
-                (true, true) => a.cmp(b),
-                (true, false) => std::cmp::Ordering::Greater,
-                (false, true) => std::cmp::Ordering::Less,
-                _ => vb.partial_cmp(&va).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b)),
+        kept.clear();
+        for (i, &v) in row.iter().enumerate() {
+            if kept.len() == k && !kept.last().is_some_and(|&(last, _)| above(v, last)) {
+                continue;
             }
-        };
-        if k < width {
-            order.select_nth_unstable_by(k - 1, cmp);
-            order.truncate(k);
+            let at = kept.partition_point(|&(w, _)| !above(v, w));
+            kept.insert(at, (v, i as u32));
+            kept.truncate(k);
         }
-        order.sort_by(cmp);
-        values.extend(order.iter().map(|&i| row[i as usize]));
-        indices.extend_from_slice(&order);
+        values.extend(kept.iter().map(|&(v, _)| v));
+        indices.extend(kept.iter().map(|&(_, i)| i));
     }
     Output::Top { values, indices }
 }
