@@ -36,10 +36,12 @@ type WriteLog = Arc<Mutex<HashMap<BufferId, ((Format, u32, u32), Vec<(u32, usize
 const SMALL_PROGRAMS: usize = 8;
 
 /// The CPU reference device, recording how each weight was written, that makes no program of
-/// more than [`SMALL_PROGRAMS`] ops (a host's limit: it refuses the model's program).
+/// more than [`SMALL_PROGRAMS`] ops (a host's limit: it refuses the model's program); `mute`,
+/// it answers every run of a program that attends with no output at all (a broken host).
 struct Slices {
     inner: CpuBackend,
     log: WriteLog,
+    mute: bool,
 }
 
 impl Backend for Slices {
@@ -71,6 +73,17 @@ impl Backend for Slices {
     }
     fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
         self.inner.write_cache(id, first, k, v)
+    }
+    fn run_program(
+        &mut self,
+        p: &program::Program,
+        inputs: &[Vec<f32>],
+        batch: &[program::SequenceRun],
+    ) -> Option<Result<Vec<program::Output>, GpuError>> {
+        if self.mute && p.ops.iter().any(|op| matches!(op, program::Op::Attention { .. })) {
+            return Some(Ok(Vec::new()));
+        }
+        self.inner.run_program(p, inputs, batch)
     }
     fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
         if p.ops.len() > SMALL_PROGRAMS {
@@ -114,7 +127,7 @@ const SLICE: usize = 8 << 20;
 #[test]
 fn every_golden_case_passes_through_the_cpu_reference_device() {
     let log = WriteLog::default();
-    let backend = Slices { inner: CpuBackend::new(), log: log.clone() };
+    let backend = Slices { inner: CpuBackend::new(), log: log.clone(), mute: false };
     let (mut inst, m) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
     let info = inst.model_info(m).unwrap();
     assert!(info.gpu_weights > 100, "weights resident: {}", info.gpu_weights);
@@ -146,6 +159,18 @@ fn every_golden_case_passes_through_the_cpu_reference_device() {
     assert!(decode_attention > 0 && decode_attention < 2 * 18, "{decode_attention}");
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name != "long-gpl").collect();
     check(&mut inst, m, &cases);
+}
+
+/// A host that answers the guest's attention with no output at all: the guest takes it for a
+/// device not to trust (an answer of the wrong shape), not a reason to trap, and the tokens are
+/// those of its CPU.
+#[test]
+fn an_attention_answered_with_nothing_leaves_the_tokens_unchanged() {
+    let backend = Slices { inner: CpuBackend::new(), log: WriteLog::default(), mute: true };
+    let (mut on, m_on) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
+    let prompt = &golden_cases()[0].prompt_tokens;
+    assert_eq!(greedy(&mut on, m_on, prompt, 4), greedy(&mut off, m_off, prompt, 4));
 }
 
 #[test]
