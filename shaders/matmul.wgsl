@@ -1027,3 +1027,94 @@ fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
     let to = (params.scale_row + r) % params.x_stride;
     y[to * n + j] = x_at((params.row_quads + r) * n + j);
 }
+
+// A `top-k` op's candidates: the rows of x (t rows of n_out values) in chunks of TOP_CHUNK
+// values, one workgroup a (chunk, row), each writing its chunk's first `row_quads` (k, at most
+// TOP_CHUNK) in the contract's order: larger values first, of equal values the lower column
+// first, NaN below every number (both zeros one value). Entry e of chunk c of row r is
+// y[2 * ((r * chunks + c) * k + e)] = the value, [.. + 1] = its column as an f32 (exact: the
+// host sends rows of at most 2^24), or -1 where the chunk has fewer than k values. The top k of
+// a row are the top k of its chunks' candidates, which the host takes from them (each chunk's
+// in order, chunk after chunk: equal values come by column). The chunk is sorted whole
+// (bitonic, in workgroup memory): 55 steps, a barrier each, whatever k.
+const TOP_WG: u32 = 256u;
+const TOP_CHUNK: u32 = 1024u;
+var<workgroup> top_keys: array<u32, TOP_CHUNK>;
+var<workgroup> top_cols: array<u32, TOP_CHUNK>;
+
+// A key that orders values as u32s: a larger value a larger key, -0 and +0 one key, NaN 0
+// (below every number's).
+fn top_key(v: f32) -> u32 {
+    let b = bitcast<u32>(v);
+    let magnitude = b & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) {
+        return 0u;
+    }
+    if (magnitude == 0u) {
+        return 0x80000000u;
+    }
+    return select(b | 0x80000000u, ~b, b != magnitude);
+}
+
+// Whether entry a comes before entry b: a larger key, or an equal key and a lower column.
+fn top_before(a: u32, b: u32) -> bool {
+    let ka = top_keys[a];
+    let kb = top_keys[b];
+    return ka > kb || (ka == kb && top_cols[a] < top_cols[b]);
+}
+
+@compute @workgroup_size(256)
+fn top_k_chunks(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let n = params.n_out;
+    let chunk = wid.x;
+    let chunks = (n + TOP_CHUNK - 1u) / TOP_CHUNK;
+    let k = min(params.row_quads, TOP_CHUNK);
+    // Padding: key 0 and the highest column, after every NaN.
+    for (var e = li; e < TOP_CHUNK; e += TOP_WG) {
+        let col = chunk * TOP_CHUNK + e;
+        var key = 0u;
+        var at = 0xffffffffu;
+        if (r < params.t && col < n) {
+            key = top_key(x_at(r * n + col));
+            at = col;
+        }
+        top_keys[e] = key;
+        top_cols[e] = at;
+    }
+    workgroupBarrier();
+    // Sorted so that each entry comes before the ones after it.
+    for (var size = 2u; size <= TOP_CHUNK; size = size * 2u) {
+        for (var stride = size / 2u; stride > 0u; stride = stride / 2u) {
+            for (var e = li; e < TOP_CHUNK / 2u; e += TOP_WG) {
+                let a = 2u * stride * (e / stride) + e % stride;
+                let b = a + stride;
+                // Runs of `size` alternate in direction until the last, which is in order.
+                let forward = (a & size) == 0u;
+                if (top_before(b, a) == forward) {
+                    let key = top_keys[a];
+                    let col = top_cols[a];
+                    top_keys[a] = top_keys[b];
+                    top_cols[a] = top_cols[b];
+                    top_keys[b] = key;
+                    top_cols[b] = col;
+                }
+            }
+            workgroupBarrier();
+        }
+    }
+    if (r >= params.t) {
+        return;
+    }
+    for (var e = li; e < k; e += TOP_WG) {
+        let at = 2u * ((r * chunks + chunk) * k + e);
+        let col = top_cols[e];
+        if (col < n) {
+            y[at] = x_at(r * n + col);
+            y[at + 1u] = f32(col);
+        } else {
+            y[at] = 0.0;
+            y[at + 1u] = -1.0;
+        }
+    }
+}

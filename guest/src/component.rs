@@ -3,7 +3,7 @@
 
 use crate::bindings::exports::wisp::llm::engine as wit;
 use crate::bindings::wisp::llm::gpu;
-use crate::dispatch::{self, AttentionShape, DeviceError, DeviceLimits, DeviceSequence, Format, Mode};
+use crate::dispatch::{self, AttentionShape, DeviceError, DeviceLimits, DeviceOutput, DeviceSequence, Format, Mode};
 use crate::program::{Op, Rotation};
 use crate::chat;
 use crate::constraint::Spec;
@@ -246,7 +246,7 @@ impl dispatch::Device for HostGpu {
         Ok(ps.len() - 1)
     }
 
-    fn run_program(&self, id: usize, inputs: &[Vec<f32>], batch: &[DeviceSequence<'_>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+    fn run_program(&self, id: usize, inputs: &[Vec<f32>], batch: &[DeviceSequence<'_>]) -> Result<Vec<DeviceOutput>, DeviceError> {
         let (ps, cs) = (self.programs.borrow(), self.caches.borrow());
         let p = ps.get(id).ok_or_else(|| DeviceError::InvalidArgument(format!("no program {id}")))?;
         let mut seqs = Vec::with_capacity(batch.len());
@@ -254,7 +254,14 @@ impl dispatch::Device for HostGpu {
             let caches = s.caches.iter().map(|&c| kv_cache(&cs, c)).collect::<Result<Vec<_>, _>>()?;
             seqs.push(gpu::Sequence { rows: s.rows, start: s.start, caches });
         }
-        Ok(rows(p.run(inputs, &seqs)?))
+        let outs = p.run(inputs, &seqs)?;
+        Ok(outs
+            .into_iter()
+            .map(|o| match o {
+                gpu::Output::Rows(v) => DeviceOutput::Rows(v),
+                gpu::Output::Top(t) => DeviceOutput::Top { values: t.values, indices: t.indices },
+            })
+            .collect())
     }
 }
 
@@ -302,6 +309,7 @@ fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
         }),
         Op::LastRows(x) => gpu::Op::LastRows(v(x)),
         Op::Output(x) => gpu::Op::Output(v(x)),
+        Op::TopK { x, k } => gpu::Op::TopK(gpu::TopKOp { x: v(x), k }),
     }
 }
 

@@ -83,6 +83,10 @@ pub enum Op {
     LastRows(Value),
     /// The run returns the value.
     Output(Value),
+    /// The run returns the `k` largest values of each row of `x` and their columns, largest
+    /// first (of equal values the lower column first): a device program's reading of its
+    /// logits where a step needs no more (a greedy one: the largest).
+    TopK { x: Value, k: u32 },
 }
 
 impl Op {
@@ -102,6 +106,7 @@ impl Op {
             Op::Attention { q, cache, heads, window } => Op::Attention { q: f(q), cache, heads, window },
             Op::LastRows(x) => Op::LastRows(f(x)),
             Op::Output(x) => Op::Output(f(x)),
+            Op::TopK { x, k } => Op::TopK { x: f(x), k },
         }
     }
 
@@ -110,7 +115,7 @@ impl Op {
         match *self {
             Op::Input { .. } => ([0, 0], 0),
             Op::Matmul { x, .. } | Op::RmsNorm { x, .. } | Op::Bias { x, .. } | Op::Scale { x, .. } => ([x, 0], 1),
-            Op::LastRows(x) | Op::Output(x) | Op::Attention { q: x, .. } => ([x, 0], 1),
+            Op::LastRows(x) | Op::Output(x) | Op::TopK { x, .. } | Op::Attention { q: x, .. } => ([x, 0], 1),
             Op::Add(a, b) | Op::Mul(a, b) | Op::Gated { gate: a, up: b, .. } => ([a, b], 2),
             Op::Rotate { x, table, .. } => ([x, table], 2),
             Op::CacheWrite { k, v, .. } => ([k, v], 2),
@@ -121,7 +126,7 @@ impl Op {
 /// `ops` less those that no `output`, `cache-write` or `input` needs, renumbered (the inputs
 /// stay, so that a run's inputs are the same).
 pub fn compact(ops: &[Op]) -> Vec<Op> {
-    let mut needed: Vec<bool> = ops.iter().map(|op| matches!(op, Op::Output(_) | Op::CacheWrite { .. } | Op::Input { .. })).collect();
+    let mut needed: Vec<bool> = ops.iter().map(|op| matches!(op, Op::Output(_) | Op::TopK { .. } | Op::CacheWrite { .. } | Op::Input { .. })).collect();
     for i in (0..ops.len()).rev() {
         if needed[i] {
             let (vals, k) = ops[i].operands();
@@ -273,7 +278,7 @@ impl<'a> Builder<'a> {
                 last_use[a] = i;
             }
             match op {
-                Op::Output(x) => outputs.push(*x),
+                Op::Output(x) | Op::TopK { x, .. } => outputs.push(*x),
                 Op::Input { .. } => inputs.push(i),
                 _ => {}
             }

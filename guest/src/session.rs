@@ -223,11 +223,18 @@ impl Session {
         }
         let start = Instant::now();
         let model = Rc::clone(&self.model);
-        self.logits()?;
+        // A greedy step needs the largest logit alone: the device may read back just that.
+        let penalized = params.repeat_penalty != 1.0 && params.repeat_last_n > 0;
+        self.dispatch.greedy = self.constraint.is_none() && params.temperature <= 0.0 && !penalized;
+        self.dispatch.top = None;
+        let ran = self.logits().map(|_| ());
+        self.dispatch.greedy = false;
+        ran?;
         let logits = self.state.logits();
-        let token = match &mut self.constraint {
-            None => self.sampler.sample(logits, &self.history, params),
-            Some(c) => match c.allowed(logits).map_err(Error::InvalidConstraint)? {
+        let token = match (&mut self.constraint, self.dispatch.top.take()) {
+            (None, Some(token)) => token,
+            (None, None) => self.sampler.sample(logits, &self.history, params),
+            (Some(c), _) => match c.allowed(logits).map_err(Error::InvalidConstraint)? {
                 Allowed::Logits(masked) => {
                     let token = self.sampler.sample(masked, &self.history, params);
                     c.consume(token).map_err(Error::InvalidConstraint)?;

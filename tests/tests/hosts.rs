@@ -8,6 +8,7 @@ use wisp::{
     Sampling,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use wisp_tests::{open, golden_cases, model, wgpu_backend};
 
@@ -189,10 +190,21 @@ fn every_golden_case_passes_on_wgpu() {
 }
 
 /// A device that keeps the precisions of the products and attention of the programs made on
-/// it.
-struct Precisions<B: Backend>(B, Arc<Mutex<Vec<program::Precision>>>);
+/// it, and counts the runs of programs that read back a top-k.
+struct Precisions<B: Backend>(B, Arc<Mutex<Vec<program::Precision>>>, Arc<AtomicUsize>);
 
 impl<B: Backend> Backend for Precisions<B> {
+    fn run_program(
+        &mut self,
+        p: &program::Program,
+        inputs: &[Vec<f32>],
+        batch: &[program::SequenceRun],
+    ) -> Option<Result<Vec<program::Output>, GpuError>> {
+        if p.ops.iter().any(|op| matches!(op, program::Op::TopK { .. })) {
+            self.2.fetch_add(1, Ordering::SeqCst);
+        }
+        self.0.run_program(p, inputs, batch)
+    }
     fn prepare_program(&mut self, p: &program::Program) -> Result<(), GpuError> {
         let mut seen = self.1.lock().unwrap();
         for op in &p.ops {
@@ -244,8 +256,8 @@ impl<B: Backend> Backend for Precisions<B> {
 /// model's recipe, the one the guest's CPU runs, made on the device at load, its products and
 /// attention at the precision the model was opened with.
 fn passes_by_program(backend: impl Backend + 'static, cases: &[Case], precision: program::Precision) {
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let gpu = GpuCtx::new(Box::new(Precisions(backend, seen.clone())), Budget::default());
+    let (seen, tops) = (Arc::new(Mutex::new(Vec::new())), Arc::new(AtomicUsize::new(0)));
+    let gpu = GpuCtx::new(Box::new(Precisions(backend, seen.clone(), tops.clone())), Budget::default());
     let (mut inst, m) = open(model(), gpu, LoadOptions { gpu: GpuMode::On, precision });
     let seen = std::mem::take(&mut *seen.lock().unwrap());
     // 18 layers of 7 products and an attention each, and the output projection where the
@@ -257,6 +269,9 @@ fn passes_by_program(backend: impl Backend + 'static, cases: &[Case], precision:
     // does not hold it (lavapipe's 128 MiB binding cap).
     assert!(stats.gpu_calls == 1 && stats.gpu_attention_calls == 18 && stats.cpu_matmuls <= 1, "{stats:?}");
     assert_eq!(decode_attention, 2 * 18);
+    // The two greedy decode steps read back their largest logit alone, where the device holds
+    // the output projection (the prompt's pass, before any step, the logits).
+    assert_eq!(tops.load(Ordering::SeqCst), if stats.cpu_matmuls == 0 { 2 } else { 0 }, "{stats:?}");
     check(&mut inst, m, cases);
 }
 
@@ -272,6 +287,20 @@ fn the_golden_cases_pass_as_programs_on_the_cpu_reference_device() {
 fn a_model_opened_fast_makes_fast_programs() {
     let cases: Vec<Case> = golden_cases().into_iter().filter(|c| c.name == "capital").collect();
     passes_by_program(CpuBackend::new(), &cases, program::Precision::Fast);
+}
+
+/// A greedy step reads back its largest logit alone (the program's top form, where the device
+/// holds the output projection), and the tokens are those of the guest's CPU.
+#[test]
+fn greedy_steps_read_back_the_top_logit_and_give_the_cpus_tokens() {
+    let tops = Arc::new(AtomicUsize::new(0));
+    let backend = Precisions(CpuBackend::new(), Arc::default(), tops.clone());
+    let (mut on, m_on) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
+    let prompt = &golden_cases()[0].prompt_tokens;
+    assert_eq!(greedy(&mut on, m_on, prompt, 8), greedy(&mut off, m_off, prompt, 8));
+    // Every step but the first (the prompt's pass reads the logits).
+    assert_eq!(tops.load(Ordering::SeqCst), 7);
 }
 
 #[test]

@@ -64,10 +64,19 @@ pub trait Device {
     fn create_program(&self, _weights: &[usize], _caches: u32, _ops: &[Op]) -> Result<usize, DeviceError> {
         Err(DeviceError::Unavailable("no programs on this device".into()))
     }
-    /// Runs a program over a batch (the WIT `program.run`): the rows of each `output` op.
-    fn run_program(&self, _id: usize, _inputs: &[Vec<f32>], _batch: &[DeviceSequence<'_>]) -> Result<Vec<Vec<f32>>, DeviceError> {
+    /// Runs a program over a batch (the WIT `program.run`): what each `output` and `top-k` op
+    /// returns.
+    fn run_program(&self, _id: usize, _inputs: &[Vec<f32>], _batch: &[DeviceSequence<'_>]) -> Result<Vec<DeviceOutput>, DeviceError> {
         Err(DeviceError::Unavailable("no programs on this device".into()))
     }
+}
+
+/// What a program run returns for one `output` or `top-k` op (the WIT `output`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeviceOutput {
+    Rows(Vec<f32>),
+    /// `k` values and their columns a row, row after row.
+    Top { values: Vec<f32>, indices: Vec<u32> },
 }
 
 /// One sequence of a program run: `rows` rows from position `start`, and the device kv-cache

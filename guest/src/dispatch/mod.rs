@@ -17,7 +17,7 @@ mod placement;
 mod policy;
 
 pub use crate::upload::Format;
-pub use device::{AttentionShape, Device, DeviceError, DeviceLimits, DeviceSequence};
+pub use device::{AttentionShape, Device, DeviceError, DeviceLimits, DeviceOutput, DeviceSequence};
 pub use placement::{DeviceProgram, place, place_program};
 pub use policy::{Gpu, Rates, calibrate};
 
@@ -73,6 +73,19 @@ pub struct Dispatch {
     device_only_from: Option<usize>,
     pub counters: Counters,
     pub gpu: Option<Rc<Gpu>>,
+    /// The session's next step is greedy (the largest logit wins, nothing changes the logits
+    /// first): a one-row pass on the device may read back the top logit alone.
+    pub greedy: bool,
+    /// The token such a pass found (its logits were not read back).
+    pub top: Option<u32>,
+}
+
+/// What a pass of the model's program on the device gave.
+pub enum Pass {
+    /// The rows of its output (the logits, or the head product's input).
+    Rows(Vec<f32>),
+    /// The token of the largest logit (a greedy step: see [`Dispatch::greedy`]).
+    Top(u32),
 }
 
 impl Drop for Dispatch {
@@ -246,7 +259,8 @@ impl Dispatch {
     /// CPU. The new keys and values stay on the device alone (a 512-token prefill of Gemma's
     /// would read back 20 MB): the guest's rings lack them from `pos` on, and if the device
     /// fails later, the session runs its history again on its own ([`Dispatch::ring_holds`]).
-    /// Once they lack rows, the device runs every batch it can, whatever the policy says.
+    /// Once they lack rows, the device runs every batch it can, whatever the policy says. A
+    /// greedy step of one row runs the program's `top` form where it has one: [`Pass::Top`].
     #[allow(clippy::too_many_arguments)]
     pub fn run_program(
         &mut self,
@@ -257,7 +271,7 @@ impl Dispatch {
         kv: usize,
         flops: u64,
         out_len: usize,
-    ) -> Option<Vec<f32>> {
+    ) -> Option<Pass> {
         let gpu = self.gpu.clone()?;
         if !gpu.usable() || gpu.no_programs.get() || gpu.no_kv_cache.get() || self.no_caches || prog.caches != caches.len() {
             return None;
@@ -277,10 +291,18 @@ impl Dispatch {
         }
         let start = Instant::now();
         let batch = [DeviceSequence { rows: t as u32, start: pos as u32, caches: &ids }];
-        match gpu.device.run_program(prog.id, inputs, &batch) {
-            Ok(mut outs) if outs.first().is_some_and(|o| o.len() == out_len) => {
+        let top = prog.top.filter(|_| self.greedy && t == 1);
+        let answer = gpu.device.run_program(top.unwrap_or(prog.id), inputs, &batch).map(|mut outs| match outs.first_mut() {
+            Some(DeviceOutput::Rows(rows)) if top.is_none() && rows.len() == out_len => Some(Pass::Rows(std::mem::take(rows))),
+            Some(DeviceOutput::Top { indices, .. }) if top.is_some() && indices.len() == 1 && (indices[0] as usize) < out_len => {
+                Some(Pass::Top(indices[0]))
+            }
+            _ => None,
+        });
+        match answer {
+            Ok(Some(pass)) => {
                 self.ran_whole_pass((pos, t), caches, flops, start);
-                Some(outs.swap_remove(0))
+                Some(pass)
             }
             other => {
                 self.forget_device_caches();

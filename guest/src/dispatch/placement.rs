@@ -10,10 +10,14 @@ use crate::upload::{encode_rows, upload, upload_vector, uploadable};
 use std::collections::HashMap;
 
 /// A model's program on the device: its id, the caches each run brings, and the product of
-/// its output that stays with the guest (`head`: its weight is not on the device), if any.
+/// its output that stays with the guest (`head`: its weight is not on the device), if any;
+/// and the same program with its output read as the top value of each row (`top`), for a
+/// greedy step (the largest logit and its token: 8 bytes back in place of the vocabulary's
+/// logits), where the device has the head and made it.
 #[derive(Debug, Clone)]
 pub struct DeviceProgram {
     pub(super) id: usize,
+    pub(super) top: Option<usize>,
     pub(super) caches: usize,
     pub head: Option<WeightId>,
 }
@@ -77,7 +81,15 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
             gpu.device.free(v);
         }
     }
-    Some(DeviceProgram { id: made?, caches, head })
+    let id = made?;
+    let top = match head {
+        None => {
+            let top: Vec<Op> = ops.iter().map(|&op| if let Op::Output(x) = op { Op::TopK { x, k: 1 } } else { op }).collect();
+            gpu.device.create_program(&ids, caches as u32, &top).ok()
+        }
+        Some(_) => None,
+    };
+    Some(DeviceProgram { id, top, caches, head })
 }
 
 

@@ -10,7 +10,7 @@ pub mod rope;
 
 pub use attention::LayerCache;
 
-use crate::dispatch::{DeviceProgram, Dispatch};
+use crate::dispatch::{DeviceProgram, Dispatch, Pass};
 use crate::program::cpu::{self, Plan, Values};
 use crate::program::{Program, Tensors};
 use crate::gguf::{Gguf, TensorType};
@@ -357,7 +357,9 @@ pub struct PassState<'a> {
 /// dispatcher sends the batch there (see `Dispatch::run_program`), else the guest's CPU. The
 /// recipe's inputs are the tokens' embeddings (rows of `embd`) and the rotation `tables`, in
 /// order; the logits, when wanted, go to `buf.logits` (through the program's head product where
-/// the device does not hold it). `false`, with nothing run, as `<arch>::forward` says.
+/// the device does not hold it), or, for a greedy step the device ran in its `top` form, its
+/// token to `Dispatch::top` (`buf.logits` then stale). `false`, with nothing run, as
+/// `<arch>::forward` says.
 #[allow(clippy::too_many_arguments)]
 pub fn recipe_pass(
     w: &dyn Tensors,
@@ -377,15 +379,16 @@ pub fn recipe_pass(
         let head = prog.head.map(|id| w.matrix(id));
         let out_len = head.map_or(h.n_vocab, |m| m.n_in);
         let kv = h.n_head_kv * h.head_dim;
-        if let Some(out) = d.run_program(prog, &inputs, (t, pos), st.caches, kv, flops, out_len) {
-            match (want_logits, head) {
-                (true, Some(m)) => {
+        if let Some(pass) = d.run_program(prog, &inputs, (t, pos), st.caches, kv, flops, out_len) {
+            match (pass, want_logits, head) {
+                (Pass::Top(token), ..) => d.top = Some(token),
+                (Pass::Rows(out), true, Some(m)) => {
                     let start = std::time::Instant::now();
                     d.matmul(&out, 1, &mut [(m, &mut st.buf.logits)]);
                     d.counters.output_ns += start.elapsed().as_nanos() as u64;
                 }
-                (true, None) => st.buf.logits.copy_from_slice(&out),
-                (false, _) => {}
+                (Pass::Rows(out), true, None) => st.buf.logits.copy_from_slice(&out),
+                (Pass::Rows(_), false, _) => {}
             }
             return true;
         }

@@ -583,23 +583,29 @@ pub fn rotate(v: &mut [f32], width: usize, table: &[f32], table_width: usize, he
 }
 
 /// The top `k` of each row of `x` (rows of `width`): largest first, lower index first among
-/// equals, NaN below every number. One pass a row: a value enters the `k` kept (in order) only
-/// where it ranks above the last of them, and a later value never ranks above an equal one.
+/// equals, NaN below every number.
 pub fn top_k(x: &[f32], width: usize, k: usize) -> Output {
-    let rows = x.len() / width.max(1);
-    let mut values = Vec::with_capacity(rows * k);
-    let mut indices = Vec::with_capacity(rows * k);
-    // Whether value `a` ranks above `b`, a later one.
+    let rows = x.chunks_exact(width.max(1)).map(|row| row.iter().copied().zip(0u32..));
+    top_of(rows, k)
+}
+
+/// The top `k` of each row from candidates of the row (value, column) that come, among equal
+/// values, by column (a row's values in order, or its chunks' tops one chunk after another, as
+/// the wgpu host's `top_k_chunks` writes them): one pass a row, a candidate entering the `k`
+/// kept (in order) only where it ranks above the last of them.
+pub fn top_of<R: Iterator<Item = (f32, u32)>>(rows: impl Iterator<Item = R>, k: usize) -> Output {
+    let (mut values, mut indices) = (Vec::new(), Vec::new());
+    // Whether value `a` ranks above `b`, a candidate before it.
     let above = |a: f32, b: f32| !a.is_nan() && (b.is_nan() || a > b);
     let mut kept: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
-    for row in x.chunks_exact(width) {
+    for row in rows {
         kept.clear();
-        for (i, &v) in row.iter().enumerate() {
+        for (v, i) in row {
             if kept.len() == k && !kept.last().is_some_and(|&(last, _)| above(v, last)) {
                 continue;
             }
             let at = kept.partition_point(|&(w, _)| !above(v, w));
-            kept.insert(at, (v, i as u32));
+            kept.insert(at, (v, i));
             kept.truncate(k);
         }
         values.extend(kept.iter().map(|&(v, _)| v));

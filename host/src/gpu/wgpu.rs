@@ -138,6 +138,7 @@ enum Kernel {
     RmsNormRuns,
     RotateRows,
     CopyRows,
+    TopKChunks,
 }
 
 impl Kernel {
@@ -154,6 +155,7 @@ impl Kernel {
             Kernel::RmsNormRuns => "rms_norm_runs",
             Kernel::RotateRows => "rotate_rows",
             Kernel::CopyRows => "copy_rows",
+            Kernel::TopKChunks => "top_k_chunks",
         }
     }
 }

@@ -99,6 +99,8 @@ fn the_shaders_constants_are_rusts() {
         ("Q8X32", format_id(Format::Q8x32) as u64),
         ("Q8X16", format_id(Format::Q8x16) as u64),
         ("Q4X32", format_id(Format::Q4x32) as u64),
+        // The wgpu host's alone (the browser host takes a top-k on the host).
+        ("TOP_CHUNK", super::programs::TOP_CHUNK as u64),
     ];
     for &(name, v) in want.iter().chain(super::programs::SHADER_CONSTANTS) {
         assert_eq!(m.get(name), Some(&v), "{name} in matmul.wgsl");

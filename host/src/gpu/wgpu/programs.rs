@@ -8,7 +8,9 @@
 //! own. Products are the kernels `plan` picks (`product_into`); attention is `attention.wgsl`
 //! over each sequence's cache; the other ops are the small kernels at the end of
 //! `shaders/matmul.wgsl` (cache writes and last rows are `copy_rows`). Outputs are copied to
-//! one staging buffer; `top-k` is taken on the host from its row.
+//! one staging buffer. A `top-k` is each chunk's top on the device (`top_k_chunks`), of which
+//! the host takes the row's (a decode step reads back 2 KB, not the vocabulary's 1 MB); where
+//! that would read back more than the row, the host takes it from the row.
 //!
 //! Fusions (the host's business, not the contract's): an rms-norm with the add or the rotation
 //! that alone reads it, and a norm, the add after it and the norm of that sum (a block's norm
@@ -82,8 +84,31 @@ struct Readback {
     at: u64,
     /// Its values.
     values: u64,
-    /// For a `top-k`: its k and the width of a row.
-    top: Option<(u32, u32)>,
+    /// What they are.
+    top: Top,
+}
+
+/// What a [`Readback`] holds.
+#[derive(Clone, Copy)]
+enum Top {
+    /// The rows of an `output`.
+    No,
+    /// The rows of a `top-k`'s x, of `width` values, whose top `k` the host takes.
+    Rows { k: u32, width: u32 },
+    /// A `top-k`'s candidates, `per_row` (value, column) pairs a row, as `top_k_chunks`
+    /// writes them (see [`device_top`]).
+    Candidates { k: u32, per_row: u32 },
+}
+
+/// `top_k_chunks`'s chunk of a row (TOP_CHUNK in the shader).
+pub(super) const TOP_CHUNK: u32 = 1024;
+
+/// The candidates `top_k_chunks` writes a row for a top `k` of rows of `width`, where the
+/// device takes them: rows whose columns are exact as f32s (at most 2^24), and fewer values
+/// back than the row's (else the row comes back and the host takes its top).
+fn device_top(k: u32, width: u32) -> Option<u32> {
+    let per_row = 2 * width.div_ceil(TOP_CHUNK) as u64 * k.min(TOP_CHUNK) as u64;
+    (width <= 1 << 24 && per_row < width as u64).then_some(per_row as u32)
 }
 
 /// How the recorder fuses an op with the one after it (the host's business, not the
@@ -361,6 +386,7 @@ impl WgpuBackend {
             (Kernel::RotateRows, Format::F32),
             (Kernel::CopyRows, Format::F32),
             (Kernel::SumPlanes, Format::F32),
+            (Kernel::TopKChunks, Format::F32),
         ];
         for op in &p.ops {
             if let Op::Matmul { weight, precision, .. } = *op {
@@ -506,10 +532,21 @@ impl WgpuBackend {
                 }
             }
         }
-        let out_bytes: u64 = p.ops.iter().map(|op| match *op {
-            Op::Output(x) | Op::TopK { x, .. } => bytes_of(x),
-            _ => 0,
-        }).sum();
+        // A top-k's candidates are written to the partial sums' buffer, then copied.
+        let read_bytes = |op: &Op| match *op {
+            Op::TopK { x, k } => match device_top(k, width(x)) {
+                Some(per_row) => (4 * per_row as u64 * rows_of(x) as u64, Top::Candidates { k, per_row }),
+                None => (bytes_of(x), Top::Rows { k, width: width(x) }),
+            },
+            Op::Output(x) => (bytes_of(x), Top::No),
+            _ => (0, Top::No),
+        };
+        for op in &p.ops {
+            if let (bytes, Top::Candidates { .. }) = read_bytes(op) {
+                parts_bytes = parts_bytes.max(align_up(bytes, 16));
+            }
+        }
+        let out_bytes: u64 = p.ops.iter().map(|op| read_bytes(op).0).sum();
         if lay.bytes.iter().chain([&parts_bytes, &out_bytes]).any(|&b| b > max) {
             return Err(GpuError::OutOfMemory(format!("a run of {total} rows needs buffers past the device's limit of {max} bytes")));
         }
@@ -525,7 +562,8 @@ impl WgpuBackend {
             .enumerate()
             .map(|(s, &b)| Self::ensure(&self.device, &mut m.slots[s], b, cap, usage, "program values"))
             .collect();
-        let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, wgpu::BufferUsages::STORAGE, "partial sums");
+        let parts_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+        let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, parts_usage, "partial sums");
         let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "run staging");
         let input_ops = p.ops.iter().enumerate().filter(|(_, op)| matches!(op, Op::Input { .. }));
@@ -668,14 +706,19 @@ impl WgpuBackend {
                     }
                 }
                 Op::Output(x) | Op::TopK { x, .. } => {
+                    let (n, top) = read_bytes(op);
+                    let from = match top {
+                        Top::Candidates { k, .. } => {
+                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(x), y: whole(&parts, n) });
+                            let params = Params { n_out: width(x), t: rows_of(x), row_quads: k, ..rows_params(0) };
+                            rec.rows(max_dim, Kernel::TopKChunks, bind, params, width(x).div_ceil(TOP_CHUNK));
+                            (&parts, 0)
+                        }
+                        _ => (value(x), at(x)),
+                    };
                     rec.close_kernels(open);
                     open = rec.dispatches.len();
-                    let n = bytes_of(x);
-                    rec.commands.push(Command::Copy(value(x).clone(), at(x), staging.clone(), out_at, n));
-                    let top = match *op {
-                        Op::TopK { k, .. } => Some((k, width(x))),
-                        _ => None,
-                    };
+                    rec.commands.push(Command::Copy(from.0.clone(), from.1, staging.clone(), out_at, n));
                     outputs.push(Readback { at: out_at, values: n / 4, top });
                     out_at += n;
                 }
@@ -697,8 +740,15 @@ impl WgpuBackend {
                 .map(|&Readback { at, values, top }| {
                     let v = bytemuck::pod_collect_to_vec::<u8, f32>(&view[at as usize..(at + 4 * values) as usize]);
                     match top {
-                        Some((k, w)) => program::top_k(&v, w as usize, k as usize),
-                        None => Output::Rows(v),
+                        Top::No => Output::Rows(v),
+                        Top::Rows { k, width } => program::top_k(&v, width as usize, k as usize),
+                        Top::Candidates { k, per_row } => {
+                            // Pairs of (value, column as f32; -1 for none).
+                            let rows = v.chunks_exact(per_row as usize).map(|row| {
+                                row.chunks_exact(2).filter(|c| c[1] >= 0.0).map(|c| (c[0], c[1] as u32))
+                            });
+                            program::top_of(rows, k as usize)
+                        }
                     }
                 })
                 .collect()

@@ -406,20 +406,39 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
     Ok(format!("{n} programs of one op each: products of every format in both precisions, products of one input side by side, norms, sums, gates, rotations, last rows"))
 }
 
-/// `top-k` of inputs with ties and NaN: exactly the documented order.
+/// `top-k` of inputs with ties, both zeros, infinities and NaN: exactly the documented order,
+/// for rows narrow and wide (a vocabulary's: hosts may take the top in pieces), k small and
+/// large, and a row of NaN alone.
 pub fn top_k(ctx: &mut Ctx) -> Check<String> {
-    let width = ctx.rng.range(8, 300);
-    let k = ctx.rng.range(1, width.min(50));
-    let p = create("top-k", &[], 0, &[Op::Input(width), Op::TopK(TopKOp { x: 0, k })])?;
-    let batch = [Seq { rows: 3, start: 0 }];
-    // Values from a few levels, so that ties are common, and a NaN in each row.
-    let mut x: Vec<f32> = (0..3 * width).map(|_| ctx.rng.range(0, 9) as f32 - 4.0).collect();
-    for r in 0..3 {
-        x[(r * width + ctx.rng.range(0, width - 1)) as usize] = f32::NAN;
+    let mut cases = Vec::new();
+    for (widths, ks) in [((8, 300), (1, 50)), ((1000, 9000), (1, 64)), ((2048, 5000), (200, 1024))] {
+        let width = ctx.rng.range(widths.0, widths.1);
+        let k = ctx.rng.range(ks.0, ks.1.min(width));
+        top_k_case(ctx, width, k)?;
+        cases.push(format!("{k} of {width}"));
     }
+    Ok(format!("top {} of rows with ties, zeros of both signs, infinities and NaN, in the documented order", cases.join(", ")))
+}
+
+fn top_k_case(ctx: &mut Ctx, width: u32, k: u32) -> Check<()> {
+    let p = create("top-k", &[], 0, &[Op::Input(width), Op::TopK(TopKOp { x: 0, k })])?;
+    let rows = 4;
+    let batch = [Seq { rows, start: 0 }];
+    // Values from a few levels, so that ties are common, and in each row NaN, both zeros and
+    // both infinities; the last row NaN alone.
+    let mut x: Vec<f32> = (0..rows * width).map(|_| ctx.rng.range(0, 9) as f32 - 4.0).collect();
+    for r in 0..rows - 1 {
+        for v in [f32::NAN, f32::NAN, -0.0, 0.0, f32::INFINITY, f32::NEG_INFINITY] {
+            x[(r * width + ctx.rng.range(0, width - 1)) as usize] = v;
+        }
+    }
+    x[((rows - 1) * width) as usize..].fill(f32::NAN);
     let got = run("top-k", &p, &[x.clone()], &seqs(&batch, &[Vec::new()]))?;
     let Some(Output::Top(t)) = got.first() else { return fail("top-k returned no top") };
-    for r in 0..3usize {
+    if t.indices.len() != (rows * k) as usize || t.values.len() != t.indices.len() {
+        return fail(format!("top-k {k} of {rows} rows: {} indices and {} values", t.indices.len(), t.values.len()));
+    }
+    for r in 0..rows as usize {
         let row = &x[r * width as usize..(r + 1) * width as usize];
         let mut order: Vec<u32> = (0..width).filter(|&i| !row[i as usize].is_nan()).collect();
         order.sort_by(|a, b| row[*b as usize].partial_cmp(&row[*a as usize]).unwrap_or(std::cmp::Ordering::Equal).then(a.cmp(b)));
@@ -427,10 +446,15 @@ pub fn top_k(ctx: &mut Ctx) -> Check<String> {
         let want = &order[..k as usize];
         let ids = &t.indices[r * k as usize..(r + 1) * k as usize];
         if ids != want {
-            return fail(format!("top-k {k} of row {r}: indices {ids:?}; the documented order gives {want:?}"));
+            let first = ids.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+            return fail(format!("top-k {k} of row {r} of {width}: index {first} is {}; the documented order gives {}", ids[first], want[first]));
+        }
+        let values = &t.values[r * k as usize..(r + 1) * k as usize];
+        if let Some(j) = (0..k as usize).find(|&j| values[j].to_bits() != row[want[j] as usize].to_bits() && !(values[j].is_nan() && row[want[j] as usize].is_nan())) {
+            return fail(format!("top-k {k} of row {r} of {width}: value {j} is {}, column {}'s is {}", values[j], want[j], row[want[j] as usize]));
         }
     }
-    Ok(format!("k {k} of rows of {width} with ties and NaN, in the documented order"))
+    Ok(())
 }
 
 /// `cache-write` and `attention` over two runs (a prompt chunk, then single rows), grouped
