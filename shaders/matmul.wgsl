@@ -1014,8 +1014,9 @@ fn rotate_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup
 }
 
 // Copies rows: row row_quads + r of x (rows of n_out values) to row (scale_row + r) % x_stride
-// of y, for r < t: a program's cache writes (into a kv-cache's ring) and its last rows. One
-// invocation an element.
+// of y, for r < t, and where n_in is not 0 the same row of `scales` to that row of y from
+// element n_in on: a program's cache writes (keys and values into a kv-cache's ring, the
+// values from n_in) and its last rows. One invocation an element.
 @compute @workgroup_size(64)
 fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
@@ -1025,7 +1026,11 @@ fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
         return;
     }
     let to = (params.scale_row + r) % params.x_stride;
-    y[to * n + j] = x_at((params.row_quads + r) * n + j);
+    let src = (params.row_quads + r) * n + j;
+    y[to * n + j] = x_at(src);
+    if (params.n_in != 0u) {
+        y[params.n_in + to * n + j] = scales[src];
+    }
 }
 
 // A `top-k` op's candidates: the rows of x (t rows of n_out values) in chunks of TOP_CHUNK

@@ -737,6 +737,9 @@ fn programs_split_over_k_match_the_cpu() {
             weights.iter().map(|(w, ..)| if w.format == Format::F32 && w.n_out == 1 { w.decoded.clone() } else { Vec::new() }).collect();
         let vectors: Vec<&[f32]> = vectors.iter().map(Vec::as_slice).collect();
         gpu.prepare_program(&on_gpu).expect("the program's pipelines");
+        // The biased block's keys and values in two buffers (two cache writes), the others' in
+        // one.
+        gpu.set_joint_caches(normed);
         let caches = (gpu.create_cache(slots, nkv).expect("cache"), cpu.create_cache(slots, nkv).expect("cache"));
         for (t, pos) in [(130u32, 0u32), (1, 130)] {
             let x: Vec<f32> = (0..t * e).map(|_| rng.unit()).collect();

@@ -317,6 +317,9 @@ pub struct WgpuBackend {
     joints: HashMap<Vec<BufferId>, (BufferId, Vec<u32>)>,
     /// Whether programs' products of one input are joined (WISP_JOINTS=0: not, to compare).
     join: bool,
+    /// Whether a kv-cache keeps its keys and values in one buffer where both fit one binding
+    /// (see `attention::Cache`); off only in tests, for the other way.
+    joint_caches: bool,
     scratch: Scratch,
     /// The `attention` pipeline and its buffers.
     attn: attention::Attention,
@@ -579,6 +582,7 @@ impl WgpuBackend {
             next: 0,
             joints: HashMap::new(),
             join: !std::env::var("WISP_JOINTS").is_ok_and(|v| v == "0"),
+            joint_caches: true,
             scratch: Scratch::default(),
             attn: attention::Attention::default(),
             recorded: record::Buffers::default(),
@@ -640,6 +644,13 @@ impl WgpuBackend {
         }
         self.gemm = gemm;
         Ok(())
+    }
+
+    /// Whether the kv-caches made from now on keep keys and values in one buffer where both
+    /// fit one binding (the default: a program's cache write is then one dispatch) or in two,
+    /// so that both ways can be tested on any device.
+    pub fn set_joint_caches(&mut self, on: bool) {
+        self.joint_caches = on;
     }
 
     /// Whether a readback polls for up to a millisecond before it blocks: `new` picks it on

@@ -53,13 +53,31 @@ pub(super) struct Params {
 }
 pub(super) const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
-/// A `kv-cache`: keys and values, `[slots, width]` f32 each.
+/// A `kv-cache`: keys and values, `[slots, width]` f32 each. Where both fit one binding they
+/// are one buffer (`v` is `k`, the values from `v_at`, where a binding may start), so that a
+/// program's cache write is one dispatch; else two buffers (`v_at` 0).
 pub(super) struct Cache {
     pub(super) slots: u32,
     pub(super) width: u32,
     pub(super) k: wgpu::Buffer,
     pub(super) v: wgpu::Buffer,
+    pub(super) v_at: u64,
 }
+
+impl Cache {
+    /// The bytes of the keys (and of the values).
+    pub(super) fn half(&self) -> u64 {
+        4 * self.slots as u64 * self.width as u64
+    }
+
+    /// Whether keys and values are one buffer.
+    pub(super) fn joint(&self) -> bool {
+        self.v_at > 0
+    }
+}
+
+/// Keys and values bound: (buffer, byte offset) of each, and the bytes of each.
+pub(super) type KvBound<'a> = ((&'a wgpu::Buffer, u64), (&'a wgpu::Buffer, u64), u64);
 
 /// The pipeline (built on first use), the buffers kept across calls, and the `kv-cache`s.
 #[derive(Default)]
@@ -130,14 +148,21 @@ impl WgpuBackend {
         if bytes == 0 || bytes > self.info.max_weight_bytes {
             return Err(GpuError::OutOfMemory(format!("a kv-cache half of {bytes} bytes does not fit the device")));
         }
+        let v_at = super::align_up(bytes, self.limits.min_storage_buffer_offset_alignment.max(4) as u64);
+        let joint = self.joint_caches && v_at + bytes <= self.info.max_weight_bytes;
         let scopes = push_scopes(&self.device);
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
-        let make = |label| self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size: bytes, usage, mapped_at_creation: false });
-        let (k, v) = (make("kv-cache keys"), make("kv-cache values"));
+        let make = |label, size| self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false });
+        let (k, v, v_at) = if joint {
+            let kv = make("kv-cache", v_at + bytes);
+            (kv.clone(), kv, v_at)
+        } else {
+            (make("kv-cache keys", bytes), make("kv-cache values", bytes), 0)
+        };
         self.finish(scopes)?;
         let id = self.next;
         self.next += 1;
-        self.attn.caches.insert(id, Cache { slots, width, k, v });
+        self.attn.caches.insert(id, Cache { slots, width, k, v, v_at });
         Ok(id)
     }
 
@@ -164,10 +189,9 @@ impl WgpuBackend {
         if k_new.len() != v_new.len() || rows as u64 > slots || s.n_keys as u64 > slots {
             return Err(GpuError::InvalidArgument(format!("{rows} new rows or {} keys do not fit {slots} slots", s.n_keys)));
         }
-        let (kb, vb) = (c.k.clone(), c.v.clone());
+        let (kb, vb, v_at, bytes) = (c.k.clone(), c.v.clone(), c.v_at, c.half());
         self.write_rows_of_cache(cache, first_new, k_new, v_new)?;
-        let bytes = 4 * slots * width as u64;
-        self.attend_over(q, (&kb, &vb, bytes), s, (first_key as u64 % slots) as u32, slots as u32)
+        self.attend_over(q, ((&kb, 0), (&vb, v_at), bytes), s, (first_key as u64 % slots) as u32, slots as u32)
     }
 
     /// See [`crate::gpu::Backend::write_cache`]: whole rows of keys and values written into
@@ -185,17 +209,17 @@ impl WgpuBackend {
         if rows == 0 {
             return Ok(());
         }
-        let (kb, vb) = (c.k.clone(), c.v.clone());
+        let (kb, vb, v_at) = (c.k.clone(), c.v.clone(), c.v_at);
         let scopes = push_scopes(&self.device);
         let start = (first as u64 % slots) as usize;
         let head = rows.min(slots as usize - start);
-        for (buf, data) in [(&kb, k_new), (&vb, v_new)] {
+        for (buf, base, data) in [(&kb, 0, k_new), (&vb, v_at, v_new)] {
             let (a, b) = data.split_at(head * width);
             if !a.is_empty() {
-                self.queue.write_buffer(buf, (start * width * 4) as u64, bytemuck::cast_slice(a));
+                self.queue.write_buffer(buf, base + (start * width * 4) as u64, bytemuck::cast_slice(a));
             }
             if !b.is_empty() {
-                self.queue.write_buffer(buf, 0, bytemuck::cast_slice(b));
+                self.queue.write_buffer(buf, base, bytemuck::cast_slice(b));
             }
         }
         self.finish(scopes)
@@ -257,37 +281,38 @@ impl WgpuBackend {
 
     /// The layout and pipelines of attention, and a bind group of its buffers: the plan's
     /// parameters in `params` (from byte 0 of the binding), queries (buffer and offset), keys,
-    /// values (`kv`: buffers and bytes bound) and outputs (buffer and offset).
+    /// values (`kv`: buffers and offsets, and the bytes bound of each) and outputs (buffer and
+    /// offset).
     pub(super) fn attention_group(
         &mut self,
         plan: &Plan,
         params: &wgpu::Buffer,
         (q, q_at): (&wgpu::Buffer, u64),
-        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
+        kv: KvBound,
         (out, out_at): (&wgpu::Buffer, u64),
     ) -> Result<(wgpu::BindGroup, Pipelines), GpuError> {
         let (layout, attend, merge) = self.attention_pipeline()?;
-        let (kb, vb, kv_bytes) = kv;
+        let ((kb, k_at), (vb, v_at), kv_bytes) = kv;
         let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("attention"),
             layout: &layout,
             entries: &[
                 wgpu::BindGroupEntry { binding: 0, resource: binding(params, 0, PARAMS_BYTES) },
                 wgpu::BindGroupEntry { binding: 1, resource: binding(q, q_at, plan.q_bytes) },
-                wgpu::BindGroupEntry { binding: 2, resource: binding(kb, 0, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 3, resource: binding(vb, 0, kv_bytes) },
+                wgpu::BindGroupEntry { binding: 2, resource: binding(kb, k_at, kv_bytes) },
+                wgpu::BindGroupEntry { binding: 3, resource: binding(vb, v_at, kv_bytes) },
                 wgpu::BindGroupEntry { binding: 4, resource: binding(out, out_at, plan.out_bytes) },
             ],
         });
         Ok((group, Pipelines { attend, merge }))
     }
 
-    /// The attention kernel over `q` and keys and values in `kv` (buffers and bytes bound):
-    /// key `j` in row `(first_slot + j) % slots`.
+    /// The attention kernel over `q` and keys and values in `kv` (see [`KvBound`]): key `j`
+    /// in row `(first_slot + j) % slots`.
     fn attend_over(
         &mut self,
         q: &[f32],
-        kv: (&wgpu::Buffer, &wgpu::Buffer, u64),
+        kv: KvBound,
         s: &AttentionShape,
         first_slot: u32,
         slots: u32,

@@ -676,10 +676,19 @@ impl WgpuBackend {
                     for q in batch {
                         let (id, slots, _) = q.caches[cache as usize];
                         let c = self.attn.caches.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
-                        for (from, to) in [(k, &c.k), (v, &c.v)] {
-                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(from), y: whole(to, to.size()) });
-                            let params = Params { n_out: w, t: q.rows, row_quads: row, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
-                            rec.rows(max_dim, Kernel::CopyRows, bind, params, w.div_ceil(WORKGROUP));
+                        let params = Params { n_out: w, t: q.rows, row_quads: row, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
+                        let groups = w.div_ceil(WORKGROUP);
+                        if c.joint() {
+                            // Keys from x, values from `scales` to the cache's from n_in: one
+                            // dispatch.
+                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: bound(v), x: bound(k), y: entire(&c.k) });
+                            let v_from = u32::try_from(c.v_at / 4).map_err(|_| GpuError::OutOfMemory(format!("a kv-cache of {} bytes", c.k.size())))?;
+                            rec.rows(max_dim, Kernel::CopyRows, bind, Params { n_in: v_from, ..params }, groups);
+                        } else {
+                            for (from, to) in [(k, &c.k), (v, &c.v)] {
+                                let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(from), y: entire(to) });
+                                rec.rows(max_dim, Kernel::CopyRows, bind, params, groups);
+                            }
                         }
                         row += q.rows;
                     }

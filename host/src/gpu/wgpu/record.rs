@@ -391,23 +391,19 @@ impl WgpuBackend {
                 .caches
                 .get(&a.cache)
                 .ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {}", a.cache)))?;
-            let (k, v, kv_bytes) = (
-                c.k.clone(),
-                c.v.clone(),
-                4 * c.slots as u64 * c.width as u64,
-            );
+            let (k, v, v_at, kv_bytes) = (c.k.clone(), c.v.clone(), c.v_at, c.half());
             let key = [
                 (apb.clone(), 0, 0),
                 (a.q.0.clone(), a.q.1, p.q_bytes),
                 (k.clone(), 0, kv_bytes),
-                (v.clone(), 0, kv_bytes),
+                (v.clone(), v_at, kv_bytes),
                 (a.out.0.clone(), a.out.1, p.out_bytes),
             ];
             if let Some(g) = self.recorded.attention.get(&key) {
                 attention_groups.push(g.clone());
                 continue;
             }
-            let made = self.attention_group(p, &apb, (&a.q.0, a.q.1), (&k, &v, kv_bytes), (&a.out.0, a.out.1))?;
+            let made = self.attention_group(p, &apb, (&a.q.0, a.q.1), ((&k, 0), (&v, v_at), kv_bytes), (&a.out.0, a.out.1))?;
             let m = &mut self.recorded;
             if m.attention.len() >= MAX_CACHED_GROUPS {
                 m.attention.clear();
