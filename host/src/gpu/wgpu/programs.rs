@@ -33,8 +33,10 @@ use crate::gpu::{Activation, AttentionShape, BufferId, Format, GpuError, Rotatio
 use std::ops::Range;
 
 /// Dispatches a command buffer holds before it is submitted, at the next op's boundary: the
-/// device starts on the first ops while the host records the rest.
+/// device starts on the first ops while the host records the rest. The first is submitted
+/// sooner: until then the device waits.
 const SUBMIT_DISPATCHES: usize = 48;
+const SUBMIT_FIRST: usize = 8;
 
 /// `elementwise_rows`'s op codes (OP_* in the shader).
 const OP_ADD: u32 = 0;
@@ -732,7 +734,8 @@ impl WgpuBackend {
                     out_at += n;
                 }
             }
-            if rec.dispatches.len() - submitted >= SUBMIT_DISPATCHES && i + 1 < p.ops.len() {
+            let batch = if submitted == 0 { SUBMIT_FIRST } else { SUBMIT_DISPATCHES };
+            if rec.dispatches.len() - submitted >= batch && i + 1 < p.ops.len() {
                 rec.close_kernels(open);
                 open = rec.dispatches.len();
                 submitted = open;
