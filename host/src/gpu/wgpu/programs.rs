@@ -102,6 +102,12 @@ enum Top {
     Candidates { k: u32, per_row: u32 },
 }
 
+/// The rows of the run whose buffers a program's making sizes ([`WgpuBackend::size_buffers`]):
+/// the largest pass of a prompt the guest sends (its DEVICE_BATCH).
+const PREPARED_ROWS: u32 = 512;
+/// The most bytes of outputs a program's sizing provides for.
+const PREPARED_READBACK: u64 = 16 << 20;
+
 /// `top_k_chunks`'s chunk of a row (TOP_CHUNK in the shader).
 pub(super) const TOP_CHUNK: u32 = 1024;
 
@@ -423,6 +429,7 @@ impl WgpuBackend {
         if p.ops.iter().any(|op| matches!(op, Op::Attention { .. })) {
             self.attention_pipeline()?;
         }
+        self.size_buffers(p);
         Ok(())
     }
 
@@ -431,6 +438,37 @@ impl WgpuBackend {
         &mut self,
         p: &Program,
         inputs: &[Vec<f32>],
+        batch: &[SequenceRun],
+    ) -> Result<Vec<Output>, GpuError> {
+        self.recorded_run(p, Some(inputs), batch)
+    }
+
+    /// Makes the buffers a run of `p` over one sequence of PREPARED_ROWS rows needs, as that
+    /// run would (nothing recorded, no cache touched): a process's first prompt then finds
+    /// them made (H200: making them took 18-23 ms of its first 512-token pass, as long as
+    /// the pass itself). Best effort: a program too large for it is sized by its first run.
+    fn size_buffers(&mut self, p: &Program) {
+        // Not for a program that reads back every row (a vocabulary's logits for each of 512
+        // rows would be 512 MB): sized by its first run, as it uses it.
+        let read_back: u64 = p.ops.iter().map(|op| match *op {
+            Op::Output(x) | Op::TopK { x, .. } => p.shapes[x].map_or(0, |s| 4 * s.width as u64 * if s.rows == Rows::Sequence { 1 } else { PREPARED_ROWS as u64 }),
+            _ => 0,
+        }).sum();
+        if read_back > PREPARED_READBACK {
+            return;
+        }
+        let caches = p.caches.iter().map(|c| (0, PREPARED_ROWS, c.width.unwrap_or(0))).collect();
+        let batch = [SequenceRun { rows: PREPARED_ROWS, start: 0, caches }];
+        if self.records(p, &batch) {
+            let _ = self.recorded_run(p, None, &batch);
+        }
+    }
+
+    /// [`Self::run_recorded`], or with no inputs [`Self::size_buffers`]'s sizing alone.
+    fn recorded_run(
+        &mut self,
+        p: &Program,
+        inputs: Option<&[Vec<f32>]>,
         batch: &[SequenceRun],
     ) -> Result<Vec<Output>, GpuError> {
         self.last_kernel_ns = None;
@@ -568,6 +606,9 @@ impl WgpuBackend {
         let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, parts_usage, "partial sums");
         let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "run staging");
+        let Some(inputs) = inputs else {
+            return self.finish(scopes).map(|_| Vec::new());
+        };
         let input_ops = p.ops.iter().enumerate().filter(|(_, op)| matches!(op, Op::Input { .. }));
         for ((i, _), x) in input_ops.zip(inputs) {
             self.queue.write_buffer(&slots[lay.slot[i]], 0, bytemuck::cast_slice(x));
