@@ -457,9 +457,14 @@ impl WgpuBackend {
         if read_back > PREPARED_READBACK {
             return;
         }
-        let caches = p.caches.iter().map(|c| (0, PREPARED_ROWS, c.width.unwrap_or(0))).collect();
+        let caches: Vec<_> = p.caches.iter().map(|c| (0, PREPARED_ROWS, c.width.unwrap_or(0))).collect();
         let batch = [SequenceRun { rows: PREPARED_ROWS, start: 0, caches }];
-        if self.records(p, &batch) {
+        // Only what a run of those rows may ask for: each value within the device's limit
+        // (as `check_batch` holds a run's), whatever the guest's program.
+        let max_elems = self.info.max_activation_elements;
+        let rows = |s: &program::Shape| if s.rows == Rows::Token { PREPARED_ROWS as u64 } else { 1 };
+        let within = p.shapes.iter().flatten().all(|s| s.width as u64 * rows(s) <= max_elems);
+        if within && self.records(p, &batch) {
             let _ = self.recorded_run(p, None, &batch);
         }
     }
