@@ -62,8 +62,8 @@ pub struct QActs {
     pub s: Vec<f32>,
     /// `[t, n / 32]`: the exact sum of each block, for weight formats with mins.
     pub sum: Vec<f32>,
-    /// `s` and `sum` regrouped for kernels that run 4 tokens at once:
-    /// `[t / 4, n / 32, 4]`, the 4 tokens of a group side by side.
+    /// `s` and `sum` regrouped for kernels that run 4 tokens at once: `[t / 4, n / 32, 4]`,
+    /// the 4 tokens of a group side by side.
     pub s4: Vec<f32>,
     pub sum4: Vec<f32>,
 }
@@ -91,14 +91,13 @@ impl QActs {
             *sum = total;
         }
         let nb = n / 32;
-        let groups = t / 4;
-        self.s4.resize(groups * nb * 4, 0.0);
-        self.sum4.resize(groups * nb * 4, 0.0);
-        for g in 0..groups {
-            for b in 0..nb {
-                for i in 0..4 {
-                    self.s4[(g * nb + b) * 4 + i] = self.s[(4 * g + i) * nb + b];
-                    self.sum4[(g * nb + b) * 4 + i] = self.sum[(4 * g + i) * nb + b];
+        for (four, one) in [(&mut self.s4, &self.s), (&mut self.sum4, &self.sum)] {
+            four.resize(t / 4 * nb * 4, 0.0);
+            for (g, group) in four.chunks_exact_mut(nb * 4).enumerate() {
+                for (b, lanes) in group.chunks_exact_mut(4).enumerate() {
+                    for (i, v) in lanes.iter_mut().enumerate() {
+                        *v = one[(4 * g + i) * nb + b];
+                    }
                 }
             }
         }
@@ -356,6 +355,43 @@ mod tests {
                         assert!(
                             ((a - b) as f64).abs() <= tol,
                             "{kind:?} t={t} token {tok} row {r}: simd {a} vs scalar {b} (tol {tol})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A token's products do not depend on the tokens beside it (batch invariance): each row of
+    /// a product over `t` tokens, whichever kernel ran it (one token, or four at once), equals
+    /// bit for bit the product of that token alone, for every weight format and storage.
+    #[test]
+    fn a_tokens_products_do_not_depend_on_its_batch() {
+        let mut rng = Rng(seed());
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+            let (block, _) = kind.block();
+            // Block counts with and without a remainder of the kernels' groups of four blocks.
+            for blocks in [1usize, 4, 5, 8, 11] {
+                let n_in = 32 * blocks.max(block as usize / 32);
+                let n_in = n_in.div_ceil(block as usize) * block as usize;
+                let n_out = 1 + (rng.next_u64() % 6) as usize;
+                let data = random_blocks(kind, n_out * n_in, &mut rng);
+                let q = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                for t in [2usize, 4, 5, 8, 9, 13] {
+                    let x = activations(&mut rng, t * n_in);
+                    let mut acts = QActs::default();
+                    acts.quantize(&x, t, n_in);
+                    let mut y = vec![0f32; t * n_out];
+                    matmul_q(&q, &acts, &mut RowScratch::default(), &mut y);
+                    for tok in 0..t {
+                        let mut one = QActs::default();
+                        one.quantize(&x[tok * n_in..(tok + 1) * n_in], 1, n_in);
+                        let mut y1 = vec![0f32; n_out];
+                        matmul_q(&q, &one, &mut RowScratch::default(), &mut y1);
+                        let row = &y[tok * n_out..(tok + 1) * n_out];
+                        assert!(
+                            row.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{kind:?} [{n_out}, {n_in}] token {tok} of {t}: {row:?} in the batch, {y1:?} alone"
                         );
                     }
                 }

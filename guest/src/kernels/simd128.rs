@@ -240,15 +240,32 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
             acc = f32x4_add(acc, f32x4_mul(sums, scale));
             b += 4;
         }
-        let mut out = hsum(acc);
-        // The last blocks of a row whose block count is not a multiple of 4.
+        tail_g32::<V, F16, MINS>(row, n, x, tok, b, hsum(acc))
+    }
+}
+
+/// `sum(m[b] * sums[b])` over a row's blocks, in block order from -0.0: the mins' term of a
+/// token's product (`dot_row_x4` sums four tokens' the same way, lane by lane).
+#[inline(always)]
+fn mins_dot(m: &[f32], sums: &[f32]) -> f32 {
+    m.iter().zip(sums).fold(-0.0, |acc, (m, s)| acc + m * s)
+}
+
+/// The end of `dot_row_g32` from block `b` on, `out` the sum of the blocks before: the last
+/// blocks of a row whose block count is not a multiple of 4, then the mins.
+#[inline(always)]
+unsafe fn tail_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usize, mut b: usize, mut out: f32) -> f32 {
+    let nb = n / QK;
+    unsafe {
+        let xq = x.q.as_ptr().add(tok * n);
+        let xs = x.s.as_ptr().add(tok * nb);
         while b < nb {
             let p = products32(&widen(block_i8::<V>(row, b, plane::<V>(row, b), (b % 4) as u32)), xq.add(QK * b));
             out += hsum(f32x4_convert_i32x4(p)) * scale::<F16>(row, b) * *xs.add(b);
             b += 1;
         }
         if MINS {
-            out -= super::scalar::dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
+            out -= mins_dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
         }
         out
     }
@@ -285,32 +302,47 @@ unsafe fn dot_row_g16<const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usiz
             acc = f32x4_add(acc, f32x4_mul(p, xs4));
             b += 4;
         }
-        let mut out = hsum(acc);
+        tail_g16::<MINS>(row, n, x, tok, b, hsum(acc))
+    }
+}
+
+/// The end of `dot_row_g16` from block `b` on, as `tail_g32` is of `dot_row_g32`.
+#[inline(always)]
+unsafe fn tail_g16<const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usize, mut b: usize, mut out: f32) -> f32 {
+    let nb = n / QK;
+    unsafe {
+        let xq = x.q.as_ptr().add(tok * n);
+        let xs = x.s.as_ptr().add(tok * nb);
+        let d = row.d32;
         while b < nb {
-            let (a, x0) = block(b);
-            let (lo, hi) = products(&a, x0);
+            let a = widen(block_i8::<I8>(row, b, i8x16_splat(0), 0));
+            let (lo, hi) = products(&a, xq.add(QK * b));
             let (lo, hi) = (hsum(f32x4_convert_i32x4(lo)), hsum(f32x4_convert_i32x4(hi)));
             out += (lo * *d.add(2 * b) + hi * *d.add(2 * b + 1)) * *xs.add(b);
             b += 1;
         }
         if MINS {
-            out -= super::scalar::dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
+            out -= mins_dot(core::slice::from_raw_parts(row.m, nb), &x.sum[tok * nb..(tok + 1) * nb]);
         }
         out
     }
 }
 
-/// `row` (i8 values, f32 scales) against the 4 token rows of group `g` of `x` (tokens
-/// `4g..4g + 4`): each block is widened once for the four tokens, and the four tokens' block
-/// sums are reduced and scaled together. Returns the four outputs.
+/// `row` (i8 values, f32 scales) against the 4 token rows `tok..tok + 4` of `x`, one token a
+/// lane: each block is widened once for the four tokens, and the four tokens' block sums are
+/// reduced and scaled together. Each token's output is the very value the one-token kernel
+/// (`dot_row_g32::<I8, false, MINS>`, `dot_row_g16::<MINS>`) gives it: the same block sums,
+/// scaled alike, added into four accumulators by block modulo 4 and those summed in the order
+/// of its `hsum`, then the same tail. A token's products so do not depend on the tokens beside
+/// it in a batch.
 #[inline(always)]
-unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &QActs, g: usize) -> v128 {
+unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &QActs, tok: usize) -> [f32; 4] {
     let nb = n / QK;
     unsafe {
-        let xq = x.q.as_ptr().add(4 * g * n);
-        let s4 = x.s4.as_ptr().add(g * nb * 4);
-        let mut acc = f32x4_splat(0.0);
-        for b in 0..nb {
+        let xq = x.q.as_ptr().add(tok * n);
+        let s4 = x.s4.as_ptr().add(tok / 4 * nb * 4);
+        // Block `b`'s term of the four tokens.
+        let term = |b: usize| {
             let a = widen(block_i8::<I8>(row, b, i8x16_splat(0), 0));
             let x0 = xq.add(QK * b);
             let xs4 = v128_load(s4.add(4 * b) as *const v128);
@@ -323,7 +355,7 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &
                         products32(&a, x0.add(3 * n)),
                     );
                     let d = f32x4_splat(*row.d32.add(b));
-                    acc = f32x4_add(acc, f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4)));
+                    f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4))
                 }
                 true => {
                     let (l0, h0) = products(&a, x0);
@@ -335,15 +367,52 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &
                     let d0 = f32x4_splat(*row.d32.add(2 * b));
                     let d1 = f32x4_splat(*row.d32.add(2 * b + 1));
                     let p = f32x4_add(f32x4_mul(s_lo, d0), f32x4_mul(s_hi, d1));
-                    acc = f32x4_add(acc, f32x4_mul(p, xs4));
+                    f32x4_mul(p, xs4)
                 }
             }
+        };
+        // The mins' products of the four tokens, summed as `mins_dot` sums one token's.
+        let sum4 = x.sum4.as_ptr().add(tok / 4 * nb * 4);
+        let mut mins = f32x4_splat(-0.0);
+        let mut min = |b: usize| {
             if MINS {
-                let m = f32x4_splat(*row.m.add(b));
-                acc = f32x4_sub(acc, f32x4_mul(m, v128_load(x.sum4.as_ptr().add((g * nb + b) * 4) as *const v128)));
+                mins = f32x4_add(mins, f32x4_mul(f32x4_splat(*row.m.add(b)), v128_load(sum4.add(4 * b) as *const v128)));
             }
+        };
+        let zero = f32x4_splat(0.0);
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
+        // One block a turn, its term into `acc0`, then the accumulators turned by one: block
+        // `b`'s term goes to the accumulator of `b % 4`, and after a multiple of 4 blocks
+        // each is back in its place.
+        let b = nb / 4 * 4;
+        for b in 0..b {
+            acc0 = f32x4_add(acc0, term(b));
+            (acc0, acc1, acc2, acc3) = (acc1, acc2, acc3, acc0);
+            min(b);
         }
-        acc
+        for b in b..nb {
+            min(b);
+        }
+        let out = f32x4_add(f32x4_add(f32x4_add(acc0, acc1), acc2), acc3);
+        let tail = |k: usize, out: f32| match G16 {
+            true => tail_g16::<false>(row, n, x, tok + k, b, out),
+            false => tail_g32::<I8, false, false>(row, n, x, tok + k, b, out),
+        };
+        let out = [
+            tail(0, f32x4_extract_lane::<0>(out)),
+            tail(1, f32x4_extract_lane::<1>(out)),
+            tail(2, f32x4_extract_lane::<2>(out)),
+            tail(3, f32x4_extract_lane::<3>(out)),
+        ];
+        if !MINS {
+            return out;
+        }
+        [
+            out[0] - f32x4_extract_lane::<0>(mins),
+            out[1] - f32x4_extract_lane::<1>(mins),
+            out[2] - f32x4_extract_lane::<2>(mins),
+            out[3] - f32x4_extract_lane::<3>(mins),
+        ]
     }
 }
 
@@ -432,11 +501,11 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
                 packed
             };
             for g in 0..groups {
-                let v = dot_row_x4::<G16, MINS>(row, n, x, g);
-                y[(4 * g) * n_out + r] = f32x4_extract_lane::<0>(v);
-                y[(4 * g + 1) * n_out + r] = f32x4_extract_lane::<1>(v);
-                y[(4 * g + 2) * n_out + r] = f32x4_extract_lane::<2>(v);
-                y[(4 * g + 3) * n_out + r] = f32x4_extract_lane::<3>(v);
+                let v = dot_row_x4::<G16, MINS>(row, n, x, 4 * g);
+                y[(4 * g) * n_out + r] = v[0];
+                y[(4 * g + 1) * n_out + r] = v[1];
+                y[(4 * g + 2) * n_out + r] = v[2];
+                y[(4 * g + 3) * n_out + r] = v[3];
             }
             for tok in 4 * groups..x.t {
                 y[tok * n_out + r] = match (G16, unpack) {
@@ -467,7 +536,7 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
     assert!(values && scales && (w.m.is_empty() || w.m.len() == w.n_out * nb));
     assert!(x.q.len() >= x.t * x.n && x.s.len() >= x.t * nb && x.sum.len() >= x.t * nb);
     assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.sum4.len() >= x.t / 4 * nb * 4);
-    let f16 = matches!(w.d, Scales::F16(_));
+        let f16 = matches!(w.d, Scales::F16(_));
     let mins = !w.m.is_empty();
     // SAFETY: the asserts above bound every row, block and token index the kernels read.
     unsafe {

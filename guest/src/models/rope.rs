@@ -22,11 +22,13 @@ pub struct Freqs {
     pub factors: Option<Vec<f32>>,
 }
 
-/// Rows of a batch between angles computed afresh with `cos` and `sin`; the rows in between
-/// turn the previous row's angles by one position's step (angle addition in f64: after 63
-/// steps within ~1e-14 of the exact values, far below an f32's rounding). A wasm `cos` and
-/// `sin` a (position, frequency) pair had been ~15% of the guest's own work in a prefill (a
-/// throwaway probe, Gemma, batches of 64).
+/// Positions between angles computed afresh with `cos` and `sin` (the multiples of `ANCHOR`);
+/// the positions in between turn the previous position's angles by one position's step (angle
+/// addition in f64: after 63 steps within ~1e-14 of the exact values, far below an f32's
+/// rounding). A wasm `cos` and `sin` a (position, frequency) pair had been ~15% of the guest's
+/// own work in a prefill (a throwaway probe, Gemma, batches of 64). A position's row is so the
+/// same whatever batch it comes in (a batch that starts between anchors steps from the anchor
+/// before it).
 const ANCHOR: usize = 64;
 
 /// `cos, sin: [batch, dim / 2]` for the positions of one batch.
@@ -66,24 +68,32 @@ impl Table {
         for (j, freq) in self.freq.iter_mut().enumerate() {
             *freq = f.base.powf(-2.0 * j as f64 / dim as f64);
         }
-        if t > 1 {
+        if t > 1 || !pos.is_multiple_of(ANCHOR) {
             for (j, step) in self.step.iter_mut().enumerate() {
                 let theta = self.freq[j] / f.scale / factor(j);
                 *step = (theta.cos(), theta.sin());
             }
         }
+        let turn = |at: &mut [(f64, f64)], step: &[(f64, f64)]| {
+            for (at, &(dc, ds)) in at.iter_mut().zip(step) {
+                let (c, s) = *at;
+                *at = (c * dc - s * ds, s * dc + c * ds);
+            }
+        };
         for i in 0..t {
-            if i % ANCHOR == 0 {
-                let p = (pos + i) as f64 / f.scale;
+            let p = pos + i;
+            if i == 0 || p.is_multiple_of(ANCHOR) {
+                let anchor = p - p % ANCHOR;
+                let a = anchor as f64 / f.scale;
                 for (j, at) in self.at.iter_mut().enumerate() {
-                    let theta = p * self.freq[j] / factor(j);
+                    let theta = a * self.freq[j] / factor(j);
                     *at = (theta.cos(), theta.sin());
                 }
-            } else {
-                for (at, &(dc, ds)) in self.at.iter_mut().zip(&self.step) {
-                    let (c, s) = *at;
-                    *at = (c * dc - s * ds, s * dc + c * ds);
+                for _ in anchor..p {
+                    turn(&mut self.at, &self.step);
                 }
+            } else {
+                turn(&mut self.at, &self.step);
             }
             let row = i * half..(i + 1) * half;
             for ((c, s), &(ac, as_)) in self.cos[row.clone()].iter_mut().zip(&mut self.sin[row]).zip(&self.at) {
@@ -162,19 +172,28 @@ mod tests {
         }
     }
 
-    /// A batch's rows do not depend on where the batch starts: position p's row from a batch
-    /// that starts before it equals the row of a batch of one at p, to within an f32's rounding.
+    /// A position's row does not depend on the batch it comes in: from batches that start
+    /// before it, at it, between anchors or on one, of any length, bit for bit the row of a
+    /// batch of one at that position (so that a session's logits do not depend on how its
+    /// tokens were batched).
     #[test]
     fn a_position_reads_the_same_in_any_batch() {
-        let f = Freqs { base: 1e4, scale: 1.0, factors: None };
-        let mut long = Table::new(128, 64);
-        long.fill(&f, 1000, 128);
-        let mut one = Table::new(1, 64);
-        for i in [0usize, 1, 63, 64, 65, 127] {
-            one.fill(&f, 1000 + i, 1);
-            for j in 0..32 {
-                assert!((long.cos[i * 32 + j] - one.cos[j]).abs() <= 1.2e-7, "row {i} freq {j}");
-                assert!((long.sin[i * 32 + j] - one.sin[j]).abs() <= 1.2e-7, "row {i} freq {j}");
+        let factors: Vec<f32> = (0..32).map(|j| 1.0 + (j % 5) as f32 * 0.25).collect();
+        for f in [Freqs { base: 1e4, scale: 1.0, factors: None }, Freqs { base: 1e6, scale: 4.0, factors: Some(factors) }] {
+            let mut one = Table::new(1, 64);
+            for (start, t) in [(1000usize, 128usize), (0, 200), (63, 2), (64, 65), (5, 130), (1023, 1)] {
+                let mut batch = Table::new(t, 64);
+                batch.fill(&f, start, t);
+                for i in 0..t {
+                    one.fill(&f, start + i, 1);
+                    for j in 0..32 {
+                        let p = start + i;
+                        assert_eq!(batch.cos[i * 32 + j].to_bits(), one.cos[j].to_bits(), "cos at {p} (batch from {start}) freq {j}");
+                        assert_eq!(batch.sin[i * 32 + j].to_bits(), one.sin[j].to_bits(), "sin at {p} (batch from {start}) freq {j}");
+                    }
+                }
+                // The f64 angles the rows round (an f32 rounding hides most differences).
+                assert_eq!(batch.at, one.at, "angles at {} (batch from {start})", start + t - 1);
             }
         }
     }
