@@ -10,7 +10,7 @@ use crate::constraint::Spec;
 use crate::engine::{DeviceOffer, Error, Model};
 use crate::kernels::Act;
 use crate::sampler::Params;
-use crate::session::Session;
+use crate::session::{self, Advance, Session};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -501,6 +501,36 @@ impl wit::GuestModel for ModelRes {
         let s = Session::new(Rc::clone(&self.model), n_ctx as usize)?;
         Ok(wit::Session::new(SessionRes(RefCell::new(s))))
     }
+
+    fn step(&self, work: Vec<wit::Advance<'_>>) -> Result<Vec<Result<Option<wit::Step>, wit::Error>>, wit::Error> {
+        if work.len() > MAX_STEP {
+            return Err(wit::Error::InvalidArgument(format!("{} sessions in one step; at most {MAX_STEP}", work.len())));
+        }
+        let sessions: Vec<&SessionRes> = work.iter().map(|a| a.session.get::<SessionRes>()).collect();
+        for (i, s) in sessions.iter().enumerate() {
+            if sessions[..i].iter().any(|o| std::ptr::eq(*o, *s)) {
+                return Err(wit::Error::InvalidArgument(format!("entry {i}'s session is also an earlier entry's")));
+            }
+            if !s.0.borrow().belongs_to(&self.model) {
+                return Err(wit::Error::InvalidArgument(format!("entry {i}'s session belongs to another model")));
+            }
+        }
+        let mut guards: Vec<_> = sessions.iter().map(|s| s.0.borrow_mut()).collect();
+        let mut advances: Vec<Advance<'_>> = guards
+            .iter_mut()
+            .zip(&work)
+            .map(|(g, a)| Advance { session: &mut **g, tokens: &a.tokens, sample: a.sample.map(Params::from) })
+            .collect();
+        let results = session::step(&self.model, &mut advances);
+        Ok(results.into_iter().map(|r| r.map(|s| s.map(wit_step)).map_err(wit::Error::from)).collect())
+    }
+}
+
+/// Sessions one `model.step` advances at most.
+const MAX_STEP: usize = 1024;
+
+fn wit_step(step: session::Step) -> wit::Step {
+    wit::Step { token: step.token, piece: step.piece, end_of_generation: step.end_of_generation, dead_end: step.dead_end }
 }
 
 impl ModelRes {
@@ -534,13 +564,7 @@ impl wit::GuestSession for SessionRes {
     }
 
     fn next(&self, sampling: wit::Sampling) -> Result<wit::Step, wit::Error> {
-        let step = self.0.borrow_mut().next(&sampling.into())?;
-        Ok(wit::Step {
-            token: step.token,
-            piece: step.piece,
-            end_of_generation: step.end_of_generation,
-            dead_end: step.dead_end,
-        })
+        Ok(wit_step(self.0.borrow_mut().next(&sampling.into())?))
     }
 
     fn constrain(&self, constraint: Option<wit::Constraint>) -> Result<(), wit::Error> {

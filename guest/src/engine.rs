@@ -5,10 +5,12 @@ use crate::chat;
 use crate::constraint::Grammars;
 use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
-use crate::models::{Hparams, LoadError, gemma3, phi3, qwen2};
+use crate::models::{Hparams, Linear, LoadError, Recipe, gemma3, phi3, qwen2, rope};
+use crate::program::Tensors;
 use crate::quant;
 use crate::tokenizer::Tokenizer;
-use std::cell::OnceCell;
+use crate::session::StepScratch;
+use std::cell::{OnceCell, RefCell};
 use std::fmt;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -62,7 +64,26 @@ pub enum Arch {
     Phi3 { config: phi3::Config, weights: phi3::Weights },
 }
 
+/// What a pass of a model's recipe on the guest's CPU reads: its weights, its recipe, the
+/// embedding of its first input, and the rotations of its tables (its other inputs, in order).
+pub struct PassParts<'a> {
+    pub weights: &'a dyn Tensors,
+    pub recipe: &'a Recipe,
+    pub embd: &'a Linear,
+    pub freqs: Vec<rope::Freqs>,
+}
+
 impl Arch {
+    pub fn pass_parts(&self) -> PassParts<'_> {
+        match self {
+            Arch::Gemma3 { config, weights } => {
+                PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: gemma3::freqs(config).into() }
+            }
+            Arch::Qwen2 { weights, .. } => PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: vec![weights.rope.clone()] },
+            Arch::Phi3 { weights, .. } => PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: vec![weights.rope.clone()] },
+        }
+    }
+
     pub fn hparams(&self) -> &Hparams {
         match self {
             Arch::Gemma3 { config, .. } => &config.hp,
@@ -99,6 +120,8 @@ pub struct Model {
     pub chat_template: Option<chat::Template>,
     /// The vocabulary as the constraint compiler sees it, built on the first constraint.
     grammars: OnceCell<Result<Grammars, String>>,
+    /// What batched steps of its sessions keep between them (`session::step`).
+    pub step_scratch: RefCell<StepScratch>,
 }
 
 /// The device a model may use, as the component hands it over.
@@ -230,7 +253,7 @@ impl Model {
         }
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
         let tokenizer = Arc::new(tokenizer);
-        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new() })
+        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
     }
 
     /// The constraint compiler of this model's vocabulary (`unsupported` without an

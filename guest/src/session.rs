@@ -3,7 +3,8 @@
 use crate::constraint::{Allowed, Constraint, Spec};
 use crate::dispatch::{Counters, Dispatch};
 use crate::engine::{Arch, Error, Model, can_allocate};
-use crate::models::{gemma3, phi3, qwen2};
+use crate::models::{LayerCache, embed, gemma3, phi3, qwen2, rope};
+use crate::program::cpu::{self, Values};
 use crate::sampler::{Params, Sampler};
 use std::rc::Rc;
 use std::time::Instant;
@@ -42,6 +43,15 @@ impl State {
             State::Gemma3(s) => &s.buf.logits,
             State::Qwen2(s) => &s.buf.logits,
             State::Phi3(s) => &s.buf.logits,
+        }
+    }
+
+    /// The KV caches (one a layer) and the logits buffer.
+    fn parts(&mut self) -> (&mut [LayerCache], &mut [f32]) {
+        match self {
+            State::Gemma3(s) => (&mut s.cache, &mut s.buf.logits),
+            State::Qwen2(s) => (&mut s.cache, &mut s.buf.logits),
+            State::Phi3(s) => (&mut s.cache, &mut s.buf.logits),
         }
     }
 }
@@ -113,6 +123,11 @@ impl Session {
         })
     }
 
+    /// Whether the session is one of `model`'s.
+    pub fn belongs_to(&self, model: &Rc<Model>) -> bool {
+        Rc::ptr_eq(&self.model, model)
+    }
+
     pub fn capacity(&self) -> usize {
         self.state.n_ctx()
     }
@@ -145,6 +160,18 @@ impl Session {
         if tokens.is_empty() {
             return Err(Error::InvalidArgument("no tokens to feed".into()));
         }
+        self.check_tokens(tokens)?;
+        let start = Instant::now();
+        let before = self.history.len() - self.done;
+        self.history.extend_from_slice(tokens);
+        self.run()?;
+        self.stats.prefill_tokens += (tokens.len() + before) as u64;
+        self.stats.prefill_ns += start.elapsed().as_nanos() as u64;
+        Ok(())
+    }
+
+    /// Whether `tokens` may be appended: each in the vocabulary, all within the capacity.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<(), Error> {
         let n_vocab = self.model.n_vocab();
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= n_vocab) {
             return Err(Error::InvalidArgument(format!(
@@ -159,12 +186,6 @@ impl Session {
                 self.capacity()
             )));
         }
-        let start = Instant::now();
-        let before = self.history.len() - self.done;
-        self.history.extend_from_slice(tokens);
-        self.run()?;
-        self.stats.prefill_tokens += (tokens.len() + before) as u64;
-        self.stats.prefill_ns += start.elapsed().as_nanos() as u64;
         Ok(())
     }
 
@@ -214,15 +235,8 @@ impl Session {
 
     /// Samples a token from the current logits and appends it (its forward pass is deferred).
     pub fn next(&mut self, params: &Params) -> Result<Step, Error> {
-        params.check().map_err(Error::InvalidArgument)?;
-        if self.history.len() >= self.capacity() {
-            return Err(Error::ContextFull(format!(
-                "the context of {} tokens is full",
-                self.capacity()
-            )));
-        }
+        self.check_next(params, 0)?;
         let start = Instant::now();
-        let model = Rc::clone(&self.model);
         // A greedy step needs the largest logit alone: the device may read back just that.
         let penalized = params.repeat_penalty != 1.0 && params.repeat_last_n > 0;
         self.dispatch.greedy = self.constraint.is_none() && params.temperature <= 0.0 && !penalized;
@@ -230,6 +244,27 @@ impl Session {
         let ran = self.logits().map(|_| ());
         self.dispatch.greedy = false;
         ran?;
+        let step = self.pick(params)?;
+        // Decode time includes the deferred forward pass of the previous generated token.
+        self.stats.decode_ns += start.elapsed().as_nanos() as u64;
+        Ok(step)
+    }
+
+    /// Whether `next` may sample with `params` once `more` tokens are appended.
+    fn check_next(&self, params: &Params, more: usize) -> Result<(), Error> {
+        params.check().map_err(Error::InvalidArgument)?;
+        if self.history.len() + more >= self.capacity() {
+            return Err(Error::ContextFull(format!(
+                "the context of {} tokens is full",
+                self.capacity()
+            )));
+        }
+        Ok(())
+    }
+
+    /// `next`'s choice from the logits of the last token, which have run, and its appending.
+    fn pick(&mut self, params: &Params) -> Result<Step, Error> {
+        let model = Rc::clone(&self.model);
         let logits = self.state.logits();
         let token = match (&mut self.constraint, self.dispatch.top.take()) {
             (None, Some(token)) => token,
@@ -247,8 +282,6 @@ impl Session {
             },
         };
         self.history.push(token);
-        // Decode time includes the deferred forward pass of the previous generated token.
-        self.stats.decode_ns += start.elapsed().as_nanos() as u64;
         self.stats.decode_tokens += 1;
         Ok(Step {
             token,
@@ -256,5 +289,166 @@ impl Session {
             end_of_generation: model.tokenizer.is_eog(token),
             dead_end: false,
         })
+    }
+}
+
+/// Token rows of a batched step's pass at most (its sessions' rows together): a session's own
+/// rows in a pass are at most its batch (`BATCH`), as in its own passes.
+pub const STEP_ROWS: usize = 4 * BATCH;
+
+/// One session's part of a batched step ([`step`]).
+pub struct Advance<'a> {
+    pub session: &'a mut Session,
+    /// Appended before the pass, as `feed` appends them; may be empty.
+    pub tokens: &'a [u32],
+    /// Samples a token after the pass, as `next` does; `None` takes in the tokens alone.
+    pub sample: Option<Params>,
+}
+
+/// What a model keeps for its batched steps on the CPU, made by the first and grown as needed.
+#[derive(Default)]
+pub struct StepScratch {
+    /// The products' dispatcher (each session's attention goes through its own).
+    dispatch: Dispatch,
+    values: Option<Values>,
+    scores: Vec<f32>,
+}
+
+/// Advances the sessions of `work` (all of `model`, each at most once) together: each appends
+/// its tokens, then every row they have not run (their new tokens, and the token a previous
+/// `next` appended) goes through the model, the rows of all of them in the same passes, and
+/// each session that asks samples its next token from its logits. One result per session: an
+/// error leaves that session as it was (its checks are `feed`'s and `next`'s). A session's
+/// logits and tokens are those it would have alone: on the guest's CPU its rows share each
+/// pass's products, which are batch-invariant; a model whose products run on a device steps its
+/// sessions one after the other.
+pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<Step>, Error>> {
+    let start = Instant::now();
+    let mut results: Vec<Result<Option<Step>, Error>> = Vec::with_capacity(work.len());
+    let mut fed = Vec::with_capacity(work.len());
+    for a in work.iter_mut() {
+        let s = &mut *a.session;
+        let admitted = if !Rc::ptr_eq(&s.model, model) {
+            Err(Error::InvalidArgument("the session belongs to another model".into()))
+        } else if a.sample.is_some() && s.history.is_empty() && a.tokens.is_empty() {
+            Err(Error::InvalidArgument("no token has been fed".into()))
+        } else {
+            s.check_tokens(a.tokens).and_then(|()| a.sample.as_ref().map_or(Ok(()), |p| s.check_next(p, a.tokens.len())))
+        };
+        fed.push(s.history.len() - s.done + a.tokens.len());
+        if admitted.is_ok() {
+            s.history.extend_from_slice(a.tokens);
+        }
+        results.push(admitted.map(|()| None));
+    }
+    let live: Vec<bool> = results.iter().map(Result::is_ok).collect();
+    if model.arch.pass_parts().recipe.device.is_some() {
+        for (a, r) in work.iter_mut().zip(results.iter_mut()).filter(|(_, r)| r.is_ok()) {
+            if let Err(e) = a.session.run() {
+                *r = Err(e);
+            }
+        }
+    } else {
+        run_together(model, work, &live);
+    }
+    let forward = start.elapsed().as_nanos() as u64;
+    for ((a, r), fed) in work.iter_mut().zip(results.iter_mut()).zip(fed) {
+        if r.is_err() {
+            continue;
+        }
+        let s = &mut *a.session;
+        if !a.tokens.is_empty() {
+            s.stats.prefill_tokens += fed as u64;
+            s.stats.prefill_ns += forward;
+        }
+        if let Some(params) = &a.sample {
+            let picking = Instant::now();
+            *r = s.pick(params).map(Some);
+            let ran = if a.tokens.is_empty() { forward } else { 0 };
+            s.stats.decode_ns += ran + picking.elapsed().as_nanos() as u64;
+        }
+    }
+    results
+}
+
+/// The forward passes of a step on the guest's CPU: every row the `live` sessions have not
+/// run, in passes of at most `STEP_ROWS` rows, each session's rows in order. A session's
+/// logits are computed with its last row (as `feed` computes them).
+fn run_together(model: &Model, work: &mut [Advance<'_>], live: &[bool]) {
+    let parts = model.arch.pass_parts();
+    let (p, plan) = (&parts.recipe.program, &parts.recipe.plan);
+    let mut scratch = model.step_scratch.borrow_mut();
+    let StepScratch { dispatch, values, scores } = &mut *scratch;
+    loop {
+        // This pass: each session's next rows, in order, while the pass has room.
+        let mut room = STEP_ROWS;
+        let take: Vec<usize> = work
+            .iter()
+            .zip(live)
+            .map(|(a, &live)| {
+                let s = &a.session;
+                let n = if live { (s.history.len() - s.done).min(s.state.batch()).min(room) } else { 0 };
+                room -= n;
+                n
+            })
+            .collect();
+        if room == STEP_ROWS {
+            return;
+        }
+        let rows = STEP_ROWS - room;
+        let wants = |a: &Advance<'_>, n: usize| n > 0 && a.session.done + n == a.session.history.len();
+        let n_out = work.iter().zip(&take).filter(|(a, n)| wants(a, **n)).count();
+        if !values.as_ref().is_some_and(|v| v.holds(rows, n_out)) {
+            *values = Some(Values::new(p, plan, STEP_ROWS, n_out.max(BATCH)));
+        }
+        let values = values.as_mut().expect("made above");
+        let widest = work.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, n)| a.session.done + n).max().unwrap_or(0);
+        if scores.len() < widest {
+            scores.resize(widest, 0.0);
+        }
+        dispatch.counters = Counters::default();
+        {
+            let mut seqs = Vec::new();
+            let mut tokens: Vec<(&[u32], usize)> = Vec::new();
+            let mut own: Vec<&mut Dispatch> = Vec::new();
+            for (a, &n) in work.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+                let outputs = a.session.done + n == a.session.history.len();
+                let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                let (caches, _) = state.parts();
+                tokens.push((&history[*done..*done + n], *done));
+                seqs.push(cpu::Seq { t: n, pos: *done, outputs, caches, d: own.len() + 1 });
+                own.push(dispatch);
+            }
+            let hd = model.arch.hparams().head_dim;
+            let mut input = |i: usize, out: &mut [f32]| {
+                let mut at = 0;
+                for &(toks, pos) in &tokens {
+                    let t = toks.len();
+                    match i {
+                        0 => embed(parts.embd, toks, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
+                        i => {
+                            let mut table = rope::Table::new(t, hd);
+                            table.fill(&parts.freqs[i - 1], pos, t);
+                            table.write_rows(t, &mut out[at * hd..(at + t) * hd]);
+                        }
+                    }
+                    at += t;
+                }
+            };
+            let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut *dispatch).chain(own).collect();
+            cpu::run(p, plan, parts.weights, &mut ds, values, scores, &mut seqs, &mut input);
+        }
+        let logits = values.get(p, plan, p.outputs[0], n_out);
+        let mut row = 0;
+        for (a, &n) in work.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+            let s = &mut *a.session;
+            s.done += n;
+            s.dispatch.counters.add(&dispatch.counters);
+            if s.done == s.history.len() {
+                let (_, out) = s.state.parts();
+                out.copy_from_slice(&logits[row * out.len()..(row + 1) * out.len()]);
+                row += 1;
+            }
+        }
     }
 }

@@ -34,6 +34,6 @@ pub use gpu::{
     program::Precision,
 };
 pub use runtime::{
-    ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    Advance, ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
     Stats, Step, Wisp,
 };

@@ -18,7 +18,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.6.0";
+const WIT_VERSION: &str = "0.7.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -537,6 +537,28 @@ impl Wisp {
     }
 }
 
+/// One session's part of a batched step ([`Instance::step`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Advance<'a> {
+    /// The session, of the step's model.
+    pub session: Session,
+    /// Appended before the pass, as [`Instance::feed`] appends them (a prompt's next chunk);
+    /// may be empty.
+    pub tokens: &'a [u32],
+    /// Samples the session's next token after the pass, as [`Instance::next`] does; `None`
+    /// only takes in the tokens.
+    pub sample: Option<Sampling>,
+}
+
+fn wit_sampling(s: &Sampling) -> wit::Sampling {
+    let Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed } = *s;
+    wit::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }
+}
+
+fn step(s: wit::Step) -> Step {
+    Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation, dead_end: s.dead_end }
+}
+
 /// A loaded model inside an [`Instance`].
 #[derive(Debug, Clone, Copy)]
 pub struct Model(ResourceAny);
@@ -716,18 +738,25 @@ impl Instance {
     /// Samples the next token from the current logits, appends it, and computes the logits
     /// after it (lazily: a generation that stops costs nothing extra).
     pub fn next(&mut self, s: Session, sampling: &Sampling) -> Outcome<Step> {
-        let p = wit::Sampling {
-            temperature: sampling.temperature,
-            top_k: sampling.top_k,
-            top_p: sampling.top_p,
-            min_p: sampling.min_p,
-            repeat_penalty: sampling.repeat_penalty,
-            repeat_last_n: sampling.repeat_last_n,
-            seed: sampling.seed,
-        };
+        let p = wit_sampling(sampling);
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_next(st, s.0, p))?;
-        Ok(r.map(|s| Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation, dead_end: s.dead_end })
-            .map_err(Into::into))
+        Ok(r.map(step).map_err(Into::into))
+    }
+
+    /// Advances several sessions of model `m` at once (continuous batching): each appends its
+    /// tokens, then the tokens of all of them not yet run go through the model in the same
+    /// forward passes, and each that asks samples its next token as [`Instance::next`] would.
+    /// A session's logits and tokens are those it would have alone. One result per entry (an
+    /// entry's error leaves its session as it was); the whole call fails with
+    /// [`EngineError::InvalidArgument`] for a session of another model, one in two entries, or
+    /// more than 1024 entries. See `examples/batch.rs`.
+    pub fn step(&mut self, m: Model, work: &[Advance<'_>]) -> Outcome<Vec<std::result::Result<Option<Step>, EngineError>>> {
+        let work: Vec<wit::Advance> = work
+            .iter()
+            .map(|a| wit::Advance { session: a.session.0, tokens: a.tokens.to_vec(), sample: a.sample.as_ref().map(wit_sampling) })
+            .collect();
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_step(st, m.0, &work))?;
+        Ok(r.map(|each| each.into_iter().map(|r| r.map(|s| s.map(step)).map_err(Into::into)).collect()).map_err(Into::into))
     }
 
     /// Constrains the tokens that the following [`Instance::next`] calls produce (`None`

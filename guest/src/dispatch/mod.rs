@@ -48,6 +48,24 @@ pub struct Counters {
     pub output_ns: u64,
 }
 
+impl Counters {
+    /// Adds `o`'s counts to these.
+    pub fn add(&mut self, o: &Counters) {
+        let Counters { cpu_matmuls, cpu_flops, gpu_calls, gpu_flops, gpu_ns, gpu_fallbacks, cpu_ns, cpu_bytes, attention_ns, gpu_attention_calls, output_ns } = *o;
+        self.cpu_matmuls += cpu_matmuls;
+        self.cpu_flops += cpu_flops;
+        self.gpu_calls += gpu_calls;
+        self.gpu_flops += gpu_flops;
+        self.gpu_ns += gpu_ns;
+        self.gpu_fallbacks += gpu_fallbacks;
+        self.cpu_ns += cpu_ns;
+        self.cpu_bytes += cpu_bytes;
+        self.attention_ns += attention_ns;
+        self.gpu_attention_calls += gpu_attention_calls;
+        self.output_ns += output_ns;
+    }
+}
+
 /// The `gpu-mode` of the WIT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {

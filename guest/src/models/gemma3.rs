@@ -278,7 +278,7 @@ impl State {
             batch,
             cache,
             buf: Scratch::new(h, n_ctx),
-            values: Values::new(&w.recipe.program, &w.recipe.plan, batch),
+            values: Values::new(&w.recipe.program, &w.recipe.plan, batch, 1),
             rope_local: rope::Table::new(batch, h.head_dim),
             rope_global: rope::Table::new(batch, h.head_dim),
         }
@@ -292,6 +292,13 @@ impl State {
             + self.rope_local.bytes()
             + self.rope_global.bytes()
     }
+}
+
+/// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
+pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
+    let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
+    let global = rope::Freqs { base: c.hp.rope_base, scale: c.hp.rope_scale, factors: None };
+    [local, global]
 }
 
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
@@ -308,13 +315,12 @@ pub fn forward(
     pos: usize,
     want_logits: bool,
 ) -> bool {
-    let c = &c.hp;
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
-    let global = rope::Freqs { base: c.rope_base, scale: c.rope_scale, factors: None };
+    let [local, global] = freqs(c);
     s.rope_local.fill(&local, pos, t);
     s.rope_global.fill(&global, pos, t);
+    let c = &c.hp;
 
     let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf };
     recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope_local, &s.rope_global]), st, d, c, w.layer_flops(t), (tokens, pos, want_logits))

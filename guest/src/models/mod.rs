@@ -400,8 +400,8 @@ pub fn recipe_pass(
         0 => embed(embd, tokens, out),
         i => tables[i - 1].write_rows(t, out),
     };
-    let run = cpu::Run { t, pos, outputs: want_logits, input: &mut input };
-    cpu::run(&r.program, &r.plan, w, d, st.caches, st.values, &mut st.buf.scores, run);
+    let mut seq = [cpu::Seq { t, pos, outputs: want_logits, caches: st.caches, d: 0 }];
+    cpu::run(&r.program, &r.plan, w, &mut [d], st.values, &mut st.buf.scores, &mut seq, &mut input);
     if want_logits {
         st.buf.logits.copy_from_slice(st.values.get(&r.program, &r.plan, r.program.outputs[0], 1));
     }

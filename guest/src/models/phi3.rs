@@ -252,7 +252,7 @@ impl State {
             batch,
             cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, c.window, batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx),
-            values: Values::new(&w.recipe.program, &w.recipe.plan, batch),
+            values: Values::new(&w.recipe.program, &w.recipe.plan, batch, 1),
             rope: rope::Table::new(batch, h.head_dim),
         }
     }

@@ -1,5 +1,8 @@
-//! A program on the guest's own CPU, with its simd128 kernels: one sequence at a time, its
-//! caches the session's [`LayerCache`]s.
+//! A program on the guest's own CPU, with its simd128 kernels, over a batch of sequences: each
+//! sequence's caches are its session's [`LayerCache`]s, and the products take every token row
+//! of the batch at once (each weight read once a run). A row's values do not depend on the
+//! rows beside it (the kernels are batch-invariant), so a sequence's outputs are those of a run
+//! of it alone.
 //!
 //! Values live in a few buffers allocated once per session ([`Values`]): a [`Plan`] made once
 //! per program gives each value a buffer that no value live at the same time holds, so a run
@@ -55,19 +58,25 @@ impl Plan {
     }
 }
 
-/// A session's buffers for one program: batches of up to `batch` token rows.
+/// Buffers for one program: runs of up to `batch` token rows and `seqs` sequences.
 pub struct Values {
     bufs: Vec<Vec<f32>>,
     /// All ones, for norms without a weight.
     ones: Vec<f32>,
     batch: usize,
+    seqs: usize,
 }
 
 impl Values {
-    pub fn new(p: &Program, plan: &Plan, batch: usize) -> Values {
-        let bufs = plan.widths.iter().map(|&(tw, sw)| vec![0.0; (batch * tw).max(sw)]).collect();
+    pub fn new(p: &Program, plan: &Plan, batch: usize, seqs: usize) -> Values {
+        let bufs = plan.widths.iter().map(|&(tw, sw)| vec![0.0; (batch * tw).max(seqs * sw)]).collect();
         let widest_norm = p.ops.iter().map(|op| if let Op::RmsNorm { group, w: None, .. } = op { *group } else { 0 }).max();
-        Values { bufs, ones: vec![1.0; widest_norm.unwrap_or(0)], batch }
+        Values { bufs, ones: vec![1.0; widest_norm.unwrap_or(0)], batch, seqs }
+    }
+
+    /// Whether runs of `batch` token rows and `seqs` sequences fit.
+    pub fn holds(&self, batch: usize, seqs: usize) -> bool {
+        batch <= self.batch && seqs <= self.seqs
     }
 
     pub fn bytes(&self) -> usize {
@@ -80,37 +89,35 @@ impl Values {
     }
 }
 
-/// One run: `t` token rows at positions `pos..`.
-pub struct Run<'a> {
+/// One sequence of a run: `t` token rows at positions `pos..`.
+pub struct Seq<'a> {
     pub t: usize,
     pub pos: usize,
-    /// Whether the outputs are wanted; without, only the ops the caches need run.
+    /// Whether the run's outputs hold a row for it (the ops after `last-rows` see the
+    /// sequences that want one, in order).
     pub outputs: bool,
-    /// Fills input `i` (`t` rows of its width).
-    pub input: &'a mut dyn FnMut(usize, &mut [f32]),
+    /// Its caches, written by the `cache-write` ops and read by `attention`.
+    pub caches: &'a mut [LayerCache],
+    /// The dispatcher its attention goes through (an index into the run's).
+    pub d: usize,
 }
 
-/// Runs `p` on the CPU (products and attention through `d`), writing each `cache-write` to
-/// `caches[cache]`. `scores` is attention's scratch (`pos + t` values at least).
-#[allow(clippy::too_many_arguments)]
-pub fn run(
-    p: &Program,
-    plan: &Plan,
-    w: &dyn Tensors,
-    d: &mut Dispatch,
-    caches: &mut [LayerCache],
-    vals: &mut Values,
-    scores: &mut [f32],
-    r: Run<'_>,
-) {
-    let (t, pos) = (r.t, r.pos);
-    debug_assert!(t <= vals.batch);
-    let rows = |v: Value| if p.shapes[v].1 == Rows::Sequence { 1 } else { t };
+/// Runs `p` on the CPU over `seqs`, their token rows one after the other: products through
+/// `ds[0]`, each sequence's attention through its own dispatcher, each `cache-write` to its
+/// caches. Without any sequence wanting outputs, only the ops the caches need run. `input`
+/// fills input `i` (all the token rows of its width); `scores` is attention's scratch (`pos + t`
+/// values at least for every sequence).
+pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], vals: &mut Values, scores: &mut [f32], seqs: &mut [Seq<'_>], input: &mut dyn FnMut(usize, &mut [f32])) {
+    let t: usize = seqs.iter().map(|s| s.t).sum();
+    let n_out = seqs.iter().filter(|s| s.outputs).count();
+    let outputs = n_out > 0;
+    debug_assert!(vals.holds(t, n_out));
+    let rows = |v: Value| if p.shapes[v].1 == Rows::Sequence { n_out } else { t };
     let n = |v: Value| rows(v) * p.shapes[v].0;
     let mut next_input = 0;
     let mut i = 0;
     while i < p.ops.len() {
-        if !r.outputs && !p.feeds_caches[i] {
+        if !outputs && !p.feeds_caches[i] {
             i += 1;
             continue;
         }
@@ -121,13 +128,13 @@ pub fn run(
         let src = |v: Value| &b[plan.buffer[v]][..n(v)];
         match p.ops[i] {
             Op::Input { .. } => {
-                (r.input)(next_input, &mut y[..n(i)]);
+                input(next_input, &mut y[..n(i)]);
                 next_input += 1;
             }
             Op::Matmul { x, .. } => {
                 // This product and the next ones of the same input, in one call.
                 let mut end = i + 1;
-                while end < p.ops.len() && matches!(p.ops[end], Op::Matmul { x: x2, .. } if x2 == x) && (r.outputs || p.feeds_caches[end]) {
+                while end < p.ops.len() && matches!(p.ops[end], Op::Matmul { x: x2, .. } if x2 == x) && (outputs || p.feeds_caches[end]) {
                     end += 1;
                 }
                 let mut outs: Vec<Vec<f32>> = (i + 1..end).map(|j| std::mem::take(&mut vals.bufs[plan.buffer[j]])).collect();
@@ -142,9 +149,9 @@ pub fn run(
                     .collect();
                 // The products that feed only the outputs (the output projection) count apart.
                 let start = std::time::Instant::now();
-                d.matmul(xs, rows(x), &mut jobs);
+                ds[0].matmul(xs, rows(x), &mut jobs);
                 if !p.feeds_caches[i] {
-                    d.counters.output_ns += start.elapsed().as_nanos() as u64;
+                    ds[0].counters.output_ns += start.elapsed().as_nanos() as u64;
                 }
                 drop(jobs);
                 for (j, buf) in (i + 1..end).zip(outs) {
@@ -202,18 +209,35 @@ pub fn run(
             Op::CacheWrite { k, v, cache } => {
                 let width = p.shapes[k].0;
                 let (ks, vs) = (src(k), src(v));
-                for row in 0..t {
-                    let at = row * width..(row + 1) * width;
-                    caches[cache].store(pos + row, &ks[at.clone()], &vs[at]);
+                let mut first = 0;
+                for s in seqs.iter_mut() {
+                    for row in 0..s.t {
+                        let at = (first + row) * width..(first + row + 1) * width;
+                        s.caches[cache].store(s.pos + row, &ks[at.clone()], &vs[at]);
+                    }
+                    first += s.t;
                 }
             }
             Op::Attention { q, cache, heads, window } => {
-                debug_assert_eq!(caches[cache].window.unwrap_or(0), window);
-                d.attend(cache, &caches[cache], heads, src(q), pos, t, scores, &mut y[..n(q)]);
+                let width = p.shapes[q].0;
+                let (qs, mut first) = (src(q), 0);
+                for s in seqs.iter() {
+                    debug_assert_eq!(s.caches[cache].window.unwrap_or(0), window);
+                    let at = first * width..(first + s.t) * width;
+                    ds[s.d].attend(cache, &s.caches[cache], heads, &qs[at.clone()], s.pos, s.t, scores, &mut y[at]);
+                    first += s.t;
+                }
             }
             Op::LastRows(x) => {
                 let width = p.shapes[x].0;
-                y[..width].copy_from_slice(&src(x)[(t - 1) * width..t * width]);
+                let (xs, mut first, mut row) = (src(x), 0, 0);
+                for s in seqs.iter() {
+                    first += s.t;
+                    if s.outputs {
+                        y[row * width..(row + 1) * width].copy_from_slice(&xs[(first - 1) * width..first * width]);
+                        row += 1;
+                    }
+                }
             }
             Op::Output(_) | Op::TopK { .. } => {}
         }
@@ -272,6 +296,19 @@ mod tests {
         }
     }
 
+    /// The same shapes with Q8_0 weights (the batch-invariant integer kernels).
+    fn toy_q8(n: usize) -> Toy {
+        let mut rng = crate::quant::tests::Rng(0x5eed);
+        let m = (0..3)
+            .map(|i| {
+                let data = crate::quant::tests::random_blocks(TensorType::Q8_0, n * n, &mut rng);
+                let q = crate::quant::QMatrix::from_blocks(TensorType::Q8_0, &data, n, n).unwrap();
+                Linear { name: format!("w{i}"), n_out: n, n_in: n, w: WeightData::Q(q), kind: TensorType::Q8_0, gpu: None }
+            })
+            .collect();
+        Toy { m, v: (0..n).map(|j| 1.0 + j as f32 / n as f32).collect() }
+    }
+
     fn toy(n: usize) -> Toy {
         let m = (0..3)
             .map(|i| {
@@ -318,39 +355,82 @@ mod tests {
         assert!(plan.widths.len() < p.ops.len() / 2, "{} buffers for {} ops", plan.widths.len(), p.ops.len());
     }
 
-    /// The same rows give the same output whether they come in one run or token by token.
-    #[test]
-    fn a_batch_and_its_tokens_one_by_one_agree() {
-        let n = 8;
-        let w = toy(n);
-        let p = program(&w, n);
-        let plan = Plan::new(&p);
-        let t = 5;
-        let xs: Vec<f32> = (0..t * n).map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.4).collect();
-        let tables: Vec<f32> = (0..t).flat_map(|i| {
-            let a: Vec<f32> = (0..n / 4).map(|j| (i * (j + 1)) as f32 * 0.3).collect();
-            a.iter().map(|a| a.cos()).chain(a.iter().map(|a| a.sin())).collect::<Vec<_>>()
-        }).collect();
-        let mut outs = Vec::new();
-        for chunk in [t, 1] {
-            let mut d = Dispatch::new(None);
-            let mut caches: Vec<LayerCache> = (0..2).map(|_| LayerCache::new(16, None, t, n)).collect();
-            let mut vals = Values::new(&p, &plan, t);
-            let mut scores = vec![0.0; 16];
-            for start in (0..t).step_by(chunk) {
-                let rows = chunk.min(t - start);
-                let mut input = |i: usize, out: &mut [f32]| match i {
-                    0 => out.copy_from_slice(&xs[start * n..(start + rows) * n]),
-                    _ => out.copy_from_slice(&tables[start * n / 2..(start + rows) * n / 2]),
-                };
-                let r = Run { t: rows, pos: start, outputs: start + rows == t, input: &mut input };
-                run(&p, &plan, &w, &mut d, &mut caches, &mut vals, &mut scores, r);
+    /// Runs `p` over sequences given as `(first token row in xs, rows, position)`, each with
+    /// its own caches and dispatcher, in one run; returns each sequence's output row (all want
+    /// one).
+    fn run_seqs(p: &Program, w: &Toy, n: usize, xs: &[f32], tables: &[f32], seqs: &[(usize, usize, usize)], caches: &mut [Vec<LayerCache>]) -> Vec<Vec<f32>> {
+        let plan = Plan::new(p);
+        let t: usize = seqs.iter().map(|s| s.1).sum();
+        let mut vals = Values::new(p, &plan, t, seqs.len());
+        let mut scores = vec![0.0; 64];
+        let mut main = Dispatch::new(None);
+        let mut own: Vec<Dispatch> = seqs.iter().map(|_| Dispatch::new(None)).collect();
+        let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut main).chain(own.iter_mut()).collect();
+        let mut run_seqs: Vec<Seq<'_>> = seqs
+            .iter()
+            .zip(caches.iter_mut())
+            .enumerate()
+            .map(|(i, (&(_, t, pos), c))| Seq { t, pos, outputs: true, caches: c, d: i + 1 })
+            .collect();
+        let mut input = |i: usize, out: &mut [f32]| {
+            let width = if i == 0 { n } else { n / 2 };
+            let src = if i == 0 { xs } else { tables };
+            let mut at = 0;
+            for &(first, t, _) in seqs {
+                out[at * width..(at + t) * width].copy_from_slice(&src[first * width..(first + t) * width]);
+                at += t;
             }
-            outs.push(vals.get(&p, &plan, p.outputs[0], 1).to_vec());
+        };
+        run(p, &plan, w, &mut ds, &mut vals, &mut scores, &mut run_seqs, &mut input);
+        let out = vals.get(p, &plan, p.outputs[0], seqs.len());
+        out.chunks_exact(n).map(<[f32]>::to_vec).collect()
+    }
+
+    /// A sequence's output does not depend on how its tokens are split into runs, nor on the
+    /// sequences that share its runs: bit for bit, with f32 and with quantized weights.
+    #[test]
+    fn a_sequence_alone_and_in_a_batch_agree_bit_for_bit() {
+        for quantized in [false, true] {
+            let n = 64;
+            let w = if quantized { toy_q8(n) } else { toy(n) };
+            let p = program(&w, n);
+            // Three sequences' tokens and rotation rows, at positions 0.., one after the other.
+            let lens = [5usize, 9, 3];
+            let total: usize = lens.iter().sum();
+            let xs: Vec<f32> = (0..total * n).map(|i| ((i * 13) % 17) as f32 / 17.0 - 0.4).collect();
+            let tables: Vec<f32> = (0..total).flat_map(|i| {
+                let a: Vec<f32> = (0..n / 4).map(|j| ((i % 9) * (j + 1)) as f32 * 0.3).collect();
+                a.iter().map(|a| a.cos()).chain(a.iter().map(|a| a.sin())).collect::<Vec<_>>()
+            }).collect();
+            let starts: Vec<usize> = lens.iter().scan(0, |at, &l| { let s = *at; *at += l; Some(s) }).collect();
+            let fresh = || -> Vec<Vec<LayerCache>> { (0..3).map(|_| (0..2).map(|_| LayerCache::new(16, None, 16, n)).collect()).collect() };
+            // Each alone, all its tokens in one run.
+            let mut alone = Vec::new();
+            for s in 0..3 {
+                let mut c = fresh();
+                alone.push(run_seqs(&p, &w, n, &xs, &tables, &[(starts[s], lens[s], 0)], &mut c[s..s + 1]).remove(0));
+            }
+            // All three in each run, their tokens in chunks of different sizes.
+            let mut c = fresh();
+            let mut done = [0usize; 3];
+            let chunk = [2usize, 4, 3];
+            let mut last = vec![Vec::new(); 3];
+            while (0..3).any(|s| done[s] < lens[s]) {
+                let live: Vec<usize> = (0..3).filter(|&s| done[s] < lens[s]).collect();
+                let seqs: Vec<(usize, usize, usize)> = live.iter().map(|&s| (starts[s] + done[s], chunk[s].min(lens[s] - done[s]), done[s])).collect();
+                let mut cs: Vec<Vec<LayerCache>> = live.iter().map(|&s| std::mem::take(&mut c[s])).collect();
+                let outs = run_seqs(&p, &w, n, &xs, &tables, &seqs, &mut cs);
+                for ((&s, out), cache) in live.iter().zip(outs).zip(cs) {
+                    c[s] = cache;
+                    done[s] += chunk[s].min(lens[s] - done[s]);
+                    last[s] = out;
+                }
+            }
+            for s in 0..3 {
+                assert!(alone[s].iter().any(|v| *v != 0.0));
+                let same = alone[s].iter().zip(&last[s]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "quantized {quantized}, sequence {s}: {:?} alone, {:?} in the batch", alone[s], last[s]);
+            }
         }
-        for (a, b) in outs[0].iter().zip(&outs[1]) {
-            assert!((a - b).abs() <= 1e-5 * (1.0 + a.abs()), "{:?} vs {:?}", outs[0], outs[1]);
-        }
-        assert!(outs[0].iter().any(|v| *v != 0.0));
     }
 }

@@ -4,7 +4,7 @@ use super::{ModelArgs, engine, load};
 use anyhow::Result;
 use clap::Args;
 use std::time::Instant;
-use wisp::{Constraint, Format, Instance, Sampling, Session, Stats};
+use wisp::{Advance, Constraint, Format, Instance, Sampling, Session, Stats};
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -19,6 +19,11 @@ pub struct BenchArgs {
     /// Generated tokens for the decode measurement.
     #[arg(long, default_value_t = 64)]
     decode_tokens: u32,
+    /// Also measures N sessions advanced together (batched steps), for each N given: each a
+    /// prompt of `--prompt-tokens` and `--decode-tokens` greedy tokens, as `llama-batched-bench
+    /// -npp P -ntg G -npl N` does; prints the aggregate prefill and decode tok/s of each N.
+    #[arg(long, value_delimiter = ',', value_name = "N[,N...]", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    parallel: Vec<u32>,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -250,6 +255,43 @@ impl Stages {
     }
 }
 
+/// Aggregate prefill and decode rates of `n` sessions advanced together, medians of `runs`:
+/// one step feeds every prompt, then `decode` steps sample a token of each (a last step runs
+/// the last tokens' passes, as the single-session decode's closing `top` does).
+fn parallel(inst: &mut Instance, model: wisp::Model, prompt: &[u32], decode: u32, n: usize, runs: usize) -> Result<(f64, f64)> {
+    let n_ctx = (prompt.len() + decode as usize + 1) as u32;
+    let mut sessions = Vec::with_capacity(n);
+    for _ in 0..n {
+        sessions.push(engine(inst.new_session(model, n_ctx)?)?);
+    }
+    let (mut prefill, mut decoded) = (Vec::new(), Vec::new());
+    let step = |inst: &mut Instance, tokens: &[u32], sample: Option<Sampling>| -> Result<()> {
+        let work: Vec<Advance> = sessions.iter().map(|&session| Advance { session, tokens, sample }).collect();
+        for r in engine(inst.step(model, &work)?)? {
+            engine(r)?;
+        }
+        Ok(())
+    };
+    for _ in 0..runs {
+        for &s in &sessions {
+            inst.reset(s)?;
+        }
+        let start = Instant::now();
+        step(inst, prompt, None)?;
+        prefill.push((n * prompt.len()) as f64 / start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        for _ in 0..decode {
+            step(inst, &[], Some(Sampling::default()))?;
+        }
+        step(inst, &[], None)?;
+        decoded.push((n * decode as usize) as f64 / start.elapsed().as_secs_f64());
+    }
+    for s in sessions {
+        inst.drop_session(s)?;
+    }
+    Ok((median(prefill), median(decoded)))
+}
+
 const TEXT: &str = "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins \
                     with a single step. To be or not to be, that is the question. ";
 
@@ -298,6 +340,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             constrained.run(inst, session, &prompt, c, a.decode_tokens)?;
         }
     }
+    let mut parallels = Vec::new();
+    for &n in &a.parallel {
+        let (pp, tg) = parallel(inst, model, &prompt, a.decode_tokens, n as usize, a.runs.max(1))?;
+        if !a.json {
+            eprintln!("parallel {n}: prefill {pp:.1} tok/s, decode {tg:.1} tok/s (aggregate)");
+        }
+        parallels.push(serde_json::json!({ "n": n, "prefill_tok_s": pp, "decode_tok_s": tg }));
+    }
     let (p, d) = (median(prefill), median(decode));
     let matmuls = if matches!(a.model.gpu, super::GpuArg::On) && a.matmul_size > 0 { device_matmuls(&a)? } else { None };
     let Some(s) = last else { anyhow::bail!("no run") };
@@ -325,6 +375,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "gpu_attention_calls": s.gpu_attention_calls, "device_matmul": matmuls,
                 "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
                 "constrained": constrained_json,
+                "parallel": parallels,
             })
         );
     } else {
@@ -332,6 +383,15 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         println!("load:    {:.2} s ({:?} precision)", l.load_s, a.model.precision);
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
+        for r in &parallels {
+            println!(
+                "parallel {:>3}: prefill {:8.1} tok/s, decode {:8.1} tok/s (aggregate over the sessions, median of {})",
+                r["n"],
+                r["prefill_tok_s"].as_f64().unwrap_or(0.0),
+                r["decode_tok_s"].as_f64().unwrap_or(0.0),
+                a.runs.max(1)
+            );
+        }
         println!(
             "matmuls: {} on the CPU, {} device calls; attention: {} device calls (the {} runs' session)",
             s.cpu_matmuls,

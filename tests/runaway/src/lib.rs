@@ -112,6 +112,9 @@ impl GuestModel for Model {
     fn new_session(&self, _: u32) -> Result<bindings::exports::wisp::llm::engine::Session, Error> {
         match *self {}
     }
+    fn step(&self, _: Vec<bindings::exports::wisp::llm::engine::Advance<'_>>) -> Result<Vec<Result<Option<Step>, Error>>, Error> {
+        match *self {}
+    }
 }
 
 impl GuestSession for Session {
