@@ -399,9 +399,11 @@ fn run_together(model: &Model, work: &mut [Advance<'_>], live: &[bool]) {
         let wants = |a: &Advance<'_>, n: usize| n > 0 && a.session.done + n == a.session.history.len();
         let n_out = work.iter().zip(&take).filter(|(a, n)| wants(a, **n)).count();
         if !values.as_ref().is_some_and(|v| v.holds(rows, n_out)) {
-            *values = Some(Values::new(p, plan, STEP_ROWS, n_out.max(BATCH)));
+            // Grown by doubling to what this pass needs (a logits row is a vocabulary wide).
+            let (had_rows, had_seqs) = values.as_ref().map_or((0, 0), Values::capacity);
+            *values = Some(Values::new(p, plan, rows.next_power_of_two().max(had_rows), n_out.next_power_of_two().max(had_seqs)));
         }
-        let values = values.as_mut().expect("made above");
+        let Some(values) = values.as_mut() else { return };
         let widest = work.iter().zip(&take).filter(|(_, n)| **n > 0).map(|(a, n)| a.session.done + n).max().unwrap_or(0);
         if scores.len() < widest {
             scores.resize(widest, 0.0);

@@ -259,8 +259,9 @@ pub struct State {
     pub batch: usize,
     pub cache: Vec<LayerCache>,
     pub buf: Scratch,
-    /// The program's values on the CPU.
-    values: Values,
+    /// The program's values on the CPU, made by the session's first pass of its own there
+    /// (sessions advanced by batched steps use the model's).
+    values: Option<Values>,
     /// RoPE tables of the batch, for sliding and global layers.
     rope_local: rope::Table,
     rope_global: rope::Table,
@@ -278,7 +279,7 @@ impl State {
             batch,
             cache,
             buf: Scratch::new(h, n_ctx),
-            values: Values::new(&w.recipe.program, &w.recipe.plan, batch, 1),
+            values: None,
             rope_local: rope::Table::new(batch, h.head_dim),
             rope_global: rope::Table::new(batch, h.head_dim),
         }
@@ -288,7 +289,7 @@ impl State {
     pub fn bytes(&self) -> usize {
         self.cache.iter().map(LayerCache::bytes).sum::<usize>()
             + self.buf.bytes()
-            + self.values.bytes()
+            + self.values.as_ref().map_or(0, Values::bytes)
             + self.rope_local.bytes()
             + self.rope_global.bytes()
     }
@@ -322,6 +323,6 @@ pub fn forward(
     s.rope_global.fill(&global, pos, t);
     let c = &c.hp;
 
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf };
+    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };
     recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope_local, &s.rope_global]), st, d, c, w.layer_flops(t), (tokens, pos, want_logits))
 }

@@ -349,7 +349,9 @@ impl Recipe {
 /// What a session holds for its passes through the recipe.
 pub struct PassState<'a> {
     pub caches: &'a mut [LayerCache],
-    pub values: &'a mut Values,
+    /// Made at the first pass on the CPU, for runs of `batch` rows.
+    pub values: &'a mut Option<Values>,
+    pub batch: usize,
     pub buf: &'a mut Scratch,
 }
 
@@ -401,9 +403,10 @@ pub fn recipe_pass(
         i => tables[i - 1].write_rows(t, out),
     };
     let mut seq = [cpu::Seq { t, pos, outputs: want_logits, caches: st.caches, d: 0 }];
-    cpu::run(&r.program, &r.plan, w, &mut [d], st.values, &mut st.buf.scores, &mut seq, &mut input);
+    let values = st.values.get_or_insert_with(|| Values::new(&r.program, &r.plan, st.batch, 1));
+    cpu::run(&r.program, &r.plan, w, &mut [d], values, &mut st.buf.scores, &mut seq, &mut input);
     if want_logits {
-        st.buf.logits.copy_from_slice(st.values.get(&r.program, &r.plan, r.program.outputs[0], 1));
+        st.buf.logits.copy_from_slice(values.get(&r.program, &r.plan, r.program.outputs[0], 1));
     }
     true
 }

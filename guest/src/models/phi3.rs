@@ -239,7 +239,7 @@ pub struct State {
     pub batch: usize,
     pub cache: Vec<LayerCache>,
     pub buf: Scratch,
-    values: Values,
+    values: Option<Values>,
     rope: rope::Table,
 }
 
@@ -252,14 +252,14 @@ impl State {
             batch,
             cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, c.window, batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx),
-            values: Values::new(&w.recipe.program, &w.recipe.plan, batch, 1),
+            values: None,
             rope: rope::Table::new(batch, h.head_dim),
         }
     }
 
     /// Bytes this state holds (KV cache and scratch).
     pub fn bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.values.bytes() + self.rope.bytes()
+        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.values.as_ref().map_or(0, Values::bytes) + self.rope.bytes()
     }
 }
 
@@ -279,6 +279,6 @@ pub fn forward(
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
     s.rope.fill(&w.rope, pos, t);
 
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf };
+    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };
     recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope]), st, d, h, w.layer_flops(t), (tokens, pos, want_logits))
 }

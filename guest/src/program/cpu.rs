@@ -74,6 +74,11 @@ impl Values {
         Values { bufs, ones: vec![1.0; widest_norm.unwrap_or(0)], batch, seqs }
     }
 
+    /// The token rows and sequences of the largest run that fits.
+    pub fn capacity(&self) -> (usize, usize) {
+        (self.batch, self.seqs)
+    }
+
     /// Whether runs of `batch` token rows and `seqs` sequences fit.
     pub fn holds(&self, batch: usize, seqs: usize) -> bool {
         batch <= self.batch && seqs <= self.seqs

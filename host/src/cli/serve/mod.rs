@@ -49,8 +49,8 @@ pub struct ServeArgs {
     /// context); a longer prompt is refused with 400, a reply stops at the end with "length".
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(2..))]
     ctx: u32,
-    /// Prompt tokens fed in one turn: a long prompt delays the other requests' next tokens by
-    /// one chunk at a time, not by the whole prompt.
+    /// Prompt tokens a request brings to one batched step: a long prompt delays the other
+    /// requests' next tokens by one chunk at a time, not by the whole prompt.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     prefill_chunk: u32,
     /// Require `Authorization: Bearer KEY` on every route but /health and /openapi.json.

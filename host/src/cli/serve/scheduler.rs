@@ -2,13 +2,13 @@
 //! serve them, each owning one guest instance with the model open.
 //!
 //! A worker keeps up to its share of `--parallel` requests in flight, each in a session of its
-//! own, and advances them in turns: every round feeds each request one chunk of its prompt or
-//! samples one token of it. How a round is formed is the one thing continuous batching changes
-//! (all the rows of a round in one forward pass); admission, the queue, cancellation and the
-//! events a request receives stay as they are.
+//! own, and advances them together (continuous batching): every round is one `step` of the
+//! engine, in which each request brings one chunk of its prompt or samples one token (with its
+//! last chunk, then a token a round), the rows of all of them in one forward pass. Requests
+//! join between rounds as slots free up.
 //!
-//! A request's text depends only on its own tokens and settings: its prompt is fed in chunks
-//! of a fixed size whatever else is in flight, and its session is its own.
+//! A request's text depends only on its own tokens and settings: the engine's step gives each
+//! session the logits it would have alone, and its session is its own.
 
 use super::api::{self, ApiError, Constraint, Finish, Prompt, Reply, Sampling, Usage};
 use super::metrics::Metrics;
@@ -16,7 +16,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use wisp::{EngineError, Instance, Model, ModelInfo, Outcome, Session};
+use wisp::{Advance, EngineError, Instance, Model, ModelInfo, Outcome, Session};
 
 /// How much a worker takes on.
 #[derive(Debug, Clone, Copy)]
@@ -435,33 +435,93 @@ impl Worker {
         Ok((session, prompt, budget))
     }
 
-    /// One turn for every request in flight.
+    /// One step for every request in flight, in one `step` of the engine (one forward pass
+    /// over all their rows): each brings its prompt's next chunk, and samples its next token
+    /// once its whole prompt is in (with its last chunk, then a token a step).
     fn round(&mut self) {
+        // Requests whose client left or whose time is up end first.
+        let mut i = 0;
+        while i < self.active.len() {
+            match self.expired(i) {
+                true => self.end(i, None),
+                false => i += 1,
+            }
+        }
         if self.active.is_empty() {
             return;
         }
         self.shared.metrics.batch_size.observe(self.active.len() as f64);
-        let mut i = 0;
-        while i < self.active.len() {
-            match self.turn(i) {
-                Ok(Turn::Continue) => i += 1,
-                Ok(Turn::Ended) => {
-                    let a = self.active.swap_remove(i);
-                    self.shared.metrics.in_flight.dec();
-                    self.release(a.session);
-                }
-                Err(Failure::Request(e)) => {
-                    let a = self.active.swap_remove(i);
-                    self.shared.metrics.in_flight.dec();
-                    let _ = a.job.events.send(Event::Failed(e));
-                    self.release(a.session);
-                }
-                Err(trap) => {
-                    // Every request of the instance fails with it; the round ends.
-                    self.failed(trap);
-                    return;
-                }
+        let chunk = self.shared.limits.prefill_chunk;
+        let ends: Vec<usize> = self.active.iter().map(|a| (a.fed + chunk).min(a.prompt.len())).collect();
+        let work: Vec<Advance> = self
+            .active
+            .iter()
+            .zip(&ends)
+            .map(|(a, &end)| Advance {
+                session: a.session,
+                tokens: &a.prompt[a.fed..end],
+                sample: (end == a.prompt.len()).then(|| engine_sampling(&a.job.sampling)),
+            })
+            .collect();
+        let results = match guest(self.inst.step(self.model, &work)) {
+            Ok(results) if results.len() == self.active.len() => results,
+            Ok(_) => {
+                let e = ApiError::internal("the engine's step answered for a different number of requests".to_string());
+                return self.fail_all(e);
             }
+            Err(Failure::Request(e)) => return self.fail_all(e),
+            Err(trap) => {
+                // Every request of the instance fails with it.
+                self.failed(trap);
+                return;
+            }
+        };
+        // Back to front, so that ending a request moves none still to be seen.
+        for (i, (r, end)) in results.into_iter().zip(ends).enumerate().rev() {
+            self.active[i].fed = end;
+            let param = self.active[i].job.constraint.as_ref().map_or("response_format", |c| c.0);
+            match r {
+                Ok(None) => {}
+                Ok(Some(step)) => {
+                    if let Turn::Ended = self.emit(i, step) {
+                        self.end(i, None);
+                    }
+                }
+                Err(e @ EngineError::InvalidConstraint(_)) => self.end(i, Some(ApiError::invalid_param(param, e.to_string()))),
+                Err(e) => self.end(i, Some(api_error(e))),
+            }
+        }
+    }
+
+    /// Whether request `i` ends before its turn: its client left (cancelled), or its time is up
+    /// (told so).
+    fn expired(&mut self, i: usize) -> bool {
+        let a = &self.active[i];
+        if a.job.events.is_closed() {
+            self.shared.metrics.cancelled.inc();
+            return true;
+        }
+        if Instant::now() >= a.job.deadline {
+            let _ = a.job.events.send(Event::Failed(ApiError::timed_out(a.job.time_limit)));
+            return true;
+        }
+        false
+    }
+
+    /// Request `i` leaves, told `failure` if it failed; its session is freed.
+    fn end(&mut self, i: usize, failure: Option<ApiError>) {
+        let a = self.active.swap_remove(i);
+        self.shared.metrics.in_flight.dec();
+        if let Some(e) = failure {
+            let _ = a.job.events.send(Event::Failed(e));
+        }
+        self.release(a.session);
+    }
+
+    /// Every request in flight fails with `e`.
+    fn fail_all(&mut self, e: ApiError) {
+        while !self.active.is_empty() {
+            self.end(self.active.len() - 1, Some(e.clone()));
         }
     }
 
@@ -472,25 +532,9 @@ impl Worker {
         }
     }
 
-    fn turn(&mut self, i: usize) -> Result<Turn, Failure> {
-        let chunk = self.shared.limits.prefill_chunk;
+    /// Request `i`'s sampled token: its text to the client, and whether the request ends.
+    fn emit(&mut self, i: usize, step: wisp::Step) -> Turn {
         let a = &mut self.active[i];
-        if a.job.events.is_closed() {
-            self.shared.metrics.cancelled.inc();
-            return Ok(Turn::Ended);
-        }
-        if Instant::now() >= a.job.deadline {
-            let _ = a.job.events.send(Event::Failed(ApiError::timed_out(a.job.time_limit)));
-            return Ok(Turn::Ended);
-        }
-        if a.fed < a.prompt.len() {
-            let end = (a.fed + chunk).min(a.prompt.len());
-            guest(self.inst.feed(a.session, &a.prompt[a.fed..end]))?;
-            a.fed = end;
-            return Ok(Turn::Continue);
-        }
-        let param = a.job.constraint.as_ref().map_or("response_format", |c| c.0);
-        let step = constrained(self.inst.next(a.session, &engine_sampling(&a.job.sampling)), param)?;
         if !step.dead_end {
             let now = Instant::now();
             let m = &self.shared.metrics;
@@ -508,9 +552,9 @@ impl Worker {
         match advance.end {
             Some((finish, usage)) => {
                 let _ = a.job.events.send(Event::Done { finish, usage });
-                Ok(Turn::Ended)
+                Turn::Ended
             }
-            None => Ok(Turn::Continue),
+            None => Turn::Continue,
         }
     }
 }
