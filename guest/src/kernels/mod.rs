@@ -287,6 +287,15 @@ mod tests {
         (0..n).map(|i| rng.f32() * if i % 97 == 5 { 40.0 } else { 1.0 }).collect()
     }
 
+    /// `x` (`t` rows) quantized, and its product with `q`.
+    fn product(q: &QMatrix, x: &[f32], t: usize) -> (QActs, Vec<f32>) {
+        let mut acts = QActs::default();
+        acts.quantize(x, t, q.n_in);
+        let mut y = vec![0f32; t * q.n_out];
+        matmul_q(q, &acts, &mut RowScratch::default(), &mut y);
+        (acts, y)
+    }
+
     /// The quantized product against the f64 product of the dequantized weights, within the
     /// error the i16 activations allow (half a step of each block's scale) plus f32 rounding.
     #[test]
@@ -303,10 +312,7 @@ mod tests {
                 let mut w = vec![0f32; n_out * n_in];
                 quant::dequantize(kind, &data, &mut w);
                 let x = activations(&mut rng, t * n_in);
-                let mut acts = QActs::default();
-                acts.quantize(&x, t, n_in);
-                let mut y = vec![0f32; t * n_out];
-                matmul_q(&q, &acts, &mut RowScratch::default(), &mut y);
+                let (acts, y) = product(&q, &x, t);
                 for tok in 0..t {
                     let xr = &x[tok * n_in..(tok + 1) * n_in];
                     for r in 0..n_out {
@@ -379,15 +385,9 @@ mod tests {
                 let q = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
                 for t in [2usize, 4, 5, 8, 9, 13] {
                     let x = activations(&mut rng, t * n_in);
-                    let mut acts = QActs::default();
-                    acts.quantize(&x, t, n_in);
-                    let mut y = vec![0f32; t * n_out];
-                    matmul_q(&q, &acts, &mut RowScratch::default(), &mut y);
+                    let (_, y) = product(&q, &x, t);
                     for tok in 0..t {
-                        let mut one = QActs::default();
-                        one.quantize(&x[tok * n_in..(tok + 1) * n_in], 1, n_in);
-                        let mut y1 = vec![0f32; n_out];
-                        matmul_q(&q, &one, &mut RowScratch::default(), &mut y1);
+                        let (_, y1) = product(&q, &x[tok * n_in..(tok + 1) * n_in], 1);
                         let row = &y[tok * n_out..(tok + 1) * n_out];
                         assert!(
                             row.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits()),
