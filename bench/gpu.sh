@@ -24,7 +24,12 @@
 #      [32768, 32768]) and its round-trip sweep (attention and a small product, end to end);
 #   5. torch on the same GPU: fp32 (TF32 off) and fp16 products at 4096^3 and at the models'
 #      shapes, and the device-to-device copy rate (bench/torch_ref.py).
-# With WISP_MODELS_ONLY=1, parts 1 and 2 and the conformance kit only.
+# With WISP_MODELS_ONLY=1, parts 1 and 2 and the conformance kit only. With WISP_PARALLEL_ONLY=1,
+# part 1 and then batched decoding alone, Gemma's (QWEN_GGUF may be -): `wisp bench --parallel
+# 1,4,16,64` (N sessions of a 128-token prompt and 128 generated tokens each) and, where
+# LLAMA_BATCHED names llama.cpp's `llama-batched-bench` (its CUDA build, see
+# ../shared/tools/llama-cpp.sh), the same shape there (-npp 128 -ntg 128 -npl 1,4,16,64),
+# interleaved, WISP_ROUNDS (default 2) rounds of each.
 set -uo pipefail
 [ $# -ge 3 ] || { echo "usage: bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]" >&2; exit 2; }
 wisp=$1 gemma=$2 qwen=$3
@@ -32,6 +37,17 @@ out=${4:-${OUT:-/tmp/wisp-gpu}}
 mkdir -p "$out"
 . "$(dirname "$0")/steps.sh"
 step device "$wisp" info --model "$gemma"
+if [ "${WISP_PARALLEL_ONLY:-0}" = 1 ]; then
+    for round in $(seq "${WISP_ROUNDS:-2}"); do
+        step "parallel-wisp-$round" "$wisp" bench --model "$gemma" --gpu on --runs 1 --prompt-tokens 128 \
+            --decode-tokens 128 --parallel 1,4,16,64 --matmul-size 0
+        if [ -n "${LLAMA_BATCHED:-}" ]; then
+            step "parallel-llama-$round" "$LLAMA_BATCHED" -m "$gemma" -ngl 99 -c 20480 -b 2048 -ub 512 \
+                -npp 128 -ntg 128 -npl 1,4,16,64
+        fi
+    done
+    exit $status
+fi
 for m in gemma qwen; do
     path=${!m}
     golden=tests/golden/gemma3-270m.json

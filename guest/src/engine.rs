@@ -84,6 +84,16 @@ impl Arch {
         }
     }
 
+    /// The products of a pass of `t` token rows through every layer, in floating-point
+    /// operations (the output projection apart).
+    pub fn layer_flops(&self, t: usize) -> u64 {
+        match self {
+            Arch::Gemma3 { weights, .. } => weights.layer_flops(t),
+            Arch::Qwen2 { weights, .. } => weights.layer_flops(t),
+            Arch::Phi3 { weights, .. } => weights.layer_flops(t),
+        }
+    }
+
     pub fn hparams(&self) -> &Hparams {
         match self {
             Arch::Gemma3 { config, .. } => &config.hp,

@@ -1,8 +1,8 @@
 //! A session: one KV cache, the logits of its last position, the tokens so far, counters.
 
 use crate::constraint::{Allowed, Constraint, Spec};
-use crate::dispatch::{Counters, Dispatch};
-use crate::engine::{Arch, Error, Model, can_allocate};
+use crate::dispatch::{self, Counters, DeviceProgram, Dispatch, Member, Pass};
+use crate::engine::{Arch, Error, Model, PassParts, can_allocate};
 use crate::models::{LayerCache, embed, gemma3, phi3, qwen2, rope};
 use crate::program::cpu::{self, Values};
 use crate::sampler::{Params, Sampler};
@@ -106,9 +106,9 @@ impl Session {
         }
         let batch = if model.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n_ctx);
         let state = match &model.arch {
-            Arch::Gemma3 { config, weights } => State::Gemma3(gemma3::State::new(config, weights, n_ctx, batch)),
-            Arch::Qwen2 { config, weights } => State::Qwen2(qwen2::State::new(config, weights, n_ctx, batch)),
-            Arch::Phi3 { config, weights } => State::Phi3(phi3::State::new(config, weights, n_ctx, batch)),
+            Arch::Gemma3 { config, .. } => State::Gemma3(gemma3::State::new(config, n_ctx, batch)),
+            Arch::Qwen2 { config, .. } => State::Qwen2(qwen2::State::new(config, n_ctx, batch)),
+            Arch::Phi3 { config, .. } => State::Phi3(phi3::State::new(config, n_ctx, batch)),
         };
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
@@ -238,8 +238,7 @@ impl Session {
         self.check_next(params, 0)?;
         let start = Instant::now();
         // A greedy step needs the largest logit alone: the device may read back just that.
-        let penalized = params.repeat_penalty != 1.0 && params.repeat_last_n > 0;
-        self.dispatch.greedy = self.constraint.is_none() && params.temperature <= 0.0 && !penalized;
+        self.dispatch.greedy = self.greedy(params);
         self.dispatch.top = None;
         let ran = self.logits().map(|_| ());
         self.dispatch.greedy = false;
@@ -248,6 +247,13 @@ impl Session {
         // Decode time includes the deferred forward pass of the previous generated token.
         self.stats.decode_ns += start.elapsed().as_nanos() as u64;
         Ok(step)
+    }
+
+    /// Whether sampling with `params` takes the largest logit, nothing changing the logits
+    /// first (no constraint, no repeat penalty).
+    fn greedy(&self, params: &Params) -> bool {
+        let penalized = params.repeat_penalty != 1.0 && params.repeat_last_n > 0;
+        self.constraint.is_none() && params.temperature <= 0.0 && !penalized
     }
 
     /// Whether `next` may sample with `params` once `more` tokens are appended.
@@ -320,8 +326,9 @@ pub struct StepScratch {
 /// each session that asks samples its next token from its logits. One result per session: an
 /// error leaves that session as it was (its checks are `feed`'s and `next`'s). A session's
 /// logits and tokens are those it would have alone: on the guest's CPU its rows share each
-/// pass's products, which are batch-invariant; a model whose products run on a device steps its
-/// sessions one after the other.
+/// pass's products, which are batch-invariant; a model whose program is on a device runs the
+/// rows of all in runs of the program over their sequences (batch-invariant where the device
+/// is), each with its own device caches; what the device does not take runs session by session.
 pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<Step>, Error>> {
     let start = Instant::now();
     let mut results: Vec<Result<Option<Step>, Error>> = Vec::with_capacity(work.len());
@@ -342,14 +349,16 @@ pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<St
         results.push(admitted.map(|()| None));
     }
     let live: Vec<bool> = results.iter().map(Result::is_ok).collect();
-    if model.arch.pass_parts().recipe.device.is_some() {
-        for (a, r) in work.iter_mut().zip(results.iter_mut()).filter(|(_, r)| r.is_ok()) {
-            if let Err(e) = a.session.run() {
-                *r = Err(e);
-            }
+    let parts = model.arch.pass_parts();
+    match &parts.recipe.device {
+        Some(prog) => run_on_device(model, &parts, prog, work, &live),
+        None => run_together(model, &parts, work, &live),
+    }
+    // What the device did not run (or all of it, after a failure) runs session by session.
+    for (a, r) in work.iter_mut().zip(results.iter_mut()).filter(|(_, r)| r.is_ok()) {
+        if let Err(e) = a.session.run() {
+            *r = Err(e);
         }
-    } else {
-        run_together(model, work, &live);
     }
     let forward = start.elapsed().as_nanos() as u64;
     for ((a, r), fed) in work.iter_mut().zip(results.iter_mut()).zip(fed) {
@@ -374,8 +383,7 @@ pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<St
 /// The forward passes of a step on the guest's CPU: every row the `live` sessions have not
 /// run, in passes of at most `STEP_ROWS` rows, each session's rows in order. A session's
 /// logits are computed with its last row (as `feed` computes them).
-fn run_together(model: &Model, work: &mut [Advance<'_>], live: &[bool]) {
-    let parts = model.arch.pass_parts();
+fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], live: &[bool]) {
     let (p, plan) = (&parts.recipe.program, &parts.recipe.plan);
     let mut scratch = model.step_scratch.borrow_mut();
     let StepScratch { dispatch, values, scores } = &mut *scratch;
@@ -422,21 +430,7 @@ fn run_together(model: &Model, work: &mut [Advance<'_>], live: &[bool]) {
                 own.push(dispatch);
             }
             let hd = model.arch.hparams().head_dim;
-            let mut input = |i: usize, out: &mut [f32]| {
-                let mut at = 0;
-                for &(toks, pos) in &tokens {
-                    let t = toks.len();
-                    match i {
-                        0 => embed(parts.embd, toks, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
-                        i => {
-                            let mut table = rope::Table::new(t, hd);
-                            table.fill(&parts.freqs[i - 1], pos, t);
-                            table.write_rows(t, &mut out[at * hd..(at + t) * hd]);
-                        }
-                    }
-                    at += t;
-                }
-            };
+            let mut input = |i: usize, out: &mut [f32]| pass_input(parts, hd, &tokens, i, out);
             let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut *dispatch).chain(own).collect();
             cpu::run(p, plan, parts.weights, &mut ds, values, scores, &mut seqs, &mut input);
         }
@@ -450,6 +444,142 @@ fn run_together(model: &Model, work: &mut [Advance<'_>], live: &[bool]) {
                 let (_, out) = s.state.parts();
                 out.copy_from_slice(&logits[row * out.len()..(row + 1) * out.len()]);
                 row += 1;
+            }
+        }
+    }
+}
+
+/// Input `i` of a pass of the model's recipe over several sequences (`tokens`: each one's
+/// tokens and first position), their rows one sequence after another: the tokens' embeddings
+/// (input 0), then the rotation tables of their positions (`hd` wide).
+fn pass_input(parts: &PassParts<'_>, hd: usize, tokens: &[(&[u32], usize)], i: usize, out: &mut [f32]) {
+    let mut at = 0;
+    for &(toks, pos) in tokens {
+        let t = toks.len();
+        match i {
+            0 => embed(parts.embd, toks, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
+            i => {
+                let mut table = rope::Table::new(t, hd);
+                table.fill(&parts.freqs[i - 1], pos, t);
+                table.write_rows(t, &mut out[at * hd..(at + t) * hd]);
+            }
+        }
+        at += t;
+    }
+}
+
+/// The forward passes of a step for a model whose program is on the device: the rows the
+/// `live` sessions have not run go through the program in runs over several sessions'
+/// sequences (at most `DEVICE_BATCH` rows a run, a session's at most its batch), each session
+/// with its own device caches, as `run_together` runs them on the CPU. Greedy entries whose
+/// rows end in a run read back their top token alone (the program's `top` form, one run), the
+/// others their logits rows (another). A session the device does not take (the policy, its
+/// caches, a failed run) is left with rows to run: the caller runs it on its own.
+fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, work: &mut [Advance<'_>], live: &[bool]) {
+    let h = model.arch.hparams();
+    let kv = h.n_head_kv * h.head_dim;
+    let head = prog.head.map(|id| parts.weights.matrix(id));
+    let out_len = head.map_or(h.n_vocab, |m| m.n_in);
+    let program = &parts.recipe.program;
+    let widths: Vec<usize> = program.inputs.iter().map(|v| program.shapes[*v].0).collect();
+    let mut left = vec![false; work.len()];
+    loop {
+        let mut room = DEVICE_BATCH;
+        let take: Vec<usize> = work
+            .iter()
+            .zip(live.iter().zip(&left))
+            .map(|(a, (&live, &left))| {
+                let s = &a.session;
+                let n = if live && !left { (s.history.len() - s.done).min(s.state.batch()).min(room) } else { 0 };
+                room -= n;
+                n
+            })
+            .collect();
+        if room == DEVICE_BATCH {
+            return;
+        }
+        let ends = |a: &Advance<'_>, n: usize| n > 0 && a.session.done + n == a.session.history.len();
+        let top: Vec<bool> = work
+            .iter()
+            .zip(&take)
+            .map(|(a, &n)| prog.has_top() && ends(a, n) && a.sample.as_ref().is_some_and(|p| a.session.greedy(p)))
+            .collect();
+        for group in [true, false] {
+            let members: Vec<bool> = take.iter().zip(&top).map(|(&n, &t)| n > 0 && t == group).collect();
+            if !members.contains(&true) {
+                continue;
+            }
+            // The policy over the group's rows; then each member's device caches.
+            let t: usize = take.iter().zip(&members).filter(|(_, m)| **m).map(|(n, _)| n).sum();
+            let flops = model.arch.layer_flops(t);
+            let bytes = 4 * (t * widths.iter().sum::<usize>()) as u64;
+            let mut joined = vec![false; work.len()];
+            let mut ids = vec![Vec::new(); work.len()];
+            for (i, a) in work.iter_mut().enumerate().filter(|(i, _)| members[*i]) {
+                let Session { state, dispatch, done, .. } = &mut *a.session;
+                let (caches, _) = state.parts();
+                let wanted = dispatch.program_wanted(prog, caches, t, flops, bytes);
+                match dispatch.program_caches(prog, (take[i], *done), caches, kv).filter(|_| wanted) {
+                    Some(c) => (joined[i], ids[i]) = (true, c),
+                    None => left[i] = true,
+                }
+            }
+            if !joined.contains(&true) {
+                continue;
+            }
+            let passes = {
+                let mut tokens: Vec<(&[u32], usize)> = Vec::new();
+                let mut run: Vec<Member<'_>> = Vec::new();
+                for (i, a) in work.iter_mut().enumerate().filter(|(i, _)| joined[*i]) {
+                    let n = take[i];
+                    let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                    let (caches, _) = state.parts();
+                    tokens.push((&history[*done..*done + n], *done));
+                    let flops = model.arch.layer_flops(n);
+                    run.push(Member { d: dispatch, t: n, pos: *done, caches, ids: std::mem::take(&mut ids[i]), flops });
+                }
+                let rows: usize = tokens.iter().map(|(t, _)| t.len()).sum();
+                let inputs: Vec<Vec<f32>> = widths
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &w)| {
+                        let mut v = vec![0.0; rows * w];
+                        pass_input(parts, h.head_dim, &tokens, k, &mut v);
+                        v
+                    })
+                    .collect();
+                dispatch::run_together(prog, &inputs, &mut run, out_len, group)
+            };
+            let Some(passes) = passes else {
+                for (l, j) in left.iter_mut().zip(&joined) {
+                    *l |= *j;
+                }
+                continue;
+            };
+            // Each member's rows are run; its logits (through the guest's head product where
+            // the device does not hold it, all members' rows at once) or its top token.
+            let mut heads: Vec<(usize, Vec<f32>)> = Vec::new();
+            for ((i, a), pass) in work.iter_mut().enumerate().filter(|(i, _)| joined[*i]).zip(passes) {
+                let wants = ends(a, take[i]);
+                let s = &mut *a.session;
+                s.done += take[i];
+                match pass {
+                    Pass::Top(token) => s.dispatch.top = Some(token),
+                    Pass::Rows(out) if wants && head.is_some() => heads.push((i, out)),
+                    Pass::Rows(out) if wants => s.state.parts().1.copy_from_slice(&out),
+                    Pass::Rows(_) => {}
+                }
+            }
+            if let (Some(m), Some(&(first, _))) = (head, heads.first()) {
+                let x: Vec<f32> = heads.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+                let mut y = vec![0.0; heads.len() * m.n_out];
+                let d = &mut work[first].session.dispatch;
+                let start = Instant::now();
+                d.matmul(&x, heads.len(), &mut [(m, &mut y)]);
+                d.counters.output_ns += start.elapsed().as_nanos() as u64;
+                for ((i, _), row) in heads.iter().zip(y.chunks_exact(m.n_out)) {
+                    work[*i].session.state.parts().1.copy_from_slice(row);
+                }
             }
         }
     }

@@ -290,12 +290,32 @@ impl Dispatch {
         flops: u64,
         out_len: usize,
     ) -> Option<Pass> {
-        let gpu = self.gpu.clone()?;
-        if !gpu.usable() || gpu.no_programs.get() || gpu.no_kv_cache.get() || self.no_caches || prog.caches != caches.len() {
+        let bytes = 4 * inputs.iter().map(Vec::len).sum::<usize>() as u64;
+        if !self.program_wanted(prog, caches, t, flops, bytes) {
             return None;
         }
-        let bytes = 4 * inputs.iter().map(Vec::len).sum::<usize>() as u64;
-        if self.device_only_from.is_none() && !gpu.wants(t, flops, bytes) {
+        let ids = self.program_caches(prog, (t, pos), caches, kv)?;
+        let top = self.greedy && t == 1;
+        let mut one = [Member { d: self, t, pos, caches, ids, flops }];
+        run_together(prog, inputs, &mut one, out_len, top).and_then(|mut passes| passes.pop())
+    }
+
+    /// Whether a run of the model's program `prog` over `t` rows of this session (`flops`,
+    /// `bytes` of inputs; `t` the rows of every session of a batched run) may go to the device:
+    /// the device takes programs and caches, and the policy sends the rows there or the
+    /// session's rings lack keys the device alone holds.
+    pub fn program_wanted(&self, prog: &DeviceProgram, caches: &[LayerCache], t: usize, flops: u64, bytes: u64) -> bool {
+        let Some(gpu) = &self.gpu else { return false };
+        let offered = gpu.usable() && !gpu.no_programs.get() && !gpu.no_kv_cache.get() && !self.no_caches && prog.caches == caches.len();
+        offered && (self.device_only_from.is_some() || gpu.wants(t, flops, bytes))
+    }
+
+    /// This session's `kv-cache`s for a run of the model's program `prog` over `t` rows at
+    /// `pos` (made now where there are none yet): `None` where the device has none to give or
+    /// they do not hold the keys those rows see.
+    pub fn program_caches(&mut self, prog: &DeviceProgram, (t, pos): (usize, usize), caches: &[LayerCache], kv: usize) -> Option<Vec<usize>> {
+        let gpu = self.gpu.clone()?;
+        if prog.caches != caches.len() || t == 0 {
             return None;
         }
         let mut ids = Vec::with_capacity(caches.len());
@@ -307,29 +327,7 @@ impl Dispatch {
             }
             ids.push(c.id);
         }
-        let start = Instant::now();
-        let batch = [DeviceSequence { rows: t as u32, start: pos as u32, caches: &ids }];
-        let top = prog.top.filter(|_| self.greedy && t == 1);
-        let answer = gpu.device.run_program(top.unwrap_or(prog.id), inputs, &batch).map(|mut outs| match outs.first_mut() {
-            Some(DeviceOutput::Rows(rows)) if top.is_none() && rows.len() == out_len => Some(Pass::Rows(std::mem::take(rows))),
-            Some(DeviceOutput::Top { indices, .. }) if top.is_some() && indices.len() == 1 && (indices[0] as usize) < out_len => {
-                Some(Pass::Top(indices[0]))
-            }
-            _ => None,
-        });
-        match answer {
-            Ok(Some(pass)) => {
-                self.ran_whole_pass((pos, t), caches, flops, start);
-                Some(pass)
-            }
-            other => {
-                self.forget_device_caches();
-                if gpu.failed(other.err(), "a program's outputs", Some(&gpu.no_programs)) {
-                    self.counters.gpu_fallbacks += 1;
-                }
-                None
-            }
-        }
+        Some(ids)
     }
 
     /// The products on the guest's CPU kernels; returns the time they took.
@@ -359,4 +357,69 @@ impl Dispatch {
 fn attention_flops(cache: &LayerCache, h: Heads, pos: usize, t: usize) -> u64 {
     let keys: usize = (pos..pos + t).map(|p| cache.window.map_or(p + 1, |w| (p + 1).min(w))).sum();
     4 * (keys * h.n_head * h.head_dim) as u64
+}
+
+/// One session's sequence in a run of the model's program (see [`run_together`]): its
+/// dispatcher, its `t` rows at `pos`, its rings, its device caches
+/// ([`Dispatch::program_caches`]) and the FLOPs of its rows.
+pub struct Member<'a> {
+    pub d: &'a mut Dispatch,
+    pub t: usize,
+    pub pos: usize,
+    pub caches: &'a [LayerCache],
+    pub ids: Vec<usize>,
+    pub flops: u64,
+}
+
+/// The model's program `prog` on the device over the sequences of `members` in one run (all
+/// sessions of one model, each with its own caches; the caller asked [`Dispatch::program_wanted`]):
+/// `inputs` holds their rows one member after another. Returns each member's [`Pass`] (its
+/// last row's output, `out_len` values, or with `top`, where the program has that form, its
+/// largest logit), as [`Dispatch::run_program`] does for one session; `None`, with nothing
+/// changed, where the device failed (each member's device caches then forgotten). Each member
+/// counts the run's time.
+pub fn run_together(prog: &DeviceProgram, inputs: &[Vec<f32>], members: &mut [Member<'_>], out_len: usize, top: bool) -> Option<Vec<Pass>> {
+    let gpu = members.first()?.d.gpu.clone()?;
+    let top = prog.top.filter(|_| top);
+    let start = Instant::now();
+    let answer = {
+        let batch: Vec<DeviceSequence<'_>> =
+            members.iter().map(|m| DeviceSequence { rows: m.t as u32, start: m.pos as u32, caches: &m.ids }).collect();
+        gpu.device.run_program(top.unwrap_or(prog.id), inputs, &batch)
+    };
+    let n = members.len();
+    let (passes, error) = match answer {
+        Ok(mut outs) => {
+            let passes = match outs.first_mut() {
+                Some(DeviceOutput::Rows(rows)) if top.is_none() && rows.len() == n * out_len => {
+                    let rows = std::mem::take(rows);
+                    Some(if n == 1 { vec![Pass::Rows(rows)] } else { rows.chunks_exact(out_len).map(|r| Pass::Rows(r.to_vec())).collect() })
+                }
+                Some(DeviceOutput::Top { indices, .. }) if top.is_some() && indices.len() == n && indices.iter().all(|&i| (i as usize) < out_len) => {
+                    Some(indices.iter().map(|&i| Pass::Top(i)).collect())
+                }
+                _ => None,
+            };
+            (passes, None)
+        }
+        Err(e) => (None, Some(e)),
+    };
+    match passes {
+        Some(passes) => {
+            for m in members.iter_mut() {
+                m.d.ran_whole_pass((m.pos, m.t), m.caches, m.flops, start);
+            }
+            Some(passes)
+        }
+        None => {
+            let counted = gpu.failed(error, "a program's outputs", Some(&gpu.no_programs));
+            for m in members.iter_mut() {
+                m.d.forget_device_caches();
+                if counted {
+                    m.d.counters.gpu_fallbacks += 1;
+                }
+            }
+            None
+        }
+    }
 }

@@ -22,6 +22,14 @@ pub struct DeviceProgram {
     pub head: Option<WeightId>,
 }
 
+impl DeviceProgram {
+    /// Whether the program has a `top` form (a run that reads back each sequence's largest
+    /// logit alone).
+    pub fn has_top(&self) -> bool {
+        self.top.is_some()
+    }
+}
+
 /// Places a model's program on the device: its matrices must be there already (each
 /// `Linear::gpu`), but for a product that makes its output (the output projection past a
 /// device's binding limit): that one stays with the guest, and the program outputs its input.

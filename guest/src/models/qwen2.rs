@@ -264,7 +264,7 @@ impl Weights {
     }
 
     /// The products of one token's pass through every layer, in floating-point operations.
-    fn layer_flops(&self, t: usize) -> u64 {
+    pub fn layer_flops(&self, t: usize) -> u64 {
         let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
         self.layers.iter().map(each).sum()
     }
@@ -292,7 +292,7 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(c: &Config, w: &Weights, n_ctx: usize, batch: usize) -> State {
+    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
         let h = &c.hp;
         let kv = h.n_head_kv * h.head_dim;
         State {
