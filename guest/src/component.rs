@@ -606,6 +606,15 @@ impl wit::GuestSession for SessionRes {
         self.0.borrow_mut().reset()
     }
 
+    fn truncate(&self, tokens: u32) -> Result<(), wit::Error> {
+        Ok(self.0.borrow_mut().truncate(tokens as usize)?)
+    }
+
+    fn fork(&self, tokens: u32) -> Result<wit::Session, wit::Error> {
+        let s = self.0.borrow().fork(tokens as usize)?;
+        Ok(wit::Session::new(SessionRes(RefCell::new(s))))
+    }
+
     fn stats(&self) -> wit::Stats {
         let s = self.0.borrow().stats();
         let d = s.dispatch;

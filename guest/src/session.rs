@@ -46,6 +46,15 @@ impl State {
         }
     }
 
+    /// The KV caches (one a layer) and the logits buffer, to read.
+    fn caches(&self) -> (&[LayerCache], &[f32]) {
+        match self {
+            State::Gemma3(s) => (&s.cache, &s.buf.logits),
+            State::Qwen2(s) => (&s.cache, &s.buf.logits),
+            State::Phi3(s) => (&s.cache, &s.buf.logits),
+        }
+    }
+
     /// The KV caches (one a layer) and the logits buffer.
     fn parts(&mut self) -> (&mut [LayerCache], &mut [f32]) {
         match self {
@@ -140,6 +149,68 @@ impl Session {
         self.history.clear();
         self.done = 0;
         self.constraint = None;
+    }
+
+    /// Keeps the first `k` tokens of the context and forgets the rest; the keys and values of
+    /// those kept are reused where the caches still hold them. The last kept token's pass runs
+    /// again at the next call that needs its logits. Removes the constraint (its state follows
+    /// the tokens it saw).
+    pub fn truncate(&mut self, k: usize) -> Result<(), Error> {
+        if k > self.history.len() {
+            return Err(Error::InvalidArgument(format!("cannot keep {k} tokens of a context of {}", self.history.len())));
+        }
+        self.constraint = None;
+        self.history.truncate(k);
+        self.rewind();
+        Ok(())
+    }
+
+    /// A new session of the same model and capacity whose context is a copy of this one's
+    /// first `k` tokens: the guest's caches copied, so that only what they lack runs again
+    /// (a device's caches are not copied: where the device alone holds keys, the copy runs
+    /// its context again).
+    pub fn fork(&self, k: usize) -> Result<Session, Error> {
+        if k > self.history.len() {
+            return Err(Error::InvalidArgument(format!("cannot copy {k} tokens of a context of {}", self.history.len())));
+        }
+        let mut s = Session::new(Rc::clone(&self.model), self.capacity())?;
+        if s.state.batch() != self.state.batch() {
+            return Err(Error::InvalidArgument("the copy's caches differ from the session's".into()));
+        }
+        let (mine, _) = self.state.caches();
+        let (theirs, _) = s.state.parts();
+        for (to, from) in theirs.iter_mut().zip(mine) {
+            to.k.copy_from_slice(&from.k);
+            to.v.copy_from_slice(&from.v);
+        }
+        s.history = self.history[..k].to_vec();
+        s.done = self.done;
+        s.dispatch.follow(&self.dispatch);
+        s.rewind();
+        Ok(s)
+    }
+
+    /// After the context shrank to `history`: the passes from where the caches still serve.
+    /// The last token's pass runs again (its logits, which a greedy step on the device may not
+    /// have read back); from the start where a sliding window's ring has lost keys that the
+    /// tokens from there on see (as `Dispatch::ring_holds` makes a session do for the device).
+    fn rewind(&mut self) {
+        let k = self.history.len();
+        self.dispatch.top = None;
+        if self.done < k {
+            return;
+        }
+        let from = k.saturating_sub(1);
+        let written = self.done;
+        let (caches, _) = self.state.parts();
+        // A ring slot holds the last position written to it: position `p` is still there when
+        // no later one of the same slot was written (`p + cap >= written`).
+        let holds = caches.iter().all(|c| {
+            let lowest = (from + 1).saturating_sub(c.window.unwrap_or(usize::MAX));
+            lowest >= from || lowest + c.cap >= written
+        });
+        self.done = if holds { from } else { 0 };
+        self.dispatch.rewind(self.done);
     }
 
     /// Constrains the tokens of the following `next` calls (none: unconstrained).

@@ -18,7 +18,7 @@ pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.7.0";
+const WIT_VERSION: &str = "0.8.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -792,6 +792,22 @@ impl Instance {
     /// Forgets every token of the session; its KV cache is kept for reuse.
     pub fn reset(&mut self, s: Session) -> Result<()> {
         self.call(|st, api| api.wisp_llm_engine().session().call_reset(st, s.0))
+    }
+
+    /// Keeps the first `tokens` tokens of the session's context and forgets the rest, reusing
+    /// the keys and values of those kept (a chat's next turn then runs its new tokens alone).
+    /// Removes the constraint. [`EngineError::InvalidArgument`] past its position.
+    pub fn truncate(&mut self, s: Session, tokens: u32) -> Outcome<()> {
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_truncate(st, s.0, tokens))?;
+        Ok(r.map_err(Into::into))
+    }
+
+    /// A new session of the same model and capacity whose context is a copy of the first
+    /// `tokens` tokens of `s` (a shared prefix computed once). [`EngineError::InvalidArgument`]
+    /// past its position.
+    pub fn fork(&mut self, s: Session, tokens: u32) -> Outcome<Session> {
+        let r = self.call(|st, api| api.wisp_llm_engine().session().call_fork(st, s.0, tokens))?;
+        Ok(r.map(Session).map_err(Into::into))
     }
 
     /// The session's counters: tokens and time of prefill and decode, products on the CPU and

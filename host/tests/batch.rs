@@ -349,3 +349,102 @@ fn a_steps_errors_are_per_entry_or_change_nothing() {
     // No entries: nothing to do.
     assert_eq!(inst.step(m, &[]).unwrap().unwrap(), Vec::new());
 }
+
+/// The logits of `context` computed from scratch in a fresh session (capacity `n_ctx`), and the
+/// CPU products' FLOPs that took.
+fn from_scratch(inst: &mut Instance, m: Model, n_ctx: u32, context: &[u32]) -> (Vec<f32>, u64) {
+    let s = inst.new_session(m, n_ctx).unwrap().unwrap();
+    inst.feed(s, context).unwrap().unwrap();
+    let logits = inst.logits(s).unwrap().unwrap();
+    let flops = inst.stats(s).unwrap().cpu_flops;
+    inst.drop_session(s).unwrap();
+    (logits, flops)
+}
+
+fn bitwise(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// Prefix reuse on `on`: a session of a prompt and a few greedy tokens (on a device, read back
+/// as its top token alone) truncated to `k` tokens, or copied from its first `k`, then fed more,
+/// has bit for bit the logits of that context computed from scratch; right after the
+/// truncation too. The copied-from session goes on as if nothing happened. Past the position,
+/// both calls are `invalid-argument` and change nothing.
+fn prefix_reuse_matches_recomputing(on: On, n: usize) {
+    let Some((mut inst, m, _)) = open_on(on) else { return };
+    let p = prompt(&mut inst, m, 3, n);
+    let more = prompt(&mut inst, m, 4, 5);
+    let a = inst.new_session(m, 256).unwrap().unwrap();
+    inst.feed(a, &p).unwrap().unwrap();
+    let mut context = p.clone();
+    for _ in 0..3 {
+        context.push(inst.next(a, &Sampling::default()).unwrap().unwrap().token);
+    }
+    for k in [1, n / 2, n, n + 2] {
+        let with = |k: usize| [&context[..k], &more[..]].concat();
+        let (want, _) = from_scratch(&mut inst, m, 256, &with(k));
+        let b = inst.fork(a, k as u32).unwrap().unwrap();
+        assert_eq!(inst.position(b).unwrap(), k as u32);
+        let (alone, _) = from_scratch(&mut inst, m, 256, &context[..k]);
+        assert!(bitwise(&inst.logits(b).unwrap().unwrap(), &alone), "{on:?}: a copy of {k} tokens, its logits");
+        inst.feed(b, &more).unwrap().unwrap();
+        assert!(bitwise(&inst.logits(b).unwrap().unwrap(), &want), "{on:?}: a copy of {k} tokens, fed more");
+        inst.drop_session(b).unwrap();
+    }
+    // The copied-from session is as it was: its next token's logits those from scratch.
+    let token = inst.next(a, &Sampling::default()).unwrap().unwrap().token;
+    context.push(token);
+    let (want, _) = from_scratch(&mut inst, m, 256, &context);
+    assert!(bitwise(&inst.logits(a).unwrap().unwrap(), &want), "{on:?}: the session copied from");
+    // Truncations, each then fed more.
+    for k in [n + 3, n - 1, 2] {
+        inst.truncate(a, k as u32).unwrap().unwrap();
+        assert_eq!(inst.position(a).unwrap(), k as u32);
+        let (alone, _) = from_scratch(&mut inst, m, 256, &context[..k]);
+        assert!(bitwise(&inst.logits(a).unwrap().unwrap(), &alone), "{on:?}: truncated to {k}, its logits");
+        inst.feed(a, &more).unwrap().unwrap();
+        let (want, _) = from_scratch(&mut inst, m, 256, &[&context[..k], &more[..]].concat());
+        assert!(bitwise(&inst.logits(a).unwrap().unwrap(), &want), "{on:?}: truncated to {k}, fed more");
+        inst.truncate(a, k as u32).unwrap().unwrap();
+    }
+    // Past the position: an error, nothing changed.
+    let at = inst.position(a).unwrap();
+    assert!(matches!(inst.truncate(a, at + 1).unwrap(), Err(EngineError::InvalidArgument(_))));
+    assert!(matches!(inst.fork(a, at + 1).unwrap(), Err(EngineError::InvalidArgument(_))));
+    assert_eq!(inst.position(a).unwrap(), at);
+}
+
+#[test]
+fn truncating_or_copying_a_prefix_gives_the_logits_of_recomputing() {
+    prefix_reuse_matches_recomputing(On::Guest, 24);
+    prefix_reuse_matches_recomputing(On::Reference, 8);
+}
+
+/// Past a sliding window (Gemma's 512-token rings on the guest's CPU, 576 slots): a truncation
+/// the ring still serves reruns the last kept token alone; one whose keys the ring has
+/// overwritten runs the kept tokens again; both give the logits from scratch, and so does a
+/// copy.
+#[test]
+fn a_truncation_past_a_sliding_window_reuses_the_ring_or_recomputes() {
+    let (mut inst, m) = open();
+    let context: Vec<u32> = (0..8).flat_map(|i| prompt(&mut inst, m, 30 + i, 80)).take(620).collect();
+    assert_eq!(context.len(), 620);
+    let more = prompt(&mut inst, m, 5, 4);
+    let a = inst.new_session(m, 1024).unwrap().unwrap();
+    inst.feed(a, &context).unwrap().unwrap();
+    let (_, all) = from_scratch(&mut inst, m, 1024, &context);
+    let per_token = all / context.len() as u64;
+    let b = inst.fork(a, 600).unwrap().unwrap();
+    for (s, k, reruns) in [(b, 600, 1), (a, 600, 1), (a, 30, 30)] {
+        inst.truncate(s, k as u32).unwrap().unwrap();
+        let before = inst.stats(s).unwrap().cpu_flops;
+        inst.feed(s, &more).unwrap().unwrap();
+        let ran = (inst.stats(s).unwrap().cpu_flops - before) / per_token;
+        let (want, _) = from_scratch(&mut inst, m, 1024, &[&context[..k], &more[..]].concat());
+        assert!(bitwise(&inst.logits(s).unwrap().unwrap(), &want), "truncated to {k}, fed more");
+        // The products of the tokens that ran, in tokens' worth (the output projection adds
+        // about two): the last kept one and those fed where the ring serves, all where not.
+        let least = (reruns + more.len()) as u64;
+        assert!(ran >= least && ran <= least + 3, "truncated to {k}: {ran} tokens' products ran, {least} tokens");
+    }
+}

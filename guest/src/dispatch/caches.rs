@@ -80,6 +80,25 @@ impl Dispatch {
         }
     }
 
+    /// The session's context now ends at `pos` (a truncation): the device's caches hold
+    /// nothing from there on, and the guest's rings lack nothing before it unless they
+    /// already did.
+    pub fn rewind(&mut self, pos: usize) {
+        self.device_only_from = self.device_only_from.filter(|&p| p < pos);
+        for c in self.caches.iter_mut().flatten() {
+            c.hi = c.hi.min(pos);
+            if c.lo > c.hi {
+                (c.lo, c.hi) = (0, 0);
+            }
+        }
+    }
+
+    /// For a copy of another session's caches on the guest (its device caches not copied):
+    /// the rings lack what `other`'s lack.
+    pub fn follow(&mut self, other: &Dispatch) {
+        self.device_only_from = other.device_only_from;
+    }
+
     /// Whether the guest's rings hold every key and value before `pos`, so that the batch at
     /// `pos` can run layer by layer; `false` when the device alone holds some (see
     /// [`Dispatch::run_program`]): the session must run its history again from position 0. A batch

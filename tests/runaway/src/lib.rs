@@ -142,6 +142,12 @@ impl GuestSession for Session {
     fn reset(&self) {
         match *self {}
     }
+    fn truncate(&self, _: u32) -> Result<(), Error> {
+        match *self {}
+    }
+    fn fork(&self, _: u32) -> Result<bindings::exports::wisp::llm::engine::Session, Error> {
+        match *self {}
+    }
     fn stats(&self) -> Stats {
         match *self {}
     }
