@@ -1,7 +1,7 @@
 //! Golden references and the teacher-forcing check (the format and thresholds of
 //! `tests/golden/README.md`): any host that runs the wisp component can hold it to them.
 
-use crate::runtime::{EngineError, Instance, Model};
+use crate::runtime::{Advance, EngineError, Instance, Model};
 use anyhow::{Context, Result, bail};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -153,21 +153,76 @@ fn engine<T>(r: Result<T, EngineError>) -> Result<T> {
 /// Feeds `prompt_tokens + continuation` one step at a time and compares each step's logits with
 /// the reference. A typed engine error is returned as the error (it fails the case).
 pub fn run_case(inst: &mut Instance, model: Model, case: &Case, k: usize) -> Result<Outcome> {
-    let n_ctx = (case.prompt_tokens.len() + case.continuation.len() + 1) as u32;
-    let session = engine(inst.new_session(model, n_ctx)?)?;
+    let session = engine(inst.new_session(model, case_context(case))?)?;
     engine(inst.feed(session, &case.prompt_tokens)?)?;
-    let mut out = Outcome {
-        name: case.name.clone(),
-        top: Vec::new(),
-        prompt_logits: Vec::new(),
-        judged: !case.steps.is_empty(),
-        argmax_checked: 0,
-        argmax_mismatches: Vec::new(),
-        max_top5_diff: 0.0,
-        rmse: None,
-    };
+    let mut out = Outcome::of(case);
     for (i, &next) in case.continuation.iter().enumerate() {
         let logits = engine(inst.logits(session)?)?;
+        out.observe(case, i, logits, k)?;
+        engine(inst.feed(session, &[next])?)?;
+    }
+    inst.drop_session(session)?;
+    Ok(out)
+}
+
+/// [`run_case`] for every case at once, as one batch (`model.step`): each case's session
+/// brings its prompt to the first step and its next teacher-forced token to each step after,
+/// leaving when its continuation ends. A session's logits are those it has alone where the
+/// host's device is batch-invariant (the guest's CPU, the CPU reference), so the outcomes are
+/// [`run_case`]'s; on a GPU they may differ within its rounding. An entry's error fails the run.
+pub fn run_cases_together(inst: &mut Instance, model: Model, cases: &[Case], k: usize) -> Result<Vec<Outcome>> {
+    let mut sessions = Vec::with_capacity(cases.len());
+    for case in cases {
+        sessions.push(engine(inst.new_session(model, case_context(case))?)?);
+    }
+    let mut outcomes: Vec<Outcome> = cases.iter().map(Outcome::of).collect();
+    let longest = cases.iter().map(|c| c.continuation.len()).max().unwrap_or(0);
+    for i in 0..=longest {
+        // Step `i` brings each case still going its prompt (i = 0) or its token `i - 1`.
+        let going: Vec<usize> = (0..cases.len()).filter(|&c| i <= cases[c].continuation.len() && (i > 0 || !cases[c].continuation.is_empty())).collect();
+        let fed: Vec<Vec<u32>> =
+            going.iter().map(|&c| if i == 0 { cases[c].prompt_tokens.clone() } else { vec![cases[c].continuation[i - 1]] }).collect();
+        let work: Vec<Advance<'_>> = going.iter().zip(&fed).map(|(&c, tokens)| Advance { session: sessions[c], tokens, sample: None }).collect();
+        for (&c, r) in going.iter().zip(engine(inst.step(model, &work)?)?) {
+            engine(r).with_context(|| format!("case {} at step {i}", cases[c].name))?;
+        }
+        for &c in &going {
+            if i < cases[c].continuation.len() {
+                let logits = engine(inst.logits(sessions[c])?)?;
+                outcomes[c].observe(&cases[c], i, logits, k)?;
+            }
+        }
+    }
+    for s in sessions {
+        inst.drop_session(s)?;
+    }
+    Ok(outcomes)
+}
+
+/// A session's room for a case: its prompt, its continuation and one more.
+fn case_context(case: &Case) -> u32 {
+    (case.prompt_tokens.len() + case.continuation.len() + 1) as u32
+}
+
+impl Outcome {
+    /// Nothing measured yet, of `case`.
+    fn of(case: &Case) -> Outcome {
+        Outcome {
+            name: case.name.clone(),
+            top: Vec::new(),
+            prompt_logits: Vec::new(),
+            judged: !case.steps.is_empty(),
+            argmax_checked: 0,
+            argmax_mismatches: Vec::new(),
+            max_top5_diff: 0.0,
+            rmse: None,
+        }
+    }
+
+    /// Judges the logits of step `i` (after the prompt and `i` tokens of the continuation)
+    /// against the reference's, keeping their top `k`.
+    fn observe(&mut self, case: &Case, i: usize, logits: Vec<f32>, k: usize) -> Result<()> {
+        let next = case.continuation[i];
         if i == 0 {
             if let Some(path) = &case.logits {
                 let reference = read_logits(path)?;
@@ -175,28 +230,26 @@ pub fn run_case(inst: &mut Instance, model: Model, case: &Case, k: usize) -> Res
                     bail!("{}: the reference has {} logits, the model {}", case.name, reference.len(), logits.len());
                 }
                 let se: f64 = logits.iter().zip(&reference).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
-                out.rmse = Some((se / logits.len() as f64).sqrt());
+                self.rmse = Some((se / logits.len() as f64).sqrt());
             }
         }
-        out.top.push(top_k(&logits, k));
+        self.top.push(top_k(&logits, k));
         if let Some(step) = case.steps.get(i) {
             if step.margin >= MARGIN {
-                out.argmax_checked += 1;
+                self.argmax_checked += 1;
                 if argmax(&logits) != next {
-                    out.argmax_mismatches.push(i);
+                    self.argmax_mismatches.push(i);
                 }
             }
             for &(id, want) in &step.top5 {
                 let got = *logits.get(id as usize).context("a reference id is past the vocabulary")?;
                 let diff = (got - want).abs();
-                out.max_top5_diff = if diff.is_nan() { f32::INFINITY } else { out.max_top5_diff.max(diff) };
+                self.max_top5_diff = if diff.is_nan() { f32::INFINITY } else { self.max_top5_diff.max(diff) };
             }
         }
         if i == 0 {
-            out.prompt_logits = logits;
+            self.prompt_logits = logits;
         }
-        engine(inst.feed(session, &[next])?)?;
+        Ok(())
     }
-    inst.drop_session(session)?;
-    Ok(out)
 }

@@ -492,3 +492,36 @@ fn auto_mode_on_a_slow_device_keeps_work_on_the_cpu() {
     assert_eq!((stats.gpu_calls, stats.gpu_attention_calls), (0, 0), "{stats:?}");
     assert_eq!(inst.model_info(m).unwrap().gpu_weights, 0);
 }
+
+/// The golden cases as one batch (`golden::run_cases_together`, `model.step`): on the guest's
+/// CPU and on the CPU reference device running the model's program, every case's outcome is
+/// the case's alone, value for value (each step's top logits, the logits after the prompt); on
+/// wgpu the batch passes the thresholds.
+#[test]
+fn the_golden_cases_as_one_batch_are_the_cases_alone() {
+    let same = |a: &golden::Outcome, b: &golden::Outcome| {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let tops = |o: &golden::Outcome| o.top.iter().map(|s| s.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>()).collect::<Vec<_>>();
+        a.name == b.name && tops(a) == tops(b) && bits(&a.prompt_logits) == bits(&b.prompt_logits)
+    };
+    let all = golden_cases();
+    // The reference device computes ~10 rows a second: three cases there (32 and 16 steps).
+    let short: Vec<Case> = all.iter().filter(|c| ["capital", "count", "unicode"].contains(&c.name.as_str())).cloned().collect();
+    assert_eq!(short.len(), 3);
+    for (gpu, mode, cases) in [(GpuCtx::none(), GpuMode::Off, &all), (GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On, &short)] {
+        let (mut inst, m) = open(model(), gpu, mode);
+        let together = golden::run_cases_together(&mut inst, m, cases, 5).unwrap();
+        assert_eq!(together.len(), cases.len());
+        for (case, batched) in cases.iter().zip(&together) {
+            let alone = golden::run_case(&mut inst, m, case, 5).unwrap();
+            assert!(batched.pass(), "{mode:?}: {} in the batch fails the thresholds: {batched:?}", case.name);
+            assert!(same(batched, &alone), "{mode:?}: {} in the batch differs from the case alone", case.name);
+        }
+    }
+    let Some(backend) = wgpu_backend() else { return };
+    let (mut inst, m) = open(model(), GpuCtx::new(Box::new(backend), Budget::default()), GpuMode::On);
+    for o in golden::run_cases_together(&mut inst, m, &all, 5).unwrap() {
+        eprintln!("wgpu, one batch: {}: max top5 diff {:.4}, rmse {:?}", o.name, o.max_top5_diff, o.rmse);
+        assert!(o.pass(), "wgpu: {} in the batch fails the golden thresholds: {o:?}", o.name);
+    }
+}

@@ -41,6 +41,10 @@ pub struct ConformanceArgs {
     /// How exactly the golden check's model computes its products (the kit checks both).
     #[arg(long, value_enum, default_value_t = super::PrecisionArg::Exact, conflicts_with = "no_golden")]
     precision: super::PrecisionArg,
+    /// Run the golden cases as one batch (`model.step`), every case's session in the same
+    /// forward passes.
+    #[arg(long, conflicts_with = "no_golden")]
+    batched: bool,
     /// Run only the gpu kit, not the golden check.
     #[arg(long)]
     no_golden: bool,
@@ -125,7 +129,7 @@ pub fn conformance(a: ConformanceArgs) -> Result<()> {
         None => None,
         Some((path, cases)) => {
             if !a.json {
-                println!("\ngolden check: {} ({} cases), teacher forcing, GPU on", path.display(), cases.len());
+                println!("\ngolden check: {} ({} cases{}), teacher forcing, GPU on", path.display(), cases.len(), if a.batched { ", one batch" } else { "" });
             }
             let g = run_golden(&a, &path, &cases);
             if let Ok(g) = &g {
@@ -257,7 +261,19 @@ fn run_golden(a: &ConformanceArgs, file: &Path, cases: &[golden::Case]) -> Resul
         println!("{:<12} {:>5} {:>8} {:>15} {:>8} {:<6} {:>8}", "case", "steps", "argmax", "max|top5 diff|", "rmse", "result", "time");
     }
     let mut outcomes = Vec::new();
-    for case in cases {
+    if a.batched {
+        // One batch: the time is the whole batch's, on each case's line.
+        let start = Instant::now();
+        let all = golden::run_cases_together(&mut inst, m, cases, 5).context("the golden cases as one batch")?;
+        let secs = start.elapsed().as_secs_f64();
+        for o in all {
+            if !a.json {
+                print_golden(&o, secs);
+            }
+            outcomes.push((o, secs));
+        }
+    }
+    for case in cases.iter().filter(|_| !a.batched) {
         let start = Instant::now();
         let o = golden::run_case(&mut inst, m, case, 5).with_context(|| format!("golden case {}", case.name))?;
         let secs = start.elapsed().as_secs_f64();

@@ -24,6 +24,10 @@ pub struct EvalArgs {
     /// Only the cases with these names (comma-separated).
     #[arg(long, value_delimiter = ',')]
     cases: Vec<String>,
+    /// Run the cases as one batch (`model.step`): every case's session advances in the same
+    /// forward passes, joining with its prompt and leaving when its continuation ends.
+    #[arg(long)]
+    batched: bool,
     /// One JSON object on stdout.
     #[arg(long)]
     json: bool,
@@ -51,10 +55,17 @@ pub fn eval(a: EvalArgs) -> Result<()> {
         std::fs::create_dir_all(d).with_context(|| format!("creating {}", d.display()))?;
     }
     let mut loaded = load(&a.model)?;
+    let outcomes = if a.batched {
+        golden::run_cases_together(&mut loaded.inst, loaded.model, &cases, a.top as usize).context("the cases as one batch")?
+    } else {
+        let mut each = Vec::new();
+        for case in &cases {
+            each.push(golden::run_case(&mut loaded.inst, loaded.model, case, a.top as usize).with_context(|| format!("case {}", case.name))?);
+        }
+        each
+    };
     let mut results = Vec::new();
-    for case in &cases {
-        let r = golden::run_case(&mut loaded.inst, loaded.model, case, a.top as usize)
-            .with_context(|| format!("case {}", case.name))?;
+    for (case, r) in cases.iter().zip(outcomes) {
         if let Some(d) = &a.dump_logits {
             let bytes: Vec<u8> = r.prompt_logits.iter().flat_map(|v| v.to_le_bytes()).collect();
             std::fs::write(d.join(format!("{}.logits.f32", case.name)), bytes)?;
