@@ -73,6 +73,11 @@ fn eval_meets_the_golden_thresholds_on_the_cpu() {
     }
     assert_eq!(v["cases"].as_array().unwrap().len(), 7, "every case ran, long-gpl included");
     assert!(o.status.success(), "{}", stderr(&o));
+    // As one batch: the same report, step for step (the CPU path is batch-invariant).
+    let b = wisp(&["eval", "--model", m, "--gpu", "off", "--golden", golden.to_str().unwrap(), "--json", "--batched"]);
+    let vb: Value = serde_json::from_str(stdout(&b).trim()).unwrap_or_else(|e| panic!("{e}: {}", stderr(&b)));
+    assert_eq!(vb, v, "the cases as one batch");
+    assert!(b.status.success(), "{}", stderr(&b));
 }
 
 #[test]
