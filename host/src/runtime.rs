@@ -268,6 +268,8 @@ impl std::fmt::Display for Limit {
 /// that usually follows can say why).
 struct MemoryLimit {
     max: usize,
+    /// The guest's linear memory, in bytes, after its last growth (it never shrinks).
+    size: usize,
     /// The size a refused growth asked for, since the current call began.
     refused: Option<usize>,
 }
@@ -275,7 +277,9 @@ struct MemoryLimit {
 impl ResourceLimiter for MemoryLimit {
     fn memory_growing(&mut self, _current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
         let allow = desired <= self.max && maximum.is_none_or(|m| desired <= m);
-        if !allow {
+        if allow {
+            self.size = self.size.max(desired);
+        } else {
             self.refused = Some(desired);
         }
         Ok(allow)
@@ -310,7 +314,7 @@ impl HostState {
             wasi.preopened_dir(dir, GUEST_MODEL_DIR, FsPerms::ReadOnly)
                 .map_err(|e| anyhow::Error::from(e).context(format!("opening {}", dir.display())))?;
         }
-        let limits = MemoryLimit { max: max_memory, refused: None };
+        let limits = MemoryLimit { max: max_memory, size: 0, refused: None };
         Ok(HostState { wasi: wasi.build(), table: ResourceTable::new(), gpu, limits })
     }
 
@@ -808,6 +812,12 @@ impl Instance {
     pub fn fork(&mut self, s: Session, tokens: u32) -> Outcome<Session> {
         let r = self.call(|st, api| api.wisp_llm_engine().session().call_fork(st, s.0, tokens))?;
         Ok(r.map(Session).map_err(Into::into))
+    }
+
+    /// The guest's linear memory, in bytes: the most it has held (a wasm memory never shrinks;
+    /// the guest reuses what it frees).
+    pub fn memory_bytes(&self) -> usize {
+        self.store.data().limits.size
     }
 
     /// The session's counters: tokens and time of prefill and decode, products on the CPU and
