@@ -589,8 +589,9 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
             for (i, a) in work.iter_mut().enumerate().filter(|(i, _)| members[*i]) {
                 let Session { state, dispatch, done, .. } = &mut *a.session;
                 let (caches, _) = state.parts();
+                // The policy first: a session the device will not take makes no caches there.
                 let wanted = dispatch.program_wanted(prog, caches, t, flops, bytes);
-                match dispatch.program_caches(prog, (take[i], *done), caches, kv).filter(|_| wanted) {
+                match wanted.then(|| dispatch.program_caches(prog, (take[i], *done), caches, kv)).flatten() {
                     Some(c) => (joined[i], ids[i]) = (true, c),
                     None => left[i] = true,
                 }
