@@ -578,6 +578,9 @@ impl Finish {
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
+    /// Prompt tokens whose keys and values came from an earlier request's session (a shared
+    /// prefix), OpenAI's `prompt_tokens_details.cached_tokens`.
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -586,6 +589,7 @@ impl Usage {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
 }
@@ -709,6 +713,7 @@ pub fn session_size(prompt_len: usize, max_tokens: Option<u32>, ctx: u32) -> Res
 /// (whole characters, nothing of a stop sequence), until the end and why.
 pub struct Reply {
     prompt_tokens: u32,
+    cached_tokens: u32,
     budget: u32,
     generated: u32,
     utf8: Utf8Stream,
@@ -728,12 +733,17 @@ impl Reply {
     /// A reply to a prompt of `prompt_tokens` tokens that may generate `budget` tokens and ends
     /// before the first of `stop`.
     pub fn new(prompt_tokens: u32, budget: u32, stop: Vec<String>) -> Reply {
-        Reply { prompt_tokens, budget, generated: 0, utf8: Utf8Stream::default(), stops: StopMatcher::new(stop) }
+        Reply { prompt_tokens, cached_tokens: 0, budget, generated: 0, utf8: Utf8Stream::default(), stops: StopMatcher::new(stop) }
+    }
+
+    /// The same reply, `cached` of whose prompt tokens came from an earlier request's session.
+    pub fn cached(self, cached: u32) -> Reply {
+        Reply { cached_tokens: cached, ..self }
     }
 
     /// The counts so far.
     pub fn usage(&self) -> Usage {
-        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated }
+        Usage { prompt_tokens: self.prompt_tokens, completion_tokens: self.generated, cached_tokens: self.cached_tokens }
     }
 
     /// Takes the engine's step: the token's `piece`, whether it ends generation, and whether
@@ -872,7 +882,7 @@ mod tests {
 
     #[test]
     fn a_reply_ends_at_its_stop_its_budget_or_the_models_end() {
-        let usage = |n| Usage { prompt_tokens: 7, completion_tokens: n };
+        let usage = |n| Usage { prompt_tokens: 7, completion_tokens: n, cached_tokens: 0 };
         // A stop sequence split over pieces: nothing of it is sent.
         assert_eq!(reply(10, &["END"], &[b"ab", b"cE", b"N", b"Dzz"], false), ("abc".into(), Some((Finish::Stop, usage(4)))));
         // The budget: what was held back in case it began a stop sequence is sent at the end.
@@ -1010,11 +1020,12 @@ mod tests {
     #[test]
     fn responses_and_chunks_have_openai_shapes() {
         let h = Head::new(Kind::Chat, "m");
-        let r = h.response("hi", Finish::Length, Usage { prompt_tokens: 3, completion_tokens: 2 });
+        let r = h.response("hi", Finish::Length, Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1 });
         assert_eq!(r["object"], "chat.completion");
         assert_eq!(r["choices"][0]["message"]["content"], "hi");
         assert_eq!(r["choices"][0]["finish_reason"], "length");
         assert_eq!(r["usage"]["total_tokens"], 5);
+        assert_eq!(r["usage"]["prompt_tokens_details"]["cached_tokens"], 1);
         assert_eq!(h.text_chunk("x")["choices"][0]["delta"]["content"], "x");
         assert_eq!(h.usage_chunk(Usage::default())["choices"], json!([]));
         let t = Head::new(Kind::Text, "m");

@@ -145,21 +145,25 @@ impl Session {
         self.history.len()
     }
 
+    /// Forgets every token and the constraint; the sampler starts again as a new session's.
     pub fn reset(&mut self) {
         self.history.clear();
         self.done = 0;
         self.constraint = None;
+        self.sampler = Sampler::default();
     }
 
     /// Keeps the first `k` tokens of the context and forgets the rest; the keys and values of
     /// those kept are reused where the caches still hold them. The last kept token's pass runs
     /// again at the next call that needs its logits. Removes the constraint (its state follows
-    /// the tokens it saw).
+    /// the tokens it saw); the sampler starts again as a new session's (a seed gives the
+    /// draws it gives a new session).
     pub fn truncate(&mut self, k: usize) -> Result<(), Error> {
         if k > self.history.len() {
             return Err(Error::InvalidArgument(format!("cannot keep {k} tokens of a context of {}", self.history.len())));
         }
         self.constraint = None;
+        self.sampler = Sampler::default();
         self.history.truncate(k);
         self.rewind();
         Ok(())

@@ -490,3 +490,21 @@ fn an_extra_session_costs_its_kv_cache_and_little_else() {
     assert!(extra >= kv * 9 / 10, "{extra} bytes an extra session: less than its KV cache of {kv}?");
     assert!(extra <= kv + (4 << 20), "{extra} bytes an extra session, its KV cache {kv}");
 }
+
+/// `reset` and `truncate` start the sampler again: a seed then gives the draws it gives a new
+/// session (so that a server reusing a session for a later request answers as a fresh one).
+#[test]
+fn a_reset_or_truncated_session_samples_as_a_new_one() {
+    let (mut inst, m) = open();
+    let p = prompt(&mut inst, m, 5, 9);
+    let s = Sampling { temperature: 1.0, top_k: 0, seed: 12, ..Sampling::default() };
+    let draws = |inst: &mut Instance, session| (0..8).map(|_| inst.next(session, &s).unwrap().unwrap().token).collect::<Vec<u32>>();
+    let session = inst.new_session(m, 64).unwrap().unwrap();
+    inst.feed(session, &p).unwrap().unwrap();
+    let fresh = draws(&mut inst, session);
+    inst.reset(session).unwrap();
+    inst.feed(session, &p).unwrap().unwrap();
+    assert_eq!(draws(&mut inst, session), fresh, "after reset");
+    inst.truncate(session, p.len() as u32).unwrap().unwrap();
+    assert_eq!(draws(&mut inst, session), fresh, "after truncate");
+}

@@ -133,9 +133,40 @@ def test_health_openapi_and_metrics(server):
     text = m.text
     for name in [
         'wisp_requests_total{endpoint="/v1/completions",status="200"}',
-        "wisp_prompt_tokens_total", "wisp_generated_tokens_total", "wisp_queue_depth", "wisp_requests_in_flight",
+        "wisp_prompt_tokens_total", "wisp_cached_prompt_tokens_total", "wisp_generated_tokens_total", "wisp_queue_depth",
+        "wisp_requests_in_flight",
         "wisp_batch_size_bucket", "wisp_time_to_first_token_seconds_bucket", "wisp_time_per_output_token_seconds_bucket",
     ]:
         assert name in text, name
     generated = [l for l in text.splitlines() if l.startswith("wisp_generated_tokens_total")]
     assert int(float(generated[0].split()[-1])) >= 2
+
+
+def cached(usage):
+    return usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_chats_next_turn_continues_from_the_first_and_says_so(start):
+    """The prompt cache: a finished request's session is kept, and a later request whose prompt
+    begins the same way continues from it (its usage says how many prompt tokens were reused);
+    the text is the text without the cache, greedy and seeded alike."""
+    cache, plain = start("--instances", "1"), start("--instances", "1", "--no-prompt-cache")
+    first = [{"role": "user", "content": "Name three rivers of Europe."}]
+
+    def chat(s, messages, **kw):
+        return client(s).chat.completions.create(model=s.model, messages=messages, max_tokens=16, **kw)
+
+    r1 = chat(cache, first, temperature=0)
+    assert cached(r1.usage) == 0
+    turn = first + [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "Which is longest?"}]
+    r2 = chat(cache, turn, temperature=0)
+    # The first turn's whole prompt at least came from its session.
+    assert r1.usage.prompt_tokens <= cached(r2.usage) < r2.usage.prompt_tokens, (r1.usage, r2.usage)
+    p2 = chat(plain, turn, temperature=0)
+    assert cached(p2.usage) == 0 and p2.choices[0].message.content == r2.choices[0].message.content
+    # The same prompt again, sampled with a seed: all of it held, the draws a new session's.
+    seeded = [chat(s, turn, temperature=0.9, seed=11).choices[0].message.content for s in (cache, cache, plain)]
+    assert seeded[0] == seeded[1] == seeded[2], seeded
+    metrics = httpx.get(cache.url + "/metrics").text
+    reused = [l for l in metrics.splitlines() if l.startswith("wisp_cached_prompt_tokens_total")]
+    assert int(float(reused[0].split()[-1])) >= cached(r2.usage), reused

@@ -19,6 +19,7 @@ pub struct Metrics {
     registry: Registry,
     pub requests: Family<RequestLabels, Counter>,
     pub prompt_tokens: Counter,
+    pub cached_prompt_tokens: Counter,
     pub generated_tokens: Counter,
     pub cancelled: Counter,
     pub queue_depth: Gauge,
@@ -35,6 +36,12 @@ impl Metrics {
         registry.register("requests", "HTTP requests answered, by endpoint and status", requests.clone());
         let prompt_tokens = Counter::default();
         registry.register("prompt_tokens", "Prompt tokens fed to the model", prompt_tokens.clone());
+        let cached_prompt_tokens = Counter::default();
+        registry.register(
+            "cached_prompt_tokens",
+            "Prompt tokens whose keys and values came from an earlier request's session",
+            cached_prompt_tokens.clone(),
+        );
         let generated_tokens = Counter::default();
         registry.register("generated_tokens", "Tokens generated", generated_tokens.clone());
         let cancelled = Counter::default();
@@ -58,6 +65,7 @@ impl Metrics {
             registry,
             requests,
             prompt_tokens,
+            cached_prompt_tokens,
             generated_tokens,
             cancelled,
             queue_depth,

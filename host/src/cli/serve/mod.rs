@@ -47,12 +47,20 @@ pub struct ServeArgs {
     instances: Option<u32>,
     /// A request's context in tokens, prompt and reply together (at most the model's training
     /// context); a longer prompt is refused with 400, a reply stops at the end with "length".
+    /// A request's session has room for its prompt and reply, twice that with the prompt
+    /// cache (so that a chat's next turn fits it), within this.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(2..))]
     ctx: u32,
     /// Prompt tokens a request brings to one batched step: a long prompt delays the other
     /// requests' next tokens by one chunk at a time, not by the whole prompt.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
     prefill_chunk: u32,
+    /// Start every request in a fresh session. By default a finished request's session is kept
+    /// (within --parallel sessions in all) and a later request whose prompt begins the same way
+    /// (a chat's next turn, a shared system prompt) continues from it, reusing the keys and
+    /// values of the shared prefix (its usage's `prompt_tokens_details.cached_tokens`).
+    #[arg(long)]
+    no_prompt_cache: bool,
     /// Require `Authorization: Bearer KEY` on every route but /health and /openapi.json.
     #[arg(long, env = "WISP_API_KEY", hide_env_values = true, value_name = "KEY")]
     api_key: Option<String>,
@@ -130,6 +138,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         queue: a.queue,
         ctx: a.ctx,
         prefill_chunk: a.prefill_chunk as usize,
+        prompt_cache: !a.no_prompt_cache,
     };
     let started = Scheduler::start(instances, limits, metrics.clone(), open);
     spinner.finish_and_clear();

@@ -29,6 +29,8 @@ pub struct Limits {
     pub ctx: u32,
     /// Prompt tokens fed in one turn.
     pub prefill_chunk: usize,
+    /// Finished requests' sessions are kept for later requests that share their prefix.
+    pub prompt_cache: bool,
 }
 
 /// What a generation request hears from its worker, in order: `Started` or `Failed`, then
@@ -132,7 +134,7 @@ impl Scheduler {
                 let _ = ready.send(opened.as_ref().map(|o| o.2.clone()).map_err(|e| format!("{e:#}")));
                 if let Ok((inst, model, info)) = opened {
                     let ctx = limits.ctx.min(info.n_ctx_train);
-                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, bos: info.bos, active: Vec::new() }.run();
+                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, bos: info.bos, active: Vec::new(), idle: Vec::new() }.run();
                 }
             })?;
             workers.push(handle);
@@ -206,7 +208,11 @@ impl Scheduler {
 struct Active {
     job: Job,
     session: Session,
+    /// The session's capacity.
+    capacity: u32,
     prompt: Vec<u32>,
+    /// The tokens sampled so far (each appended to the session's context).
+    generated: Vec<u32>,
     /// Prompt tokens fed so far.
     fed: usize,
     reply: Reply,
@@ -257,6 +263,16 @@ fn constrained<T>(r: Outcome<T>, param: &str) -> Result<T, Failure> {
     }
 }
 
+/// A request's session as `open_session` makes it ready: its capacity, the prompt's tokens,
+/// the tokens it may generate, and how many of the prompt's the session already holds.
+struct Opened {
+    session: Session,
+    capacity: u32,
+    prompt: Vec<u32>,
+    budget: u32,
+    cached: usize,
+}
+
 /// What one turn of a request came to.
 enum Turn {
     Continue,
@@ -274,6 +290,16 @@ struct Worker {
     /// The model's BOS token (a rendered chat may begin with it).
     bos: Option<u32>,
     active: Vec<Active>,
+    /// Finished requests' sessions, least recently used first, for later requests that share
+    /// their prefix (with `Limits::prompt_cache`); with the active ones, at most `slots`.
+    idle: Vec<Idle>,
+}
+
+/// A finished request's session: its context (prompt and generated tokens) and capacity.
+struct Idle {
+    session: Session,
+    context: Vec<u32>,
+    capacity: u32,
 }
 
 impl Worker {
@@ -362,6 +388,8 @@ impl Worker {
 
     /// After a trap the instance cannot be used: every request in it fails, a new one opens.
     fn restart(&mut self, why: &str) {
+        // The idle sessions go with the instance.
+        self.idle.clear();
         for a in std::mem::take(&mut self.active) {
             let _ = a.job.events.send(Event::Failed(ApiError::internal(why.to_string())));
             self.shared.metrics.in_flight.dec();
@@ -403,12 +431,13 @@ impl Worker {
             return;
         }
         match self.open_session(&job) {
-            Ok((session, prompt, budget)) => {
+            Ok(Opened { session, capacity, prompt, budget, cached }) => {
                 let _ = job.events.send(Event::Started);
                 self.shared.metrics.prompt_tokens.inc_by(prompt.len() as u64);
+                self.shared.metrics.cached_prompt_tokens.inc_by(cached as u64);
                 self.shared.metrics.in_flight.inc();
-                let reply = Reply::new(prompt.len() as u32, budget, job.stop.clone());
-                self.active.push(Active { job, session, prompt, fed: 0, reply, last_token: None });
+                let reply = Reply::new(prompt.len() as u32, budget, job.stop.clone()).cached(cached as u32);
+                self.active.push(Active { job, session, capacity, prompt, generated: Vec::new(), fed: cached, reply, last_token: None });
             }
             Err(f) => {
                 let e = self.failed(f);
@@ -417,7 +446,7 @@ impl Worker {
         }
     }
 
-    fn open_session(&mut self, job: &Job) -> Result<(Session, Vec<u32>, u32), Failure> {
+    fn open_session(&mut self, job: &Job) -> Result<Opened, Failure> {
         let prompt = self.prompt_tokens(&job.prompt)?;
         let (n_ctx, budget) = api::session_size(prompt.len(), job.max_tokens, self.ctx).map_err(|mut e| {
             if e.code == Some("context_length_exceeded") {
@@ -425,14 +454,43 @@ impl Worker {
             }
             Failure::Request(e)
         })?;
-        let session = guest(self.inst.new_session(self.model, n_ctx))?;
+        let (session, capacity, cached) = match self.reuse(&prompt, n_ctx)? {
+            Some(kept) => kept,
+            None => {
+                // Room for a new session: the least recently used idle ones go first.
+                while !self.idle.is_empty() && self.active.len() + self.idle.len() >= self.slots {
+                    let old = self.idle.remove(0);
+                    self.release(old.session);
+                }
+                // Under the prompt cache a session has room for twice its request (within
+                // --ctx), so that a chat's next turn fits where the first turn's tokens are.
+                let capacity = if self.shared.limits.prompt_cache { n_ctx.saturating_mul(2).min(self.ctx) } else { n_ctx };
+                (guest(self.inst.new_session(self.model, capacity))?, capacity, 0)
+            }
+        };
         if let Some((param, c)) = &job.constraint
             && let Err(f) = constrained(self.inst.constrain(session, Some(&engine_constraint(c))), param)
         {
             self.release(session);
             return Err(f);
         }
-        Ok((session, prompt, budget))
+        Ok(Opened { session, capacity, prompt, budget, cached })
+    }
+
+    /// The idle session of room for `n_ctx` tokens whose context shares the longest prefix
+    /// with `prompt` (the most recent among equals), truncated to that prefix: the session, its
+    /// capacity and the prompt tokens it holds.
+    fn reuse(&mut self, prompt: &[u32], n_ctx: u32) -> Result<Option<(Session, u32, usize)>, Failure> {
+        let shared = |context: &[u32]| context.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let best = self.idle.iter().enumerate().filter(|(_, i)| i.capacity >= n_ctx).max_by_key(|(at, i)| (shared(&i.context), *at)).map(|(at, _)| at);
+        let Some(at) = best else { return Ok(None) };
+        let kept = self.idle.remove(at);
+        let n = shared(&kept.context);
+        if let Err(f) = guest(self.inst.truncate(kept.session, n as u32)) {
+            self.release(kept.session);
+            return Err(f);
+        }
+        Ok(Some((kept.session, kept.capacity, n)))
     }
 
     /// One step for every request in flight, in one `step` of the engine (one forward pass
@@ -484,7 +542,7 @@ impl Worker {
                 Ok(None) => {}
                 Ok(Some(step)) => {
                     if let Turn::Ended = self.emit(i, step) {
-                        self.end(i, None);
+                        self.finish(i);
                     }
                 }
                 Err(e @ EngineError::InvalidConstraint(_)) => self.end(i, Some(ApiError::invalid_param(param, e.to_string()))),
@@ -518,6 +576,18 @@ impl Worker {
         self.release(a.session);
     }
 
+    /// Request `i` is done: its session kept for a later request that shares its prefix (with
+    /// the prompt cache), else freed.
+    fn finish(&mut self, i: usize) {
+        if !self.shared.limits.prompt_cache {
+            return self.end(i, None);
+        }
+        let a = self.active.swap_remove(i);
+        self.shared.metrics.in_flight.dec();
+        let context = [a.prompt, a.generated].concat();
+        self.idle.push(Idle { session: a.session, context, capacity: a.capacity });
+    }
+
     /// Every request in flight fails with `e`.
     fn fail_all(&mut self, e: ApiError) {
         while !self.active.is_empty() {
@@ -544,6 +614,9 @@ impl Worker {
             }
             a.last_token = Some(now);
             m.generated_tokens.inc();
+        }
+        if !step.dead_end {
+            a.generated.push(step.token);
         }
         let advance = a.reply.step(&step.piece, step.end_of_generation, step.dead_end);
         if !advance.text.is_empty() {
