@@ -13,7 +13,8 @@
 // Host and browser run this same file; each call's queries may be split over dispatches
 // (`query_base`) to stay inside the device's workgroup count and a dispatch's time budget.
 // Keys and values are the call's own (`attention`) or rows of a ring kept on the device
-// (`attention-cached`).
+// (`attention-cached`, a program's `attention` op); `attend_rows` serves a program's batch of
+// sequences whose rings share one buffer in one call, each query row reading its own ring.
 
 struct Shape {
     t: u32,
@@ -98,13 +99,44 @@ fn partial_at(i: u32, h: u32, sp: u32, hd: u32) -> u32 {
 
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let h = wg.x;
     let i = s.query_base + wg.y;
-    let split = wg.z;
+    attend_row(wg.x, i, i, wg.z, Ring(s.n_keys - s.t + i, s.first_slot, s.slots, 0u, 0u), lid);
+}
+
+// `attend` over query rows of a batch of sequences whose keys and values share the buffer bound
+// as k and v: entry e (workgroup y, from query_base) is `rings[2e]` (its row's last key, first
+// slot and slots, and the row) and `rings[2e + 1]` (where its ring's keys and values start in
+// k and v). The row's output goes where a call of `t` queries puts row's; entry e's partials
+// where such a call puts query e's (`attend_rows_merge` combines them).
+@group(0) @binding(5) var<storage, read> rings: array<vec4<u32>>;
+
+@compute @workgroup_size(64)
+fn attend_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let e = s.query_base + wg.y;
+    let a = rings[2u * e];
+    let b = rings[2u * e + 1u];
+    attend_row(wg.x, a.w, e, wg.z, Ring(a.x, a.y, a.z, b.x, b.y), lid);
+}
+
+// Query i's keys: 0..=last, key j at row (first_slot + j) % slots of a ring whose keys start at
+// element k_at of k, its values at v_at of v.
+struct Ring {
+    last: u32,
+    first_slot: u32,
+    slots: u32,
+    k_at: u32,
+    v_at: u32,
+}
+
+// Head h of query i, split `split` of its keys, its partials those of query e. Called from
+// uniform control flow (barriers).
+fn attend_row(h: u32, i: u32, e: u32, split: u32, ring: Ring, lid: u32) {
     let hd = min(s.head_dim, MAX_HEAD_DIM);
     let group = max(s.n_head / max(s.n_head_kv, 1u), 1u);
     let kv_stride = s.n_head_kv * hd;
     let kv_at = (h / group) * hd;
+    let k_at = ring.k_at + kv_at;
+    let v_at = ring.v_at + kv_at;
     let q_at = (i * s.n_head + h) * hd;
 
     for (var d = lid; d < hd; d += WG) {
@@ -113,7 +145,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     workgroupBarrier();
 
     // The keys this query sees: first..=last.
-    let last = s.n_keys - s.t + i;
+    let last = ring.last;
     var first = 0u;
     if s.window > 0u && last + 1u > s.window {
         first = last + 1u - s.window;
@@ -135,7 +167,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         for (var kb = lid / G; kb < WG; kb += 4u * KEYS) {
             let kk = vec4<u32>(kb, kb + KEYS, kb + 2u * KEYS, kb + 3u * KEYS);
             let jk = vec4<u32>(c) + kk;
-            let at = ((vec4<u32>(s.first_slot) + jk) % vec4<u32>(s.slots)) * kv_stride + vec4<u32>(kv_at);
+            let at = ((vec4<u32>(ring.first_slot) + jk) % vec4<u32>(ring.slots)) * kv_stride + vec4<u32>(k_at);
             var d = sub;
             var p0 = vec4<f32>(0.0);
             var p1 = vec4<f32>(0.0);
@@ -197,10 +229,10 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         for (; jj + 8u <= n; jj += 8u) {
             let p = vec4<f32>(probs[jj], probs[jj + 1u], probs[jj + 2u], probs[jj + 3u]);
             let q4 = vec4<f32>(probs[jj + 4u], probs[jj + 5u], probs[jj + 6u], probs[jj + 7u]);
-            let a = ((vec4<u32>(s.first_slot + c + jj) + vec4<u32>(0u, 1u, 2u, 3u)) % vec4<u32>(s.slots)) * kv_stride
-                + vec4<u32>(kv_at);
-            let b = ((vec4<u32>(s.first_slot + c + jj) + vec4<u32>(4u, 5u, 6u, 7u)) % vec4<u32>(s.slots)) * kv_stride
-                + vec4<u32>(kv_at);
+            let a = ((vec4<u32>(ring.first_slot + c + jj) + vec4<u32>(0u, 1u, 2u, 3u)) % vec4<u32>(ring.slots)) * kv_stride
+                + vec4<u32>(v_at);
+            let b = ((vec4<u32>(ring.first_slot + c + jj) + vec4<u32>(4u, 5u, 6u, 7u)) % vec4<u32>(ring.slots)) * kv_stride
+                + vec4<u32>(v_at);
             for (var r = 0u; r < PER; r++) {
                 let d = lid + r * WG;
                 if d < hd {
@@ -219,10 +251,10 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         for (; jj + 4u <= n; jj += 4u) {
             let p = vec4<f32>(probs[jj], probs[jj + 1u], probs[jj + 2u], probs[jj + 3u]);
-            let a0 = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
-            let a1 = ((s.first_slot + c + jj + 1u) % s.slots) * kv_stride + kv_at;
-            let a2 = ((s.first_slot + c + jj + 2u) % s.slots) * kv_stride + kv_at;
-            let a3 = ((s.first_slot + c + jj + 3u) % s.slots) * kv_stride + kv_at;
+            let a0 = ((ring.first_slot + c + jj) % ring.slots) * kv_stride + v_at;
+            let a1 = ((ring.first_slot + c + jj + 1u) % ring.slots) * kv_stride + v_at;
+            let a2 = ((ring.first_slot + c + jj + 2u) % ring.slots) * kv_stride + v_at;
+            let a3 = ((ring.first_slot + c + jj + 3u) % ring.slots) * kv_stride + v_at;
             for (var r = 0u; r < PER; r++) {
                 let d = lid + r * WG;
                 if d < hd {
@@ -236,7 +268,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         for (; jj < n; jj++) {
             let pw = probs[jj];
-            let at = ((s.first_slot + c + jj) % s.slots) * kv_stride + kv_at;
+            let at = ((ring.first_slot + c + jj) % ring.slots) * kv_stride + v_at;
             for (var r = 0u; r < PER; r++) {
                 let d = lid + r * WG;
                 if d < hd {
@@ -257,7 +289,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         }
         return;
     }
-    let at = partial_at(i, h, split, hd);
+    let at = partial_at(e, h, split, hd);
     if lid == 0u {
         out[at] = m;
         out[at + 1u] = l;
@@ -278,14 +310,25 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 // memory a dimension), added in the splits' order.
 @compute @workgroup_size(64)
 fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    let h = wg.x;
     let i = s.query_base + wg.y;
+    merge_row(wg.x, i, i, lid);
+}
+
+// `attend_merge` of `attend_rows`' entries: entry e's partials into its row's output.
+@compute @workgroup_size(64)
+fn attend_rows_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let e = s.query_base + wg.y;
+    merge_row(wg.x, rings[2u * e].w, e, lid);
+}
+
+// Head h of query i from the partials of query e. Called from uniform control flow.
+fn merge_row(h: u32, i: u32, e: u32, lid: u32) {
     let hd = min(s.head_dim, MAX_HEAD_DIM);
     let n = min(s.splits, WG);
     var m = LOWEST;
     var l = 0.0;
     if lid < n {
-        let at = partial_at(i, h, lid, hd);
+        let at = partial_at(e, h, lid, hd);
         m = out[at];
         l = out[at + 1u];
     }
@@ -299,7 +342,7 @@ fn attend_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     workgroupBarrier();
     let q_at = (i * s.n_head + h) * hd;
     // Split sp's values of (i, h) start at base + sp * (hd + 2).
-    let base = partial_at(i, h, 0u, hd) + 2u;
+    let base = partial_at(e, h, 0u, hd) + 2u;
     let step = hd + 2u;
     for (var d = lid; d < hd; d += WG) {
         var a = 0.0;

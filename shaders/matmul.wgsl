@@ -1033,6 +1033,24 @@ fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
     }
 }
 
+// Scatters rows: for entry r < t of the host's table in `weights`, (k, v, row, 0), row `row`
+// of x (rows of n_out values) to y from element k and the same row of `scales` to y from
+// element v: the cache writes of a program's batch of sequences whose kv-caches share one
+// buffer (each row's key and value row in its sequence's ring). One invocation an element.
+@compute @workgroup_size(64)
+fn scatter_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    let n = params.n_out;
+    if (r >= params.t || j >= n) {
+        return;
+    }
+    let to = weights[r];
+    let src = to.z * n + j;
+    y[to.x + j] = x_at(src);
+    y[to.y + j] = scales[src];
+}
+
 // A `top-k` op's candidates: the rows of x (t rows of n_out values) in chunks of TOP_CHUNK
 // values, one workgroup a (chunk, row), each writing its chunk's first `row_quads` (k, at most
 // TOP_CHUNK) in the contract's order: larger values first, of equal values the lower column

@@ -50,6 +50,11 @@ const WORKGROUP: u32 = 64;
 const GEMM_MIN_T: u32 = 4;
 /// Weight rows an invocation of `gemm` computes (8 in the shader).
 const GEMM_ROWS: u32 = 8;
+/// On GPUs, products of at most TILE rows of x whose `gemm_tiled` tiles would be fewer than
+/// this run `gemv` once a row of x instead (each row's weights read again, from the cache): a
+/// few tiles leave most of a large GPU idle (the H200 has 132 multiprocessors; a batched decode
+/// step of a 270M model at 4 to 64 rows: 10 to 32 tiles a product, each walking all of k).
+const GEMV_BELOW_TILES: u64 = 132;
 /// Rows of W, and rows of x, of one workgroup's output tile in `gemm_tiled` (TILE) and in
 /// `gemm_wide` (WT).
 const TILE: u32 = 64;
@@ -138,6 +143,7 @@ enum Kernel {
     RmsNormRuns,
     RotateRows,
     CopyRows,
+    ScatterRows,
     TopKChunks,
 }
 
@@ -155,6 +161,7 @@ impl Kernel {
             Kernel::RmsNormRuns => "rms_norm_runs",
             Kernel::RotateRows => "rotate_rows",
             Kernel::CopyRows => "copy_rows",
+            Kernel::ScatterRows => "scatter_rows",
             Kernel::TopKChunks => "top_k_chunks",
         }
     }
@@ -680,7 +687,11 @@ impl WgpuBackend {
             return (Kernel::Gemv, gemv_rows(format) * WORKGROUP / self.gemv_lanes(format), 1);
         }
         let large_groups = (n_out as u64).div_ceil(WIDE_TILE as u64) * (t as u64).div_ceil(LARGE_T as u64);
+        let tiles = (n_out as u64).div_ceil(TILE as u64) * (t as u64).div_ceil(TILE as u64);
         match self.gemm {
+            Gemm::BySize if t <= TILE && tiles < GEMV_BELOW_TILES => {
+                (Kernel::Gemv, gemv_rows(format) * WORKGROUP / self.gemv_lanes(format), 1)
+            }
             Gemm::Coop => (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE),
             Gemm::BySize if t >= WIDE_MIN_T && self.coop && precision == Precision::Fast => {
                 (Kernel::GemmCoop, WIDE_TILE, WIDE_TILE)
@@ -1381,7 +1392,7 @@ impl Backend for WgpuBackend {
     }
 
     fn free_cache(&mut self, id: BufferId) {
-        self.attn.caches.remove(&id);
+        self.free_kv_cache(id);
         self.recorded.forget_groups();
     }
 
@@ -1589,7 +1600,9 @@ mod tests {
                     let splittable = matches!(kernel, Kernel::GemmWide | Kernel::GemmCoop);
                     assert!(z as u64 <= MAX_SPLITS && (z == 1 || splittable), "{what}: {z} runs of k");
                     let large_groups = n_out.div_ceil(WIDE_TILE) as u64 * t.div_ceil(LARGE_T) as u64;
-                    let (rows_per_group, t_per_group) = match (t < GEMM_MIN_T, gemm) {
+                    let tiles = n_out.div_ceil(TILE) as u64 * t.div_ceil(TILE) as u64;
+                    let gemv = t < GEMM_MIN_T || (gemm == Gemm::BySize && t <= TILE && tiles < GEMV_BELOW_TILES);
+                    let (rows_per_group, t_per_group) = match (gemv, gemm) {
                         (true, _) => (gemv_rows(format) * WORKGROUP / lanes, 1),
                         (false, Gemm::BySize) if t >= WIDE_MIN_T && large_groups >= LARGE_MIN_GROUPS => {
                             (WIDE_TILE, LARGE_T)

@@ -53,13 +53,15 @@ pub(super) struct Params {
 }
 pub(super) const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
-/// A `kv-cache`: keys and values, `[slots, width]` f32 each. Where both fit one binding they
-/// are one buffer (`v` is `k`, the values from `v_at`, where a binding may start), so that a
-/// program's cache write is one dispatch; else two buffers (`v_at` 0).
+/// A `kv-cache`: keys and values, `[slots, width]` f32 each, from byte `k_at` of `k` and
+/// `v_at` of `v`. Where both fit one binding they are one range of an [`Arena`] (`v` is `k`),
+/// so that a program's cache write is one dispatch and the caches of a batch's sequences are
+/// read by one attention; else two buffers of their own.
 pub(super) struct Cache {
     pub(super) slots: u32,
     pub(super) width: u32,
     pub(super) k: wgpu::Buffer,
+    pub(super) k_at: u64,
     pub(super) v: wgpu::Buffer,
     pub(super) v_at: u64,
 }
@@ -70,9 +72,67 @@ impl Cache {
         4 * self.slots as u64 * self.width as u64
     }
 
-    /// Whether keys and values are one buffer.
+    /// Whether keys and values are one buffer's (an arena's).
     pub(super) fn joint(&self) -> bool {
-        self.v_at > 0
+        self.k == self.v
+    }
+
+    /// The bytes from the keys' first to the values' last.
+    pub(super) fn span(&self) -> u64 {
+        self.v_at + self.half() - self.k_at
+    }
+}
+
+/// Arenas smaller than this are not made: a first session's caches share one.
+const ARENA_MIN_BYTES: u64 = 32 << 20;
+
+/// A buffer of kv-caches, each a range of it, one binding whole: a program's batch of
+/// sequences whose caches share an arena writes them with one dispatch a layer and attends
+/// with one (`attend_rows`).
+pub(super) struct Arena {
+    pub(super) buffer: wgpu::Buffer,
+    free: Ranges,
+}
+
+/// The ranges of `size` bytes no cache holds, (offset, bytes), in order of offset, none
+/// adjacent.
+struct Ranges {
+    size: u64,
+    free: Vec<(u64, u64)>,
+}
+
+impl Ranges {
+    fn new(size: u64) -> Ranges {
+        Ranges { size, free: vec![(0, size)] }
+    }
+
+    /// The offset of a range of `bytes`, the first that fits.
+    fn take(&mut self, bytes: u64) -> Option<u64> {
+        let i = self.free.iter().position(|&(_, len)| len >= bytes)?;
+        let (at, len) = self.free[i];
+        if len == bytes {
+            self.free.remove(i);
+        } else {
+            self.free[i] = (at + bytes, len - bytes);
+        }
+        Some(at)
+    }
+
+    /// Gives back the range at `at` of `bytes`, joined with its free neighbours.
+    fn give(&mut self, at: u64, bytes: u64) {
+        let i = self.free.partition_point(|&(a, _)| a < at);
+        self.free.insert(i, (at, bytes));
+        if i + 1 < self.free.len() && self.free[i].0 + self.free[i].1 == self.free[i + 1].0 {
+            self.free[i].1 += self.free.remove(i + 1).1;
+        }
+        if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == self.free[i].0 {
+            self.free[i - 1].1 += self.free.remove(i).1;
+        }
+    }
+
+    /// Whether no range is taken.
+    fn is_empty(&self) -> bool {
+        self.free == [(0, self.size)]
     }
 }
 
@@ -82,9 +142,11 @@ pub(super) type KvBound<'a> = ((&'a wgpu::Buffer, u64), (&'a wgpu::Buffer, u64),
 /// The pipeline (built on first use), the buffers kept across calls, and the `kv-cache`s.
 #[derive(Default)]
 pub(super) struct Attention {
-    /// The layout, `attend` and `attend_merge`.
-    pipeline: Option<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline)>,
+    /// The layouts and pipelines.
+    pipeline: Option<AttentionPipelines>,
     pub(super) caches: std::collections::HashMap<BufferId, Cache>,
+    /// The arenas the joint caches are ranges of.
+    arenas: Vec<Arena>,
     q: Option<wgpu::Buffer>,
     out: Option<wgpu::Buffer>,
     staging: Option<wgpu::Buffer>,
@@ -92,9 +154,7 @@ pub(super) struct Attention {
 }
 
 impl WgpuBackend {
-    pub(super) fn attention_pipeline(
-        &mut self,
-    ) -> Result<(wgpu::BindGroupLayout, wgpu::ComputePipeline, wgpu::ComputePipeline), GpuError> {
+    pub(super) fn attention_pipeline(&mut self) -> Result<AttentionPipelines, GpuError> {
         if let Some(p) = &self.attn.pipeline {
             return Ok(p.clone());
         }
@@ -106,39 +166,44 @@ impl WgpuBackend {
             count: None,
         };
         let read = wgpu::BufferBindingType::Storage { read_only: true };
-        let layout = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("attention"),
-            entries: &[
-                entry(0, wgpu::BufferBindingType::Uniform, true),
-                entry(1, read, false),
-                entry(2, read, false),
-                entry(3, read, false),
-                entry(4, wgpu::BufferBindingType::Storage { read_only: false }, false),
-            ],
-        });
-        let pipeline_layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("attention"),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size: 0,
-        });
+        let entries = [
+            entry(0, wgpu::BufferBindingType::Uniform, true),
+            entry(1, read, false),
+            entry(2, read, false),
+            entry(3, read, false),
+            entry(4, wgpu::BufferBindingType::Storage { read_only: false }, false),
+            entry(5, read, false),
+        ];
         let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
             label: Some("attention.wgsl"),
             source: wgpu::ShaderSource::Wgsl(SHADER.into()),
         });
-        let entry = |name| {
-            self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(name),
-                layout: Some(&pipeline_layout),
-                module: &module,
-                entry_point: Some(name),
-                compilation_options: wgpu::PipelineCompilationOptions::default(),
-                cache: None,
-            })
+        // `attend` and `attend_merge` bind 0-4; `attend_rows` and its merge the rings too.
+        let pipelines = |bindings: &[wgpu::BindGroupLayoutEntry], names: [&str; 2]| {
+            let layout = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some("attention"), entries: bindings });
+            let pipeline_layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some("attention"),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size: 0,
+            });
+            let entry = |name| {
+                self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(name),
+                    layout: Some(&pipeline_layout),
+                    module: &module,
+                    entry_point: Some(name),
+                    compilation_options: wgpu::PipelineCompilationOptions::default(),
+                    cache: None,
+                })
+            };
+            (layout, Pipelines { attend: entry(names[0]), merge: entry(names[1]) })
         };
-        let (attend, merge) = (entry("attend"), entry("attend_merge"));
+        let one = pipelines(&entries[..5], ["attend", "attend_merge"]);
+        let rows = pipelines(&entries, ["attend_rows", "attend_rows_merge"]);
         self.finish(scopes)?;
-        self.attn.pipeline = Some((layout.clone(), attend.clone(), merge.clone()));
-        Ok((layout, attend, merge))
+        let made = AttentionPipelines { one, rows };
+        self.attn.pipeline = Some(made.clone());
+        Ok(made)
     }
 
     /// Reserves a zeroed `kv-cache` (see [`crate::gpu::Backend::create_cache`]).
@@ -148,22 +213,73 @@ impl WgpuBackend {
         if bytes == 0 || bytes > self.info.max_weight_bytes {
             return Err(GpuError::OutOfMemory(format!("a kv-cache half of {bytes} bytes does not fit the device")));
         }
-        let v_at = super::align_up(bytes, self.limits.min_storage_buffer_offset_alignment.max(4) as u64);
-        let joint = self.joint_caches && v_at + bytes <= self.info.max_weight_bytes;
+        let align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
+        let v_from = super::align_up(bytes, align);
+        let span = super::align_up(v_from + bytes, align);
+        let joint = self.joint_caches && span <= self.info.max_weight_bytes;
         let scopes = push_scopes(&self.device);
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         let make = |label, size| self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false });
-        let (k, v, v_at) = if joint {
-            let kv = make("kv-cache", v_at + bytes);
-            (kv.clone(), kv, v_at)
+        let cache = if joint {
+            let (kv, at) = self.arena_range(span);
+            Cache { slots, width, k: kv.clone(), k_at: at, v: kv, v_at: at + v_from }
         } else {
-            (make("kv-cache keys", bytes), make("kv-cache values", bytes), 0)
+            Cache { slots, width, k: make("kv-cache keys", bytes), k_at: 0, v: make("kv-cache values", bytes), v_at: 0 }
         };
         self.finish(scopes)?;
         let id = self.next;
         self.next += 1;
-        self.attn.caches.insert(id, Cache { slots, width, k, v, v_at });
+        self.attn.caches.insert(id, cache);
         Ok(id)
+    }
+
+    /// A zeroed range of `bytes` of an arena (a new one where none has room: at least
+    /// ARENA_MIN_BYTES and as large as those there are together, so that a batch's caches are
+    /// in a few, within a binding): its buffer and offset.
+    fn arena_range(&mut self, bytes: u64) -> (wgpu::Buffer, u64) {
+        let arenas = &mut self.attn.arenas;
+        for a in arenas.iter_mut() {
+            if let Some(at) = a.free.take(bytes) {
+                // A range given back holds an earlier cache's rows.
+                let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kv-cache clear") });
+                encoder.clear_buffer(&a.buffer, at, Some(bytes));
+                self.queue.submit([encoder.finish()]);
+                return (a.buffer.clone(), at);
+            }
+        }
+        let held: u64 = arenas.iter().map(|a| a.buffer.size()).sum();
+        let size = held.max(ARENA_MIN_BYTES).min(self.info.max_weight_bytes).max(bytes);
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("kv-cache arena"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut free = Ranges::new(size);
+        let at = free.take(bytes).unwrap_or_default();
+        arenas.push(Arena { buffer: buffer.clone(), free });
+        (buffer, at)
+    }
+
+    /// Frees kv-cache `id`: its range goes back to its arena, an arena no cache holds goes.
+    pub(super) fn free_kv_cache(&mut self, id: BufferId) {
+        let Some(c) = self.attn.caches.remove(&id) else { return };
+        if !c.joint() {
+            return;
+        }
+        let bytes = super::align_up(c.span(), self.limits.min_storage_buffer_offset_alignment.max(4) as u64);
+        let arenas = &mut self.attn.arenas;
+        if let Some(i) = arenas.iter().position(|a| a.buffer == c.k) {
+            arenas[i].free.give(c.k_at, bytes);
+            if arenas[i].free.is_empty() {
+                arenas.remove(i);
+            }
+        }
+    }
+
+    /// The arenas' sizes, in bytes.
+    pub fn arena_sizes(&self) -> Vec<u64> {
+        self.attn.arenas.iter().map(|a| a.buffer.size()).collect()
     }
 
     /// See [`crate::gpu::Backend::attention_cached`]: the new rows written into the ring (in
@@ -189,9 +305,9 @@ impl WgpuBackend {
         if k_new.len() != v_new.len() || rows as u64 > slots || s.n_keys as u64 > slots {
             return Err(GpuError::InvalidArgument(format!("{rows} new rows or {} keys do not fit {slots} slots", s.n_keys)));
         }
-        let (kb, vb, v_at, bytes) = (c.k.clone(), c.v.clone(), c.v_at, c.half());
+        let (kb, k_at, vb, v_at, bytes) = (c.k.clone(), c.k_at, c.v.clone(), c.v_at, c.half());
         self.write_rows_of_cache(cache, first_new, k_new, v_new)?;
-        self.attend_over(q, ((&kb, 0), (&vb, v_at), bytes), s, (first_key as u64 % slots) as u32, slots as u32)
+        self.attend_over(q, ((&kb, k_at), (&vb, v_at), bytes), s, (first_key as u64 % slots) as u32, slots as u32)
     }
 
     /// See [`crate::gpu::Backend::write_cache`]: whole rows of keys and values written into
@@ -209,11 +325,11 @@ impl WgpuBackend {
         if rows == 0 {
             return Ok(());
         }
-        let (kb, vb, v_at) = (c.k.clone(), c.v.clone(), c.v_at);
+        let (kb, k_at, vb, v_at) = (c.k.clone(), c.k_at, c.v.clone(), c.v_at);
         let scopes = push_scopes(&self.device);
         let start = (first as u64 % slots) as usize;
         let head = rows.min(slots as usize - start);
-        for (buf, base, data) in [(&kb, 0, k_new), (&vb, v_at, v_new)] {
+        for (buf, base, data) in [(&kb, k_at, k_new), (&vb, v_at, v_new)] {
             let (a, b) = data.split_at(head * width);
             if !a.is_empty() {
                 self.queue.write_buffer(buf, base + (start * width * 4) as u64, bytemuck::cast_slice(a));
@@ -227,13 +343,17 @@ impl WgpuBackend {
 
     fn drop_attention_buffers(&mut self) {
         let kept = std::mem::take(&mut self.attn);
-        self.attn = Attention { pipeline: kept.pipeline, caches: kept.caches, ..Attention::default() };
+        self.attn = Attention { pipeline: kept.pipeline, caches: kept.caches, arenas: kept.arenas, ..Attention::default() };
     }
 
     /// The dispatches of attention of shape `s` over a ring of `slots` rows whose key 0 is row
     /// `first_slot`, `q_len` query values: split so that no dispatch exceeds the device's
     /// workgroup count or the multiply-add budget.
-    pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32) -> Result<Plan, GpuError> {
+    ///
+    /// Of `attend_rows` (`first_slot` and `slots` unused): `s.t` its entries (rows of the
+    /// batch), `q_len` the values of the `out_rows` rows of the queries and outputs bound (its
+    /// entries' partials after them).
+    pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32, out_rows: u32) -> Result<Plan, GpuError> {
         let max = self.info.max_weight_bytes;
         let q_bytes = 4 * q_len;
         if q_len == 0 || q_bytes > max {
@@ -258,7 +378,7 @@ impl WgpuBackend {
         let params: Vec<u8> = (0..dispatches)
             .flat_map(|d| {
                 let p = Params {
-                    t: s.t,
+                    t: out_rows,
                     n_keys: s.n_keys,
                     n_head: s.n_head,
                     n_head_kv: s.n_head_kv,
@@ -279,10 +399,10 @@ impl WgpuBackend {
         Ok(Plan { params, stride, per_dispatch, dispatches, splits, t: s.t, n_head: s.n_head, q_bytes, out_bytes })
     }
 
-    /// The layout and pipelines of attention, and a bind group of its buffers: the plan's
-    /// parameters in `params` (from byte 0 of the binding), queries (buffer and offset), keys,
-    /// values (`kv`: buffers and offsets, and the bytes bound of each) and outputs (buffer and
-    /// offset).
+    /// The pipelines of attention and a bind group of its buffers: the plan's parameters in
+    /// `params` (from byte 0 of the binding), queries (buffer and offset), keys, values (`kv`:
+    /// buffers and offsets, and the bytes bound of each), outputs (buffer and offset), and for
+    /// `attend_rows` the rings (buffer, offset, bytes).
     pub(super) fn attention_group(
         &mut self,
         plan: &Plan,
@@ -290,21 +410,26 @@ impl WgpuBackend {
         (q, q_at): (&wgpu::Buffer, u64),
         kv: KvBound,
         (out, out_at): (&wgpu::Buffer, u64),
+        rings: Option<&(wgpu::Buffer, u64, u64)>,
     ) -> Result<(wgpu::BindGroup, Pipelines), GpuError> {
-        let (layout, attend, merge) = self.attention_pipeline()?;
+        let made = self.attention_pipeline()?;
         let ((kb, k_at), (vb, v_at), kv_bytes) = kv;
-        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("attention"),
-            layout: &layout,
-            entries: &[
-                wgpu::BindGroupEntry { binding: 0, resource: binding(params, 0, PARAMS_BYTES) },
-                wgpu::BindGroupEntry { binding: 1, resource: binding(q, q_at, plan.q_bytes) },
-                wgpu::BindGroupEntry { binding: 2, resource: binding(kb, k_at, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 3, resource: binding(vb, v_at, kv_bytes) },
-                wgpu::BindGroupEntry { binding: 4, resource: binding(out, out_at, plan.out_bytes) },
-            ],
-        });
-        Ok((group, Pipelines { attend, merge }))
+        let mut entries = vec![
+            wgpu::BindGroupEntry { binding: 0, resource: binding(params, 0, PARAMS_BYTES) },
+            wgpu::BindGroupEntry { binding: 1, resource: binding(q, q_at, plan.q_bytes) },
+            wgpu::BindGroupEntry { binding: 2, resource: binding(kb, k_at, kv_bytes) },
+            wgpu::BindGroupEntry { binding: 3, resource: binding(vb, v_at, kv_bytes) },
+            wgpu::BindGroupEntry { binding: 4, resource: binding(out, out_at, plan.out_bytes) },
+        ];
+        let (layout, pipelines) = match rings {
+            Some((b, at, bytes)) => {
+                entries.push(wgpu::BindGroupEntry { binding: 5, resource: binding(b, *at, *bytes) });
+                made.rows
+            }
+            None => made.one,
+        };
+        let group = self.device.create_bind_group(&wgpu::BindGroupDescriptor { label: Some("attention"), layout: &layout, entries: &entries });
+        Ok((group, pipelines))
     }
 
     /// The attention kernel over `q` and keys and values in `kv` (see [`KvBound`]): key `j`
@@ -317,7 +442,7 @@ impl WgpuBackend {
         first_slot: u32,
         slots: u32,
     ) -> Result<Vec<f32>, GpuError> {
-        let plan = self.attention_plan(q.len() as u64, s, first_slot, slots)?;
+        let plan = self.attention_plan(q.len() as u64, s, first_slot, slots, s.t)?;
         let scopes = push_scopes(&self.device);
         let cap = self.limits.max_buffer_size;
         let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
@@ -332,7 +457,7 @@ impl WgpuBackend {
         let pb = Self::ensure(device, &mut a.params, plan.params.len() as u64, cap, uniform, "attention params");
         self.queue.write_buffer(&qb, 0, bytemuck::cast_slice(q));
         self.queue.write_buffer(&pb, 0, &plan.params);
-        let (group, pipelines) = self.attention_group(&plan, &pb, (&qb, 0), kv, (&out, 0))?;
+        let (group, pipelines) = self.attention_group(&plan, &pb, (&qb, 0), kv, (&out, 0), None)?;
         let mut encoder =
             self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("attention") });
         {
@@ -354,7 +479,15 @@ impl WgpuBackend {
     }
 }
 
-/// `attend` and `attend_merge`.
+/// The layout and pipelines of one query a workgroup row (`attend`) and of a table's rows
+/// (`attend_rows`).
+#[derive(Clone)]
+pub(super) struct AttentionPipelines {
+    one: (wgpu::BindGroupLayout, Pipelines),
+    rows: (wgpu::BindGroupLayout, Pipelines),
+}
+
+/// `attend` and `attend_merge`, or `attend_rows` and `attend_rows_merge`.
 #[derive(Clone)]
 pub(super) struct Pipelines {
     attend: wgpu::ComputePipeline,
@@ -402,6 +535,26 @@ mod tests {
 
     /// Prefill batches run whole; a decode step's keys split into runs of whole units, at
     /// most MAX_SPLITS, that together cover every key once.
+    /// Ranges are taken first fit and given back joined with their free neighbours, so that
+    /// an arena whose caches are all freed is whole again, whatever the order.
+    #[test]
+    fn an_arenas_ranges_are_taken_first_fit_and_joined_when_given_back() {
+        let mut r = Ranges::new(100);
+        let taken: Vec<u64> = [10, 20, 30, 40].iter().map(|&b| r.take(b).unwrap()).collect();
+        assert_eq!(taken, [0, 10, 30, 60]);
+        assert_eq!(r.take(1), None);
+        r.give(10, 20);
+        r.give(60, 40);
+        assert_eq!(r.take(25), Some(60), "the first range that fits");
+        assert_eq!(r.take(20), Some(10));
+        for (at, bytes) in [(30, 30), (0, 10), (60, 25), (10, 20)] {
+            assert!(!r.is_empty());
+            r.give(at, bytes);
+        }
+        assert!(r.is_empty(), "{:?}", r.free);
+        assert_eq!(r.take(100), Some(0));
+    }
+
     #[test]
     fn splits_cover_the_keys_in_whole_chunks() {
         assert_eq!(splits_for(&shape(512, 512, 4)), (1, 512));

@@ -30,6 +30,7 @@ use super::record::{AttentionBind, Bind, Buffers, Command, Recording, entire, wh
 use super::{Kernel, Params, WORKGROUP, Weight, WgpuBackend, X_PLAIN, align_up, push_scopes, x_act};
 use crate::gpu::program::{self, Op, Output, Program, Rows, SequenceRun};
 use crate::gpu::{Activation, AttentionShape, BufferId, Format, GpuError, Rotation};
+use std::collections::HashMap;
 use std::ops::Range;
 
 /// Dispatches a command buffer holds before it is submitted, at the next op's boundary: the
@@ -393,6 +394,7 @@ impl WgpuBackend {
             (Kernel::RmsNormRuns, Format::F32),
             (Kernel::RotateRows, Format::F32),
             (Kernel::CopyRows, Format::F32),
+            (Kernel::ScatterRows, Format::F32),
             (Kernel::SumPlanes, Format::F32),
             (Kernel::TopKChunks, Format::F32),
         ];
@@ -488,23 +490,51 @@ impl WgpuBackend {
         let bytes_of = |a: usize| 4 * rows_of(a) as u64 * width(a) as u64;
         let max = self.info.max_weight_bytes;
 
+        // The sequences whose caches of an index share an arena, for each cache index where
+        // two or more do: then each group's cache writes and attention run over a table of its
+        // rows, one dispatch (and a merge) a group (`scatter_rows`, `attend_rows`).
+        let mut grouped: HashMap<u32, Vec<Vec<usize>>> = HashMap::new();
+        if batch.len() > 1 {
+            for op in &p.ops {
+                if let Op::CacheWrite { cache, .. } | Op::Attention { cache, .. } = *op {
+                    grouped.entry(cache).or_insert_with(|| self.arena_groups(batch, cache));
+                }
+            }
+            grouped.retain(|_, g| g.iter().any(|g| g.len() > 1));
+        }
+        // Each sequence's first row in the batch.
+        let first_row: Vec<u32> = batch.iter().scan(0, |at, q| Some(std::mem::replace(at, *at + q.rows))).collect();
         // Attention's plans first: their partial sums follow the outputs in the value's slot
         // (each sequence's after its own outputs, overwritten by the next sequence's outputs
-        // once read: the dispatches run in order).
-        let mut plans: Vec<Vec<(program::SequenceRun, super::attention::Plan)>> = Vec::new();
+        // once read: the dispatches run in order; a table's after all the outputs).
+        let mut plans: Vec<Vec<Planned>> = Vec::new();
         let mut extra = vec![0u64; p.ops.len()];
         for (i, op) in p.ops.iter().enumerate() {
             let Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, .. } = *op else { continue };
             let w = width(qv) as u64;
-            let (mut at, mut end, mut list) = (0u64, 0u64, Vec::with_capacity(batch.len()));
-            for q in batch {
-                let (_, slots, _) = q.caches[cache as usize];
-                let first = program::first_key(q.start, window);
-                let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
-                let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots)?;
-                end = end.max(4 * at * w + plan.out_bytes);
-                at += q.rows as u64;
-                list.push((q.clone(), plan));
+            let (mut end, mut list) = (0u64, Vec::with_capacity(batch.len()));
+            match grouped.get(&cache) {
+                Some(groups) => {
+                    for g in groups {
+                        let entries = g.iter().map(|&s| batch[s].rows).sum();
+                        let keys = |q: &SequenceRun| q.start + q.rows - program::first_key(q.start, window);
+                        let n_keys = g.iter().map(|&s| keys(&batch[s])).max().unwrap_or(1);
+                        let shape = AttentionShape { t: entries, n_keys, n_head, n_head_kv, head_dim, window, scale };
+                        let plan = self.attention_plan(total as u64 * w, &shape, 0, 1, total)?;
+                        end = end.max(plan.out_bytes);
+                        list.push(Planned { plan, seqs: g.clone() });
+                    }
+                }
+                None => {
+                    for (s, q) in batch.iter().enumerate() {
+                        let (_, slots, _) = q.caches[cache as usize];
+                        let first = program::first_key(q.start, window);
+                        let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
+                        let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots, q.rows)?;
+                        end = end.max(4 * first_row[s] as u64 * w + plan.out_bytes);
+                        list.push(Planned { plan, seqs: vec![s] });
+                    }
+                }
             }
             extra[i] = end - bytes_of(i);
             plans.push(list);
@@ -620,6 +650,57 @@ impl WgpuBackend {
         }
         self.finish(scopes).inspect_err(|_| self.recorded = Buffers::default())?;
 
+        // The tables of the grouped cache writes and attentions, by op, in order.
+        let align = self.limits.min_storage_buffer_offset_alignment.max(16) as u64;
+        let mut tables: Vec<u8> = Vec::new();
+        let mut table_at: Vec<Vec<(u64, u64)>> = vec![Vec::new(); p.ops.len()];
+        for (i, op) in p.ops.iter().enumerate() {
+            let (Op::CacheWrite { k: row_of, cache, .. } | Op::Attention { q: row_of, cache, .. }) = *op else { continue };
+            let Some(groups) = grouped.get(&cache) else { continue };
+            let window = match *op {
+                Op::Attention { window, .. } => Some(window),
+                _ => None,
+            };
+            for g in groups {
+                let from = align_up(tables.len() as u64, align);
+                tables.resize(from as usize, 0);
+                for &s in g {
+                    let q = &batch[s];
+                    let (id, slots, _) = q.caches[cache as usize];
+                    let c = self.attn.caches.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
+                    let (k_at, v_at) = ((c.k_at / 4) as u32, (c.v_at / 4) as u32);
+                    let w = width(row_of);
+                    for j in 0..q.rows {
+                        let row = first_row[s] + j;
+                        match window {
+                            // (last key, first slot, slots, row), (keys at, values at, 0, 0).
+                            Some(window) => {
+                                let first = program::first_key(q.start, window);
+                                let entry = [q.start + j - first, first % slots, slots, row, k_at, v_at, 0, 0];
+                                tables.extend_from_slice(bytemuck::cast_slice(&entry));
+                            }
+                            // (key row at, value row at, row, 0).
+                            None => {
+                                let ring = (q.start + j) % slots * w;
+                                tables.extend_from_slice(bytemuck::cast_slice(&[k_at + ring, v_at + ring, row, 0]));
+                            }
+                        }
+                    }
+                }
+                table_at[i].push((from, tables.len() as u64 - from));
+            }
+        }
+        let table = if tables.is_empty() {
+            None
+        } else {
+            let scopes = push_scopes(&self.device);
+            let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
+            let b = Self::ensure(&self.device, &mut self.recorded.tables, tables.len() as u64, self.limits.max_buffer_size, usage, "run tables");
+            self.queue.write_buffer(&b, 0, &tables);
+            self.finish(scopes).inspect_err(|_| self.recorded = Buffers::default())?;
+            Some(b)
+        };
+
         let value = |a: usize| &slots[lay.slot[a]];
         let at = |a: usize| lay.offset[a];
         let bound = |a: usize| (value(a).clone(), at(a), value(a).size() - at(a));
@@ -649,7 +730,7 @@ impl WgpuBackend {
             // value, `groups_x` workgroups a row.
             let small = |rec: &mut Recording, kernel, (x, scales, weights): (usize, Option<usize>, Option<wgpu::Buffer>), params: Params, groups_x| {
                 let bind = rec.bind(Bind {
-                    weights: weights.unwrap_or_else(|| placeholder.clone()),
+                    weights: entire(&weights.unwrap_or_else(|| placeholder.clone())),
                     scales: scales.map_or_else(|| entire(&placeholder), bound),
                     x: bound(x),
                     y: bound(made),
@@ -720,36 +801,57 @@ impl WgpuBackend {
                 }
                 Op::CacheWrite { k, v, cache } => {
                     let w = width(k);
-                    let mut row = 0;
-                    for q in batch {
-                        let (id, slots, _) = q.caches[cache as usize];
+                    let groups = w.div_ceil(WORKGROUP);
+                    // Each group of sequences whose caches share an arena in one dispatch over
+                    // its table; each other sequence alone.
+                    let mut tables = table_at[i].iter();
+                    let alone: Vec<Vec<usize>> = (0..batch.len()).map(|s| vec![s]).collect();
+                    for g in grouped.get(&cache).unwrap_or(&alone) {
+                        let entries = tables.next();
+                        let (id, slots, _) = batch[g[0]].caches[cache as usize];
                         let c = self.attn.caches.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
-                        let params = Params { n_out: w, t: q.rows, row_quads: row, scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
-                        let groups = w.div_ceil(WORKGROUP);
+                        if let (Some(&(from, bytes)), Some(table), true) = (entries, &table, c.joint()) {
+                            let bind = rec.bind(Bind { weights: (table.clone(), from, bytes), scales: bound(v), x: bound(k), y: entire(&c.k) });
+                            let params = Params { n_out: w, t: (bytes / 16) as u32, ..rows_params(w) };
+                            rec.rows(max_dim, Kernel::ScatterRows, bind, params, groups);
+                            continue;
+                        }
+                        // A group of one.
+                        let q = &batch[g[0]];
+                        let params = Params { n_out: w, t: q.rows, row_quads: first_row[g[0]], scale_row: q.start % slots, x_stride: slots, ..rows_params(w) };
                         if c.joint() {
                             // Keys from x, values from `scales` to the cache's from n_in: one
                             // dispatch.
-                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: bound(v), x: bound(k), y: entire(&c.k) });
-                            let v_from = u32::try_from(c.v_at / 4).map_err(|_| GpuError::OutOfMemory(format!("a kv-cache of {} bytes", c.k.size())))?;
+                            let bind = rec.bind(Bind { weights: entire(&placeholder), scales: bound(v), x: bound(k), y: (c.k.clone(), c.k_at, c.span()) });
+                            let v_from = u32::try_from((c.v_at - c.k_at) / 4).map_err(|_| GpuError::OutOfMemory(format!("a kv-cache of {} bytes", c.span())))?;
                             rec.rows(max_dim, Kernel::CopyRows, bind, Params { n_in: v_from, ..params }, groups);
                         } else {
                             for (from, to) in [(k, &c.k), (v, &c.v)] {
-                                let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(from), y: entire(to) });
+                                let bind = rec.bind(Bind { weights: entire(&placeholder), scales: entire(&placeholder), x: bound(from), y: entire(to) });
                                 rec.rows(max_dim, Kernel::CopyRows, bind, params, groups);
                             }
                         }
-                        row += q.rows;
                     }
                 }
                 Op::Attention { q: qv, cache, .. } => {
                     rec.close_kernels(open);
                     let w = width(qv) as u64;
-                    let mut row = 0u64;
-                    for (q, plan) in plans.next().into_iter().flatten() {
-                        let (id, _, _) = q.caches[cache as usize];
+                    let mut tables = table_at[i].iter();
+                    for Planned { plan, seqs } in plans.next().into_iter().flatten() {
+                        let (id, _, _) = batch[seqs[0]].caches[cache as usize];
                         rec.commands.push(Command::Attention(attention.len()));
-                        attention.push(AttentionBind { plan, cache: id, q: (value(qv).clone(), at(qv) + 4 * row * w), out: (value(i).clone(), 4 * row * w) });
-                        row += q.rows as u64;
+                        let (q, out, rings) = match tables.next() {
+                            // Every row of the value bound; the table's rows read.
+                            Some(&(from, bytes)) => {
+                                let table = table.clone().ok_or_else(|| GpuError::InvalidArgument("no table".into()))?;
+                                ((value(qv).clone(), at(qv)), (value(i).clone(), 0), Some((table, from, bytes)))
+                            }
+                            None => {
+                                let row = first_row[seqs[0]] as u64;
+                                ((value(qv).clone(), at(qv) + 4 * row * w), (value(i).clone(), 4 * row * w), None)
+                            }
+                        };
+                        attention.push(AttentionBind { plan, cache: id, q, out, rings });
                     }
                     open = rec.dispatches.len();
                 }
@@ -766,7 +868,7 @@ impl WgpuBackend {
                     let (n, top) = read_bytes(op);
                     let from = match top {
                         Top::Candidates { k, .. } => {
-                            let bind = rec.bind(Bind { weights: placeholder.clone(), scales: entire(&placeholder), x: bound(x), y: whole(&parts, n) });
+                            let bind = rec.bind(Bind { weights: entire(&placeholder), scales: entire(&placeholder), x: bound(x), y: whole(&parts, n) });
                             let params = Params { n_out: width(x), t: rows_of(x), row_quads: k, ..rows_params(0) };
                             rec.rows(max_dim, Kernel::TopKChunks, bind, params, width(x).div_ceil(TOP_CHUNK));
                             (&parts, 0)
@@ -818,6 +920,29 @@ impl WgpuBackend {
             }
             self.recorded = Buffers::default();
         })
+    }
+}
+
+/// An attention's dispatches over the rows of `seqs` (one sequence: its own rows; more: a
+/// table's, `attend_rows`).
+struct Planned {
+    plan: super::attention::Plan,
+    seqs: Vec<usize>,
+}
+
+impl WgpuBackend {
+    /// The sequences of `batch` grouped by the arena their cache of index `cache` is in, in
+    /// order of their first; a cache of its own buffers (or none) alone.
+    fn arena_groups(&self, batch: &[SequenceRun], cache: u32) -> Vec<Vec<usize>> {
+        let mut groups: Vec<(Option<wgpu::Buffer>, Vec<usize>)> = Vec::new();
+        for (s, q) in batch.iter().enumerate() {
+            let arena = q.caches.get(cache as usize).and_then(|(id, _, _)| self.attn.caches.get(id)).filter(|c| c.joint()).map(|c| c.k.clone());
+            match groups.iter_mut().find(|(a, _)| a.is_some() && *a == arena) {
+                Some((_, g)) => g.push(s),
+                None => groups.push((arena, vec![s])),
+            }
+        }
+        groups.into_iter().map(|(_, g)| g).collect()
     }
 }
 

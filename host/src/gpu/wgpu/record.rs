@@ -22,6 +22,9 @@ pub(super) struct Buffers {
     pub(super) staging: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
     attn_params: Option<wgpu::Buffer>,
+    /// The tables of a run's batched cache writes and attentions (`scatter_rows`,
+    /// `attend_rows`).
+    pub(super) tables: Option<wgpu::Buffer>,
     /// Bind groups of earlier runs, by what they bind: a decode step binds what the one
     /// before it bound (H200: making a 270M model's 288 anew cost ~1 ms a step).
     groups: HashMap<BindKey, wgpu::BindGroup>,
@@ -30,14 +33,14 @@ pub(super) struct Buffers {
     pub(super) slots: Vec<Option<wgpu::Buffer>>,
 }
 
-/// What an attention bind group binds: parameters, queries, keys, values and outputs (buffer,
-/// offset, bytes).
-type AttentionKey = [(wgpu::Buffer, u64, u64); 5];
+/// What an attention bind group binds: parameters, queries, keys, values, outputs and rings
+/// (buffer, offset, bytes; the rings the placeholder where there are none).
+type AttentionKey = [(wgpu::Buffer, u64, u64); 6];
 
 /// What a bind group of `matmul.wgsl`'s layout binds: parameters, weights, scales, x and y.
 type BindKey = (
     wgpu::Buffer,
-    wgpu::Buffer,
+    (wgpu::Buffer, u64, u64),
     (wgpu::Buffer, u64, u64),
     (wgpu::Buffer, u64, u64),
     (wgpu::Buffer, u64, u64),
@@ -58,7 +61,7 @@ impl Buffers {
 /// A bind group of `matmul.wgsl`'s layout: weights, scales, x and y (buffer, offset, bytes).
 #[derive(Clone)]
 pub(super) struct Bind {
-    pub(super) weights: wgpu::Buffer,
+    pub(super) weights: (wgpu::Buffer, u64, u64),
     pub(super) scales: (wgpu::Buffer, u64, u64),
     pub(super) x: (wgpu::Buffer, u64, u64),
     pub(super) y: (wgpu::Buffer, u64, u64),
@@ -73,6 +76,9 @@ pub(super) struct AttentionBind {
     pub(super) q: (wgpu::Buffer, u64),
     /// The outputs' buffer and byte offset (`plan.out_bytes` bound).
     pub(super) out: (wgpu::Buffer, u64),
+    /// For `attend_rows`: its table of rings (buffer, offset, bytes); keys and values are then
+    /// the cache's whole arena.
+    pub(super) rings: Option<(wgpu::Buffer, u64, u64)>,
 }
 
 /// What the command buffer does, in order.
@@ -249,7 +255,7 @@ impl WgpuBackend {
         let bytes = output.2 * n as u64;
         let y = if n > 1 { (parts.clone(), 0, align_up(bytes, 16)) } else { (output.0.clone(), output.1, bytes) };
         let bind = rec.bind(Bind {
-            weights: w.data.clone(),
+            weights: entire(&w.data),
             scales: entire(w.scales.as_ref().unwrap_or(&self.placeholder)),
             x: (input.0.clone(), input.1, input.2),
             y: y.clone(),
@@ -263,7 +269,7 @@ impl WgpuBackend {
         if n > 1 {
             // Bound as weights too, unread: a binding of at least 16 bytes, only ever read.
             let sum = rec.bind(Bind {
-                weights: y.0.clone(),
+                weights: entire(&y.0),
                 scales: entire(&self.placeholder),
                 x: y,
                 y: (output.0.clone(), output.1, output.2),
@@ -364,7 +370,7 @@ impl WgpuBackend {
                         },
                         wgpu::BindGroupEntry {
                             binding: 1,
-                            resource: b.weights.as_entire_binding(),
+                            resource: binding(&b.weights.0, b.weights.1, b.weights.2),
                         },
                         wgpu::BindGroupEntry {
                             binding: 2,
@@ -391,19 +397,24 @@ impl WgpuBackend {
                 .caches
                 .get(&a.cache)
                 .ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {}", a.cache)))?;
-            let (k, v, v_at, kv_bytes) = (c.k.clone(), c.v.clone(), c.v_at, c.half());
+            let (k, k_at, v, v_at, kv_bytes) = match a.rings {
+                // The arena whole (one buffer for keys and values).
+                Some(_) => (c.k.clone(), 0, c.v.clone(), 0, c.k.size()),
+                None => (c.k.clone(), c.k_at, c.v.clone(), c.v_at, c.half()),
+            };
             let key = [
                 (apb.clone(), 0, 0),
                 (a.q.0.clone(), a.q.1, p.q_bytes),
-                (k.clone(), 0, kv_bytes),
+                (k.clone(), k_at, kv_bytes),
                 (v.clone(), v_at, kv_bytes),
                 (a.out.0.clone(), a.out.1, p.out_bytes),
+                a.rings.clone().unwrap_or_else(|| (self.placeholder.clone(), 0, 0)),
             ];
             if let Some(g) = self.recorded.attention.get(&key) {
                 attention_groups.push(g.clone());
                 continue;
             }
-            let made = self.attention_group(p, &apb, (&a.q.0, a.q.1), ((&k, 0), (&v, v_at), kv_bytes), (&a.out.0, a.out.1))?;
+            let made = self.attention_group(p, &apb, (&a.q.0, a.q.1), ((&k, k_at), (&v, v_at), kv_bytes), (&a.out.0, a.out.1), a.rings.as_ref())?;
             let m = &mut self.recorded;
             if m.attention.len() >= MAX_CACHED_GROUPS {
                 m.attention.clear();
