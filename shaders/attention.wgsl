@@ -100,14 +100,16 @@ fn partial_at(i: u32, h: u32, sp: u32, hd: u32) -> u32 {
 @compute @workgroup_size(64)
 fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let i = s.query_base + wg.y;
-    attend_row(wg.x, i, i, wg.z, Ring(s.n_keys - s.t + i, s.first_slot, s.slots, 0u, 0u), lid);
+    attend_row(wg.x, i, i, wg.z, Ring(s.n_keys - s.t + i, s.first_slot, s.slots, 0u, 0u, s.split_len), lid);
 }
 
 // `attend` over query rows of a batch of sequences whose keys and values share the buffer bound
 // as k and v: entry e (workgroup y, from query_base) is `rings[2e]` (its row's last key, first
 // slot and slots, and the row) and `rings[2e + 1]` (where its ring's keys and values start in
-// k and v). The row's output goes where a call of `t` queries puts row's; entry e's partials
-// where such a call puts query e's (`attend_rows_merge` combines them).
+// k and v, and its split_len: its sequence's alone, so that its sums are those of a call of
+// that sequence alone; splits past its own find no keys). The row's output goes where a call
+// of `t` queries puts row's; entry e's partials where such a call puts query e's
+// (`attend_rows_merge` combines them, `splits` of them).
 @group(0) @binding(5) var<storage, read> rings: array<vec4<u32>>;
 
 @compute @workgroup_size(64)
@@ -115,17 +117,18 @@ fn attend_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     let e = s.query_base + wg.y;
     let a = rings[2u * e];
     let b = rings[2u * e + 1u];
-    attend_row(wg.x, a.w, e, wg.z, Ring(a.x, a.y, a.z, b.x, b.y), lid);
+    attend_row(wg.x, a.w, e, wg.z, Ring(a.x, a.y, a.z, b.x, b.y, b.z), lid);
 }
 
 // Query i's keys: 0..=last, key j at row (first_slot + j) % slots of a ring whose keys start at
-// element k_at of k, its values at v_at of v.
+// element k_at of k, its values at v_at of v; its splits `split_len` keys each.
 struct Ring {
     last: u32,
     first_slot: u32,
     slots: u32,
     k_at: u32,
     v_at: u32,
+    split_len: u32,
 }
 
 // Head h of query i, split `split` of its keys, its partials those of query e. Called from
@@ -152,8 +155,8 @@ fn attend_row(h: u32, i: u32, e: u32, split: u32, ring: Ring, lid: u32) {
     }
 
     // This workgroup's run of them: lo..=hi (none when lo > last).
-    let lo = first + split * s.split_len;
-    let hi = min(last, lo + s.split_len - 1u);
+    let lo = first + split * ring.split_len;
+    let hi = min(last, lo + ring.split_len - 1u);
 
     var m = LOWEST;
     var l = 0.0;

@@ -1034,9 +1034,10 @@ fn copy_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_i
 }
 
 // Scatters rows: for entry r < t of the host's table in `weights`, (k, v, row, 0), row `row`
-// of x (rows of n_out values) to y from element k and the same row of `scales` to y from
-// element v: the cache writes of a program's batch of sequences whose kv-caches share one
-// buffer (each row's key and value row in its sequence's ring). One invocation an element.
+// of x (rows of n_out values) to y from element k and, unless v is 0xffffffff, the same row of
+// `scales` to y from element v: the cache writes of a program's batch of sequences whose
+// kv-caches share one buffer (each row's key and value row in its sequence's ring), and the
+// last rows of a batch's sequences. One invocation an element.
 @compute @workgroup_size(64)
 fn scatter_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
@@ -1048,7 +1049,9 @@ fn scatter_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgrou
     let to = weights[r];
     let src = to.z * n + j;
     y[to.x + j] = x_at(src);
-    y[to.y + j] = scales[src];
+    if (to.y != 0xffffffffu) {
+        y[to.y + j] = scales[src];
+    }
 }
 
 // A `top-k` op's candidates: the rows of x (t rows of n_out values) in chunks of TOP_CHUNK

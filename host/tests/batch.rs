@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wisp::gpu::program::{Output, Program, SequenceRun};
-use wisp::{Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, GpuError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Session, WgpuBackend, Wisp};
+use wisp::{Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, Gemm, GpuError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Session, WgpuBackend, Wisp};
 
 fn model() -> PathBuf {
     static MODEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
@@ -81,7 +81,12 @@ fn open_on(on: On) -> Option<(Instance, Model, Arc<AtomicUsize>)> {
         On::Guest => (GpuCtx::none(), GpuMode::Off),
         On::Reference => (GpuCtx::new(Box::new(Widest(CpuBackend::new(), widest.clone())), Budget::default()), GpuMode::On),
         On::Wgpu => match WgpuBackend::new().expect("opening the wgpu adapter") {
-            Some(b) => (GpuCtx::new(Box::new(b), Budget::default()), GpuMode::On),
+            Some(mut b) => {
+                // As on GPUs (lavapipe is a CPU device): products of at most 64 rows and few
+                // tiles on `gemv` a row, each row's sums those of the row alone.
+                b.set_gemm(Gemm::GPU).unwrap();
+                (GpuCtx::new(Box::new(b), Budget::default()), GpuMode::On)
+            }
             None if std::env::var("CI").is_ok_and(|v| v == "true") => {
                 panic!("no wgpu adapter, and CI=true (install mesa-vulkan-drivers for lavapipe)")
             }

@@ -932,9 +932,10 @@ fn round_trip_sweep() {
 /// A batch of sequences whose kv-caches share an arena (ranges of one buffer) writes and
 /// attends them one dispatch a group over a table of its rows (`scatter_rows`, `attend_rows`):
 /// with sequences of caches of their own buffers between them, prompts of several rows, a
-/// sliding window whose ring wraps, and a sequence's caches freed and new ones made in their
-/// range mid-way, every row's output within 1e-3 of its rms of the CPU reference's, run after
-/// run (products of few rows on `gemv` as GPUs run them).
+/// sliding window whose ring wraps, a sequence's caches freed and new ones made in their range
+/// mid-way, and the arena grown (its caches moved to a larger buffer) by a large cache made
+/// mid-way, every row's output within 1e-3 of its rms of the CPU reference's, run after run
+/// (products of few rows on `gemv` as GPUs run them).
 #[test]
 fn a_batch_over_shared_kv_cache_arenas_matches_the_cpu() {
     let Some(mut gpu) = backend("a_batch_over_shared_kv_cache_arenas_matches_the_cpu") else { return };
@@ -979,7 +980,15 @@ fn a_batch_over_shared_kv_cache_arenas_matches_the_cpu() {
     // Sequences 1 and 3 keep their caches in buffers of their own.
     let mut seqs: Vec<([(u64, u64); 2], u32)> = (0..6).map(|s| (make(&mut gpu, &mut cpu, s != 1 && s != 3), 0)).collect();
     assert_eq!(gpu.arena_sizes().len(), 1, "the joint caches in one arena");
+    let mut large = None;
     for run in 0..5 {
+        if run == 3 {
+            // 32 MiB of keys and values: past the first arena's room.
+            let before = gpu.arena_sizes();
+            large = Some(gpu.create_cache(1 << 16, nkv).expect("a large cache"));
+            let after = gpu.arena_sizes();
+            assert!(after.len() == 1 && after[0] > before[0], "the arena grown: {before:?} -> {after:?}");
+        }
         if run == 2 {
             // Sequence 2 starts again in new caches, in the range its old ones held.
             for (g, c) in seqs[2].0 {
@@ -1012,5 +1021,32 @@ fn a_batch_over_shared_kv_cache_arenas_matches_the_cpu() {
             s.1 += r;
         }
     }
+    gpu.free_cache(large.expect("made"));
     assert_eq!(gpu.arena_sizes().len(), 1, "a freed range taken again");
+}
+
+/// On GPUs a product of 4 to 64 rows of x with few tiles runs `gemv` a row: each row's outputs
+/// bit for bit those of the row alone, every format, ragged numbers of rows and columns
+/// included, so that a batched decode step's products do not depend on the other rows.
+#[test]
+fn products_of_few_rows_are_each_row_alone_bit_for_bit() {
+    let Some(mut gpu) = backend("products_of_few_rows_are_each_row_alone_bit_for_bit") else { return };
+    let mut rng = Rng::new("products_of_few_rows_are_each_row_alone_bit_for_bit");
+    gpu.set_gemm(Gemm::GPU).expect("gemm");
+    for format in Format::ALL {
+        let (n_out, n_in) = (rng.range(1, 900), random_n_in(&mut rng, format, 12));
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        let id = upload(&mut gpu, &w);
+        for t in [4, 5, 31, 64] {
+            let x = random_x(&mut rng, t, n_in);
+            let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+            check_within(TOLERANCE, &format!("{} t={t} [{n_out}, {n_in}]", format.name()), &[&w], &x, t, &got);
+            for (r, row) in x.chunks_exact(n_in as usize).enumerate() {
+                let alone = gpu.matmul(row, 1, n_in, &[id]).expect("matmul");
+                let batched = &got[0][r * n_out as usize..(r + 1) * n_out as usize];
+                assert!(batched.iter().zip(&alone[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "{} [{n_out}, {n_in}] t={t}: row {r} differs from the row alone", format.name());
+            }
+        }
+        gpu.free(id);
+    }
 }

@@ -83,7 +83,7 @@ impl Cache {
     }
 }
 
-/// Arenas smaller than this are not made: a first session's caches share one.
+/// An arena's first size: a first session's caches share one (it grows as more come).
 const ARENA_MIN_BYTES: u64 = 32 << 20;
 
 /// A buffer of kv-caches, each a range of it, one binding whole: a program's batch of
@@ -128,6 +128,12 @@ impl Ranges {
         if i > 0 && self.free[i - 1].0 + self.free[i - 1].1 == self.free[i].0 {
             self.free[i - 1].1 += self.free.remove(i).1;
         }
+    }
+
+    /// Makes it `size` bytes long, the new bytes free.
+    fn grow(&mut self, size: u64) {
+        let old = std::mem::replace(&mut self.size, size);
+        self.give(old, size - old);
     }
 
     /// Whether no range is taken.
@@ -233,12 +239,12 @@ impl WgpuBackend {
         Ok(id)
     }
 
-    /// A zeroed range of `bytes` of an arena (a new one where none has room: at least
-    /// ARENA_MIN_BYTES and as large as those there are together, so that a batch's caches are
-    /// in a few, within a binding): its buffer and offset.
+    /// A zeroed range of `bytes` of an arena: its buffer and offset. Where none has room the
+    /// last grows (to twice its size, or as much as it needs, within a binding: a new buffer,
+    /// the caches copied to the same offsets there), so that a batch's caches share one; past a
+    /// binding, a new arena.
     fn arena_range(&mut self, bytes: u64) -> (wgpu::Buffer, u64) {
-        let arenas = &mut self.attn.arenas;
-        for a in arenas.iter_mut() {
+        for a in self.attn.arenas.iter_mut() {
             if let Some(at) = a.free.take(bytes) {
                 // A range given back holds an earlier cache's rows.
                 let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kv-cache clear") });
@@ -247,17 +253,41 @@ impl WgpuBackend {
                 return (a.buffer.clone(), at);
             }
         }
-        let held: u64 = arenas.iter().map(|a| a.buffer.size()).sum();
-        let size = held.max(ARENA_MIN_BYTES).min(self.info.max_weight_bytes).max(bytes);
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("kv-cache arena"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let max = self.info.max_weight_bytes;
+        let make = |size| {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("kv-cache arena"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        };
+        if let Some(last) = self.attn.arenas.last_mut() {
+            let old = last.buffer.size();
+            let size = (2 * old).max(old + bytes).min(max);
+            if size >= old + bytes {
+                let grown = make(size);
+                let mut encoder = self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("kv-cache arena grown") });
+                encoder.copy_buffer_to_buffer(&last.buffer, 0, &grown, 0, old);
+                self.queue.submit([encoder.finish()]);
+                let was = std::mem::replace(&mut last.buffer, grown.clone());
+                last.free.grow(size);
+                let at = last.free.take(bytes).unwrap_or_default();
+                for c in self.attn.caches.values_mut() {
+                    if c.k == was {
+                        (c.k, c.v) = (grown.clone(), grown.clone());
+                    }
+                }
+                // Bind groups of the old buffer would keep it.
+                self.recorded.forget_groups();
+                return (grown, at);
+            }
+        }
+        let size = ARENA_MIN_BYTES.min(max).max(bytes);
+        let buffer = make(size);
         let mut free = Ranges::new(size);
         let at = free.take(bytes).unwrap_or_default();
-        arenas.push(Arena { buffer: buffer.clone(), free });
+        self.attn.arenas.push(Arena { buffer: buffer.clone(), free });
         (buffer, at)
     }
 
@@ -352,8 +382,10 @@ impl WgpuBackend {
     ///
     /// Of `attend_rows` (`first_slot` and `slots` unused): `s.t` its entries (rows of the
     /// batch), `q_len` the values of the `out_rows` rows of the queries and outputs bound (its
-    /// entries' partials after them).
-    pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32, out_rows: u32) -> Result<Plan, GpuError> {
+    /// entries' partials after them), `splits` the most of its entries' (each entry's own
+    /// runs in its ring's entry).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32, out_rows: u32, splits: Option<u32>) -> Result<Plan, GpuError> {
         let max = self.info.max_weight_bytes;
         let q_bytes = 4 * q_len;
         if q_len == 0 || q_bytes > max {
@@ -367,7 +399,10 @@ impl WgpuBackend {
         let macs = (2 * s.n_head as u64).saturating_mul(s.n_keys as u64).saturating_mul(s.head_dim as u64);
         let per_dispatch = (self.dispatch_macs / macs.max(1)).clamp(1, groups as u64) as u32;
         let dispatches = s.t.div_ceil(per_dispatch);
-        let (splits, split_len) = splits_for(s);
+        let (splits, split_len) = match splits {
+            Some(n) => (n, 0),
+            None => splits_for(s),
+        };
         // The outputs, then (with splits) each (query, head, split)'s partial: m, l, values.
         let partial_bytes = 4 * s.t as u64 * s.n_head as u64 * (splits as u64) * (s.head_dim as u64 + 2);
         let out_bytes = q_bytes + if splits > 1 { partial_bytes } else { 0 };
@@ -442,7 +477,7 @@ impl WgpuBackend {
         first_slot: u32,
         slots: u32,
     ) -> Result<Vec<f32>, GpuError> {
-        let plan = self.attention_plan(q.len() as u64, s, first_slot, slots, s.t)?;
+        let plan = self.attention_plan(q.len() as u64, s, first_slot, slots, s.t, None)?;
         let scopes = push_scopes(&self.device);
         let cap = self.limits.max_buffer_size;
         let storage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
@@ -552,7 +587,10 @@ mod tests {
             r.give(at, bytes);
         }
         assert!(r.is_empty(), "{:?}", r.free);
-        assert_eq!(r.take(100), Some(0));
+        assert_eq!(r.take(90), Some(0));
+        r.grow(200);
+        assert_eq!(r.free, [(90, 110)], "the new bytes joined with the free end");
+        assert_eq!(r.take(110), Some(90));
     }
 
     #[test]

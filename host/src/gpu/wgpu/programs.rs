@@ -401,7 +401,7 @@ impl WgpuBackend {
         for op in &p.ops {
             if let Op::Matmul { weight, precision, .. } = *op {
                 let w = &p.weights[weight];
-                for t in [1, super::GEMM_MIN_T, super::WIDE_MIN_T, super::LARGE_T] {
+                for t in [1, super::GEMM_MIN_T, super::TILE + 1, super::WIDE_MIN_T, super::LARGE_T] {
                     let (kernel, _, _) = self.kernel_for(t, w.rows, w.format, precision);
                     if !wanted.contains(&(kernel, w.format)) {
                         wanted.push((kernel, w.format));
@@ -517,10 +517,11 @@ impl WgpuBackend {
                 Some(groups) => {
                     for g in groups {
                         let entries = g.iter().map(|&s| batch[s].rows).sum();
-                        let keys = |q: &SequenceRun| q.start + q.rows - program::first_key(q.start, window);
-                        let n_keys = g.iter().map(|&s| keys(&batch[s])).max().unwrap_or(1);
+                        let alone = |s: usize| alone_shape(&batch[s], window, AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale });
+                        let n_keys = g.iter().map(|&s| alone(s).n_keys).max().unwrap_or(1);
+                        let splits = g.iter().map(|&s| super::attention::splits_for(&alone(s)).0).max().unwrap_or(1);
                         let shape = AttentionShape { t: entries, n_keys, n_head, n_head_kv, head_dim, window, scale };
-                        let plan = self.attention_plan(total as u64 * w, &shape, 0, 1, total)?;
+                        let plan = self.attention_plan(total as u64 * w, &shape, 0, 1, total, Some(splits))?;
                         end = end.max(plan.out_bytes);
                         list.push(Planned { plan, seqs: g.clone() });
                     }
@@ -530,7 +531,7 @@ impl WgpuBackend {
                         let (_, slots, _) = q.caches[cache as usize];
                         let first = program::first_key(q.start, window);
                         let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
-                        let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots, q.rows)?;
+                        let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots, q.rows, None)?;
                         end = end.max(4 * first_row[s] as u64 * w + plan.out_bytes);
                         list.push(Planned { plan, seqs: vec![s] });
                     }
@@ -655,10 +656,23 @@ impl WgpuBackend {
         let mut tables: Vec<u8> = Vec::new();
         let mut table_at: Vec<Vec<(u64, u64)>> = vec![Vec::new(); p.ops.len()];
         for (i, op) in p.ops.iter().enumerate() {
+            if let Op::LastRows(x) = *op
+                && batch.len() > 1
+            {
+                // (the sequence's row, none, its last token row, 0).
+                let from = align_up(tables.len() as u64, align);
+                tables.resize(from as usize, 0);
+                for (s, q) in batch.iter().enumerate() {
+                    let entry = [s as u32 * width(x), u32::MAX, first_row[s] + q.rows - 1, 0];
+                    tables.extend_from_slice(bytemuck::cast_slice(&entry));
+                }
+                table_at[i].push((from, tables.len() as u64 - from));
+                continue;
+            }
             let (Op::CacheWrite { k: row_of, cache, .. } | Op::Attention { q: row_of, cache, .. }) = *op else { continue };
             let Some(groups) = grouped.get(&cache) else { continue };
-            let window = match *op {
-                Op::Attention { window, .. } => Some(window),
+            let shape = match *op {
+                Op::Attention { n_head, n_head_kv, head_dim, window, scale, .. } => Some(AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale }),
                 _ => None,
             };
             for g in groups {
@@ -672,11 +686,13 @@ impl WgpuBackend {
                     let w = width(row_of);
                     for j in 0..q.rows {
                         let row = first_row[s] + j;
-                        match window {
-                            // (last key, first slot, slots, row), (keys at, values at, 0, 0).
-                            Some(window) => {
-                                let first = program::first_key(q.start, window);
-                                let entry = [q.start + j - first, first % slots, slots, row, k_at, v_at, 0, 0];
+                        match shape {
+                            // (last key, first slot, slots, row), (keys at, values at, split
+                            // length, 0): the sequence's own splits, as alone.
+                            Some(shape) => {
+                                let first = program::first_key(q.start, shape.window);
+                                let split_len = super::attention::splits_for(&alone_shape(q, shape.window, shape)).1;
+                                let entry = [q.start + j - first, first % slots, slots, row, k_at, v_at, split_len, 0];
                                 tables.extend_from_slice(bytemuck::cast_slice(&entry));
                             }
                             // (key row at, value row at, row, 0).
@@ -855,6 +871,13 @@ impl WgpuBackend {
                     }
                     open = rec.dispatches.len();
                 }
+                Op::LastRows(x) if !table_at[i].is_empty() => {
+                    let w = width(x);
+                    let (from, bytes) = table_at[i][0];
+                    let table = table.clone().ok_or_else(|| GpuError::InvalidArgument("no table".into()))?;
+                    let bind = rec.bind(Bind { weights: (table, from, bytes), scales: entire(&placeholder), x: bound(x), y: bound(made) });
+                    rec.rows(max_dim, Kernel::ScatterRows, bind, Params { n_out: w, t: batch.len() as u32, ..rows_params(w) }, w.div_ceil(WORKGROUP));
+                }
                 Op::LastRows(x) => {
                     let w = width(x);
                     let mut end = 0;
@@ -921,6 +944,11 @@ impl WgpuBackend {
             self.recorded = Buffers::default();
         })
     }
+}
+
+/// The shape of `q`'s attention alone (`s`'s heads and scale).
+fn alone_shape(q: &SequenceRun, window: u32, s: AttentionShape) -> AttentionShape {
+    AttentionShape { t: q.rows, n_keys: q.start + q.rows - program::first_key(q.start, window), ..s }
 }
 
 /// An attention's dispatches over the rows of `seqs` (one sequence: its own rows; more: a
