@@ -1089,6 +1089,44 @@ fn top_before(a: u32, b: u32) -> bool {
     return ka > kb || (ka == kb && top_cols[a] < top_cols[b]);
 }
 
+// `top_k_chunks` for k = 1 (a greedy choice): the chunk's first entry in the same order, each
+// invocation's first of its values, then the workgroup's, pairwise (8 steps, not a sort's 55).
+fn top_first(li: u32, r: u32, n: u32, chunk: u32, chunks: u32) {
+    var best_key = 0u;
+    var best_col = 0xffffffffu;
+    for (var e = li; e < TOP_CHUNK; e += TOP_WG) {
+        let col = chunk * TOP_CHUNK + e;
+        if (r < params.t && col < n) {
+            let key = top_key(x_at(r * n + col));
+            if (key > best_key || (key == best_key && col < best_col)) {
+                best_key = key;
+                best_col = col;
+            }
+        }
+    }
+    top_keys[li] = best_key;
+    top_cols[li] = best_col;
+    workgroupBarrier();
+    for (var w = TOP_WG / 2u; w > 0u; w = w / 2u) {
+        if (li < w && top_before(li + w, li)) {
+            top_keys[li] = top_keys[li + w];
+            top_cols[li] = top_cols[li + w];
+        }
+        workgroupBarrier();
+    }
+    if (li == 0u && r < params.t) {
+        let at = 2u * (r * chunks + chunk);
+        let col = top_cols[0];
+        if (col < n) {
+            y[at] = x_at(r * n + col);
+            y[at + 1u] = f32(col);
+        } else {
+            y[at] = 0.0;
+            y[at + 1u] = -1.0;
+        }
+    }
+}
+
 @compute @workgroup_size(256)
 fn top_k_chunks(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id) wid: vec3<u32>) {
     let r = params.t_base + wid.y;
@@ -1096,6 +1134,10 @@ fn top_k_chunks(@builtin(local_invocation_index) li: u32, @builtin(workgroup_id)
     let chunk = wid.x;
     let chunks = (n + TOP_CHUNK - 1u) / TOP_CHUNK;
     let k = min(params.row_quads, TOP_CHUNK);
+    if (k == 1u) {
+        top_first(li, r, n, chunk, chunks);
+        return;
+    }
     // Padding: key 0 and the highest column, after every NaN.
     for (var e = li; e < TOP_CHUNK; e += TOP_WG) {
         let col = chunk * TOP_CHUNK + e;
