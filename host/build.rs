@@ -44,7 +44,15 @@ fn main() {
         println!("cargo:rerun-if-changed={}", root.join(p).display());
     }
     println!("cargo:rerun-if-env-changed=WISP_GUEST_PROFILE");
+    println!("cargo:rerun-if-env-changed=WISP_GUEST_TARGET_DIR");
 
+    // WISP_GUEST_TARGET_DIR: a target directory where the guests are built already (by
+    // `fuzz/run.sh`: cargo fuzz's nightly toolchain has no wasm32-wasip2 target); they are
+    // embedded from there, not built.
+    if let Some(dir) = env::var_os("WISP_GUEST_TARGET_DIR") {
+        embed(&PathBuf::from(dir));
+        return;
+    }
     let target_dir = env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .map(|p| if p.is_absolute() { p } else { root.join(p) })
@@ -69,6 +77,11 @@ fn main() {
              `rustup target add wasm32-wasip2`)"
         );
     }
+    embed(&target_dir);
+}
+
+/// Embeds the guests built in `target_dir` (copied into OUT_DIR, named by environment variables).
+fn embed(target_dir: &std::path::Path) {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
     for (file, var) in [
         ("wisp_guest.wasm", "WISP_GUEST_WASM"),
