@@ -135,14 +135,51 @@ impl Template {
             .map_err(|e| Error::InvalidModel(format!("the chat template does not compile: {e}")))?;
         let messages: Vec<Value> =
             messages.iter().map(|(role, content)| context! { role => role, content => content }).collect();
+        let mut out = Capped { text: Vec::new(), over: false };
         template
-            .render(context! {
-                messages => messages,
-                add_generation_prompt => add_generation_prompt,
-                bos_token => &self.bos_token,
-                eos_token => &self.eos_token,
-            })
-            .map_err(|e| Error::InvalidArgument(format!("the chat template failed: {e}")))
+            .render_captured_to(
+                context! {
+                    messages => messages,
+                    add_generation_prompt => add_generation_prompt,
+                    bos_token => &self.bos_token,
+                    eos_token => &self.eos_token,
+                },
+                &mut out,
+            )
+            .map_err(|e| match out.over {
+                true => Error::InvalidArgument(format!("the chat template's text is over the limit of {MAX_RENDERED_BYTES} bytes")),
+                false => Error::InvalidArgument(format!("the chat template failed: {e}")),
+            })?;
+        String::from_utf8(out.text).map_err(|_| Error::InvalidArgument("the chat template's text is not UTF-8".into()))
+    }
+}
+
+/// The longest text a chat template may render (a prompt far past any model's context).
+pub const MAX_RENDERED_BYTES: usize = 16 << 20;
+
+/// The instructions a template may run for one rendering (minijinja's fuel): a conversation
+/// of thousands of messages takes a few hundred thousand; a template that loops without end
+/// fails instead.
+pub const FUEL: u64 = 20_000_000;
+
+/// A rendering's text, refusing to grow past [`MAX_RENDERED_BYTES`].
+struct Capped {
+    text: Vec<u8>,
+    over: bool,
+}
+
+impl std::io::Write for Capped {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.text.len() + buf.len() > MAX_RENDERED_BYTES {
+            self.over = true;
+            return Err(std::io::Error::other("over the limit"));
+        }
+        self.text.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -154,6 +191,7 @@ fn environment() -> Environment<'static> {
         Ok(syntax) => env.set_syntax(syntax),
         Err(_) => unreachable!("the default delimiters are valid"),
     }
+    env.set_fuel(Some(FUEL));
     env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
     env.add_function("raise_exception", |msg: String| -> Result<Value, minijinja::Error> {
         Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))

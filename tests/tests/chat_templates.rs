@@ -66,3 +66,31 @@ fn a_file_without_a_template_says_which_built_in_one_it_gets_and_takes_another()
     assert!(matches!(inst.apply_chat_template(m, &two, true).unwrap(), Err(EngineError::InvalidArgument(e)) if e.contains("no system messages")));
     assert_eq!(inst.apply_chat_template(m, &hi, true).unwrap().unwrap(), "ok");
 }
+
+#[test]
+fn a_runaway_template_fails_and_a_long_chat_renders() {
+    let (mut inst, m) = open(model(), GpuCtx::none(), GpuMode::Off);
+    let hi = msgs(&[("user", "Hi")]);
+    // 10^10 loop steps run out of minijinja's fuel; 100 MB of text is over the cap on a
+    // rendering: each a typed error of that call, in bounded time and memory.
+    let cases = [
+        ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", "ran out of fuel"),
+        ("{% for a in range(100000) %}{{ 'x' * 1000 }}{% endfor %}", "over the limit of 16777216 bytes"),
+    ];
+    for (bad, needle) in cases {
+        inst.set_chat_template(m, bad).unwrap().unwrap();
+        match inst.apply_chat_template(m, &hi, true).unwrap() {
+            Err(EngineError::InvalidArgument(e)) => assert!(e.contains(needle), "{e}"),
+            other => panic!("{bad}: {other:?}"),
+        }
+    }
+    // The built-in templates render a conversation of 4096 messages (the server's limit)
+    // within the fuel.
+    let long: Vec<(String, String)> =
+        (0..4096).map(|i| (if i % 2 == 0 { "user" } else { "assistant" }.to_string(), format!("message {i}"))).collect();
+    for name in ["gemma", "chatml", "llama3"] {
+        inst.set_chat_template(m, name).unwrap().unwrap();
+        let text = inst.apply_chat_template(m, &long, true).unwrap().unwrap();
+        assert!(text.contains("message 4095"), "{name}");
+    }
+}
