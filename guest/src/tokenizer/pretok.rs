@@ -8,6 +8,7 @@
 //! llama.cpp's own splitter for these patterns (`unicode_regex_split_custom_llama3`).
 
 use regex::Regex;
+use std::sync::OnceLock;
 
 /// The pre-tokenizers implemented, by `tokenizer.ggml.pre`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,8 +40,16 @@ impl Pre {
         format!("{CONTRACTIONS}|{}", REST.replace("DIGITS", digits))
     }
 
+    /// The compiled pattern: compiled once a process (a Unicode pattern takes milliseconds),
+    /// then shared (a `Regex` clone shares its program).
     pub fn regex(self) -> Result<Regex, String> {
-        Regex::new(&self.pattern()).map_err(|e| format!("pre-tokenizer {self:?}: {e}"))
+        static QWEN2: OnceLock<Result<Regex, String>> = OnceLock::new();
+        static LLAMA3: OnceLock<Result<Regex, String>> = OnceLock::new();
+        let cell = match self {
+            Pre::Qwen2 => &QWEN2,
+            Pre::Llama3 => &LLAMA3,
+        };
+        cell.get_or_init(|| Regex::new(&self.pattern()).map_err(|e| format!("pre-tokenizer {self:?}: {e}"))).clone()
     }
 }
 
