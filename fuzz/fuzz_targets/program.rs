@@ -122,6 +122,12 @@ fn pick<T>(list: &[Option<T>], i: u8) -> Option<&T> {
     if list.is_empty() { None } else { list[i as usize % list.len()].as_ref() }
 }
 
+/// The handle that names `list[i]` in a call: its rep, or one no live handle has where that
+/// call failed or the handle was released.
+fn named<T: 'static>(list: &[Option<Resource<T>>], i: u8) -> Resource<T> {
+    pick(list, i).map_or(Resource::new_own(0), |h| Resource::new_own(h.rep()))
+}
+
 fn take<T>(list: &mut [Option<T>], i: u8) -> Option<T> {
     let n = list.len();
     if n == 0 { None } else { list[i as usize % n].take() }
@@ -206,18 +212,10 @@ fuzz_target!(|calls: Vec<Call>| {
             Call::Program { weights, caches, ops } => {
                 let ops: Vec<Op> = ops.iter().take(256).enumerate().map(|(i, f)| op(i, f)).collect();
                 widths.push(ops.iter().filter_map(|o| if let Op::Input { width } = o { Some(*width) } else { None }).collect());
-                let mut made = Vec::new();
-                for side in [&mut batched, &mut alone] {
-                    // A released or failed weight is named by a rep no live weight has.
-                    let handles: Vec<Resource<WeightHandle>> = weights
-                        .iter()
-                        .take(80)
-                        .map(|&w| pick(&side.weights, w).map_or(Resource::new_own(0), |h| Resource::new_own(h.rep())))
-                        .collect();
-                    made.push(unchanged_on_error(&mut side.ctx, |c| c.create_program(&handles, *caches as u32, ops.clone())));
-                }
-                let b = made.pop().unwrap_or_else(|| unreachable!());
-                let a = made.pop().unwrap_or_else(|| unreachable!());
+                let [a, b] = [&mut batched, &mut alone].map(|side| {
+                    let handles: Vec<Resource<WeightHandle>> = weights.iter().take(80).map(|&w| named(&side.weights, w)).collect();
+                    unchanged_on_error(&mut side.ctx, |c| c.create_program(&handles, *caches as u32, ops.clone()))
+                });
                 agree("create-program", &a, &b);
                 batched.programs.push(a.ok());
                 alone.programs.push(b.ok());
@@ -227,10 +225,7 @@ fuzz_target!(|calls: Vec<Call>| {
                 let (pa, pb) = (Resource::<ProgramHandle>::new_own(pa.rep()), Resource::<ProgramHandle>::new_own(pb.rep()));
                 let batch: Vec<&(u8, u16, Vec<u8>)> = batch.iter().take(16).collect();
                 let caches = |side: &Side, list: &[u8]| -> Vec<Resource<KvCacheHandle>> {
-                    list.iter()
-                        .take(8)
-                        .map(|&c| pick(&side.caches, c).map_or(Resource::new_own(0), |h| Resource::new_own(h.rep())))
-                        .collect()
+                    list.iter().take(8).map(|&c| named(&side.caches, c)).collect()
                 };
                 // The inputs' widths are the program's: taken from the ops, as the guest would.
                 let widths = &widths[*program as usize % widths.len()];
