@@ -9,13 +9,16 @@
 //   sync/            jco without async: for browsers without JSPI, where the guest gets no device
 //   conformance/     the kit: wisp_conformance.wasm (copied) and jspi/ (its JSPI transpilation,
 //                    `run-suite` async); absent, with the reason in guest.json, without the file
+//   shim/            @bytecodealliance/preview2-shim's browser build (the WASI the guest imports),
+//                    copied so that the package's modules import nothing by a bare name
+//   shaders/         the WGSL of ../shaders, which the WebGPU host compiles at run time
 //   guest.json       sha256 and size of the component(s), the jco flags, sha256 of every output
 //
-// `node build.mjs` builds; `import { build } from './build.mjs'` does the same from a test.
+// `node build.mjs [--quiet]` builds; `import { build } from './build.mjs'` does the same from a test.
 
 import { execFileSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
+import { cpSync, existsSync, mkdirSync, readFileSync, readdirSync, rmSync, statSync, writeFileSync } from 'node:fs';
 import { dirname, join, relative, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -172,6 +175,23 @@ function buildKit(kit) {
 }
 
 /**
+ * What the transpiled guest needs at run time besides itself, copied into dist/: the WASI shim's
+ * browser build (its own files import each other by relative paths only) and the shaders.
+ */
+function copyRuntime() {
+  const shim = join(WEB, 'node_modules/@bytecodealliance/preview2-shim');
+  mkdirSync(join(DIST, 'shim'), { recursive: true });
+  for (const f of readdirSync(join(shim, 'dist/browser')).filter((f) => f.endsWith('.js'))) {
+    cpSync(join(shim, 'dist/browser', f), join(DIST, 'shim', f));
+  }
+  cpSync(join(shim, 'LICENSE'), join(DIST, 'shim', 'LICENSE'));
+  mkdirSync(join(DIST, 'shaders'), { recursive: true });
+  for (const f of readdirSync(join(ROOT, 'shaders')).filter((f) => f.endsWith('.wgsl'))) {
+    cpSync(join(ROOT, 'shaders', f), join(DIST, 'shaders', f));
+  }
+}
+
+/**
  * Transpiles the guest and the conformance kit into web/dist and returns the manifest written to
  * dist/guest.json (`conformance.missing` says why the kit is not there, when it is not).
  */
@@ -188,6 +208,7 @@ export function build({ wasm = GUEST_WASM, kit = KIT_WASM, quiet = false } = {})
   const { fixed } = transpile(copy, join(DIST, 'jspi'), { jspi: true });
   transpile(copy, join(DIST, 'sync'), { jspi: false });
   const conformance = buildKit(kit);
+  copyRuntime();
 
   const outputs = {};
   for (const f of filesUnder(DIST).sort()) {
@@ -214,7 +235,7 @@ export function build({ wasm = GUEST_WASM, kit = KIT_WASM, quiet = false } = {})
 
 if (process.argv[1] && resolve(process.argv[1]) === fileURLToPath(import.meta.url)) {
   try {
-    build();
+    build({ quiet: process.argv.includes('--quiet') });
   } catch (e) {
     console.error(`build: ${e.message}`);
     process.exit(1);

@@ -10,7 +10,7 @@
 import { createGpu, openDevice } from './gpu.js';
 import { coreModule, manifest, wasiImports } from './wisp.js';
 
-const SHADER = new URL('../../shaders/matmul.wgsl', import.meta.url);
+const SHADER = new URL('../dist/shaders/matmul.wgsl', import.meta.url);
 const VARIANT = 'conformance/jspi';
 
 /** The budget the kit gets, as `wisp conformance` gives it (`conformance::budget()`): small enough

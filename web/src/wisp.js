@@ -6,11 +6,11 @@
 // transpilation and its gpu imports may await WebGPU. Without JSPI, or without a WebGPU adapter,
 // the guest still runs, on its own CPU kernels: `gpu.available()` answers none.
 
-import * as shim from '../node_modules/@bytecodealliance/preview2-shim/dist/browser/index.js';
+import * as shim from '../dist/shim/index.js';
 import { createGpu, openDevice } from './gpu.js';
 
 const DIST = new URL('../dist/', import.meta.url);
-const SHADER = new URL('../../shaders/matmul.wgsl', import.meta.url);
+const SHADER = new URL('../dist/shaders/matmul.wgsl', import.meta.url);
 
 /** What this browser offers: JSPI, WebGPU (and why not). `jspi` and `webgpu` false turn either
  *  off, for tests and for comparison (`?jspi=off`, `?webgpu=off` on the page); `lanes` is

@@ -107,7 +107,7 @@ describe('in Chromium with WebGPU and JSPI', () => {
 
   test('the page starts the guest with JSPI and a WebGPU adapter, from the same .wasm', { timeout: 2 * MINUTE }, async (t) => {
     if (skip) return unavailable(t, skip);
-    await page.goto(`${url}/web/index.html`);
+    await page.goto(`${url}/web/lab.html`);
     const env = await inPage(() => window.wisp.ready);
     t.diagnostic(`JSPI ${env.jspi}, WebGPU ${env.webgpu ? env.device.name : env.gpuWhy}; ${elapsed()}`);
     assert.ok(env.jspi, 'no JSPI in this Chromium');
@@ -264,7 +264,7 @@ describe('in Chromium with WebGPU and JSPI', () => {
     if (skip || !existsSync(modelPath())) return unavailable(t, skip ?? `no model at ${modelPath()}`);
     const p = await browser.newPage();
     try {
-      await p.goto(`${url}/web/index.html?jspi=off`);
+      await p.goto(`${url}/web/lab.html?jspi=off`);
       const env = await p.evaluate(() => window.wisp.ready);
       assert.equal(env.variant, 'sync');
       assert.match(await p.textContent('#env-jspi'), /^JSPI: no\./);
@@ -286,7 +286,7 @@ describe('in Chromium with WebGPU and JSPI', () => {
     const plain = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: FLAGS.filter((f) => f !== '--enable-unsafe-webgpu') });
     try {
       const p = await plain.newPage();
-      await p.goto(`${url}/web/index.html`);
+      await p.goto(`${url}/web/lab.html`);
       const env = await p.evaluate(() => window.wisp.ready);
       assert.equal(env.webgpu, false);
       assert.match(await p.textContent('#env-gpu'), /^WebGPU: not used \(.+\)\. The guest runs its matrix products on the CPU\.$/);

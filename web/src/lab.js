@@ -1,4 +1,5 @@
-// The demo page: load a GGUF, type a prompt, watch the tokens stream, with tokens/s, the
+// The lab page: the guest on the page's own thread (no worker), with what the tests drive:
+// load a GGUF, type a prompt, watch the tokens stream, with tokens/s, the
 // prefill/decode split and where the matrix products ran (the session's stats).
 //
 // Query parameters: `?gpu=on|off|auto` (the initial GPU mode), `?jspi=off` and `?webgpu=off`
