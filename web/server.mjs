@@ -6,6 +6,10 @@
 //   /tests/golden/...  the golden references
 //   /model/default.gguf  the default model from wisp's cache ($WISP_CACHE, else ~/.cache/wisp),
 //                        as `wisp fetch` leaves it
+//   /model/NAME.gguf     any other GGUF file in that cache (`wisp fetch qwen2.5-coder-0.5b`)
+//
+// `serve({ root })` serves the folder `root` at / instead of the mounts above (the /model/ paths
+// stay): the packaging test's empty project.
 //
 // `node server.mjs [--port N]` (default 8080; 0 picks a free port). `serve()` does the same for
 // a test and resolves to the running server and its URL.
@@ -20,9 +24,8 @@ const WEB = fileURLToPath(new URL('.', import.meta.url));
 const ROOT = resolve(WEB, '..');
 export const DEFAULT_MODEL = 'gemma-3-270m-q4_k_m.gguf';
 
-export function modelPath() {
-  const cache = process.env.WISP_CACHE || join(homedir(), '.cache', 'wisp');
-  return join(cache, DEFAULT_MODEL);
+export function modelPath(name = DEFAULT_MODEL) {
+  return join(cacheDir(), name);
 }
 
 const TYPES = {
@@ -44,9 +47,15 @@ const MOUNTS = [
   ['/tests/golden/', join(ROOT, 'tests', 'golden')],
 ];
 
-function resolvePath(pathname) {
+function cacheDir() {
+  return process.env.WISP_CACHE || join(homedir(), '.cache', 'wisp');
+}
+
+function resolvePath(pathname, mounts) {
   if (pathname === '/model/default.gguf') return modelPath();
-  for (const [prefix, dir] of MOUNTS) {
+  const named = /^\/model\/([\w.-]+\.gguf)$/.exec(pathname);
+  if (named) return join(cacheDir(), named[1]);
+  for (const [prefix, dir] of mounts) {
     if (!pathname.startsWith(prefix)) continue;
     const file = normalize(join(dir, pathname.slice(prefix.length)));
     // Nothing outside the mount, whatever the URL says.
@@ -56,7 +65,7 @@ function resolvePath(pathname) {
   return null;
 }
 
-function handle(req, res) {
+function handle(req, res, mounts, root) {
   let pathname;
   try {
     pathname = decodeURIComponent(new URL(req.url, 'http://127.0.0.1').pathname);
@@ -68,11 +77,11 @@ function handle(req, res) {
     res.writeHead(405, { allow: 'GET, HEAD' }).end();
     return;
   }
-  if (pathname === '/' || pathname === '/web' || pathname === '/index.html') {
+  if (!root && (pathname === '/' || pathname === '/web' || pathname === '/index.html')) {
     res.writeHead(302, { location: '/web/index.html' }).end();
     return;
   }
-  let file = resolvePath(pathname);
+  let file = resolvePath(pathname, mounts);
   if (file && existsSync(file) && statSync(file).isDirectory()) file = join(file, 'index.html');
   if (!file || !existsSync(file) || !statSync(file).isFile()) {
     res.writeHead(404, { 'content-type': 'text/plain' }).end(`not found: ${pathname}`);
@@ -91,14 +100,23 @@ function handle(req, res) {
   createReadStream(file).on('error', () => res.destroy()).pipe(res);
 }
 
-/** Starts the server on 127.0.0.1; resolves to `{ server, url }`. */
-export function serve({ port = 8080 } = {}) {
+/**
+ * Starts the server on 127.0.0.1; resolves to `{ server, url, hits }`, `hits` counting the GET
+ * requests of each path.
+ */
+export function serve({ port = 8080, root = null } = {}) {
+  const mounts = root ? [['/', resolve(root)]] : MOUNTS;
+  const hits = new Map();
   return new Promise((ok, fail) => {
-    const server = createServer(handle);
+    const server = createServer((req, res) => {
+      const path = (req.url ?? '').split('?')[0];
+      if (req.method === 'GET') hits.set(path, (hits.get(path) ?? 0) + 1);
+      handle(req, res, mounts, root);
+    });
     server.on('error', fail);
     server.listen(port, '127.0.0.1', () => {
       const url = `http://127.0.0.1:${server.address().port}`;
-      ok({ server, url });
+      ok({ server, url, hits });
     });
   });
 }
@@ -107,7 +125,7 @@ if (process.argv[1] && resolve(process.argv[1]) === fileURLToPath(import.meta.ur
   const i = process.argv.indexOf('--port');
   const port = i > 0 ? Number(process.argv[i + 1]) : Number(process.env.PORT || 8080);
   const { url } = await serve({ port });
-  console.log(`wisp demo: ${url}/web/index.html`);
+  console.log(`wisp demo: ${url}/web/index.html (the lab page: ${url}/web/lab.html)`);
   if (!existsSync(modelPath())) {
     console.log(`(no default model at ${modelPath()}: run \`wisp fetch\`, or pick a GGUF file in the page)`);
   }
