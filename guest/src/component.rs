@@ -11,6 +11,7 @@ use crate::engine::{DeviceOffer, Error, Model};
 use crate::kernels::Act;
 use crate::sampler::Params;
 use crate::session::{self, Advance, Session};
+use crate::source::{FileSource, Source};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -375,7 +376,9 @@ fn preloaded(path: &str, options: &wit::LoadOptions) -> Option<wit::Model> {
     Some(wit::Model::new(ModelRes::new(model, None)))
 }
 
-fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
+/// Loads a model from `file` (its bytes in memory, or the file read a piece at a time), with
+/// the host's device offered as `options` say.
+fn open(file: &dyn Source, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
     let device = gpu::available();
     let mode = match options.gpu {
         wit::GpuMode::Off => Mode::Off,
@@ -399,7 +402,8 @@ fn open(bytes: &[u8], options: wit::LoadOptions) -> Result<wit::Model, wit::Erro
             budget_handles: d.budget_handles,
         },
     });
-    let model = Model::load_with(bytes, offer)?;
+    let g = file.header().map_err(Error::from)?;
+    let model = Model::load_from(g, file, offer)?;
     Ok(wit::Model::new(ModelRes::new(Rc::new(model), device)))
 }
 
@@ -422,11 +426,12 @@ impl wit::GuestModel for ModelRes {
         if let Some(m) = preloaded(&path, &options) {
             return Ok(m);
         }
-        open(&read_file(&path)?, options)
+        // Read a piece at a time: the guest holds the converted weights, not the file too.
+        open(&FileSource::open(&path).map_err(Error::from)?, options)
     }
 
     fn from_bytes(bytes: Vec<u8>, options: wit::LoadOptions) -> Result<wit::Model, wit::Error> {
-        open(&bytes, options)
+        open(&bytes.as_slice(), options)
     }
 
     fn info(&self) -> wit::ModelInfo {

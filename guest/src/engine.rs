@@ -7,7 +7,8 @@ use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
 use crate::models::{Hparams, Linear, LoadError, Recipe, gemma3, phi3, qwen2, rope};
 use crate::program::Tensors;
-use crate::quant;
+use crate::quant::QMatrix;
+use crate::source::Source;
 use crate::tokenizer::Tokenizer;
 use crate::session::StepScratch;
 use std::cell::{OnceCell, RefCell};
@@ -52,6 +53,8 @@ impl From<LoadError> for Error {
         match e {
             LoadError::Invalid(m) => Error::InvalidModel(m),
             LoadError::Unsupported(m) => Error::Unsupported(m),
+            LoadError::Io(m) => Error::Io(m),
+            LoadError::OutOfMemory(m) => Error::OutOfMemory(m),
         }
     }
 }
@@ -156,7 +159,12 @@ impl Model {
     /// Builds a model from a whole GGUF file and places its weights on `offer`'s device as
     /// its mode wants.
     pub fn load_with(file: &[u8], offer: Option<DeviceOffer>) -> Result<Model, Error> {
-        let g = Gguf::parse(file)?;
+        Model::load_from(Gguf::parse(file)?, &file, offer)
+    }
+
+    /// Builds a model from the GGUF file `file` whose header is `g` (`Source::header`),
+    /// reading its tensors a piece at a time.
+    pub fn load_from(mut g: Gguf, file: &dyn Source, offer: Option<DeviceOffer>) -> Result<Model, Error> {
         let architecture = g
             .get_str("general.architecture")
             .map_err(Error::InvalidModel)?
@@ -165,16 +173,20 @@ impl Model {
         let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
             if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
         })?;
-        // The converted weights take about one byte per parameter plus scales for block
-        // formats, and four (f32) for float formats: refuse early, with a message, what cannot
-        // fit rather than trap half way.
+        // The converted weights take what their block layouts take, and four bytes a value
+        // (f32) for float formats: refuse early, with a message, what cannot fit rather than
+        // trap half way. (The test allocation stays in the guest's memory, which never shrinks,
+        // and the weights then fill it: it must not be larger than they are.)
         let n_params: u64 = g.tensors.iter().map(|t| t.n_elements).sum();
         let need = g
             .tensors
             .iter()
-            .map(|t| match quant::qmatrix_layout(t.kind) {
-                Some(_) => t.n_elements.saturating_add(t.n_elements / 4),
-                None => t.n_elements.saturating_mul(4),
+            .map(|t| {
+                let n_in = t.dims.first().copied().unwrap_or(1).max(1);
+                usize::try_from(n_in)
+                    .ok()
+                    .and_then(|n_in| QMatrix::converted_bytes(t.kind, usize::try_from(t.n_elements / n_in as u64).ok()?, n_in))
+                    .unwrap_or(t.n_elements.saturating_mul(4))
             })
             .fold(0, u64::saturating_add);
         if need > usize::MAX as u64 || !can_allocate(need as usize) {
@@ -193,46 +205,69 @@ impl Model {
                 tokenizer.n_vocab()
             )))
         };
-        let mut arch = match (architecture.as_str(), qwen2::Family::from_name(&architecture)) {
+        // What the model needs of the metadata is read before its weights; the metadata (a
+        // large vocabulary's arrays take tens of MB) is then freed for the weights to take its
+        // place in the guest's memory, which never shrinks.
+        enum Config {
+            Gemma3(gemma3::Config),
+            Phi3(phi3::Config),
+            Qwen2(qwen2::Config),
+        }
+        let config = match (architecture.as_str(), qwen2::Family::from_name(&architecture)) {
             ("gemma3", _) => {
                 let config = gemma3::Config::from_gguf(&g)?;
                 check_vocab(&config.hp)?;
-                let weights = gemma3::Weights::load(&config, &g, file)?;
-                Arch::Gemma3 { config, weights }
+                Config::Gemma3(config)
             }
             ("phi3", _) => {
                 let config = phi3::Config::from_gguf(&g)?;
                 check_vocab(&config.hp)?;
-                let weights = phi3::Weights::load(&config, &g, file)?;
-                Arch::Phi3 { config, weights }
+                Config::Phi3(config)
             }
             (_, Some(family)) => {
                 let config = qwen2::Config::from_gguf(&g, family)?;
                 check_vocab(&config.hp)?;
-                let weights = qwen2::Weights::load(&config, &g, file)?;
-                Arch::Qwen2 { config, weights }
+                Config::Qwen2(config)
             }
             (other, None) => {
                 return Err(Error::Unsupported(format!("architecture {other:?}")));
             }
         };
+        let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
+        let name = g.get_str("general.name").ok().flatten().unwrap_or_default().to_string();
+        let metadata = g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect();
+        g.forget_metadata();
+        let mut arch = match config {
+            Config::Gemma3(config) => {
+                let weights = gemma3::Weights::load(&config, &g, file)?;
+                Arch::Gemma3 { config, weights }
+            }
+            Config::Phi3(config) => {
+                let weights = phi3::Weights::load(&config, &g, file)?;
+                Arch::Phi3 { config, weights }
+            }
+            Config::Qwen2(config) => {
+                let weights = qwen2::Weights::load(&config, &g, file)?;
+                Arch::Qwen2 { config, weights }
+            }
+        };
         let hp = arch.hparams();
         let (n_layers, n_embd, n_vocab, n_ctx_train) = (hp.n_layer, hp.n_embd, hp.n_vocab, hp.n_ctx_train);
         let summary = Summary {
-            name: g.get_str("general.name").ok().flatten().unwrap_or_default().to_string(),
+            name,
             architecture,
             n_params,
             n_layers: n_layers as u32,
             n_embd: n_embd as u32,
             n_vocab: n_vocab as u32,
             n_ctx_train: n_ctx_train as u32,
-            file_bytes: file.len() as u64,
+            file_bytes: file.len(),
             tensors: g
                 .tensors
                 .iter()
                 .map(|t| (t.name.clone(), t.kind.name(), t.dims.clone(), t.n_bytes))
                 .collect(),
-            metadata: g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect(),
+            metadata,
         };
         let gpu = offer.filter(|o| o.mode != Mode::Off).map(|o| {
             Rc::new(Gpu {
@@ -261,7 +296,6 @@ impl Model {
             (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
             _ => {}
         }
-        let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
         let tokenizer = Arc::new(tokenizer);
         Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
     }

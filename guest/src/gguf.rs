@@ -345,8 +345,13 @@ pub struct Gguf {
 }
 
 struct Reader<'a> {
+    /// The file's first bytes (all of them, or a prefix).
     bytes: &'a [u8],
     pos: usize,
+    /// The whole file's length: counts and the data's bounds are checked against it.
+    file_len: u64,
+    /// A read went past `bytes` but not past the file: the header needs a longer prefix.
+    short: bool,
 }
 
 impl<'a> Reader<'a> {
@@ -354,8 +359,9 @@ impl<'a> Reader<'a> {
         Err(GgufError { offset: self.pos as u64, message: message.into() })
     }
 
+    /// Bytes left in the file (not only in the prefix read).
     fn remaining(&self) -> u64 {
-        (self.bytes.len() - self.pos) as u64
+        self.file_len - self.pos as u64
     }
 
     fn take(&mut self, n: u64, what: &str) -> Result<&'a [u8]> {
@@ -364,6 +370,10 @@ impl<'a> Reader<'a> {
                 "truncated: {what} needs {n} bytes, {} left",
                 self.remaining()
             ));
+        }
+        if n > (self.bytes.len() - self.pos) as u64 {
+            self.short = true;
+            return self.err(format!("{what} lies past the {} bytes read", self.bytes.len()));
         }
         let n = n as usize;
         let s = &self.bytes[self.pos..self.pos + n];
@@ -516,9 +526,26 @@ impl Gguf {
     /// Parses the header of a GGUF file held in `bytes` and checks that every tensor's data lies
     /// inside it.
     pub fn parse(bytes: &[u8]) -> Result<Gguf> {
-        let mut r = Reader { bytes, pos: 0 };
-        if bytes.len() < 4 {
-            return r.err(format!("file of {} bytes is too short to be GGUF", bytes.len()));
+        // A prefix that is the whole file is never short.
+        Gguf::parse_prefix(bytes, bytes.len() as u64)?
+            .ok_or_else(|| GgufError { offset: 0, message: "the header lies past the file".into() })
+    }
+
+    /// Parses the header of a GGUF file of `file_len` bytes from its first bytes, `prefix`, and
+    /// checks that every tensor's data lies inside the file. `None` when the header goes on past
+    /// `prefix` (read more and parse again); the same errors as `parse` otherwise.
+    pub fn parse_prefix(prefix: &[u8], file_len: u64) -> Result<Option<Gguf>> {
+        let bytes = &prefix[..prefix.len().min(usize::try_from(file_len).unwrap_or(usize::MAX))];
+        let mut r = Reader { bytes, pos: 0, file_len, short: false };
+        match Gguf::parse_with(&mut r) {
+            Err(_) if r.short => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    fn parse_with(r: &mut Reader<'_>) -> Result<Gguf> {
+        if r.file_len < 4 {
+            return r.err(format!("file of {} bytes is too short to be GGUF", r.file_len));
         }
         let magic = r.array::<4>("magic")?;
         if &magic != MAGIC {
@@ -639,7 +666,7 @@ impl Gguf {
 
         let header_end = r.pos as u64;
         let data_offset = header_end.div_ceil(alignment) * alignment;
-        let file_len = bytes.len() as u64;
+        let file_len = r.file_len;
         // Tensor data must lie inside the file, in the order of the tensor infos, without
         // overlap (llama.cpp refuses any other layout too, so no real file has one).
         let mut previous: Option<&TensorInfo> = None;
@@ -679,6 +706,12 @@ impl Gguf {
         }
 
         Ok(Gguf { version, alignment, metadata, index, tensors, tensor_index, data_offset })
+    }
+
+    /// Frees the metadata (every key then reads as absent); the tensor infos stay.
+    pub fn forget_metadata(&mut self) {
+        self.metadata = Vec::new();
+        self.index = HashMap::new();
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {

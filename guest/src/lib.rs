@@ -1,6 +1,6 @@
 //! wisp's guest: an LLM inference engine as a WebAssembly component.
 //!
-//! It parses GGUF (`gguf`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
+//! It parses GGUF (`gguf`) read from memory or a file (`source`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
 //! transformer (`models`) on its own CPU kernels (`kernels`), decides which products go to the
 //! host's GPU (`dispatch`) and sends it weights in its upload formats (`upload`), samples
 //! (`sampler`) under a constraint if asked (`constraint`), and renders chat templates (`chat`).
@@ -17,6 +17,7 @@ pub mod program;
 pub mod quant;
 pub mod sampler;
 pub mod session;
+pub mod source;
 pub mod tokenizer;
 pub mod upload;
 

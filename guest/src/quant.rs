@@ -381,6 +381,75 @@ impl QMatrix {
         };
         values + scales + 4 * self.m.len()
     }
+
+    /// Bytes a `[n_out, n_in]` tensor of `kind` takes once converted (`None` for types without
+    /// a block layout here): f16 scales counted as the file has them.
+    pub fn converted_bytes(kind: TensorType, n_out: usize, n_in: usize) -> Option<u64> {
+        let (group, has_min) = qmatrix_layout(kind)?;
+        let n = n_out as u64 * n_in as u64;
+        let groups = n / group as u64;
+        let (values, scales) = match kind {
+            TensorType::Q8_0 => (n, 2 * groups),
+            TensorType::Q4_0 => (n / 2, 2 * groups),
+            TensorType::Q5_0 => (n / 2 + n_out as u64 * fifth_bytes_per_row(n_in) as u64, 2 * groups),
+            TensorType::Q4K => (n / 2, 4 * groups),
+            _ => (n, 4 * groups),
+        };
+        Some(values + scales + if has_min { 4 * (n / QK as u64) } else { 0 })
+    }
+
+    /// Makes room for `rows` more rows of this matrix's layout, so that appending them does not
+    /// move it (a moved matrix is briefly held twice). `Err` with the bytes that did not fit.
+    pub fn reserve_rows(&mut self, rows: usize) -> Result<(), usize> {
+        let n = rows * self.n_in;
+        let fits = |r: Result<(), std::collections::TryReserveError>, bytes: usize| r.map_err(|_| bytes);
+        match &mut self.values {
+            Values::I8(q) => fits(q.try_reserve_exact(n), n)?,
+            Values::Nibbles { nib, fifth, .. } => {
+                fits(nib.try_reserve_exact(n / 2), n / 2)?;
+                if !fifth.is_empty() {
+                    let f = rows * fifth_bytes_per_row(self.n_in);
+                    fits(fifth.try_reserve_exact(f), f)?;
+                }
+            }
+        }
+        let groups = n / self.group as usize;
+        match &mut self.d {
+            Scales::F32(d) => fits(d.try_reserve_exact(groups), 4 * groups)?,
+            Scales::F16(d) => fits(d.try_reserve_exact(groups), 2 * groups)?,
+        }
+        if !self.m.is_empty() {
+            fits(self.m.try_reserve_exact(n / QK), 4 * (n / QK))?;
+        }
+        Ok(())
+    }
+
+    /// Appends the rows of `other`, converted from the same kind of tensor with the same width.
+    /// Where one side's scales are f32 (the file had a non-finite f16), both become f32.
+    pub fn append(&mut self, other: QMatrix) {
+        debug_assert!(self.n_in == other.n_in && self.group as usize == other.group as usize);
+        match (&mut self.values, other.values) {
+            (Values::I8(q), Values::I8(more)) => q.extend_from_slice(&more),
+            (Values::Nibbles { nib, fifth, .. }, Values::Nibbles { nib: more, fifth: more_fifth, .. }) => {
+                nib.extend_from_slice(&more);
+                fifth.extend_from_slice(&more_fifth);
+            }
+            _ => debug_assert!(false, "appending rows of another value storage"),
+        }
+        let widen = |d: &[u16]| d.iter().map(|&h| f16_to_f32(h)).collect::<Vec<f32>>();
+        match (&mut self.d, other.d) {
+            (Scales::F32(d), Scales::F32(more)) => d.extend_from_slice(&more),
+            (Scales::F16(d), Scales::F16(more)) => d.extend_from_slice(&more),
+            (Scales::F32(d), Scales::F16(more)) => d.extend(widen(&more)),
+            (Scales::F16(d), Scales::F32(more)) => {
+                let mut all = widen(d);
+                all.extend_from_slice(&more);
+                self.d = Scales::F32(all);
+            }
+        }
+        self.m.extend_from_slice(&other.m);
+        self.n_out += other.n_out;
+    }
 }
 
 #[cfg(test)]
@@ -481,6 +550,54 @@ pub(crate) mod tests {
         assert_eq!(storage(TensorType::Q4_0), ("nibbles -8".into(), true, n / 2 + 2 * blocks));
         assert_eq!(storage(TensorType::Q4K), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
         assert_eq!(storage(TensorType::Q6K), ("i8".into(), false, n + 8 * blocks));
+    }
+
+    /// Every value, scale and min of `a` and `b`, which must be the same matrix.
+    fn same_matrix(a: &QMatrix, b: &QMatrix, what: &str) {
+        assert_eq!((a.n_out, a.n_in, a.bytes(), a.m.len()), (b.n_out, b.n_in, b.bytes(), b.m.len()), "{what}");
+        for r in 0..a.n_out {
+            for c in 0..a.n_in {
+                assert_eq!(a.value(r, c), b.value(r, c), "{what}: value ({r}, {c})");
+            }
+        }
+        for i in 0..a.n_out * a.n_in / a.group as usize {
+            assert_eq!(a.scale(i).to_bits(), b.scale(i).to_bits(), "{what}: scale {i}");
+        }
+        assert!(a.m.iter().zip(&b.m).all(|(x, y)| x.to_bits() == y.to_bits()), "{what}: mins");
+    }
+
+    #[test]
+    fn a_matrix_converted_in_pieces_of_rows_is_the_whole_one() {
+        let mut rng = Rng(0xA11CE);
+        let (n_out, n_in) = (7, 768);
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+            let data = random_blocks(kind, n_out * n_in, &mut rng);
+            let whole = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+            assert_eq!(QMatrix::converted_bytes(kind, n_out, n_in), Some(whole.bytes() as u64), "{kind:?}");
+            let row = data.len() / n_out;
+            for rows in [1, 2, 3, 7] {
+                let mut pieces = (0..n_out).step_by(rows).map(|r| {
+                    let end = (r + rows).min(n_out);
+                    QMatrix::from_blocks(kind, &data[r * row..end * row], end - r, n_in).unwrap()
+                });
+                let mut all = pieces.next().unwrap();
+                all.reserve_rows(n_out - all.n_out).unwrap();
+                pieces.for_each(|p| all.append(p));
+                same_matrix(&all, &whole, &format!("{kind:?} in pieces of {rows} rows"));
+            }
+        }
+        // A piece whose scales had to be f32 (a non-finite f16) makes the whole f32, either side.
+        let data = random_blocks(TensorType::Q8_0, 4 * 64, &mut rng);
+        let row = data.len() / 4;
+        for bad_row in [0, 3] {
+            let mut data = data.clone();
+            data[bad_row * row..][..2].copy_from_slice(&f16::INFINITY.to_bits().to_le_bytes());
+            let whole = QMatrix::from_blocks(TensorType::Q8_0, &data, 4, 64).unwrap();
+            let mut all = QMatrix::from_blocks(TensorType::Q8_0, &data[..2 * row], 2, 64).unwrap();
+            all.append(QMatrix::from_blocks(TensorType::Q8_0, &data[2 * row..], 2, 64).unwrap());
+            assert!(matches!(all.d, Scales::F32(_)));
+            same_matrix(&all, &whole, &format!("an infinite scale in row {bad_row}"));
+        }
     }
 
     #[test]

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use wisp_guest::engine::{Error, Model, can_allocate};
 use wisp_guest::gguf::{Gguf, GgufError, MAX_TENSOR_NAME_BYTES, TensorType, Value};
+use wisp_guest::models::LoadError;
 use wisp_guest::session::Session;
+use wisp_guest::source::Source;
 
 // ---------------------------------------------------------------------------------------------
 // Counting allocator: live and peak bytes of the current thread.
@@ -506,6 +508,95 @@ fn every_truncation_of_a_model_is_an_error() {
     }
     let e = load_err(&bytes[..bytes.len() - 1]);
     assert_invalid(e, "lies past the end");
+}
+
+#[test]
+fn a_header_parses_from_any_prefix_that_holds_it_and_asks_for_more_before() {
+    let bytes = tiny_gemma().build();
+    let whole = parse_ok(&bytes);
+    let len = bytes.len() as u64;
+    // Where the tensor infos end (the data starts at the next multiple of the alignment).
+    let header_end = (0..=bytes.len()).find(|&n| matches!(Gguf::parse_prefix(&bytes[..n], len), Ok(Some(_)))).unwrap();
+    assert!(header_end as u64 <= whole.data_offset && whole.data_offset - (header_end as u64) < whole.alignment);
+    for n in 0..header_end {
+        assert!(matches!(Gguf::parse_prefix(&bytes[..n], len), Ok(None)), "a prefix of {n} bytes");
+    }
+    for n in [header_end, header_end + 1, bytes.len()] {
+        let g = Gguf::parse_prefix(&bytes[..n], len).unwrap().unwrap();
+        assert_eq!((g.tensors, g.metadata.len(), g.data_offset), (whole.tensors.clone(), whole.metadata.len(), whole.data_offset));
+    }
+    // An error in the header is the whole file's error from any prefix that holds it, and a
+    // file shorter than its tensors is caught from the header alone.
+    let mut bad = bytes.clone();
+    bad[..4].copy_from_slice(b"GGUX");
+    for n in [4, 100, bytes.len()] {
+        assert_eq!(Gguf::parse_prefix(&bad[..n], len).unwrap_err(), parse_err(&bad, "bad magic"));
+    }
+    let short = Gguf::parse_prefix(&bytes[..header_end], len - 1).unwrap_err();
+    assert!(short.message.contains("lies past the end"), "{short}");
+}
+
+/// The tiny model's bytes, served in small reads as a file source would be: `piece` bytes of
+/// a tensor at a time, every read counted.
+struct Pieces<'a> {
+    bytes: &'a [u8],
+    piece: usize,
+    reads: std::cell::RefCell<Vec<usize>>,
+}
+
+impl Source for Pieces<'_> {
+    fn len(&self) -> u64 {
+        self.bytes.len() as u64
+    }
+    fn read(&self, offset: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>, LoadError> {
+        self.reads.borrow_mut().push(len);
+        Source::read(&self.bytes, offset, len)
+    }
+    fn piece_bytes(&self) -> usize {
+        self.piece
+    }
+}
+
+#[test]
+fn a_model_read_in_pieces_is_the_model_read_whole() {
+    let bytes = tiny_gemma().build();
+    let logits = |model: Model| {
+        let model = Rc::new(model);
+        let mut s = Session::new(Rc::clone(&model), 16).expect("a session");
+        s.feed(&[2, 5, 6, 7]).expect("feed");
+        s.logits().expect("logits").to_vec()
+    };
+    let want = logits(load_ok(&bytes));
+    // Pieces of one row of a tensor (the widest row here is a few hundred bytes) and of a
+    // few rows.
+    for piece in [1, 700] {
+        let src = Pieces { bytes: &bytes, piece, reads: Default::default() };
+        let g = src.header().expect("the header");
+        let model = Model::load_from(g, &src, None).expect("the model loads in pieces");
+        let got = logits(model);
+        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "pieces of {piece} bytes: other logits");
+        let reads = src.reads.borrow();
+        let widest = N_FF as usize * 4;
+        let header = reads[0];
+        assert!(reads[1..].iter().all(|&n| n <= piece.max(widest)), "pieces of {piece}: reads {reads:?}");
+        assert!(header <= bytes.len(), "{header}");
+    }
+    // A file source that fails to read: a typed error, not a trap.
+    struct Broken<'a>(&'a [u8]);
+    impl Source for Broken<'_> {
+        fn len(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read(&self, offset: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>, LoadError> {
+            if offset > 0 { Err(LoadError::Io(format!("disk gone at {offset}"))) } else { Source::read(&self.0, offset, len) }
+        }
+    }
+    let src = Broken(&bytes);
+    match Model::load_from(src.header().expect("the header"), &src, None) {
+        Err(Error::Io(m)) => assert!(m.contains("disk gone"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("loaded from a broken source"),
+    }
 }
 
 #[test]

@@ -192,7 +192,7 @@ pub fn recipe(c: &Config, w: &Weights) -> Program {
 }
 
 impl Weights {
-    pub fn load(config: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
+    pub fn load(config: &Config, g: &Gguf, file: &dyn crate::source::Source) -> Result<Weights, LoadError> {
         let c = &config.hp;
         let (e, hd) = (c.n_embd, c.head_dim);
         let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);

@@ -15,6 +15,7 @@ use crate::program::cpu::{self, Plan, Values};
 use crate::program::{Program, Tensors};
 use crate::gguf::{Gguf, TensorType};
 use crate::quant::{self, QMatrix};
+use crate::source::Source;
 use std::fmt;
 
 /// Why a model could not be built from a GGUF file.
@@ -24,12 +25,16 @@ pub enum LoadError {
     Invalid(String),
     /// Well-formed but not implemented here.
     Unsupported(String),
+    /// The file could not be read.
+    Io(String),
+    /// The weights do not fit in guest memory.
+    OutOfMemory(String),
 }
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            LoadError::Invalid(m) | LoadError::Unsupported(m) => f.write_str(m),
+            LoadError::Invalid(m) | LoadError::Unsupported(m) | LoadError::Io(m) | LoadError::OutOfMemory(m) => f.write_str(m),
         }
     }
 }
@@ -60,13 +65,9 @@ pub fn required_u64(g: &Gguf, key: &str, max: u64) -> Result<u64, LoadError> {
     }
 }
 
-/// The tensor data of `name`, checked to be `[n_out, n_in]` (GGUF order `[n_in, n_out]`).
-fn tensor_data<'a>(
-    g: &'a Gguf,
-    file: &'a [u8],
-    name: &str,
-    shape: &[u64],
-) -> Result<(TensorType, &'a [u8]), LoadError> {
+/// The type of tensor `name` and where its data lies (`offset`, `n_bytes` in the file),
+/// checked to be `shape` (GGUF order: `[n_in, n_out]` for a matrix).
+fn tensor_data(g: &Gguf, name: &str, shape: &[u64]) -> Result<(TensorType, u64, u64), LoadError> {
     let Some(t) = g.tensor(name) else { return invalid(format!("tensor {name} is missing")) };
     if t.dims != shape {
         return invalid(format!(
@@ -81,15 +82,20 @@ fn tensor_data<'a>(
         )));
     }
     // `Gguf::parse` checked that the data lies inside the file.
-    Ok((t.kind, &file[t.offset as usize..(t.offset + t.n_bytes) as usize]))
+    Ok((t.kind, t.offset, t.n_bytes))
 }
 
 /// A 1-D tensor (norm weights) as f32.
-pub fn vector(g: &Gguf, file: &[u8], name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
-    let (kind, data) = tensor_data(g, file, name, &[n as u64])?;
+pub fn vector(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result<Vec<f32>, LoadError> {
+    let (kind, offset, n_bytes) = tensor_data(g, name, &[n as u64])?;
+    let data = file.read(offset, n_bytes as usize)?;
     let mut out = vec![0f32; n];
-    quant::dequantize(kind, data, &mut out);
+    quant::dequantize(kind, &data, &mut out);
     Ok(out)
+}
+
+fn out_of_memory(name: &str, bytes: usize) -> LoadError {
+    LoadError::OutOfMemory(format!("tensor {name}: {bytes} bytes of weights do not fit in guest memory"))
 }
 
 /// The weights of a linear layer as the CPU kernels want them.
@@ -113,7 +119,7 @@ pub struct Linear {
 impl Linear {
     pub fn load(
         g: &Gguf,
-        file: &[u8],
+        file: &dyn Source,
         name: &str,
         n_out: usize,
         n_in: usize,
@@ -122,16 +128,17 @@ impl Linear {
     }
 
     /// Rows `rows` of the tensor `name` (`[n_out, n_in]`): one part of a fused tensor, such as
-    /// the queries of Phi-3's `attn_qkv`.
+    /// the queries of Phi-3's `attn_qkv`. Read and converted a piece of rows at a time, into
+    /// weights allocated once.
     pub fn load_rows(
         g: &Gguf,
-        file: &[u8],
+        file: &dyn Source,
         name: &str,
         n_out: usize,
         n_in: usize,
         rows: std::ops::Range<usize>,
     ) -> Result<Linear, LoadError> {
-        let (kind, data) = tensor_data(g, file, name, &[n_in as u64, n_out as u64])?;
+        let (kind, offset, n_bytes) = tensor_data(g, name, &[n_in as u64, n_out as u64])?;
         if n_in % quant::QK != 0 {
             return Err(LoadError::Unsupported(format!(
                 "tensor {name}: width {n_in} is not a multiple of 32"
@@ -140,17 +147,43 @@ impl Linear {
         // GGUF stores whole rows of whole blocks.
         let (block, block_bytes) = kind.block();
         let row = n_in / block as usize * block_bytes as usize;
-        let Some(data) = data.get(rows.start * row..rows.end * row) else {
+        if rows.is_empty() || (rows.end * row) as u64 > n_bytes {
             return invalid(format!("tensor {name} has no rows {rows:?}"));
-        };
+        }
         let n_part = rows.len();
-        let w = match QMatrix::from_blocks(kind, data, n_part, n_in) {
-            Some(q) => WeightData::Q(q),
-            None => {
-                let mut w = vec![0f32; n_part * n_in];
-                quant::dequantize(kind, data, &mut w);
-                WeightData::F32(w)
+        let per_piece = (file.piece_bytes() / row.max(1)).max(1);
+        let pieces = (rows.start..rows.end).step_by(per_piece).map(|start| start..(start + per_piece).min(rows.end));
+        let read = |r: &std::ops::Range<usize>| file.read(offset + (r.start * row) as u64, r.len() * row);
+        let w = if quant::qmatrix_layout(kind).is_some() {
+            let mut all: Option<QMatrix> = None;
+            for piece in pieces {
+                let data = read(&piece)?;
+                let Some(q) = QMatrix::from_blocks(kind, &data, piece.len(), n_in) else {
+                    return invalid(format!("tensor {name}: type {} has no block layout", kind.name()));
+                };
+                match &mut all {
+                    Some(all) => all.append(q),
+                    None => {
+                        let mut q = q;
+                        q.reserve_rows(n_part - piece.len()).map_err(|bytes| out_of_memory(name, bytes))?;
+                        all = Some(q);
+                    }
+                }
             }
+            match all {
+                Some(q) => WeightData::Q(q),
+                None => return invalid(format!("tensor {name} has no rows {rows:?}")),
+            }
+        } else {
+            let mut w = Vec::new();
+            w.try_reserve_exact(n_part * n_in).map_err(|_| out_of_memory(name, 4 * n_part * n_in))?;
+            w.resize(n_part * n_in, 0f32);
+            for piece in pieces {
+                let data = read(&piece)?;
+                let at = (piece.start - rows.start) * n_in;
+                quant::dequantize(kind, &data, &mut w[at..at + piece.len() * n_in]);
+            }
+            WeightData::F32(w)
         };
         let name = if n_part == n_out { name.to_string() } else { format!("{name}[{}..{}]", rows.start, rows.end) };
         Ok(Linear { name, n_out: n_part, n_in, w, kind, gpu: None })
@@ -178,7 +211,7 @@ impl Linear {
 }
 
 /// A 1-D tensor as f32, or `None` when the file does not have it.
-pub fn optional_vector(g: &Gguf, file: &[u8], name: &str, n: usize) -> Result<Option<Vec<f32>>, LoadError> {
+pub fn optional_vector(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>, LoadError> {
     match g.tensor(name) {
         Some(_) => vector(g, file, name, n).map(Some),
         None => Ok(None),

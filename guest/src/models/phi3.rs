@@ -152,7 +152,7 @@ pub fn recipe(c: &Config, w: &Weights) -> Program {
 }
 
 impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &[u8]) -> Result<Weights, LoadError> {
+    pub fn load(c: &Config, g: &Gguf, file: &dyn crate::source::Source) -> Result<Weights, LoadError> {
         let h = &c.hp;
         let (e, hd, n_ff) = (h.n_embd, h.head_dim, h.n_ff);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
