@@ -170,9 +170,6 @@ impl Model {
             .map_err(Error::InvalidModel)?
             .ok_or_else(|| Error::InvalidModel("general.architecture is missing".into()))?
             .to_string();
-        let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
-            if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
-        })?;
         // The converted weights take what their block layouts take, and four bytes a value
         // (f32) for float formats: refuse early, with a message, what cannot fit rather than
         // trap half way. (The test allocation stays in the guest's memory, which never shrinks,
@@ -195,6 +192,9 @@ impl Model {
                 need >> 20
             )));
         }
+        let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
+            if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
+        })?;
         let check_vocab = |hp: &Hparams| {
             if hp.n_vocab == tokenizer.n_vocab() {
                 return Ok(());

@@ -146,7 +146,7 @@ fn a_model_too_large_for_the_guest_memory_is_a_typed_error() {
     let wisp = Wisp::new(Options { max_memory: 96 << 20, ..Options::default() }).unwrap();
     let mut inst = wisp.instantiate(GpuCtx::none(), path.parent()).unwrap();
     match inst.open_model(&path, GpuMode::Off).unwrap() {
-        Err(EngineError::OutOfMemory(m)) => assert!(m.contains("does not fit"), "{m}"),
+        Err(EngineError::OutOfMemory(m)) => assert!(m.contains("MiB of guest memory"), "{m}"),
         other => panic!("expected out-of-memory, got {other:?}"),
     }
     // The same instance keeps serving what fits: a tiny GGUF is refused for its content.
@@ -159,19 +159,22 @@ fn a_model_too_large_for_the_guest_memory_is_a_typed_error() {
 
 #[test]
 fn a_model_file_larger_than_wasm32_memory_is_a_typed_error() {
-    // A sparse file of 5 GiB behind a GGUF magic: more than a wasm32 guest can address at all.
+    // A sparse file of 5 GiB: a header naming one f32 tensor of 5 GiB, then zeros. More than a
+    // wasm32 guest can address at all (the guest reads a file a piece at a time: it is the
+    // weights that cannot fit, and it says so before reading them).
     let dir = std::env::temp_dir().join(format!("wisp-huge-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("huge.gguf");
+    let header = gguf(3, 1, 1, &[kv(b"general.architecture", 8, &gstr(b"gemma3")), tensor(b"token_embd.weight", 2, &[640, 1 << 21], 0, 0)]);
     let f = std::fs::File::create(&path).unwrap();
-    std::io::Write::write_all(&mut &f, b"GGUF\x03\x00\x00\x00").unwrap();
-    f.set_len(5 << 30).unwrap();
+    std::io::Write::write_all(&mut &f, &header).unwrap();
+    f.set_len((header.len() as u64).div_ceil(32) * 32 + 4 * 640 * (1 << 21)).unwrap();
     let wisp = Wisp::new(Options::default()).unwrap();
     let mut inst = wisp.instantiate(GpuCtx::none(), Some(&dir)).unwrap();
     let outcome = inst.open_model(&path, GpuMode::Off).unwrap();
     std::fs::remove_dir_all(&dir).ok();
     match outcome {
-        Err(EngineError::OutOfMemory(m)) => assert!(m.contains("5368709120 bytes does not fit"), "{m}"),
+        Err(EngineError::OutOfMemory(m)) => assert!(m.contains("need about 5120 MiB of guest memory"), "{m}"),
         other => panic!("expected out-of-memory, got {other:?}"),
     }
     // The same instance keeps serving: a tiny GGUF is refused for its content, and the default
