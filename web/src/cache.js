@@ -1,4 +1,5 @@
-// Models kept in the browser's Cache Storage, by the sha256 of their bytes.
+// Models kept in the browser's Cache Storage, by the sha256 of their bytes, and the download
+// that fills it.
 //
 // Two kinds of entries in the cache `wisp-models`, both under a path of this origin that is only
 // ever a key (nothing is fetched from it):
@@ -17,6 +18,34 @@ const key = (kind, name) => new URL(`/${PREFIX}${kind}/${encodeURIComponent(name
 /** Whether this context has Cache Storage (not in opaque origins, nor some private modes). */
 export function cacheAvailable() {
   return typeof caches !== 'undefined' && globalThis.isSecureContext !== false;
+}
+
+/**
+ * The bytes at `url`, with `onProgress(got, total)` as they arrive (`total` 0 where the server
+ * gives no length). Throws `URL: HTTP status` for an answer that is not 200.
+ */
+export async function download(url, onProgress = () => {}) {
+  const res = await fetch(url);
+  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
+  const total = Number(res.headers.get('content-length')) || 0;
+  // Into one buffer where the length is known; in chunks, joined at the end, where not.
+  const whole = total ? new Uint8Array(total) : null;
+  const chunks = [];
+  let got = 0;
+  const reader = res.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    if (whole && got + value.length <= total) whole.set(value, got);
+    else chunks.push({ at: got, value });
+    got += value.length;
+    onProgress(got, total);
+  }
+  if (whole && got === total && chunks.length === 0) return whole;
+  const all = new Uint8Array(got);
+  if (whole) all.set(whole.subarray(0, Math.min(got, total)));
+  for (const { at, value } of chunks) all.set(value, at);
+  return all;
 }
 
 /** The sha256 of `bytes`, as lowercase hex. */

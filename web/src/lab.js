@@ -7,6 +7,7 @@
 // (load the default model at once).
 // `window.wisp` is what the test drives: `ready`, `loadDefault`, `loadModel`, `generate`, `golden`.
 
+import { download } from './cache.js';
 import { componentSha256, describeError, instantiate, manifest, probe, Serial, stats } from './wisp.js';
 import { loadGolden, runCase, MARGIN, TOP5_TOLERANCE, RMSE_TOLERANCE } from './golden.js';
 
@@ -70,32 +71,6 @@ function setBusy(busy) {
   $('golden-run').disabled = busy || !ready || !state.modelBytes;
 }
 
-async function fetchWithProgress(url, onProgress) {
-  const res = await fetch(url);
-  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}${res.status === 404 ? ' (run `wisp fetch` to get the default model)' : ''}`);
-  const total = Number(res.headers.get('content-length')) || 0;
-  const bytes = total ? new Uint8Array(total) : null;
-  const chunks = [];
-  let got = 0;
-  const reader = res.body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    if (bytes && got + value.length <= total) bytes.set(value, got);
-    else chunks.push(value);
-    got += value.length;
-    onProgress(got, total);
-  }
-  if (bytes && got === total) return bytes;
-  const all = new Uint8Array(got);
-  let at = 0;
-  for (const c of [bytes?.subarray(0, Math.min(got, total)), ...chunks].filter(Boolean)) {
-    all.set(c, at);
-    at += c.length;
-  }
-  return all;
-}
-
 /** Loads a model from bytes with a GPU mode (the previous model is dropped first). */
 function loadModel(bytes, name, mode = $('gpu-mode').value) {
   return serial.run(async () => {
@@ -132,11 +107,11 @@ async function loadDefault(mode) {
   setBusy(true);
   let bytes;
   try {
-    bytes = await fetchWithProgress(DEFAULT_MODEL, (got, total) => {
+    bytes = await download(DEFAULT_MODEL, (got, total) => {
       $('model-status').textContent = `Downloading the default model: ${fmt(got / 2 ** 20, 0)}${total ? ` of ${fmt(total / 2 ** 20, 0)}` : ''} MiB…`;
     });
   } catch (e) {
-    $('model-status').textContent = e.message;
+    $('model-status').textContent = `${e.message}${/HTTP 404$/.test(e.message) ? ' (run `wisp fetch` to get the default model)' : ''}`;
     setBusy(false);
     throw e;
   }

@@ -13,7 +13,7 @@
 // With JSPI (WebAssembly.Suspending in this worker) the guest may wait for WebGPU; without it, or
 // without an adapter, it runs on its own CPU kernels and `ready` carries a notice saying why.
 
-import { cachedModel, cacheAvailable, keepModel, modelRef, sha256Hex } from './cache.js';
+import { cachedModel, cacheAvailable, download, keepModel, modelRef, sha256Hex } from './cache.js';
 import { describeError, instantiate, manifest, probe, stats } from './wisp.js';
 
 const state = { guest: null, model: null, info: null, contextSize: 0, bos: null };
@@ -48,29 +48,6 @@ class RequestError extends Error {
   }
 }
 
-async function download(url, onProgress) {
-  const res = await fetch(url);
-  if (!res.ok) throw new RequestError('model_not_found', `${url}: HTTP ${res.status}`);
-  const total = Number(res.headers.get('content-length')) || 0;
-  const chunks = [];
-  let got = 0;
-  const reader = res.body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    chunks.push(value);
-    got += value.length;
-    onProgress(got, total);
-  }
-  const all = new Uint8Array(got);
-  let at = 0;
-  for (const c of chunks) {
-    all.set(c, at);
-    at += c.length;
-  }
-  return all;
-}
-
 /**
  * The model's bytes: from the cache, else downloaded and checked. `keep()` caches downloaded
  * bytes (called once the engine has loaded them: a file that is no model is not kept).
@@ -85,7 +62,12 @@ async function modelBytes(ref, notices) {
     progress('cache', hit.bytes.length, hit.bytes.length);
     return { bytes: hit.bytes, sha256: hit.sha256, fromCache: true, keep: async () => {} };
   }
-  const bytes = await download(ref.url, (got, total) => progress('download', got, total));
+  let bytes;
+  try {
+    bytes = await download(ref.url, (got, total) => progress('download', got, total));
+  } catch (e) {
+    throw new RequestError('model_not_found', e.message);
+  }
   const sha = await sha256Hex(bytes);
   if (ref.sha256 && sha !== ref.sha256) {
     throw new RequestError('model_mismatch', `${ref.url} has sha256 ${sha}, not the ${ref.sha256} asked for`);
