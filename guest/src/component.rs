@@ -409,16 +409,11 @@ fn open(file: &dyn Source, options: wit::LoadOptions) -> Result<wit::Model, wit:
 
 /// Reads a whole file, with a typed error (not an abort) when guest memory cannot hold it.
 fn read_file(path: &str) -> Result<Vec<u8>, wit::Error> {
-    use std::io::Read;
-    let io = |e: std::io::Error| wit::Error::Io(format!("{path}: {e}"));
-    let mut f = std::fs::File::open(path).map_err(io)?;
-    let len = f.metadata().map_err(io)?.len();
-    let mut bytes = Vec::new();
-    usize::try_from(len).ok().and_then(|n| bytes.try_reserve_exact(n).ok()).ok_or_else(|| {
-        wit::Error::OutOfMemory(format!("{path}: a file of {len} bytes does not fit in guest memory"))
+    let file = FileSource::open(path).map_err(Error::from)?;
+    let len = usize::try_from(file.len()).map_err(|_| {
+        wit::Error::OutOfMemory(format!("{path}: a file of {} bytes does not fit in guest memory", file.len()))
     })?;
-    f.read_to_end(&mut bytes).map_err(io)?;
-    Ok(bytes)
+    Ok(file.read(0, len).map_err(Error::from)?.into_owned())
 }
 
 impl wit::GuestModel for ModelRes {

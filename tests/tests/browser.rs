@@ -22,10 +22,7 @@ fn greedy(path: &Path, messages: Option<&[(String, String)]>, prompt: &str, max_
         Some(messages) => {
             let text = inst.apply_chat_template(m, messages, true).unwrap().unwrap();
             let mut tokens = inst.tokenize(m, &text, true, true).unwrap().unwrap();
-            let bos = inst.model_info(m).unwrap().bos;
-            if tokens.len() >= 2 && Some(tokens[0]) == bos && tokens[1] == tokens[0] {
-                tokens.remove(0);
-            }
+            wisp_api::drop_doubled_bos(&mut tokens, inst.model_info(m).unwrap().bos);
             tokens
         }
         None => inst.tokenize(m, prompt, true, false).unwrap().unwrap(),

@@ -152,28 +152,21 @@ impl Linear {
         }
         let n_part = rows.len();
         let per_piece = (file.piece_bytes() / row.max(1)).max(1);
-        let pieces = (rows.start..rows.end).step_by(per_piece).map(|start| start..(start + per_piece).min(rows.end));
+        let mut pieces = (rows.start..rows.end).step_by(per_piece).map(|start| start..(start + per_piece).min(rows.end));
         let read = |r: &std::ops::Range<usize>| file.read(offset + (r.start * row) as u64, r.len() * row);
         let w = if quant::qmatrix_layout(kind).is_some() {
-            let mut all: Option<QMatrix> = None;
+            let convert = |piece: std::ops::Range<usize>| match QMatrix::from_blocks(kind, &read(&piece)?, piece.len(), n_in) {
+                Some(q) => Ok(q),
+                None => invalid(format!("tensor {name}: type {} has no block layout", kind.name())),
+            };
+            // `rows` is not empty (checked above): the first piece is there, and the whole
+            // matrix is reserved past it.
+            let mut all = convert(pieces.next().unwrap_or(rows.clone()))?;
+            all.reserve_rows(n_part - all.n_out).map_err(|bytes| out_of_memory(name, bytes))?;
             for piece in pieces {
-                let data = read(&piece)?;
-                let Some(q) = QMatrix::from_blocks(kind, &data, piece.len(), n_in) else {
-                    return invalid(format!("tensor {name}: type {} has no block layout", kind.name()));
-                };
-                match &mut all {
-                    Some(all) => all.append(q),
-                    None => {
-                        let mut q = q;
-                        q.reserve_rows(n_part - piece.len()).map_err(|bytes| out_of_memory(name, bytes))?;
-                        all = Some(q);
-                    }
-                }
+                all.append(convert(piece)?);
             }
-            match all {
-                Some(q) => WeightData::Q(q),
-                None => return invalid(format!("tensor {name} has no rows {rows:?}")),
-            }
+            WeightData::Q(all)
         } else {
             let mut w = Vec::new();
             w.try_reserve_exact(n_part * n_in).map_err(|_| out_of_memory(name, 4 * n_part * n_in))?;
