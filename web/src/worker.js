@@ -35,9 +35,10 @@ function yieldTask() {
 /** An error as the page rebuilds it: its name, OpenAI-style code and param, and message. */
 function wireError(e, fallbackCode = 'engine_error') {
   if (e?.name === 'AbortError') return { name: 'AbortError', code: 'aborted', message: e.message };
+  // A guest error carries its WIT variant: its tag is the code.
   const p = e?.payload;
-  if (p && typeof p === 'object' && 'tag' in p) return { name: 'WispError', code: p.tag, message: `${p.tag}: ${p.val}` };
-  return { name: 'WispError', code: e?.code ?? fallbackCode, param: e?.param, message: describeError(e) };
+  const code = p && typeof p === 'object' && 'tag' in p ? p.tag : e?.code ?? fallbackCode;
+  return { name: 'WispError', code, param: e?.param, message: describeError(e) };
 }
 
 class RequestError extends Error {

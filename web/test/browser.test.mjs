@@ -23,7 +23,7 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { chromium } from 'playwright-core';
 import { ASYNC_IMPORTS, build, DIST, GUEST_WASM, sha256, transpile, WEB } from '../build.mjs';
-import { CHROMIUM, CI, FLAGS } from '../chromium.mjs';
+import { CHROMIUM, CI, FLAGS, recordConsole, whyNoGuestInChromium } from '../chromium.mjs';
 import { modelPath, serve } from '../server.mjs';
 
 const CASES = ['capital', 'count', 'unicode'];
@@ -80,20 +80,12 @@ describe('in Chromium with WebGPU and JSPI', () => {
 
   before(async () => {
     mkdirSync(OUT, { recursive: true });
-    if (!existsSync(GUEST_WASM)) {
-      skip = `${GUEST_WASM} is missing (cargo build --release -p wisp)`;
-      return;
-    }
-    if (!existsSync(join(DIST, 'guest.json'))) build({ quiet: true });
+    skip = whyNoGuestInChromium();
+    if (skip) return;
     ({ server, url } = await serve({ port: 0 }));
-    if (!existsSync(CHROMIUM)) {
-      skip = `no Chromium at ${CHROMIUM} (apt-get install chromium)`;
-      return;
-    }
     browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: FLAGS });
     page = await browser.newPage({ viewport: { width: 1100, height: 900 } });
-    page.on('console', (m) => console_.push(`${m.type()}: ${m.text()}`));
-    page.on('pageerror', (e) => console_.push(`pageerror: ${e.message}`));
+    recordConsole(page, console_);
   });
 
   after(async () => {

@@ -20,7 +20,7 @@ import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { chromium } from 'playwright-core';
 import { ASYNC_IMPORTS, build, DIST, KIT_ASYNC_EXPORTS, KIT_WASM, sha256, transpile, WEB } from '../build.mjs';
-import { CHROMIUM, CI, FLAGS } from '../chromium.mjs';
+import { CHROMIUM, CI, FLAGS, recordConsole } from '../chromium.mjs';
 import { serve } from '../server.mjs';
 
 const SEED = Number(process.env.KIT_SEED || 1);
@@ -91,8 +91,7 @@ describe('the kit in Chromium against the WebGPU host', () => {
     ({ server, url } = await serve({ port: 0 }));
     browser = await chromium.launch({ executablePath: CHROMIUM, headless: true, args: FLAGS });
     page = await browser.newPage({ viewport: { width: 1100, height: 1200 } });
-    page.on('console', (m) => console_.push(`${m.type()}: ${m.text()}`));
-    page.on('pageerror', (e) => console_.push(`pageerror: ${e.message}`));
+    recordConsole(page, console_);
     await page.goto(`${url}/web/conformance.html?run=no`);
     const env = await page.evaluate(() => window.kit.ready);
     if (env.manifest.missing) skip = env.manifest.missing;

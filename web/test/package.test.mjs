@@ -26,8 +26,8 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import { chromium } from 'playwright-core';
-import { build, DIST, GUEST_WASM, sha256, WEB } from '../build.mjs';
-import { CHROMIUM, CI, FLAGS } from '../chromium.mjs';
+import { GUEST_WASM, sha256, WEB } from '../build.mjs';
+import { CHROMIUM, CI, FLAGS, recordConsole, whyNoGuestInChromium } from '../chromium.mjs';
 import { modelPath, serve } from '../server.mjs';
 
 const MINUTE = 60_000;
@@ -56,16 +56,9 @@ describe('the package in Chromium', () => {
 
   before(async () => {
     mkdirSync(OUT, { recursive: true });
-    if (!existsSync(GUEST_WASM)) {
-      skip = `${GUEST_WASM} is missing (cargo build --release -p wisp)`;
-      return;
-    }
-    if (!existsSync(join(DIST, 'guest.json'))) build({ quiet: true });
+    skip = whyNoGuestInChromium();
+    if (skip) return;
     ({ server, url, hits } = await serve({ port: 0 }));
-    if (!existsSync(CHROMIUM)) {
-      skip = `no Chromium at ${CHROMIUM} (apt-get install chromium)`;
-      return;
-    }
     if (!existsSync(modelPath())) {
       skip = `no model at ${modelPath()} (wisp fetch)`;
       return;
@@ -75,8 +68,7 @@ describe('the package in Chromium', () => {
     // The worker's requests are the context's too.
     context.on('request', (r) => requests.push(new URL(r.url()).pathname));
     page = await context.newPage();
-    page.on('console', (m) => console_.push(`${m.type()}: ${m.text()}`));
-    page.on('pageerror', (e) => console_.push(`pageerror: ${e.message}`));
+    recordConsole(page, console_);
     await page.goto(`${url}/web/index.html`);
   });
 
