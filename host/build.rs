@@ -50,7 +50,10 @@ fn main() {
     // `fuzz/run.sh`: cargo fuzz's nightly toolchain has no wasm32-wasip2 target); they are
     // embedded from there, not built.
     if let Some(dir) = env::var_os("WISP_GUEST_TARGET_DIR") {
-        embed(&PathBuf::from(dir));
+        // The portable guest stands in for the relaxed-SIMD one (the same results).
+        embed(&PathBuf::from(&dir));
+        embed_relaxed(&PathBuf::from(dir));
+        println!("cargo:rustc-env=WISP_GUEST_RELAXED_RUSTFLAGS={}", relaxed_rustflags(&root));
         return;
     }
     let target_dir = env::var_os("CARGO_TARGET_DIR")
@@ -77,7 +80,48 @@ fn main() {
              `rustup target add wasm32-wasip2`)"
         );
     }
+    // The guest again with relaxed SIMD enabled, in a target directory of its own (other
+    // flags): its `fast` products use relaxed SIMD's byte dot products, with results equal to
+    // the portable build's bit for bit (see guest/src/kernels/int8.rs). The native host runs
+    // it; the portable one is what other hosts (the browser package, `wisp bake`) carry.
+    let relaxed_dir = target_dir.with_file_name("guest-relaxed");
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(&root)
+        .args(["build", "--release", "--locked", "-p", "wisp-guest", "--target", "wasm32-wasip2"])
+        .arg("--target-dir")
+        .arg(&relaxed_dir);
+    for var in ["CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR"] {
+        cmd.env_remove(var);
+    }
+    // RUSTFLAGS replaces .cargo/config.toml's flags for the target: the same ones, plus.
+    let flags = relaxed_rustflags(&root);
+    cmd.env("RUSTFLAGS", &flags);
+    // The guest's tests build it the same way (host/tests/guest_on_wasm.rs).
+    println!("cargo:rustc-env=WISP_GUEST_RELAXED_RUSTFLAGS={flags}");
+    let status = cmd.status().expect("could not run cargo to build the guest");
+    if !status.success() {
+        panic!("building the guest component with relaxed SIMD failed");
+    }
     embed(&target_dir);
+    embed_relaxed(&relaxed_dir);
+}
+
+/// The flags of the relaxed-SIMD guest: .cargo/config.toml's rustflags for wasm32-wasip2 (the
+/// `rustflags = [...]` line of that file), plus relaxed SIMD.
+fn relaxed_rustflags(root: &std::path::Path) -> String {
+    let config = std::fs::read_to_string(root.join(".cargo/config.toml")).expect("reading .cargo/config.toml");
+    let line = config.lines().find(|l| l.trim_start().starts_with("rustflags")).expect("a rustflags line in .cargo/config.toml");
+    let flags: Vec<&str> = line.split('"').skip(1).step_by(2).collect();
+    format!("{} -C target-feature=+relaxed-simd", flags.join(" "))
+}
+
+/// Embeds the relaxed-SIMD guest built in `target_dir` (`WISP_GUEST_RELAXED_WASM`).
+fn embed_relaxed(target_dir: &std::path::Path) {
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").expect("set by cargo"));
+    let wasm = target_dir.join("wasm32-wasip2/release/wisp_guest.wasm");
+    let out = out_dir.join("wisp_guest_relaxed.wasm");
+    std::fs::copy(&wasm, &out).unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
+    println!("cargo:rustc-env=WISP_GUEST_RELAXED_WASM={}", out.display());
 }
 
 /// Embeds the guests built in `target_dir` (copied into OUT_DIR, named by environment variables).

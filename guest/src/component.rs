@@ -35,14 +35,16 @@ impl From<Error> for wit::Error {
 pub struct ModelRes {
     model: Rc<Model>,
     device: Option<gpu::DeviceInfo>,
+    /// `precision: fast` (the load option): its sessions' CPU products take int8 activations.
+    fast: bool,
     /// The chat template in use: the model's, until a host sets another.
     template: RefCell<Option<chat::Template>>,
 }
 
 impl ModelRes {
-    fn new(model: Rc<Model>, device: Option<gpu::DeviceInfo>) -> ModelRes {
+    fn new(model: Rc<Model>, device: Option<gpu::DeviceInfo>, precision: gpu::Precision) -> ModelRes {
         let template = RefCell::new(model.chat_template.clone());
-        ModelRes { model, device, template }
+        ModelRes { model, device, fast: precision == gpu::Precision::Fast, template }
     }
 }
 
@@ -56,7 +58,7 @@ impl wit::Guest for Component {
 /// The host's `gpu` imports as the dispatcher's `Device`: ids index the weight handles.
 struct HostGpu {
     /// The precision of the products and attention of the programs made here (the model's
-    /// load option; the guest's own CPU kernels compute both precisions exactly).
+    /// load option; the guest's own CPU kernels take it too: `Model::set_fast_products`).
     precision: gpu::Precision,
     weights: RefCell<Vec<Option<gpu::Weight>>>,
     caches: RefCell<Vec<Option<gpu::KvCache>>>,
@@ -373,7 +375,7 @@ fn preloaded(path: &str, options: &wit::LoadOptions) -> Option<wit::Model> {
         return None;
     }
     let model = PRELOADED.with(|p| p.borrow().as_ref().filter(|(p, _)| p == path).map(|(_, m)| m.clone()))?;
-    Some(wit::Model::new(ModelRes::new(model, None)))
+    Some(wit::Model::new(ModelRes::new(model, None, options.precision)))
 }
 
 /// Loads a model from `file` (its bytes in memory, or the file read a piece at a time), with
@@ -404,7 +406,7 @@ fn open(file: &dyn Source, options: wit::LoadOptions) -> Result<wit::Model, wit:
     });
     let g = file.header().map_err(Error::from)?;
     let model = Model::load_from(g, file, offer)?;
-    Ok(wit::Model::new(ModelRes::new(Rc::new(model), device)))
+    Ok(wit::Model::new(ModelRes::new(Rc::new(model), device, options.precision)))
 }
 
 /// Reads a whole file, with a typed error (not an abort) when guest memory cannot hold it.
@@ -498,7 +500,8 @@ impl wit::GuestModel for ModelRes {
     }
 
     fn new_session(&self, n_ctx: u32) -> Result<wit::Session, wit::Error> {
-        let s = Session::new(Rc::clone(&self.model), n_ctx as usize)?;
+        let mut s = Session::new(Rc::clone(&self.model), n_ctx as usize)?;
+        s.set_fast(self.fast);
         Ok(wit::Session::new(SessionRes(RefCell::new(s))))
     }
 
@@ -521,7 +524,7 @@ impl wit::GuestModel for ModelRes {
             .zip(&work)
             .map(|(g, a)| Advance { session: &mut **g, tokens: &a.tokens, sample: a.sample.map(Params::from) })
             .collect();
-        let results = session::step(&self.model, &mut advances);
+        let results = session::step(&self.model, self.fast, &mut advances);
         Ok(results.into_iter().map(|r| r.map(|s| s.map(wit_step)).map_err(wit::Error::from)).collect())
     }
 }

@@ -169,6 +169,12 @@ impl Session {
         Ok(())
     }
 
+    /// `precision: fast` for this session's products on the guest's CPU (int8 activations
+    /// where the weight's format allows; see `Dispatch::fast`). Its handle's load option.
+    pub fn set_fast(&mut self, fast: bool) {
+        self.dispatch.fast = fast;
+    }
+
     /// A new session of the same model and capacity whose context is a copy of this one's
     /// first `k` tokens: the guest's caches copied, so that only what they lack runs again
     /// (a device's caches are not copied: where the device alone holds keys, the copy runs
@@ -178,6 +184,7 @@ impl Session {
             return Err(Error::InvalidArgument(format!("cannot copy {k} tokens of a context of {}", self.history.len())));
         }
         let mut s = Session::new(Rc::clone(&self.model), self.capacity())?;
+        s.set_fast(self.dispatch.fast);
         if s.state.batch() != self.state.batch() {
             return Err(Error::InvalidArgument("the copy's caches differ from the session's".into()));
         }
@@ -404,7 +411,7 @@ pub struct StepScratch {
 /// pass's products, which are batch-invariant; a model whose program is on a device runs the
 /// rows of all in runs of the program over their sequences (batch-invariant where the device
 /// is), each with its own device caches; what the device does not take runs session by session.
-pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<Step>, Error>> {
+pub fn step(model: &Rc<Model>, fast: bool, work: &mut [Advance<'_>]) -> Vec<Result<Option<Step>, Error>> {
     let start = Instant::now();
     let mut results: Vec<Result<Option<Step>, Error>> = Vec::with_capacity(work.len());
     let mut fed = Vec::with_capacity(work.len());
@@ -412,6 +419,9 @@ pub fn step(model: &Rc<Model>, work: &mut [Advance<'_>]) -> Vec<Result<Option<St
         let s = &mut *a.session;
         let admitted = if !Rc::ptr_eq(&s.model, model) {
             Err(Error::InvalidArgument("the session belongs to another model".into()))
+        } else if s.dispatch.fast != fast {
+            // One pass's products run at one precision.
+            Err(Error::InvalidArgument("the session was made by a model handle of another precision".into()))
         } else if a.sample.is_some() && s.history.is_empty() && a.tokens.is_empty() {
             Err(Error::InvalidArgument("no token has been fed".into()))
         } else {
@@ -462,6 +472,8 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
     let (p, plan) = (&parts.recipe.program, &parts.recipe.plan);
     let mut scratch = model.step_scratch.borrow_mut();
     let StepScratch { dispatch, values, scores } = &mut *scratch;
+    // The sessions of a step share one precision (`step` admits no other).
+    dispatch.fast = work.iter().zip(live).find(|(_, live)| **live).is_some_and(|(a, _)| a.session.dispatch.fast);
     loop {
         // This pass: each session's next rows, in order, while the pass has room.
         let mut room = STEP_ROWS;

@@ -34,6 +34,6 @@ pub use gpu::{
     program::Precision,
 };
 pub use runtime::{
-    Advance, ChatTemplate, Constraint, EngineError, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
-    Stats, Step, Wisp,
+    Advance, ChatTemplate, Constraint, EngineError, GUEST_RELAXED_WASM, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
+    Stats, Step, Wisp, native_guest,
 };

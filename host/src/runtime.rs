@@ -11,8 +11,23 @@ use wasmtime::component::{Component, Linker, ResourceAny};
 use wasmtime::{Config, Engine, ResourceLimiter, Store};
 use wasmtime_wasi::{FsPerms, ResourceTable, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-/// The guest component built with this crate (the same bytes the browser host runs).
+/// The guest component built with this crate, portable: standard wasm SIMD only (the same
+/// bytes the browser host runs and `wisp bake` composes).
 pub const GUEST_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_WASM"));
+
+/// The same guest built with relaxed SIMD too: its `fast` products (int8 activations) take
+/// relaxed SIMD's byte dot products, with results equal to [`GUEST_WASM`]'s bit for bit (no
+/// product or sum of theirs rounds or saturates), faster where the engine lowers them to a few
+/// instructions (wasmtime on x86-64 and aarch64).
+pub const GUEST_RELAXED_WASM: &[u8] = include_bytes!(env!("WISP_GUEST_RELAXED_WASM"));
+
+/// The guest this host runs: [`GUEST_RELAXED_WASM`] where wasmtime compiles relaxed SIMD for
+/// this CPU's architecture, unless `WISP_PORTABLE_GUEST=1` asks for [`GUEST_WASM`] (to compare
+/// the two).
+pub fn native_guest() -> &'static [u8] {
+    let portable = std::env::var("WISP_PORTABLE_GUEST").is_ok_and(|v| v == "1");
+    if cfg!(any(target_arch = "x86_64", target_arch = "aarch64")) && !portable { GUEST_RELAXED_WASM } else { GUEST_WASM }
+}
 
 /// The resolution of the per-call time limit.
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
@@ -452,7 +467,7 @@ impl Wisp {
                     .with_context(|| format!("reading WISP_COMPONENT={}", Path::new(&path).display()))?;
                 Wisp::with_component(&bytes, options)
             }
-            None => Wisp::with_component(GUEST_WASM, options),
+            None => Wisp::with_component(native_guest(), options),
         }
     }
 
@@ -465,13 +480,13 @@ impl Wisp {
     pub fn preloaded(model: &Path, options: Options) -> Result<Wisp> {
         let meta = std::fs::metadata(model).with_context(|| format!("reading {}", model.display()))?;
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        GUEST_WASM.hash(&mut h);
+        native_guest().hash(&mut h);
         (model, meta.len(), meta.modified().ok()).hash(&mut h);
         "preloaded".hash(&mut h);
         let (engine, linker) = engine_and_linker(&options)?;
         let dir = model.parent().context("the model path has no directory")?;
         let guest_path = guest_path(relative(dir, model)?)?;
-        let make = || crate::preinit::preinitialize(GUEST_WASM, dir, &guest_path);
+        let make = || crate::preinit::preinitialize(native_guest(), dir, &guest_path);
         let stem = model.file_stem().map(|s| s.to_string_lossy().replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_"));
         let name = format!("wisp-preloaded-{}", stem.unwrap_or_default());
         let component = compile_keyed(&engine, &name, h.finish(), options.cache_dir.as_deref(), make)

@@ -340,6 +340,20 @@ fn conformance_runs_the_golden_check_after_the_kit_on_the_same_device() {
     let case = &g["cases"][0];
     assert_eq!((case["name"].as_str(), case["pass"].as_bool(), case["steps"].as_u64()), (Some("unicode"), Some(true), Some(16)), "{case}");
     assert!(case["rmse"].as_f64().unwrap() <= 0.6 && case["max_top5_diff"].as_f64().unwrap() <= 1.5, "{case}");
+
+    // On the guest's CPU (no device) `fast` is its int8 products: within the golden thresholds,
+    // and not exact (`exact` is there within ~3e-4 of the reference).
+    for (precision, lo, hi) in [("fast", 0.01, 0.6), ("exact", 0.0, 0.005)] {
+        let o = wisp(&["conformance", "--device", "none", "--json", "--golden-cases", "unicode,code", "--precision", precision]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let g = &v["golden"];
+        assert_eq!((g["precision"].as_str(), g["passed"].as_u64(), g["failed"].as_u64()), (Some(precision), Some(2), Some(0)), "{g}");
+        for case in g["cases"].as_array().unwrap() {
+            let rmse = case["rmse"].as_f64().unwrap();
+            assert!(lo < rmse && rmse <= hi, "{precision}: {case}");
+        }
+    }
 }
 
 #[test]

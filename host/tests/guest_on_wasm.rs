@@ -23,12 +23,25 @@ impl WasiView for State {
     }
 }
 
+/// A build of the guest: the portable one (.cargo/config.toml's flags) or the one with relaxed
+/// SIMD too, as `host/build.rs` builds them.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+enum Build {
+    Portable,
+    Relaxed,
+}
+
 /// Builds the guest's tests for wasm32-wasip2 (its library's unit tests and its integration
-/// tests) and returns the test components' paths by name (`wisp_guest`, `gguf_hostile`). Each is
-/// built once per test binary: the tests below share one cargo run.
-fn guest_tests() -> &'static HashMap<String, PathBuf> {
-    static TESTS: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
-    TESTS.get_or_init(|| {
+/// tests) and returns the test components' paths by name (`wisp_guest`, `gguf_hostile`). Each
+/// build is made once per test binary: the tests below share its cargo run.
+fn guest_tests(build: Build) -> &'static HashMap<String, PathBuf> {
+    static PORTABLE: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
+    static RELAXED: OnceLock<HashMap<String, PathBuf>> = OnceLock::new();
+    let cell = match build {
+        Build::Portable => &PORTABLE,
+        Build::Relaxed => &RELAXED,
+    };
+    cell.get_or_init(|| {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap();
         let target_dir = std::env::var_os("CARGO_TARGET_DIR")
             .map(PathBuf::from)
@@ -36,17 +49,22 @@ fn guest_tests() -> &'static HashMap<String, PathBuf> {
             .unwrap_or_else(|| root.join("target"))
             // The directory where the build script built the guest: its dependencies, built for
             // the same target with the same features, are reused.
-            .join("guest");
+            .join(match build {
+                Build::Portable => "guest",
+                Build::Relaxed => "guest-relaxed",
+            });
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-        let out = Command::new(cargo)
-            .current_dir(root)
+        let mut cmd = Command::new(cargo);
+        cmd.current_dir(root).env_remove("CARGO_ENCODED_RUSTFLAGS").env_remove("RUSTFLAGS");
+        match build {
             // The build script's packages, so that cargo resolves the same features.
-            .args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "-p", "wisp-http", "-p", "wisp-virt"])
+            Build::Portable => cmd.args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "-p", "wisp-http", "-p", "wisp-virt"]),
+            Build::Relaxed => cmd.args(["test", "--release", "--locked", "-p", "wisp-guest", "--lib"]).env("RUSTFLAGS", env!("WISP_GUEST_RELAXED_RUSTFLAGS")),
+        };
+        let out = cmd
             .args(["--tests", "--no-run", "--target", "wasm32-wasip2", "--message-format=json"])
             .arg("--target-dir")
             .arg(&target_dir)
-            .env_remove("CARGO_ENCODED_RUSTFLAGS")
-            .env_remove("RUSTFLAGS")
             .output()
             .expect("running cargo");
         assert!(out.status.success(), "building the guest tests failed:\n{}", String::from_utf8_lossy(&out.stderr));
@@ -61,8 +79,9 @@ fn guest_tests() -> &'static HashMap<String, PathBuf> {
 
 /// Runs one of the guest's test components under wasmtime (WASI, and the `gpu` import with no
 /// device) and fails if any of its tests fails.
-fn run_guest_tests(name: &str) {
-    let wasm = guest_tests().get(name).unwrap_or_else(|| panic!("cargo built no test component {name}: {:?}", guest_tests()));
+fn run_guest_tests(build: Build, name: &str, filter: &[&str]) {
+    let tests = guest_tests(build);
+    let wasm = tests.get(name).unwrap_or_else(|| panic!("cargo built no test component {name} ({build:?}): {tests:?}"));
     let mut config = Config::new();
     config.wasm_component_model(true);
     let engine = Engine::new(&config).unwrap();
@@ -77,6 +96,7 @@ fn run_guest_tests(name: &str) {
         // Uncaptured: a failing guest test aborts (wasm has no unwinding), which would lose
         // captured output, its panic message and the seed it printed among it.
         .args(&[name, "--test-threads=1", "--nocapture"])
+        .args(filter)
         // More arguments for the guest's test harness, e.g. `--ignored kernel_bench`.
         .args(&std::env::var("WISP_GUEST_TEST_ARGS").unwrap_or_default().split_whitespace().collect::<Vec<_>>())
         .build();
@@ -99,12 +119,20 @@ fn run_guest_tests(name: &str) {
 
 #[test]
 fn guest_unit_tests_pass_on_wasm32_with_simd128() {
-    run_guest_tests("wisp_guest");
+    run_guest_tests(Build::Portable, "wisp_guest", &[]);
+}
+
+/// The kernels again in the guest built with relaxed SIMD (the native host's): its int8
+/// products (relaxed SIMD's byte dot products) equal the scalar definition bit for bit, as the
+/// portable build's do.
+#[test]
+fn guest_kernel_tests_pass_on_wasm32_with_relaxed_simd() {
+    run_guest_tests(Build::Relaxed, "wisp_guest", &["kernels::"]);
 }
 
 /// The GGUF parser and loader on hostile files (RELIABILITY items 1-14), with the allocation
 /// bound its counting allocator measures.
 #[test]
 fn gguf_hostile_cases_pass_on_wasm32() {
-    run_guest_tests("gguf_hostile");
+    run_guest_tests(Build::Portable, "gguf_hostile", &[]);
 }

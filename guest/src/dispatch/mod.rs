@@ -21,7 +21,7 @@ pub use device::{AttentionShape, Device, DeviceError, DeviceLimits, DeviceOutput
 pub use placement::{DeviceProgram, place, place_program};
 pub use policy::{Gpu, Rates, calibrate};
 
-use crate::kernels::{self, QActs, RowScratch};
+use crate::kernels::{self, QActs, QActs8, RowScratch};
 use crate::models::attention::{Heads, LayerCache, attend};
 use crate::models::{Linear, WeightData};
 use caches::DeviceCache;
@@ -78,6 +78,8 @@ pub enum Mode {
 #[derive(Default)]
 pub struct Dispatch {
     acts: QActs,
+    /// The same activations in int8, for the weights whose products are `fast`.
+    acts8: QActs8,
     rows: RowScratch,
     /// A batch's keys and values in order of position, as `attention_cached` sends them.
     keys: Vec<f32>,
@@ -96,6 +98,9 @@ pub struct Dispatch {
     pub greedy: bool,
     /// The token such a pass found (its logits were not read back).
     pub top: Option<u32>,
+    /// `precision: fast`: the CPU products take int8 activations where the weight's format
+    /// allows (`kernels::takes_int8`); else i16 ones, within f32 rounding of exact math.
+    pub fast: bool,
 }
 
 /// What a pass of the model's program on the device gave.
@@ -333,12 +338,20 @@ impl Dispatch {
     /// The products on the guest's CPU kernels; returns the time they took.
     fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
         let start = Instant::now();
-        if jobs.iter().any(|(w, _)| matches!(w.w, WeightData::Q(_))) {
+        let int8 = |w: &Linear| self.fast && matches!(&w.w, WeightData::Q(q) if kernels::takes_int8(q));
+        let (wide, narrow) = jobs.iter().fold((false, false), |(wide, narrow), (w, _)| {
+            (wide || (matches!(w.w, WeightData::Q(_)) && !int8(w)), narrow || int8(w))
+        });
+        if wide {
             self.acts.quantize(x, t, n_in);
+        }
+        if narrow {
+            self.acts8.quantize(x, t, n_in);
         }
         for (w, y) in jobs.iter_mut() {
             let y = &mut y[..t * w.n_out];
             match &w.w {
+                WeightData::Q(q) if self.fast && kernels::takes_int8(q) => kernels::matmul_q8(q, &self.acts8, &mut self.rows, y),
                 WeightData::Q(q) => kernels::matmul_q(q, &self.acts, &mut self.rows, y),
                 WeightData::F32(f) => kernels::matmul_f32(f, w.n_out, w.n_in, x, t, y),
             }

@@ -7,46 +7,58 @@
 //! integer products before one f32 multiply per group. This keeps every golden logit within
 //! ~1e-3 of f32 math.
 
+#[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+pub mod int8;
 pub mod scalar;
 #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
 pub mod simd128;
 
-use crate::quant::QMatrix;
+use crate::quant::{Group, QMatrix, Values};
 
-/// Eight i16 values on a 16-byte boundary: the unit of [`AlignedI16`].
+/// 16 bytes on a 16-byte boundary: the unit of [`Aligned`].
 #[derive(Clone, Copy, Default)]
 #[repr(C, align(16))]
-struct Lanes([i16; 8]);
+struct Lanes([u8; 16]);
 
-/// A growable `[i16]` whose start is 16-byte aligned, so that the SIMD kernels may load any
-/// 8 values from a multiple-of-8 index as one aligned `v128`.
+/// The integer types an [`Aligned`] holds: any bit pattern is a value, alignment at most 16.
+pub trait Lane: Copy + Default {}
+impl Lane for i8 {}
+impl Lane for i16 {}
+
+/// A growable `[T]` whose start is 16-byte aligned, so that the SIMD kernels may load any
+/// 16 bytes from a multiple-of-16-bytes index as one aligned `v128`.
 #[derive(Default)]
-pub struct AlignedI16 {
+pub struct Aligned<T: Lane> {
     lanes: Vec<Lanes>,
     len: usize,
+    _values: core::marker::PhantomData<T>,
 }
 
-impl AlignedI16 {
+/// The i16 activations of the exact products.
+pub type AlignedI16 = Aligned<i16>;
+
+impl<T: Lane> Aligned<T> {
     /// Sets the length to `len`; new values are 0.
     pub fn resize(&mut self, len: usize) {
-        self.lanes.resize(len.div_ceil(8), Lanes::default());
+        self.lanes.resize((len * size_of::<T>()).div_ceil(16), Lanes::default());
         self.len = len;
     }
 }
 
-impl core::ops::Deref for AlignedI16 {
-    type Target = [i16];
-    fn deref(&self) -> &[i16] {
-        // SAFETY: `lanes` holds at least `len` i16 values, contiguous (`Lanes` is `repr(C)`
-        // around `[i16; 8]`, its size a multiple of its alignment, so no padding between).
-        unsafe { core::slice::from_raw_parts(self.lanes.as_ptr() as *const i16, self.len) }
+impl<T: Lane> core::ops::Deref for Aligned<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `lanes` holds at least `len * size_of::<T>()` bytes, contiguous (`Lanes` is
+        // `repr(C)` around `[u8; 16]`), 16-byte aligned; `T: Lane` is an integer type, valid
+        // for any bits, whose alignment divides 16.
+        unsafe { core::slice::from_raw_parts(self.lanes.as_ptr() as *const T, self.len) }
     }
 }
 
-impl core::ops::DerefMut for AlignedI16 {
-    fn deref_mut(&mut self) -> &mut [i16] {
+impl<T: Lane> core::ops::DerefMut for Aligned<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
         // SAFETY: as in `deref`, and `&mut self` is the only access.
-        unsafe { core::slice::from_raw_parts_mut(self.lanes.as_mut_ptr() as *mut i16, self.len) }
+        unsafe { core::slice::from_raw_parts_mut(self.lanes.as_mut_ptr() as *mut T, self.len) }
     }
 }
 
@@ -90,17 +102,74 @@ impl QActs {
             *s = scale;
             *sum = total;
         }
-        let nb = n / 32;
-        for (four, one) in [(&mut self.s4, &self.s), (&mut self.sum4, &self.sum)] {
-            four.resize(t / 4 * nb * 4, 0.0);
-            for (g, group) in four.chunks_exact_mut(nb * 4).enumerate() {
-                for (b, lanes) in group.chunks_exact_mut(4).enumerate() {
-                    for (i, v) in lanes.iter_mut().enumerate() {
-                        *v = one[(4 * g + i) * nb + b];
-                    }
-                }
+        regroup(&self.s, t, &mut self.s4);
+        regroup(&self.sum, t, &mut self.sum4);
+    }
+}
+
+/// `one[t, k]` regrouped for the kernels that run 4 tokens at once: `four[t / 4, k, 4]`, the
+/// 4 tokens of a group side by side (the last `t % 4` tokens left out).
+fn regroup<T: Copy + Default>(one: &[T], t: usize, four: &mut Vec<T>) {
+    let k = one.len() / t.max(1);
+    four.resize(t / 4 * k * 4, T::default());
+    for (g, group) in four.chunks_exact_mut(k * 4).enumerate() {
+        for (b, lanes) in group.chunks_exact_mut(4).enumerate() {
+            for (i, v) in lanes.iter_mut().enumerate() {
+                *v = one[(4 * g + i) * k + b];
             }
         }
+    }
+}
+
+/// Activations `x[t, n]` quantized to int8 for the `fast` products (`matmul_q8`): per block of
+/// 32 elements, `x ≈ s * q` with `q: i8` in -127..=127 and `s = max|x| / 127`, as llama.cpp's
+/// `q8_0` activations. With each block come the sums of its `q`, exact integers: the kernels
+/// take the weights as unsigned values and subtract their offset times these.
+#[derive(Default)]
+pub struct QActs8 {
+    pub t: usize,
+    pub n: usize,
+    /// `[t, n]`, 16-byte aligned.
+    pub q: Aligned<i8>,
+    /// `[t, n / 32]`
+    pub s: Vec<f32>,
+    /// `[t, n / 32]`: the sum of each block's `q`.
+    pub qsum: Vec<i32>,
+    /// `[t, n / 16]`: the sum of each half block's `q` (for weights with a scale per 16).
+    pub qsum16: Vec<i32>,
+    /// `s`, `qsum` and `qsum16` regrouped for the 4-token kernel (see `regroup`).
+    pub s4: Vec<f32>,
+    pub qsum4: Vec<i32>,
+    pub qsum16_4: Vec<i32>,
+}
+
+impl QActs8 {
+    /// Quantizes `x[t, n]` (`n` a multiple of 32) into `self`, reusing its buffers.
+    pub fn quantize(&mut self, x: &[f32], t: usize, n: usize) {
+        debug_assert_eq!(x.len(), t * n);
+        debug_assert_eq!(n % 32, 0);
+        self.t = t;
+        self.n = n;
+        self.q.resize(t * n);
+        self.s.resize(t * n / 32, 0.0);
+        self.qsum16.resize(t * n / 16, 0);
+        for ((xb, qb), (s, sums)) in x
+            .chunks_exact(32)
+            .zip(self.q.chunks_exact_mut(32))
+            .zip(self.s.iter_mut().zip(self.qsum16.chunks_exact_mut(2)))
+        {
+            #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+            let (scale, halves) = simd128::quantize_block8(xb, qb);
+            #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+            let (scale, halves) = scalar::quantize_block8(xb, qb);
+            *s = scale;
+            sums.copy_from_slice(&halves);
+        }
+        self.qsum.clear();
+        self.qsum.extend(self.qsum16.chunks_exact(2).map(|h| h[0] + h[1]));
+        regroup(&self.s, t, &mut self.s4);
+        regroup(&self.qsum, t, &mut self.qsum4);
+        regroup(&self.qsum16, t, &mut self.qsum16_4);
     }
 }
 
@@ -120,6 +189,40 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
     simd128::matmul_q(w, x, scratch, y);
     #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
     scalar::matmul_q(w, x, scratch, y);
+}
+
+/// Whether `matmul_q8` (int8 activations) takes `w`: weights whose values are below 64 once
+/// their offset is added (4- and 5-bit nibbles; Q6_K, the one format with a scale per 16, at
+/// -32..=31). Q8_0's values span the whole i8 range: against int8 activations each needs a
+/// sign moved onto its activation, which costs what the exact i16 products do here, so it
+/// stays on `matmul_q`.
+pub fn takes_int8(w: &QMatrix) -> bool {
+    match (&w.values, w.group) {
+        // Offsets 0 or a power of two (the formats' 0, 8 and 16): the kernels shift, not multiply.
+        (Values::Nibbles { offset, .. }, Group::G32) => *offset == 0 || (*offset > 0 && (*offset as u8).is_power_of_two()),
+        (Values::I8(_), Group::G16) => w.m.is_empty(),
+        _ => false,
+    }
+}
+
+/// What `matmul_q8` adds to `w`'s values to take them unsigned (see `takes_int8`).
+pub fn unsigned_offset(w: &QMatrix) -> i32 {
+    match &w.values {
+        Values::Nibbles { offset, .. } => *offset as i32,
+        Values::I8(_) => 32,
+    }
+}
+
+/// `y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T` with int8 activations (`precision: fast`):
+/// the exact integer products of `w`'s values and `x`'s, scaled in f32, the same bits on every
+/// host. `w` must be one `takes_int8` accepts.
+pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32]) {
+    debug_assert_eq!(x.n, w.n_in);
+    debug_assert_eq!(y.len(), x.t * w.n_out);
+    #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
+    int8::matmul_q8(w, x, scratch, y);
+    #[cfg(not(all(target_arch = "wasm32", target_feature = "simd128")))]
+    scalar::matmul_q8(w, x, scratch, y);
 }
 
 /// `y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T` for an f32 weight.
@@ -549,6 +652,137 @@ mod tests {
             }
             assert!((a.iter().sum::<f32>() - 1.0).abs() < 1e-5, "n={n}");
         }
+    }
+
+    /// `x` (`t` rows) quantized to int8, and its `fast` product with `q`.
+    fn product8(q: &QMatrix, x: &[f32], t: usize) -> (QActs8, Vec<f32>) {
+        let mut acts = QActs8::default();
+        acts.quantize(x, t, q.n_in);
+        let mut y = vec![0f32; t * q.n_out];
+        matmul_q8(q, &acts, &mut RowScratch::default(), &mut y);
+        (acts, y)
+    }
+
+    /// The formats the int8 products take: all but Q8_0.
+    const INT8_KINDS: [TensorType; 4] = [TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K];
+
+    #[test]
+    fn the_int8_products_take_every_format_but_q8_0() {
+        let mut rng = Rng(seed());
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+            let n_in = kind.block().0 as usize;
+            let q = QMatrix::from_blocks(kind, &random_blocks(kind, 2 * n_in, &mut rng), 2, n_in).unwrap();
+            assert_eq!(takes_int8(&q), kind != TensorType::Q8_0, "{kind:?}");
+            if takes_int8(&q) {
+                // Every value, taken unsigned, is below 64 (the kernels' no-saturation bound).
+                let offset = unsigned_offset(&q);
+                let values: Vec<i32> = (0..n_in).map(|c| q.value(1, c) as i32 + offset).collect();
+                assert!(values.iter().all(|v| (0..64).contains(v)), "{kind:?} {offset}: {values:?}");
+            }
+        }
+    }
+
+    /// The int8 products, as `matmul_q8` runs them (SIMD on wasm32, relaxed or not), equal the
+    /// scalar definition (`scalar::dot_q8`) bit for bit; and the definition is the product of
+    /// the dequantized weights with the int8 activations, up to f32 rounding, and within the
+    /// int8 activations' half step of the product with the activations themselves.
+    #[test]
+    fn matmul_q8_is_its_scalar_definition() {
+        let mut rng = Rng(seed());
+        for kind in INT8_KINDS {
+            let (block, _) = kind.block();
+            for &t in &[1usize, 3, 4, 5, 8, 9] {
+                let blocks = 1 + (rng.next_u64() % 3) as usize;
+                let n_in = block as usize * blocks * if block == 32 { 1 + (rng.next_u64() % 11) as usize } else { 1 };
+                let n_out = 1 + (rng.next_u64() % 9) as usize;
+                let data = random_blocks(kind, n_out * n_in, &mut rng);
+                let q = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                let mut w = vec![0f32; n_out * n_in];
+                quant::dequantize(kind, &data, &mut w);
+                let x = activations(&mut rng, t * n_in);
+                let (acts, y) = product8(&q, &x, t);
+                let mut reference = vec![0f32; t * n_out];
+                scalar::matmul_q8(&q, &acts, &mut RowScratch::default(), &mut reference);
+                for (i, (a, b)) in y.iter().zip(&reference).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "{kind:?} t={t} [{n_out}, {n_in}] output {i}: {a} vs the definition's {b}");
+                }
+                for tok in 0..t {
+                    let xr = &x[tok * n_in..(tok + 1) * n_in];
+                    let xq: Vec<f64> = (0..n_in).map(|i| acts.q[tok * n_in + i] as f64 * acts.s[tok * n_in / 32 + i / 32] as f64).collect();
+                    for r in 0..n_out {
+                        let wr = &w[r * n_in..(r + 1) * n_in];
+                        let on_int8: f64 = wr.iter().zip(&xq).map(|(a, b)| *a as f64 * b).sum();
+                        let exact: f64 = wr.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let magnitude: f64 = wr.iter().zip(&xq).map(|(a, b)| (*a as f64 * b).abs()).sum();
+                        let half_steps: f64 = (0..n_in / 32)
+                            .map(|b| {
+                                let wsum: f64 = wr[32 * b..32 * b + 32].iter().map(|v| v.abs() as f64).sum();
+                                wsum * acts.s[tok * n_in / 32 + b] as f64 / 2.0
+                            })
+                            .sum();
+                        let got = y[tok * n_out + r] as f64;
+                        let tol = 1e-5 * magnitude + 1e-6;
+                        assert!((got - on_int8).abs() <= tol, "{kind:?} t={t} token {tok} row {r}: {got} vs {on_int8} (tol {tol})");
+                        assert!((got - exact).abs() <= 1.01 * half_steps + tol, "{kind:?} t={t} token {tok} row {r}: {got} vs exact {exact}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// As `a_tokens_products_do_not_depend_on_its_batch`, for the int8 products.
+    #[test]
+    fn a_tokens_int8_products_do_not_depend_on_its_batch() {
+        let mut rng = Rng(seed());
+        for kind in INT8_KINDS {
+            let (block, _) = kind.block();
+            for blocks in [1usize, 4, 5, 8, 11] {
+                let n_in = (32 * blocks.max(block as usize / 32)).div_ceil(block as usize) * block as usize;
+                let n_out = 1 + (rng.next_u64() % 6) as usize;
+                let q = QMatrix::from_blocks(kind, &random_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap();
+                for t in [2usize, 4, 5, 8, 9, 13] {
+                    let x = activations(&mut rng, t * n_in);
+                    let (_, y) = product8(&q, &x, t);
+                    for tok in 0..t {
+                        let (_, y1) = product8(&q, &x[tok * n_in..(tok + 1) * n_in], 1);
+                        let row = &y[tok * n_out..(tok + 1) * n_out];
+                        assert!(
+                            row.iter().zip(&y1).all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{kind:?} [{n_out}, {n_in}] token {tok} of {t}: {row:?} in the batch, {y1:?} alone"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantize8_matches_the_scalar_reference() {
+        let mut rng = Rng(seed());
+        let mut x = activations(&mut rng, 32 * 40);
+        // A zero block, a block with a NaN and one with an infinity.
+        x[..32].fill(0.0);
+        x[40] = f32::NAN;
+        x[70] = f32::INFINITY;
+        let mut acts = QActs8::default();
+        acts.quantize(&x, 5, 32 * 8);
+        assert_eq!(acts.q.as_ptr() as usize % 16, 0);
+        for b in 0..40 {
+            let mut q = [0i8; 32];
+            let (s, halves) = scalar::quantize_block8(&x[32 * b..32 * b + 32], &mut q);
+            assert_eq!(&acts.q[32 * b..32 * b + 32], &q, "block {b}");
+            assert_eq!(acts.s[b].to_bits(), s.to_bits(), "block {b}");
+            assert_eq!(&acts.qsum16[2 * b..2 * b + 2], &halves, "block {b}");
+            assert_eq!(acts.qsum[b], halves[0] + halves[1], "block {b}");
+            assert!(!q.contains(&i8::MIN), "block {b}: {q:?}");
+            for (i, v) in x[32 * b..32 * b + 32].iter().enumerate() {
+                assert!(!v.is_finite() || !s.is_finite() || (q[i] as f32 * s - v).abs() <= 0.51 * s, "block {b} element {i}");
+            }
+        }
+        // The regrouped sums of 4-token groups hold the same values.
+        assert_eq!(acts.qsum4[(0 * 8 + 3) * 4 + 2], acts.qsum[2 * 8 + 3]);
+        assert_eq!(acts.qsum16_4[(0 * 16 + 5) * 4 + 1], acts.qsum16[16 + 5]);
+        assert_eq!(acts.s4[(0 * 8 + 7) * 4 + 3], acts.s[3 * 8 + 7]);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Scalar reference kernels: the definition the SIMD versions are tested against, and the
 //! kernels of targets without simd128.
 
-use super::{QActs, RowScratch};
+use super::{QActs, QActs8, RowScratch};
 use crate::quant::{QK, QMatrix};
 
 /// One output of `matmul_q`: row `r` of `w`, given as its values `q` and scales `d`
@@ -33,6 +33,53 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
         w.row_scales(r, &mut scratch.d);
         for tok in 0..x.t {
             y[tok * w.n_out + r] = dot_q(w, r, &scratch.q, &scratch.d, x, tok);
+        }
+    }
+}
+
+/// One output of `matmul_q8`: row `r` of `w` (values `q`, scales `d`) against row `tok` of
+/// `x`. Per block the exact integer product `isum` (and for a scale per 16, one per half),
+/// then in f32 `((isum * d) - m * qsum) * s` (without mins `(isum * d) * s`; per 16
+/// `((isum_lo * d_lo) + (isum_hi * d_hi)) * s`); the blocks of each full four summed into four
+/// partial sums by block modulo 4, those added in order, then the last blocks one by one.
+pub fn dot_q8(w: &QMatrix, r: usize, q: &[i8], d: &[f32], x: &QActs8, tok: usize) -> f32 {
+    let n = w.n_in;
+    let nb = n / QK;
+    let xq = &x.q[tok * n..(tok + 1) * n];
+    let isum = |lo: usize, hi: usize| (lo..hi).map(|i| q[i] as i32 * xq[i] as i32).sum::<i32>();
+    let term = |b: usize| {
+        let s = x.s[tok * nb + b];
+        if w.group == crate::quant::Group::G16 {
+            let (lo, hi) = (isum(QK * b, QK * b + 16) as f32, isum(QK * b + 16, QK * b + 32) as f32);
+            return (lo * d[2 * b] + hi * d[2 * b + 1]) * s;
+        }
+        let t = isum(QK * b, QK * (b + 1)) as f32 * d[b];
+        match w.m.is_empty() {
+            true => t * s,
+            false => (t - w.m[r * nb + b] * x.qsum[tok * nb + b] as f32) * s,
+        }
+    };
+    let full = nb / 4 * 4;
+    let mut parts = [0f32; 4];
+    for b in 0..full {
+        parts[b % 4] += term(b);
+    }
+    let mut out = ((parts[0] + parts[1]) + parts[2]) + parts[3];
+    for b in full..nb {
+        out += term(b);
+    }
+    out
+}
+
+/// `y[t, n_out] = x[t, n_in] @ W^T`, int8 activations.
+pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32]) {
+    scratch.q.resize(w.n_in, 0);
+    scratch.d.resize(w.n_in / w.group as usize, 0.0);
+    for r in 0..w.n_out {
+        w.row_values(r, &mut scratch.q);
+        w.row_scales(r, &mut scratch.d);
+        for tok in 0..x.t {
+            y[tok * w.n_out + r] = dot_q8(w, r, &scratch.q, &scratch.d, x, tok);
         }
     }
 }
@@ -94,6 +141,20 @@ pub fn quantize_block(x: &[f32], q: &mut [i16]) -> (f32, f32) {
         *q = (v * inv).round_ties_even() as i16;
     }
     (scale, x.iter().sum())
+}
+
+/// Quantizes one block of 32 activations to int8 (`x ≈ scale * q`, `scale = max|x| / 127`,
+/// rounding half to even; NaN elements skipped by the maximum and quantized to 0) and returns
+/// `(scale, [sum of q[..16], sum of q[16..]])`.
+pub fn quantize_block8(x: &[f32], q: &mut [i8]) -> (f32, [i32; 2]) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let scale = amax / 127.0;
+    let inv = if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 };
+    for (q, v) in q.iter_mut().zip(x) {
+        *q = ((v * inv).round_ties_even() as i32).clamp(-128, 127) as i8;
+    }
+    let half = |h: &[i8]| h.iter().map(|&v| v as i32).sum();
+    (scale, [half(&q[..16]), half(&q[16..32])])
 }
 
 /// `g[i] = act(g[i]) * u[i]`, `act` the tanh GELU or SiLU.

@@ -6,7 +6,7 @@ use crate::quant::{Group, QK, QMatrix, Scales, Values, f16_to_f32, fifth_bytes_p
 use core::arch::wasm32::*;
 
 #[inline(always)]
-fn hsum(v: v128) -> f32 {
+pub(super) fn hsum(v: v128) -> f32 {
     f32x4_extract_lane::<0>(v)
         + f32x4_extract_lane::<1>(v)
         + f32x4_extract_lane::<2>(v)
@@ -24,7 +24,7 @@ fn hsum4_f32(a: v128, b: v128, c: v128, d: v128) -> [f32; 4] {
 
 /// `[sum(a), sum(b), sum(c), sum(d)]`: four horizontal sums at once.
 #[inline(always)]
-fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
+pub(super) fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
     let ab = i32x4_add(i32x4_shuffle::<0, 4, 1, 5>(a, b), i32x4_shuffle::<2, 6, 3, 7>(a, b));
     let cd = i32x4_add(i32x4_shuffle::<0, 4, 1, 5>(c, d), i32x4_shuffle::<2, 6, 3, 7>(c, d));
     i32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd))
@@ -42,7 +42,7 @@ unsafe fn load_here(p: *const i16) -> v128 {
 
 /// 16 bytes from any address, loaded where written (see `load_here`): the weights' loads.
 #[inline(always)]
-unsafe fn load_weights(p: *const u8) -> v128 {
+pub(super) unsafe fn load_weights(p: *const u8) -> v128 {
     #[derive(Clone, Copy)]
     #[repr(C, packed)]
     struct Unaligned(v128);
@@ -73,29 +73,29 @@ unsafe fn products32(a: &[v128; 4], x: *const i16) -> v128 {
 /// The weights of one row as the kernels read them: pointers into a `QMatrix` (or into a
 /// `RowScratch` holding the row unpacked), already offset to the row.
 #[derive(Clone, Copy)]
-struct Row {
+pub(super) struct Row {
     /// `Values::I8`: `[n_in]`
-    q: *const i8,
+    pub(super) q: *const i8,
     /// `Values::Nibbles`: `[n_in / 2]`, and the row's fifth bits (null without)
-    nib: *const u8,
-    fifth: *const u8,
+    pub(super) nib: *const u8,
+    pub(super) fifth: *const u8,
     /// splat of the nibble offset
-    offset: v128,
+    pub(super) offset: v128,
     /// `Scales::F32` / `Scales::F16`: `[n_in / group]`
-    d32: *const f32,
-    d16: *const u16,
+    pub(super) d32: *const f32,
+    pub(super) d16: *const u16,
     /// `[n_in / 32]`, null without mins
-    m: *const f32,
+    pub(super) m: *const f32,
 }
 
 /// Value storage of a `Row`, as a const parameter of the kernels.
-const I8: u8 = 0;
-const NIB: u8 = 1;
-const NIB5: u8 = 2;
+pub(super) const I8: u8 = 0;
+pub(super) const NIB: u8 = 1;
+pub(super) const NIB5: u8 = 2;
 
 impl Row {
     /// Row 0 of `w`, in place (`at` steps to the others). Its value storage is `storage(w)`.
-    fn first(w: &QMatrix) -> Row {
+    pub(super) fn first(w: &QMatrix) -> Row {
         use core::ptr::null;
         let mut row = Row { q: null(), nib: null(), fifth: null(), offset: i8x16_splat(0), d32: null(), d16: null(), m: null() };
         match &w.values {
@@ -120,7 +120,7 @@ impl Row {
 
     /// Row `r` of the matrix whose row 0 is `self` (`n` columns, scales in groups of `g`).
     #[inline(always)]
-    fn at(self, r: usize, n: usize, g: usize) -> Row {
+    pub(super) fn at(self, r: usize, n: usize, g: usize) -> Row {
         Row {
             q: self.q.wrapping_add(r * n),
             nib: self.nib.wrapping_add(r * n / 2),
@@ -138,7 +138,7 @@ impl Row {
     }
 }
 
-fn storage(w: &QMatrix) -> u8 {
+pub(super) fn storage(w: &QMatrix) -> u8 {
     match &w.values {
         Values::I8(_) => I8,
         Values::Nibbles { fifth, .. } if fifth.is_empty() => NIB,
@@ -157,12 +157,22 @@ fn bit_to_4(v: v128, i: u32) -> v128 {
 /// The i8 values of block `b` of `row` as `(elements 0..16, elements 16..32)`. For `NIB5`,
 /// `plane` is the row's 16 bytes of fifth bits for blocks `b / 4 * 4..`, and `k = b % 4`.
 #[inline(always)]
-unsafe fn block_i8<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
+pub(super) unsafe fn block_i8<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
     unsafe {
         if V == I8 {
             let q = row.q.add(QK * b) as *const u8;
             return (load_weights(q), load_weights(q.add(16)));
         }
+        let (lo, hi) = block_unsigned::<V>(row, b, plane, k);
+        (i8x16_sub(lo, row.offset), i8x16_sub(hi, row.offset))
+    }
+}
+
+/// The nibbles (and fifth bits) of block `b` of a `NIB` or `NIB5` row as unsigned values
+/// before their offset, `(elements 0..16, elements 16..32)`; `plane` and `k` as for `block_i8`.
+#[inline(always)]
+pub(super) unsafe fn block_unsigned<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
+    unsafe {
         let v = load_weights(row.nib.add(16 * b));
         let low4 = u8x16_splat(0x0F);
         let mut lo = v128_and(v, low4);
@@ -172,13 +182,13 @@ unsafe fn block_i8<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v12
             lo = v128_or(lo, v128_and(bit_to_4(plane, 2 * k), bit4));
             hi = v128_or(hi, v128_and(bit_to_4(plane, 2 * k + 1), bit4));
         }
-        (i8x16_sub(lo, row.offset), i8x16_sub(hi, row.offset))
+        (lo, hi)
     }
 }
 
 /// The fifth-bit plane for blocks `b / 4 * 4..` of `row` (zero unless `NIB5`).
 #[inline(always)]
-unsafe fn plane<const V: u8>(row: Row, b: usize) -> v128 {
+pub(super) unsafe fn plane<const V: u8>(row: Row, b: usize) -> v128 {
     unsafe { if V == NIB5 { v128_load(row.fifth.add(b / 4 * 16) as *const v128) } else { i8x16_splat(0) } }
 }
 
@@ -201,7 +211,7 @@ fn f16x4_to_f32(h: v128) -> v128 {
 
 /// Scales `i..i + 4` of a G32 row.
 #[inline(always)]
-unsafe fn scales4<const F16: bool>(row: Row, i: usize) -> v128 {
+pub(super) unsafe fn scales4<const F16: bool>(row: Row, i: usize) -> v128 {
     unsafe {
         if F16 { f16x4_to_f32(v128_load64_zero(row.d16.add(i) as *const u64)) } else { v128_load(row.d32.add(i) as *const v128) }
     }
@@ -209,7 +219,7 @@ unsafe fn scales4<const F16: bool>(row: Row, i: usize) -> v128 {
 
 /// Scale `i` of a row.
 #[inline(always)]
-unsafe fn scale<const F16: bool>(row: Row, i: usize) -> f32 {
+pub(super) unsafe fn scale<const F16: bool>(row: Row, i: usize) -> f32 {
     unsafe { if F16 { f16_to_f32(*row.d16.add(i)) } else { *row.d32.add(i) } }
 }
 
@@ -797,6 +807,35 @@ pub fn quantize_block(x: &[f32], q: &mut [i16]) -> (f32, f32) {
             v128_store(q.as_mut_ptr().add(8 * i) as *mut v128, pair);
         }
         (scale, hsum(sum))
+    }
+}
+
+/// See `scalar::quantize_block8`: the same `q`, scale and half-block sums.
+pub fn quantize_block8(x: &[f32], q: &mut [i8]) -> (f32, [i32; 2]) {
+    assert!(x.len() == 32 && q.len() == 32);
+    // SAFETY: eight loads of 4 floats from `x` and two stores of 16 i8 to `q`, both of 32.
+    unsafe {
+        let v: [v128; 8] = core::array::from_fn(|i| v128_load(x.as_ptr().add(4 * i) as *const v128));
+        // `pmax` keeps its first operand when the second is NaN, as `f32::max` does.
+        let mut m = f32x4_abs(v[0]);
+        for &vi in &v[1..] {
+            m = f32x4_pmax(m, f32x4_abs(vi));
+        }
+        let m = f32x4_pmax(m, i32x4_shuffle::<2, 3, 0, 1>(m, m));
+        let m = f32x4_pmax(m, i32x4_shuffle::<1, 0, 3, 2>(m, m));
+        let scale = f32x4_extract_lane::<0>(m) / 127.0;
+        let inv = f32x4_splat(if scale > 0.0 && scale.is_finite() { 1.0 / scale } else { 0.0 });
+        let quant = |v: v128| i32x4_trunc_sat_f32x4(f32x4_nearest(f32x4_mul(v, inv)));
+        let mut sums = [0i32; 2];
+        for (h, sum) in sums.iter_mut().enumerate() {
+            let lo = i16x8_narrow_i32x4(quant(v[4 * h]), quant(v[4 * h + 1]));
+            let hi = i16x8_narrow_i32x4(quant(v[4 * h + 2]), quant(v[4 * h + 3]));
+            let bytes = i8x16_narrow_i16x8(lo, hi);
+            v128_store(q.as_mut_ptr().add(16 * h) as *mut v128, bytes);
+            let s = i32x4_extadd_pairwise_i16x8(i16x8_add(lo, hi));
+            *sum = i32x4_extract_lane::<0>(s) + i32x4_extract_lane::<1>(s) + i32x4_extract_lane::<2>(s) + i32x4_extract_lane::<3>(s);
+        }
+        (scale, sums)
     }
 }
 
