@@ -16,7 +16,8 @@ llama=${LLAMA_SERVER:-/var/tmp/llama.cpp-0.3.36/build-cpu/bin/llama-server}
 model=$("$wisp" fetch)
 cores=$(nproc)
 ctx=512
-"$wisp" serve --model "$model" --port 18080 --gpu off --parallel "$clients" --ctx "$ctx" 2>/tmp/wisp-serve.log &
+# WISP_SERVE_ARGS: more options of `wisp serve` (e.g. `--precision fast`).
+"$wisp" serve --model "$model" --port 18080 --gpu off --parallel "$clients" --ctx "$ctx" ${WISP_SERVE_ARGS:-} 2>/tmp/wisp-serve.log &
 wisp_pid=$!
 "$llama" -m "$model" --port 18081 -t "$cores" --parallel "$clients" -c $((ctx * clients)) --no-webui \
     >/tmp/llama-server.log 2>&1 &

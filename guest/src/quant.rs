@@ -205,6 +205,10 @@ pub struct QMatrix {
     pub d: Scales,
     /// `[n_out, n_in / 32]`, empty when the format has no mins.
     pub m: Vec<f32>,
+    /// Some value is -128 (Q8_0's values are -127..=127 as ggml writes them): the int8
+    /// products, which take each value's magnitude as a 7-bit number, leave such a matrix to
+    /// the exact ones (`kernels::takes_int8`).
+    pub i8_min: bool,
 }
 
 /// The group of scales a block format converts to, and whether it carries mins.
@@ -313,7 +317,8 @@ impl QMatrix {
                 (Values::I8(q), Scales::F32(d), m)
             }
         };
-        Some(QMatrix { n_out, n_in, group, values, d, m })
+        let i8_min = matches!(&values, Values::I8(q) if q.contains(&i8::MIN));
+        Some(QMatrix { n_out, n_in, group, values, d, m, i8_min })
     }
 
     /// The integer value at row `r`, column `c`.
@@ -448,6 +453,7 @@ impl QMatrix {
             }
         }
         self.m.extend_from_slice(&other.m);
+        self.i8_min |= other.i8_min;
         self.n_out += other.n_out;
     }
 }

@@ -109,9 +109,11 @@ pub struct LoadOptions {
     /// Where the guest runs its products.
     pub gpu: GpuMode,
     /// How exactly products and attention are computed: [`Precision::Exact`] (the default)
-    /// keeps f32 exactness on every path; [`Precision::Fast`] lets each path round products'
-    /// inputs to f16 (cooperative matrices on wgpu where the adapter offers them), held to the
-    /// golden thresholds instead. A path with nothing faster computes it exactly.
+    /// keeps f32 exactness on every path; [`Precision::Fast`] lets a path round products' inputs,
+    /// held to the golden thresholds instead: the guest's CPU quantizes activations to int8 (the
+    /// same bits on every host), wgpu rounds them
+    /// to f16 where the adapter offers cooperative matrices. A path with nothing faster computes
+    /// it exactly.
     pub precision: Precision,
 }
 

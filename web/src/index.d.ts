@@ -2,7 +2,7 @@
 
 /** Where the matrix products may run: `auto` lets the engine choose. */
 export type GpuMode = 'auto' | 'on' | 'off';
-/** `exact` keeps f32 results the same on every host; `fast` lets each path round its own way. */
+/** `exact` keeps f32 results the same on every host; `fast` rounds products' inputs (int8 activations on the CPU, f16 on GPUs with cooperative matrices), held to the golden thresholds. */
 export type Precision = 'exact' | 'fast';
 
 /** A model: its URL, and optionally its sha256 (then the cache is looked up by it, and a download must match it). */

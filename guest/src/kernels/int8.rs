@@ -1,18 +1,20 @@
 //! wasm SIMD kernels of the `fast` products: int8 activations (`QActs8`) against the weights'
-//! values taken unsigned (nibbles before their offset, Q6_K's values plus 32), so that 16 byte
-//! products are one relaxed-SIMD instruction where the guest is built with `relaxed-simd`, and
-//! a few standard ones where not. Both give the same bits: every product and sum is an exact
-//! integer (weights below 64, activations within ±127: no lane saturates), and the f32 steps
-//! after them are the same. Each kernel mirrors `scalar::dot_q8` and is tested against it.
+//! values as 7-bit unsigned numbers (nibbles before their offset, Q6_K's values plus 32, Q8_0's
+//! magnitudes with their signs moved onto the activations), so that 16 byte products are one
+//! relaxed-SIMD instruction where the guest is built with `relaxed-simd`, and a few standard
+//! ones where not. Both give the same bits: every product and sum is an exact integer (no lane
+//! saturates), and the f32 steps after them are the same. Each kernel mirrors
+//! `scalar::dot_q8` and is tested against it.
 
 use super::simd128::{I8, NIB, NIB5, Row, block_unsigned, hsum, hsum4_i32, load_weights, plane, scale, scales4, storage};
 use super::{QActs8, RowScratch};
 use crate::quant::{Group, QK, QMatrix, Values};
 use core::arch::wasm32::*;
 
-/// The 16 products `a[i] u[i]` (`a` in -127..=127, `u` in 0..=63) as i32x4 partial sums. With
-/// relaxed SIMD, byte products summed in pairs (no i16 lane saturates: each is within
-/// ±16,002); without, widened to i16 and summed in pairs as i32. The lanes differ between the
+/// The 16 products `a[i] u[i]` (`a` and `u` in -127..=127, `u` not negative) as i32x4 partial
+/// sums. With relaxed SIMD, byte products summed in pairs (no i16 lane saturates: each is
+/// within ±32,258, and `u` is a 7-bit number, as the instruction's result on every engine
+/// needs); without, widened to i16 and summed in pairs as i32. The lanes differ between the
 /// two, their total does not, and the kernels only ever use the total of each block's lanes.
 #[inline(always)]
 fn sum16(a: v128, u: v128) -> v128 {
@@ -29,7 +31,7 @@ fn sum16(a: v128, u: v128) -> v128 {
     )
 }
 
-/// The 32 products of one block as i32x4 partial sums (lanes as `sum16`'s).
+/// The 32 products of one block as i32x4 partial sums (lanes as `sum16`'s), `u` below 64.
 #[inline(always)]
 fn sum32((a_lo, a_hi): (v128, v128), (u_lo, u_hi): (v128, v128)) -> v128 {
     // Two blocks' halves summed in i16 before widening: within i16 (each lane within ±16,002).
@@ -39,11 +41,40 @@ fn sum32((a_lo, a_hi): (v128, v128), (u_lo, u_hi): (v128, v128)) -> v128 {
     i32x4_add(sum16(a_lo, u_lo), sum16(a_hi, u_hi))
 }
 
+/// `a` with the signs of `w`'s values: `-a[i]` where `w[i] < 0` (`neg` is `w < 0`, lane by lane).
+#[inline(always)]
+fn flip(a: v128, neg: v128) -> v128 {
+    i8x16_sub(v128_xor(a, neg), neg)
+}
+
+/// The products of one block of Q8_0's signed values `w` (none -128) and activations `a`:
+/// each value's sign moved onto its activation, its magnitude the unsigned operand. The halves
+/// are widened apart (a lane of pair products reaches ±32,258).
+#[inline(always)]
+fn sum32_signed((a_lo, a_hi): (v128, v128), (w_lo, w_hi): (v128, v128)) -> v128 {
+    let zero = i8x16_splat(0);
+    let half = |a: v128, w: v128| sum16(flip(a, i8x16_lt(w, zero)), i8x16_abs(w));
+    i32x4_add(half(a_lo, w_lo), half(a_hi, w_hi))
+}
+
+/// One block's products for a row of storage `V`: Q8_0's signed values (`I8`) or unsigned ones.
+#[inline(always)]
+fn block_sum<const V: u8>(a: (v128, v128), w: (v128, v128)) -> v128 {
+    if V == I8 { sum32_signed(a, w) } else { sum32(a, w) }
+}
+
 /// 32 activations from `p` (16-byte aligned), loaded where written (see `simd128::load_here`).
 #[inline(always)]
 unsafe fn acts(p: *const i8) -> (v128, v128) {
     debug_assert!((p as usize).is_multiple_of(16));
     unsafe { (core::ptr::read_volatile(p as *const v128), core::ptr::read_volatile(p.add(16) as *const v128)) }
+}
+
+/// 8 i16 activations from `p` (16-byte aligned), loaded where written.
+#[inline(always)]
+unsafe fn acts16(p: *const i16) -> v128 {
+    debug_assert!((p as usize).is_multiple_of(16));
+    unsafe { core::ptr::read_volatile(p as *const v128) }
 }
 
 /// Q6_K's values (-32..=31, i8) of block `b` as unsigned ones, plus 32.
@@ -56,8 +87,8 @@ unsafe fn block_q6(row: Row, b: usize) -> (v128, v128) {
     }
 }
 
-/// The unsigned values of block `b` of a packed G32 row (`NIB`, `NIB5`) or of a row unpacked
-/// by `unpack_row` (`I8`: the values stored as they are).
+/// The unsigned values of block `b` of a packed G32 row (`NIB`, `NIB5`), or the values of an
+/// `I8` row as they are stored (Q8_0's signed ones, or a row `unpack_row` made).
 #[inline(always)]
 unsafe fn block<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
     unsafe {
@@ -120,10 +151,10 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
         let mut b = 0;
         while b + 4 <= nb {
             let bits = plane::<V>(row, b);
-            let p0 = sum32(acts(xq.add(QK * b)), block::<V>(row, b, bits, 0));
-            let p1 = sum32(acts(xq.add(QK * (b + 1))), block::<V>(row, b + 1, bits, 1));
-            let p2 = sum32(acts(xq.add(QK * (b + 2))), block::<V>(row, b + 2, bits, 2));
-            let p3 = sum32(acts(xq.add(QK * (b + 3))), block::<V>(row, b + 3, bits, 3));
+            let p0 = block_sum::<V>(acts(xq.add(QK * b)), block::<V>(row, b, bits, 0));
+            let p1 = block_sum::<V>(acts(xq.add(QK * (b + 1))), block::<V>(row, b + 1, bits, 1));
+            let p2 = block_sum::<V>(acts(xq.add(QK * (b + 2))), block::<V>(row, b + 2, bits, 2));
+            let p3 = block_sum::<V>(acts(xq.add(QK * (b + 3))), block::<V>(row, b + 3, bits, 3));
             acc = f32x4_add(acc, terms4::<F16, MINS>(row, b, hsum4_i32(p0, p1, p2, p3), x, tok, off));
             b += 4;
         }
@@ -148,7 +179,7 @@ unsafe fn tail_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, n: 
                 2 => block::<V>(row, b, bits, 2),
                 _ => block::<V>(row, b, bits, 3),
             };
-            let p = sum32(acts(xq.add(QK * b)), u);
+            let p = block_sum::<V>(acts(xq.add(QK * b)), u);
             let qs = *x.qsum.get_unchecked(tok * nb + b);
             let isum = i32x4_extract_lane::<0>(p) + i32x4_extract_lane::<1>(p) + i32x4_extract_lane::<2>(p) + i32x4_extract_lane::<3>(p);
             let mut t = (isum - qs * offset) as f32 * scale::<F16>(row, b);
@@ -247,12 +278,22 @@ unsafe fn dot_row_x4<const V: u8, const F16: bool, const G16: bool, const MINS: 
                 let p = f32x4_add(f32x4_mul(f32x4_convert_i32x4(s_lo), d0), f32x4_mul(f32x4_convert_i32x4(s_hi), d1));
                 return f32x4_mul(p, xs4);
             }
-            let sums = hsum4_i32(
-                sum32(acts(x0), u),
-                sum32(acts(x0.add(n)), u),
-                sum32(acts(x0.add(2 * n)), u),
-                sum32(acts(x0.add(3 * n)), u),
-            );
+            let sums = match V == I8 {
+                // Q8_0: its values widened once for the four tokens, against the activations'
+                // i16 copies (`QActs8::q16`): the same integer products as `sum32_signed`'s,
+                // with no sign moved per token.
+                true => {
+                    let w = [i16x8_extend_low_i8x16(u.0), i16x8_extend_high_i8x16(u.0), i16x8_extend_low_i8x16(u.1), i16x8_extend_high_i8x16(u.1)];
+                    let x16 = x.q16.as_ptr().add(tok * n + QK * b);
+                    let prod = |x: *const i16| {
+                        let lo = i32x4_add(i32x4_dot_i16x8(w[0], acts16(x)), i32x4_dot_i16x8(w[1], acts16(x.add(8))));
+                        let hi = i32x4_add(i32x4_dot_i16x8(w[2], acts16(x.add(16))), i32x4_dot_i16x8(w[3], acts16(x.add(24))));
+                        i32x4_add(lo, hi)
+                    };
+                    hsum4_i32(prod(x16), prod(x16.add(n)), prod(x16.add(2 * n)), prod(x16.add(3 * n)))
+                }
+                false => hsum4_i32(sum32(acts(x0), u), sum32(acts(x0.add(n)), u), sum32(acts(x0.add(2 * n)), u), sum32(acts(x0.add(3 * n)), u)),
+            };
             let qs = v128_load(qsum4.add(4 * b) as *const v128);
             let isum = i32x4_sub(sums, times_offset(qs, off));
             let mut t = f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(*unpacked.d32.add(b)));
@@ -283,8 +324,8 @@ unsafe fn dot_row_x4<const V: u8, const F16: bool, const G16: bool, const MINS: 
     }
 }
 
-/// Unpacks `row` into `s`: unsigned values (nibbles before their offset, Q6_K's plus 32) and
-/// f32 scales, the layout the 4-token kernel reads.
+/// Unpacks `row` into `s`: unsigned values (nibbles before their offset, Q6_K's plus 32; Q8_0's
+/// as they are) and f32 scales, the layout the 4-token kernel reads.
 #[inline(always)]
 unsafe fn unpack_row<const V: u8, const F16: bool, const G16: bool>(row: Row, n: usize, s: &mut RowScratch) {
     let nb = n / QK;
@@ -304,6 +345,7 @@ unsafe fn unpack_row<const V: u8, const F16: bool, const G16: bool>(row: Row, n:
                 let b = four + k;
                 store(b, match (G16, k) {
                     (true, _) => block_q6(row, b),
+                    (false, _) if V == I8 => block::<I8>(row, b, bits, 0),
                     (false, 0) => block_unsigned::<V>(row, b, bits, 0),
                     (false, 1) => block_unsigned::<V>(row, b, bits, 1),
                     (false, 2) => block_unsigned::<V>(row, b, bits, 2),
@@ -311,8 +353,15 @@ unsafe fn unpack_row<const V: u8, const F16: bool, const G16: bool>(row: Row, n:
                 });
             }
         }
-        for (i, d) in s.d.iter_mut().enumerate() {
-            *d = if G16 { *row.d32.add(i) } else { scale::<F16>(row, i) };
+        let d = s.d.as_mut_ptr();
+        let mut i = 0;
+        while !G16 && i + 4 <= g {
+            v128_store(d.add(i) as *mut v128, scales4::<F16>(row, i));
+            i += 4;
+        }
+        while i < g {
+            *d.add(i) = if G16 { *row.d32.add(i) } else { scale::<F16>(row, i) };
+            i += 1;
         }
     }
 }
@@ -393,6 +442,10 @@ pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32
     unsafe {
         match (w.group, storage(w), f16, mins) {
             (Group::G16, ..) => matmul_rows::<I8, false, true, false>(w, x, scratch, y, offset),
+            (_, I8, false, false) => matmul_rows::<I8, false, false, false>(w, x, scratch, y, offset),
+            (_, I8, false, true) => matmul_rows::<I8, false, false, true>(w, x, scratch, y, offset),
+            (_, I8, true, false) => matmul_rows::<I8, true, false, false>(w, x, scratch, y, offset),
+            (_, I8, true, true) => matmul_rows::<I8, true, false, true>(w, x, scratch, y, offset),
             (_, NIB, false, false) => matmul_rows::<NIB, false, false, false>(w, x, scratch, y, offset),
             (_, NIB, false, true) => matmul_rows::<NIB, false, false, true>(w, x, scratch, y, offset),
             (_, NIB, true, false) => matmul_rows::<NIB, true, false, false>(w, x, scratch, y, offset),

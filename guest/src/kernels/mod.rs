@@ -131,6 +131,9 @@ pub struct QActs8 {
     pub n: usize,
     /// `[t, n]`, 16-byte aligned.
     pub q: Aligned<i8>,
+    /// `q` widened to i16, `[t, n]`, 16-byte aligned: the 4-token kernel's Q8_0 products take
+    /// them (their values are signed 8-bit too, and products of i16 cost it no sign moves).
+    pub q16: Aligned<i16>,
     /// `[t, n / 32]`
     pub s: Vec<f32>,
     /// `[t, n / 32]`: the sum of each block's `q`.
@@ -165,6 +168,10 @@ impl QActs8 {
             *s = scale;
             sums.copy_from_slice(&halves);
         }
+        self.q16.resize(t * n);
+        for (w, &v) in self.q16.iter_mut().zip(self.q.iter()) {
+            *w = v as i16;
+        }
         self.qsum.clear();
         self.qsum.extend(self.qsum16.chunks_exact(2).map(|h| h[0] + h[1]));
         regroup(&self.s, t, &mut self.s4);
@@ -191,25 +198,28 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
     scalar::matmul_q(w, x, scratch, y);
 }
 
-/// Whether `matmul_q8` (int8 activations) takes `w`: weights whose values are below 64 once
-/// their offset is added (4- and 5-bit nibbles; Q6_K, the one format with a scale per 16, at
-/// -32..=31). Q8_0's values span the whole i8 range: against int8 activations each needs a
-/// sign moved onto its activation, which costs what the exact i16 products do here, so it
-/// stays on `matmul_q`.
+/// Whether `matmul_q8` (int8 activations) takes `w`: every format, its values taken as 7-bit
+/// unsigned numbers against the activations' bytes. 4- and 5-bit nibbles and Q6_K's values
+/// (-32..=31, the one format with a scale per 16) plus an offset below 64; Q8_0's values as
+/// their magnitudes, their signs moved onto the activations, unless one is -128 (whose
+/// magnitude needs 8 bits; ggml never writes it).
 pub fn takes_int8(w: &QMatrix) -> bool {
     match (&w.values, w.group) {
         // Offsets 0 or a power of two (the formats' 0, 8 and 16): the kernels shift, not multiply.
         (Values::Nibbles { offset, .. }, Group::G32) => *offset == 0 || (*offset > 0 && (*offset as u8).is_power_of_two()),
         (Values::I8(_), Group::G16) => w.m.is_empty(),
+        (Values::I8(_), Group::G32) => w.m.is_empty() && !w.i8_min,
         _ => false,
     }
 }
 
-/// What `matmul_q8` adds to `w`'s values to take them unsigned (see `takes_int8`).
+/// What `matmul_q8` adds to `w`'s values to take them unsigned (see `takes_int8`; 0 for
+/// Q8_0's, whose signs go onto the activations).
 pub fn unsigned_offset(w: &QMatrix) -> i32 {
-    match &w.values {
-        Values::Nibbles { offset, .. } => *offset as i32,
-        Values::I8(_) => 32,
+    match (&w.values, w.group) {
+        (Values::Nibbles { offset, .. }, _) => *offset as i32,
+        (Values::I8(_), Group::G16) => 32,
+        (Values::I8(_), Group::G32) => 0,
     }
 }
 
@@ -663,23 +673,39 @@ mod tests {
         (acts, y)
     }
 
-    /// The formats the int8 products take: all but Q8_0.
-    const INT8_KINDS: [TensorType; 4] = [TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K];
-
-    #[test]
-    fn the_int8_products_take_every_format_but_q8_0() {
-        let mut rng = Rng(seed());
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
-            let n_in = kind.block().0 as usize;
-            let q = QMatrix::from_blocks(kind, &random_blocks(kind, 2 * n_in, &mut rng), 2, n_in).unwrap();
-            assert_eq!(takes_int8(&q), kind != TensorType::Q8_0, "{kind:?}");
-            if takes_int8(&q) {
-                // Every value, taken unsigned, is below 64 (the kernels' no-saturation bound).
-                let offset = unsigned_offset(&q);
-                let values: Vec<i32> = (0..n_in).map(|c| q.value(1, c) as i32 + offset).collect();
-                assert!(values.iter().all(|v| (0..64).contains(v)), "{kind:?} {offset}: {values:?}");
+    /// Random blocks of `kind` as ggml writes them: Q8_0 values in -127..=127.
+    fn ggml_blocks(kind: TensorType, n: usize, rng: &mut Rng) -> Vec<u8> {
+        let mut data = random_blocks(kind, n, rng);
+        if kind == TensorType::Q8_0 {
+            for block in data.chunks_exact_mut(34) {
+                block[2..].iter_mut().filter(|v| **v == 0x80).for_each(|v| *v = 0x81);
             }
         }
+        data
+    }
+
+    /// The formats the int8 products take (all of them).
+    const INT8_KINDS: [TensorType; 5] = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K];
+
+    #[test]
+    fn the_int8_products_take_every_format_but_a_q8_0_with_a_minus_128() {
+        let mut rng = Rng(seed());
+        for kind in INT8_KINDS {
+            let n_in = kind.block().0 as usize;
+            let q = QMatrix::from_blocks(kind, &ggml_blocks(kind, 2 * n_in, &mut rng), 2, n_in).unwrap();
+            assert!(takes_int8(&q), "{kind:?}");
+            // Every value, taken unsigned (Q8_0's: its magnitude), is at most 127, and below 64
+            // where the kernels add two lanes of products in i16.
+            let offset = unsigned_offset(&q);
+            let values: Vec<i32> = (0..n_in).map(|c| q.value(1, c) as i32 + offset).map(|v| if offset == 0 { v.abs() } else { v }).collect();
+            let bound = if kind == TensorType::Q8_0 { 128 } else { 64 };
+            assert!(values.iter().all(|v| (0..bound).contains(v)), "{kind:?} {offset}: {values:?}");
+        }
+        // A Q8_0 block with a -128 (which ggml never writes) stays on the exact products.
+        let mut block = random_blocks(TensorType::Q8_0, 32, &mut rng);
+        block[2 + 5] = 0x80;
+        let q = QMatrix::from_blocks(TensorType::Q8_0, &block, 1, 32).unwrap();
+        assert!(q.i8_min && !takes_int8(&q));
     }
 
     /// The int8 products, as `matmul_q8` runs them (SIMD on wasm32, relaxed or not), equal the
@@ -695,7 +721,7 @@ mod tests {
                 let blocks = 1 + (rng.next_u64() % 3) as usize;
                 let n_in = block as usize * blocks * if block == 32 { 1 + (rng.next_u64() % 11) as usize } else { 1 };
                 let n_out = 1 + (rng.next_u64() % 9) as usize;
-                let data = random_blocks(kind, n_out * n_in, &mut rng);
+                let data = ggml_blocks(kind, n_out * n_in, &mut rng);
                 let q = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
                 let mut w = vec![0f32; n_out * n_in];
                 quant::dequantize(kind, &data, &mut w);
@@ -739,7 +765,7 @@ mod tests {
             for blocks in [1usize, 4, 5, 8, 11] {
                 let n_in = (32 * blocks.max(block as usize / 32)).div_ceil(block as usize) * block as usize;
                 let n_out = 1 + (rng.next_u64() % 6) as usize;
-                let q = QMatrix::from_blocks(kind, &random_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap();
+                let q = QMatrix::from_blocks(kind, &ggml_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap();
                 for t in [2usize, 4, 5, 8, 9, 13] {
                     let x = activations(&mut rng, t * n_in);
                     let (_, y) = product8(&q, &x, t);
@@ -779,6 +805,8 @@ mod tests {
                 assert!(!v.is_finite() || !s.is_finite() || (q[i] as f32 * s - v).abs() <= 0.51 * s, "block {b} element {i}");
             }
         }
+        assert!(acts.q16.iter().zip(acts.q.iter()).all(|(w, &v)| *w == v as i16) && acts.q16.len() == acts.q.len());
+        assert_eq!(acts.q16.as_ptr() as usize % 16, 0);
         // The regrouped sums of 4-token groups hold the same values.
         assert_eq!(acts.qsum4[(0 * 8 + 3) * 4 + 2], acts.qsum[2 * 8 + 3]);
         assert_eq!(acts.qsum16_4[(0 * 16 + 5) * 4 + 1], acts.qsum16[16 + 5]);

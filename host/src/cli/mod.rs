@@ -142,8 +142,8 @@ pub enum PrecisionArg {
     /// f32 products and sums on every path, within f32 rounding of a float64 forward.
     #[default]
     Exact,
-    /// Held to the golden thresholds instead: products' inputs in f16 where a path gains by it
-    /// (cooperative matrices on GPUs that offer them); computed exactly where not.
+    /// Held to the golden thresholds instead: on the guest's CPU, int8 activations; on GPUs with
+    /// cooperative matrices, f16 inputs; elsewhere exact.
     Fast,
 }
 
