@@ -60,7 +60,7 @@ fn rmse(a: &[f32], b: &[f32]) -> f64 {
 }
 
 #[test]
-fn fast_logits_are_the_same_bits_in_the_portable_and_relaxed_guests() {
+fn logits_are_the_same_bits_in_the_portable_and_relaxed_guests() {
     let (mut relaxed, rm) = open(wisp::GUEST_RELAXED_WASM, Precision::Fast);
     let p = prompt(&mut relaxed, rm, 23);
     let fast = logits(&mut relaxed, rm, &p);
@@ -73,6 +73,12 @@ fn fast_logits_are_the_same_bits_in_the_portable_and_relaxed_guests() {
     // The int8 products ran (`exact` gives other logits), and stay near exact math.
     let (mut exact_inst, em) = open(wisp::GUEST_RELAXED_WASM, Precision::Exact);
     let exact = logits(&mut exact_inst, em, &p);
+    // `exact` is the same in both builds too (relaxed SIMD is only in the int8 products).
+    let (mut exact_portable, epm) = open(wisp::GUEST_WASM, Precision::Exact);
+    let exact_p = logits(&mut exact_portable, epm, &p);
+    for (i, (a, b)) in exact.iter().zip(&exact_p).enumerate() {
+        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "step {i}: exact logits differ between the builds");
+    }
     for (i, (f, e)) in fast.iter().zip(&exact).enumerate() {
         let r = rmse(f, e);
         assert!(r > 1e-3 && r < 0.5, "step {i}: fast vs exact RMSE {r}");

@@ -26,13 +26,19 @@ pub fn dot_q(w: &QMatrix, r: usize, q: &[i8], d: &[f32], x: &QActs, tok: usize) 
 
 /// `y[t, n_out] = x[t, n_in] @ W^T`
 pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
+    each_output(w, x.t, scratch, y, |r, q, d, tok| dot_q(w, r, q, d, x, tok));
+}
+
+/// `y[tok, r] = dot(r, values, scales, tok)` for every row `r` of `w` and token `tok` of `t`,
+/// each row's values and scales unpacked into `scratch` once.
+fn each_output(w: &QMatrix, t: usize, scratch: &mut RowScratch, y: &mut [f32], dot: impl Fn(usize, &[i8], &[f32], usize) -> f32) {
     scratch.q.resize(w.n_in, 0);
     scratch.d.resize(w.n_in / w.group as usize, 0.0);
     for r in 0..w.n_out {
         w.row_values(r, &mut scratch.q);
         w.row_scales(r, &mut scratch.d);
-        for tok in 0..x.t {
-            y[tok * w.n_out + r] = dot_q(w, r, &scratch.q, &scratch.d, x, tok);
+        for tok in 0..t {
+            y[tok * w.n_out + r] = dot(r, &scratch.q, &scratch.d, tok);
         }
     }
 }
@@ -73,15 +79,7 @@ pub fn dot_q8(w: &QMatrix, r: usize, q: &[i8], d: &[f32], x: &QActs8, tok: usize
 
 /// `y[t, n_out] = x[t, n_in] @ W^T`, int8 activations.
 pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32]) {
-    scratch.q.resize(w.n_in, 0);
-    scratch.d.resize(w.n_in / w.group as usize, 0.0);
-    for r in 0..w.n_out {
-        w.row_values(r, &mut scratch.q);
-        w.row_scales(r, &mut scratch.d);
-        for tok in 0..x.t {
-            y[tok * w.n_out + r] = dot_q8(w, r, &scratch.q, &scratch.d, x, tok);
-        }
-    }
+    each_output(w, x.t, scratch, y, |r, q, d, tok| dot_q8(w, r, q, d, x, tok));
 }
 
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
