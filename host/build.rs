@@ -61,19 +61,7 @@ fn main() {
         .map(|p| if p.is_absolute() { p } else { root.join(p) })
         .unwrap_or_else(|| root.join("target"))
         .join("guest");
-    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.current_dir(&root)
-        .args(["build", "--release", "--locked"])
-        .args(GUEST_PACKAGES.iter().flat_map(|p| ["-p", p]))
-        .args(["--target", "wasm32-wasip2"])
-        .arg("--target-dir")
-        .arg(&target_dir);
-    // The outer build's flags are for the host target; the guest's come from .cargo/config.toml.
-    for var in ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR"] {
-        cmd.env_remove(var);
-    }
-    let status = cmd.status().expect("could not run cargo to build the guest");
+    let status = guest_build(&root, &target_dir, &GUEST_PACKAGES).status().expect("could not run cargo to build the guest");
     if !status.success() {
         panic!(
             "building the guest component failed (is the target installed? \
@@ -85,14 +73,7 @@ fn main() {
     // the portable build's bit for bit (see guest/src/kernels/int8.rs). The native host runs
     // it; the portable one is what other hosts (the browser package, `wisp bake`) carry.
     let relaxed_dir = target_dir.with_file_name("guest-relaxed");
-    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
-    cmd.current_dir(&root)
-        .args(["build", "--release", "--locked", "-p", "wisp-guest", "--target", "wasm32-wasip2"])
-        .arg("--target-dir")
-        .arg(&relaxed_dir);
-    for var in ["CARGO_ENCODED_RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR"] {
-        cmd.env_remove(var);
-    }
+    let mut cmd = guest_build(&root, &relaxed_dir, &["wisp-guest"]);
     // RUSTFLAGS replaces .cargo/config.toml's flags for the target: the same ones, plus.
     let flags = relaxed_rustflags(&root);
     cmd.env("RUSTFLAGS", &flags);
@@ -104,6 +85,22 @@ fn main() {
     }
     embed(&target_dir);
     embed_relaxed(&relaxed_dir);
+}
+
+/// A release build of `packages` for wasm32-wasip2 in `target_dir`, by a nested cargo. The
+/// outer build's flags are for the host target; the guest's come from .cargo/config.toml.
+fn guest_build(root: &std::path::Path, target_dir: &std::path::Path, packages: &[&str]) -> Command {
+    let mut cmd = Command::new(env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    cmd.current_dir(root)
+        .args(["build", "--release", "--locked"])
+        .args(packages.iter().flat_map(|p| ["-p", p]))
+        .args(["--target", "wasm32-wasip2"])
+        .arg("--target-dir")
+        .arg(target_dir);
+    for var in ["CARGO_ENCODED_RUSTFLAGS", "RUSTFLAGS", "CARGO_BUILD_TARGET", "CARGO_TARGET_DIR"] {
+        cmd.env_remove(var);
+    }
+    cmd
 }
 
 /// The flags of the relaxed-SIMD guest: .cargo/config.toml's rustflags for wasm32-wasip2 (the

@@ -58,7 +58,7 @@ impl wit::Guest for Component {
 /// The host's `gpu` imports as the dispatcher's `Device`: ids index the weight handles.
 struct HostGpu {
     /// The precision of the products and attention of the programs made here (the model's
-    /// load option; the guest's own CPU kernels take it too: `Model::set_fast_products`).
+    /// load option; the guest's own CPU kernels take it too: `ModelRes::fast`).
     precision: gpu::Precision,
     weights: RefCell<Vec<Option<gpu::Weight>>>,
     caches: RefCell<Vec<Option<gpu::KvCache>>>,

@@ -111,9 +111,8 @@ pub struct LoadOptions {
     /// How exactly products and attention are computed: [`Precision::Exact`] (the default)
     /// keeps f32 exactness on every path; [`Precision::Fast`] lets a path round products' inputs,
     /// held to the golden thresholds instead: the guest's CPU quantizes activations to int8 (the
-    /// same bits on every host), wgpu rounds them
-    /// to f16 where the adapter offers cooperative matrices. A path with nothing faster computes
-    /// it exactly.
+    /// same bits on every host), wgpu rounds them to f16 where the adapter offers cooperative
+    /// matrices. A path with nothing faster computes it exactly.
     pub precision: Precision,
 }
 

@@ -58,11 +58,12 @@ fn guest_tests(build: Build) -> &'static HashMap<String, PathBuf> {
         cmd.current_dir(root).env_remove("CARGO_ENCODED_RUSTFLAGS").env_remove("RUSTFLAGS");
         match build {
             // The build script's packages, so that cargo resolves the same features.
-            Build::Portable => cmd.args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "-p", "wisp-http", "-p", "wisp-virt"]),
+            Build::Portable => cmd.args(["test", "--release", "--locked", "-p", "wisp-guest", "-p", "wisp-conformance", "-p", "wisp-runaway", "-p", "wisp-http", "-p", "wisp-virt", "--tests"]),
+            // Its library's tests alone (the kernels'), not the integration tests too.
             Build::Relaxed => cmd.args(["test", "--release", "--locked", "-p", "wisp-guest", "--lib"]).env("RUSTFLAGS", env!("WISP_GUEST_RELAXED_RUSTFLAGS")),
         };
         let out = cmd
-            .args(["--tests", "--no-run", "--target", "wasm32-wasip2", "--message-format=json"])
+            .args(["--no-run", "--target", "wasm32-wasip2", "--message-format=json"])
             .arg("--target-dir")
             .arg(&target_dir)
             .output()

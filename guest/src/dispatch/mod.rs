@@ -338,7 +338,8 @@ impl Dispatch {
     /// The products on the guest's CPU kernels; returns the time they took.
     fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
         let start = Instant::now();
-        let int8 = |w: &Linear| self.fast && matches!(&w.w, WeightData::Q(q) if kernels::takes_int8(q));
+        let fast = self.fast;
+        let int8 = |w: &Linear| fast && matches!(&w.w, WeightData::Q(q) if kernels::takes_int8(q));
         let (wide, narrow) = jobs.iter().fold((false, false), |(wide, narrow), (w, _)| {
             (wide || (matches!(w.w, WeightData::Q(_)) && !int8(w)), narrow || int8(w))
         });
@@ -351,7 +352,7 @@ impl Dispatch {
         for (w, y) in jobs.iter_mut() {
             let y = &mut y[..t * w.n_out];
             match &w.w {
-                WeightData::Q(q) if self.fast && kernels::takes_int8(q) => kernels::matmul_q8(q, &self.acts8, &mut self.rows, y),
+                WeightData::Q(q) if int8(w) => kernels::matmul_q8(q, &self.acts8, &mut self.rows, y),
                 WeightData::Q(q) => kernels::matmul_q(q, &self.acts, &mut self.rows, y),
                 WeightData::F32(f) => kernels::matmul_f32(f, w.n_out, w.n_in, x, t, y),
             }

@@ -6,9 +6,9 @@
 //! saturates), and the f32 steps after them are the same. Each kernel mirrors
 //! `scalar::dot_q8` and is tested against it.
 
-use super::simd128::{I8, NIB, NIB5, Row, block_unsigned, hsum, hsum4_i32, load_weights, plane, scale, scales4, storage};
+use super::simd128::{I8, NIB, NIB5, Row, block_unsigned, hsum, hsum4_i32, layout_holds, load_weights, plane, scale, scales4, storage};
 use super::{QActs8, RowScratch};
-use crate::quant::{Group, QK, QMatrix, Values};
+use crate::quant::{Group, QK, QMatrix, Scales};
 use core::arch::wasm32::*;
 
 /// The 16 products `a[i] u[i]` (`a` and `u` in -127..=127, `u` not negative) as i32x4 partial
@@ -61,6 +61,12 @@ fn sum32_signed((a_lo, a_hi): (v128, v128), (w_lo, w_hi): (v128, v128)) -> v128 
 #[inline(always)]
 fn block_sum<const V: u8>(a: (v128, v128), w: (v128, v128)) -> v128 {
     if V == I8 { sum32_signed(a, w) } else { sum32(a, w) }
+}
+
+/// The sum of an i32x4's lanes (exact: a block's products fit i32).
+#[inline(always)]
+fn lanes(v: v128) -> i32 {
+    i32x4_extract_lane::<0>(v) + i32x4_extract_lane::<1>(v) + i32x4_extract_lane::<2>(v) + i32x4_extract_lane::<3>(v)
 }
 
 /// 32 activations from `p` (16-byte aligned), loaded where written (see `simd128::load_here`).
@@ -181,8 +187,7 @@ unsafe fn tail_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, n: 
             };
             let p = block_sum::<V>(acts(xq.add(QK * b)), u);
             let qs = *x.qsum.get_unchecked(tok * nb + b);
-            let isum = i32x4_extract_lane::<0>(p) + i32x4_extract_lane::<1>(p) + i32x4_extract_lane::<2>(p) + i32x4_extract_lane::<3>(p);
-            let mut t = (isum - qs * offset) as f32 * scale::<F16>(row, b);
+            let mut t = (lanes(p) - qs * offset) as f32 * scale::<F16>(row, b);
             if MINS {
                 t -= *row.m.add(b) * qs as f32;
             }
@@ -212,7 +217,6 @@ unsafe fn dot_row_g16(row: Row, n: usize, x: &QActs8, tok: usize) -> f32 {
 #[inline(always)]
 unsafe fn term_g16(row: Row, n: usize, x: &QActs8, tok: usize, b: usize) -> f32 {
     let nb = n / QK;
-    let lanes = |v: v128| i32x4_extract_lane::<0>(v) + i32x4_extract_lane::<1>(v) + i32x4_extract_lane::<2>(v) + i32x4_extract_lane::<3>(v);
     unsafe {
         let (a_lo, a_hi) = acts(x.q.as_ptr().add(tok * n + QK * b));
         let (u_lo, u_hi) = block_q6(row, b);
@@ -420,22 +424,10 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
 /// See `super::matmul_q8`.
 pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32]) {
     let (n, nb) = (w.n_in, w.n_in / QK);
-    assert!(super::takes_int8(w) && x.n == n && n % QK == 0 && y.len() == x.t * w.n_out);
-    let g = w.group as usize;
-    let values = match &w.values {
-        Values::I8(q) => q.len() == w.n_out * n,
-        Values::Nibbles { nib, fifth, .. } => {
-            nib.len() == w.n_out * n / 2 && (fifth.is_empty() || fifth.len() == w.n_out * crate::quant::fifth_bytes_per_row(n))
-        }
-    };
-    let scales = match &w.d {
-        crate::quant::Scales::F32(d) => d.len() == w.n_out * n / g,
-        crate::quant::Scales::F16(d) => d.len() == w.n_out * n / g,
-    };
-    assert!(values && scales && (w.m.is_empty() || w.m.len() == w.n_out * nb));
+    assert!(super::takes_int8(w) && x.n == n && n % QK == 0 && y.len() == x.t * w.n_out && layout_holds(w));
     assert!(x.q.len() >= x.t * n && x.s.len() >= x.t * nb && x.qsum.len() >= x.t * nb && x.qsum16.len() >= 2 * x.t * nb);
     assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.qsum4.len() >= x.t / 4 * nb * 4 && x.qsum16_4.len() >= x.t / 4 * 2 * nb * 4);
-    let f16 = matches!(w.d, crate::quant::Scales::F16(_));
+    let f16 = matches!(w.d, Scales::F16(_));
     let mins = !w.m.is_empty();
     let offset = super::unsigned_offset(w);
     // SAFETY: the asserts above bound every row, block and token index the kernels read.

@@ -528,11 +528,10 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
     }
 }
 
-/// `y[t, n_out] = x[t, n_in] @ W^T`. Rows outermost, so each weight row is read once from
-/// memory while the (smaller) activations stay in cache; tokens in groups of 4.
-pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
-    let (n, nb, g) = (w.n_in, w.n_in / QK, w.group as usize);
-    assert!(x.n == n && n % QK == 0 && y.len() == x.t * w.n_out);
+/// Whether `w`'s values, scales and mins have the lengths its shape says: what the kernels'
+/// row and block indexing relies on (`matmul_q` and `int8::matmul_q8` assert it).
+pub(super) fn layout_holds(w: &QMatrix) -> bool {
+    let (n, g) = (w.n_in, w.group as usize);
     let values = match &w.values {
         Values::I8(q) => q.len() == w.n_out * n,
         Values::Nibbles { nib, fifth, .. } => {
@@ -543,10 +542,17 @@ pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32])
         Scales::F32(d) => d.len() == w.n_out * n / g,
         Scales::F16(d) => d.len() == w.n_out * n / g,
     };
-    assert!(values && scales && (w.m.is_empty() || w.m.len() == w.n_out * nb));
+    values && scales && (w.m.is_empty() || w.m.len() == w.n_out * n / QK)
+}
+
+/// `y[t, n_out] = x[t, n_in] @ W^T`. Rows outermost, so each weight row is read once from
+/// memory while the (smaller) activations stay in cache; tokens in groups of 4.
+pub fn matmul_q(w: &QMatrix, x: &QActs, scratch: &mut RowScratch, y: &mut [f32]) {
+    let (n, nb) = (w.n_in, w.n_in / QK);
+    assert!(x.n == n && n % QK == 0 && y.len() == x.t * w.n_out && layout_holds(w));
     assert!(x.q.len() >= x.t * x.n && x.s.len() >= x.t * nb && x.sum.len() >= x.t * nb);
     assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.sum4.len() >= x.t / 4 * nb * 4);
-        let f16 = matches!(w.d, Scales::F16(_));
+    let f16 = matches!(w.d, Scales::F16(_));
     let mins = !w.m.is_empty();
     // SAFETY: the asserts above bound every row, block and token index the kernels read.
     unsafe {
