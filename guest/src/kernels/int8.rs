@@ -1,6 +1,7 @@
 //! wasm SIMD kernels of the `fast` products: int8 activations (`QActs8`) against the weights'
 //! values as 7-bit unsigned numbers (nibbles before their offset, Q6_K's values plus 32, Q8_0's
-//! magnitudes with their signs moved onto the activations), so that 16 byte products are one
+//! magnitudes with their signs moved onto the activations; the four-row kernel takes Q8_0's
+//! values widened to i16 against the activations' i16 copies), so that 16 byte products are one
 //! relaxed-SIMD instruction where the guest is built with `relaxed-simd`, and a few standard
 //! ones where not. Both give the same bits: every product and sum is an exact integer (no lane
 //! saturates), and the f32 steps after them are the same. Each kernel mirrors
@@ -94,7 +95,7 @@ unsafe fn block_q6(row: Row, b: usize) -> (v128, v128) {
 }
 
 /// The unsigned values of block `b` of a packed G32 row (`NIB`, `NIB5`), or the values of an
-/// `I8` row as they are stored (Q8_0's signed ones, or a row `unpack_row` made).
+/// `I8` row as they are stored (Q8_0's signed ones).
 #[inline(always)]
 unsafe fn block<const V: u8>(row: Row, b: usize, plane: v128, k: u32) -> (v128, v128) {
     unsafe {
@@ -204,7 +205,7 @@ unsafe fn tail_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, n: 
 unsafe fn dot_row_g16(row: Row, n: usize, x: &QActs8, tok: usize) -> f32 {
     let nb = n / QK;
     let full = nb / 4 * 4;
-    // The blocks of each full four into four partial sums (lanes), as `dot_row_x4` sums them.
+    // The blocks of each full four into four partial sums (lanes), as `dot_row_g32` sums them.
     let mut parts = [0f32; 4];
     for b in 0..full {
         // SAFETY: as for `tail_g16`.
@@ -238,135 +239,220 @@ unsafe fn tail_g16(row: Row, n: usize, x: &QActs8, tok: usize, mut b: usize, mut
     out
 }
 
-/// `row` against the 4 token rows `tok..tok + 4` of `x`, one token a lane: `unpacked` holds
-/// the row's unsigned values (`unpack_row`) and f32 scales, read once for the four tokens.
-/// Each token's output is the very value `dot_row_g32` / `dot_row_g16` give it alone: the
-/// same block terms, added into four accumulators by block modulo 4 and summed in `hsum`'s
-/// order, then the same tail on the packed row. A token's products so do not depend on the
-/// tokens beside it in a batch.
+/// Unpacks rows `r..r + 4` of `w` (row 0 at `first`) into `s` for `tile`, block by block, each
+/// block's four rows one after another: the unsigned values (`q`: 32 bytes a row; Q8_0's values
+/// widened to i16 in `q16` instead), the f32 scales (`d`: four a block, or G16's eight: the four
+/// rows' first halves, then their second halves) and the mins (`m`, four a block). Rows past the
+/// matrix are zeros.
 #[inline(always)]
-unsafe fn dot_row_x4<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(
-    packed: Row,
-    unpacked: Row,
-    n: usize,
-    x: &QActs8,
-    tok: usize,
-    offset: i32,
-) -> [f32; 4] {
+unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(w: &QMatrix, first: Row, r: usize, s: &mut RowScratch) {
+    let (n, group) = (w.n_in, w.group as usize);
     let nb = n / QK;
-    let off = Offset::new(offset);
-    unsafe {
-        let xq = x.q.as_ptr().add(tok * n);
-        let s4 = x.s4.as_ptr().add(tok / 4 * nb * 4);
-        let qsum4 = x.qsum4.as_ptr().add(tok / 4 * nb * 4);
-        let qsum16_4 = x.qsum16_4.as_ptr().add(tok / 4 * 2 * nb * 4);
-        let term = |b: usize| {
-            let u = block::<I8>(unpacked, b, i8x16_splat(0), 0);
-            let x0 = xq.add(QK * b);
-            let xs4 = v128_load(s4.add(4 * b) as *const v128);
-            if G16 {
-                let half = |k: usize| {
-                    let (a_lo, a_hi) = acts(x0.add(k * n));
-                    (sum16(a_lo, u.0), sum16(a_hi, u.1))
-                };
-                let (l0, h0) = half(0);
-                let (l1, h1) = half(1);
-                let (l2, h2) = half(2);
-                let (l3, h3) = half(3);
-                let q16 = qsum16_4.add(8 * b);
-                let k = i32x4_splat(32);
-                let s_lo = i32x4_sub(hsum4_i32(l0, l1, l2, l3), i32x4_mul(v128_load(q16 as *const v128), k));
-                let s_hi = i32x4_sub(hsum4_i32(h0, h1, h2, h3), i32x4_mul(v128_load(q16.add(4) as *const v128), k));
-                let d0 = f32x4_splat(*unpacked.d32.add(2 * b));
-                let d1 = f32x4_splat(*unpacked.d32.add(2 * b + 1));
-                let p = f32x4_add(f32x4_mul(f32x4_convert_i32x4(s_lo), d0), f32x4_mul(f32x4_convert_i32x4(s_hi), d1));
-                return f32x4_mul(p, xs4);
-            }
-            let sums = match V == I8 {
-                // Q8_0: its values widened once for the four tokens, against the activations'
-                // i16 copies (`QActs8::q16`): the same integer products as `sum32_signed`'s,
-                // with no sign moved per token.
-                true => {
-                    let w = [i16x8_extend_low_i8x16(u.0), i16x8_extend_high_i8x16(u.0), i16x8_extend_low_i8x16(u.1), i16x8_extend_high_i8x16(u.1)];
-                    let x16 = x.q16.as_ptr().add(tok * n + QK * b);
-                    let prod = |x: *const i16| {
-                        let lo = i32x4_add(i32x4_dot_i16x8(w[0], acts16(x)), i32x4_dot_i16x8(w[1], acts16(x.add(8))));
-                        let hi = i32x4_add(i32x4_dot_i16x8(w[2], acts16(x.add(16))), i32x4_dot_i16x8(w[3], acts16(x.add(24))));
-                        i32x4_add(lo, hi)
-                    };
-                    hsum4_i32(prod(x16), prod(x16.add(n)), prod(x16.add(2 * n)), prod(x16.add(3 * n)))
+    match V == I8 && !G16 {
+        true => s.q16.resize(4 * n, 0),
+        false => s.q.resize(4 * n, 0),
+    }
+    s.d.resize(if G16 { 8 * nb } else { 4 * nb }, 0.0);
+    s.m.resize(if MINS { 4 * nb } else { 0 }, 0.0);
+    let (q, q16, d, m) = (s.q.as_mut_ptr(), s.q16.as_mut_ptr(), s.d.as_mut_ptr(), s.m.as_mut_ptr());
+    for k in 0..4 {
+        if r + k >= w.n_out {
+            // SAFETY (both branches): block `b`'s four rows are at `4 * QK * b` of `q` / `q16`,
+            // its scales at `4 * b` / `8 * b` of `d` and mins at `4 * b` of `m`, all within the
+            // lengths set above; `row` is a row of `w` (`r + k < n_out`).
+            unsafe {
+                for b in 0..nb {
+                    match V == I8 && !G16 {
+                        true => core::ptr::write_bytes(q16.add(4 * QK * b + QK * k), 0, QK),
+                        false => core::ptr::write_bytes(q.add(4 * QK * b + QK * k), 0, QK),
+                    }
+                    if G16 {
+                        *d.add(8 * b + k) = 0.0;
+                        *d.add(8 * b + 4 + k) = 0.0;
+                    } else {
+                        *d.add(4 * b + k) = 0.0;
+                    }
+                    if MINS {
+                        *m.add(4 * b + k) = 0.0;
+                    }
                 }
-                false => hsum4_i32(sum32(acts(x0), u), sum32(acts(x0.add(n)), u), sum32(acts(x0.add(2 * n)), u), sum32(acts(x0.add(3 * n)), u)),
-            };
-            let qs = v128_load(qsum4.add(4 * b) as *const v128);
-            let isum = i32x4_sub(sums, times_offset(qs, off));
-            let mut t = f32x4_mul(f32x4_convert_i32x4(isum), f32x4_splat(*unpacked.d32.add(b)));
-            if MINS {
-                t = f32x4_sub(t, f32x4_mul(f32x4_splat(*packed.m.add(b)), f32x4_convert_i32x4(qs)));
             }
-            f32x4_mul(t, xs4)
-        };
-        let zero = f32x4_splat(0.0);
-        let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
-        // Block `b`'s term goes to the accumulator of `b % 4` (see `simd128::dot_row_x4`).
-        let full = nb / 4 * 4;
-        for b in 0..full {
-            acc0 = f32x4_add(acc0, term(b));
-            (acc0, acc1, acc2, acc3) = (acc1, acc2, acc3, acc0);
+            continue;
         }
-        let out = f32x4_add(f32x4_add(f32x4_add(acc0, acc1), acc2), acc3);
-        let tail = |k: usize, out: f32| match G16 {
-            true => tail_g16(packed, n, x, tok + k, full, out),
-            false => tail_g32::<V, F16, MINS>(packed, n, x, tok + k, full, out, offset),
-        };
-        [
-            tail(0, f32x4_extract_lane::<0>(out)),
-            tail(1, f32x4_extract_lane::<1>(out)),
-            tail(2, f32x4_extract_lane::<2>(out)),
-            tail(3, f32x4_extract_lane::<3>(out)),
-        ]
+        let row = first.at(r + k, n, group);
+        unsafe {
+            let store = |b: usize, (lo, hi): (v128, v128)| match V == I8 && !G16 {
+                true => {
+                    let p = q16.add(4 * QK * b + QK * k) as *mut v128;
+                    v128_store(p, i16x8_extend_low_i8x16(lo));
+                    v128_store(p.add(1), i16x8_extend_high_i8x16(lo));
+                    v128_store(p.add(2), i16x8_extend_low_i8x16(hi));
+                    v128_store(p.add(3), i16x8_extend_high_i8x16(hi));
+                }
+                false => {
+                    let p = q.add(4 * QK * b + QK * k) as *mut v128;
+                    v128_store(p, lo);
+                    v128_store(p.add(1), hi);
+                }
+            };
+            // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
+            for four in (0..nb).step_by(4) {
+                let bits = plane::<V>(row, four);
+                for j in 0..(nb - four).min(4) {
+                    let b = four + j;
+                    store(b, match (G16, j) {
+                        (true, _) => block_q6(row, b),
+                        (false, _) if V == I8 => block::<I8>(row, b, bits, 0),
+                        (false, 0) => block_unsigned::<V>(row, b, bits, 0),
+                        (false, 1) => block_unsigned::<V>(row, b, bits, 1),
+                        (false, 2) => block_unsigned::<V>(row, b, bits, 2),
+                        (false, _) => block_unsigned::<V>(row, b, bits, 3),
+                    });
+                }
+            }
+            for b in 0..nb {
+                if G16 {
+                    *d.add(8 * b + k) = *row.d32.add(2 * b);
+                    *d.add(8 * b + 4 + k) = *row.d32.add(2 * b + 1);
+                } else {
+                    *d.add(4 * b + k) = scale::<F16>(row, b);
+                }
+                if MINS {
+                    *m.add(4 * b + k) = *row.m.add(b);
+                }
+            }
+        }
     }
 }
 
-/// Unpacks `row` into `s`: unsigned values (nibbles before their offset, Q6_K's plus 32; Q8_0's
-/// as they are) and f32 scales, the layout the 4-token kernel reads.
-#[inline(always)]
-unsafe fn unpack_row<const V: u8, const F16: bool, const G16: bool>(row: Row, n: usize, s: &mut RowScratch) {
-    let nb = n / QK;
-    let g = if G16 { 2 * nb } else { nb };
-    s.q.resize(n, 0);
-    s.d.resize(g, 0.0);
-    unsafe {
-        let q = s.q.as_mut_ptr();
-        let store = |b: usize, (lo, hi): (v128, v128)| {
-            v128_store(q.add(QK * b) as *mut v128, lo);
-            v128_store(q.add(QK * b + 16) as *mut v128, hi);
-        };
-        // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
-        for four in (0..nb).step_by(4) {
-            let bits = plane::<V>(row, four);
-            for k in 0..(nb - four).min(4) {
-                let b = four + k;
-                store(b, match (G16, k) {
-                    (true, _) => block_q6(row, b),
-                    (false, _) if V == I8 => block::<I8>(row, b, bits, 0),
-                    (false, 0) => block_unsigned::<V>(row, b, bits, 0),
-                    (false, 1) => block_unsigned::<V>(row, b, bits, 1),
-                    (false, 2) => block_unsigned::<V>(row, b, bits, 2),
-                    (false, _) => block_unsigned::<V>(row, b, bits, 3),
-                });
+/// Where `tile` reads one block: the token's activations and sums, and the four rows' values,
+/// scales and mins (`unpack4`'s layout), each `step`ped block by block.
+#[derive(Clone, Copy)]
+struct At {
+    xq: *const i8,
+    x16: *const i16,
+    qsum: *const i32,
+    qsum16: *const i32,
+    xs: *const f32,
+    q: *const u8,
+    q16: *const u8,
+    d: *const f32,
+    m: *const f32,
+}
+
+impl At {
+    /// `k` blocks on (`G16`: eight scales a block). Every pointer stays within its buffer or
+    /// one past its end.
+    #[inline(always)]
+    unsafe fn step<const G16: bool>(self, k: usize) -> At {
+        unsafe {
+            At {
+                xq: self.xq.add(QK * k),
+                x16: self.x16.add(QK * k),
+                qsum: self.qsum.add(k),
+                qsum16: self.qsum16.add(2 * k),
+                xs: self.xs.add(k),
+                q: self.q.add(4 * QK * k),
+                q16: self.q16.add(8 * QK * k),
+                d: self.d.add(if G16 { 8 * k } else { 4 * k }),
+                m: self.m.add(if self.m.is_null() { 0 } else { 4 * k }),
             }
         }
-        let d = s.d.as_mut_ptr();
-        let mut i = 0;
-        while !G16 && i + 4 <= g {
-            v128_store(d.add(i) as *mut v128, scales4::<F16>(row, i));
-            i += 4;
+    }
+}
+
+/// The term of the block at `at` for the four rows, one row a lane (see `tile`).
+#[inline(always)]
+unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offset: i32) -> v128 {
+    unsafe {
+        let s_b = f32x4_splat(*at.xs);
+        if G16 {
+            let (a_lo, a_hi) = acts(at.xq);
+            let lo = |k: usize| sum16(a_lo, load_weights(at.q.add(QK * k)));
+            let hi = |k: usize| sum16(a_hi, load_weights(at.q.add(QK * k + 16)));
+            let s_lo = i32x4_sub(hsum4_i32(lo(0), lo(1), lo(2), lo(3)), i32x4_splat(32 * *at.qsum16));
+            let s_hi = i32x4_sub(hsum4_i32(hi(0), hi(1), hi(2), hi(3)), i32x4_splat(32 * *at.qsum16.add(1)));
+            let p = f32x4_add(
+                f32x4_mul(f32x4_convert_i32x4(s_lo), v128_load(at.d as *const v128)),
+                f32x4_mul(f32x4_convert_i32x4(s_hi), v128_load(at.d.add(4) as *const v128)),
+            );
+            return f32x4_mul(p, s_b);
         }
-        while i < g {
-            *d.add(i) = if G16 { *row.d32.add(i) } else { scale::<F16>(row, i) };
-            i += 1;
+        let sums = match V == I8 {
+            // Q8_0: the activations' i16 copies against the rows' widened values.
+            true => {
+                let a = at.x16;
+                let (a0, a1, a2, a3) = (acts16(a), acts16(a.add(8)), acts16(a.add(16)), acts16(a.add(24)));
+                let row = |k: usize| {
+                    let w = at.q16.add(2 * QK * k);
+                    let lo = i32x4_add(i32x4_dot_i16x8(a0, load_weights(w)), i32x4_dot_i16x8(a1, load_weights(w.add(16))));
+                    let hi = i32x4_add(i32x4_dot_i16x8(a2, load_weights(w.add(32))), i32x4_dot_i16x8(a3, load_weights(w.add(48))));
+                    i32x4_add(lo, hi)
+                };
+                hsum4_i32(row(0), row(1), row(2), row(3))
+            }
+            false => {
+                let a = acts(at.xq);
+                let row = |k: usize| sum32(a, (load_weights(at.q.add(QK * k)), load_weights(at.q.add(QK * k + 16))));
+                hsum4_i32(row(0), row(1), row(2), row(3))
+            }
+        };
+        let qs = *at.qsum;
+        let isum = i32x4_sub(sums, i32x4_splat(qs * offset));
+        let mut t = f32x4_mul(f32x4_convert_i32x4(isum), v128_load(at.d as *const v128));
+        if MINS {
+            t = f32x4_sub(t, f32x4_mul(v128_load(at.m as *const v128), f32x4_splat(qs as f32)));
         }
+        f32x4_mul(t, s_b)
+    }
+}
+
+/// The four rows `unpack4` left in `s` against token row `tok` of `x`, one row a lane. Each
+/// lane is the very value `dot_row_g32` / `dot_row_g16` give its row: the same block terms
+/// (four rows' integer sums at once, then the same f32 steps lane by lane), added into four
+/// accumulators by block modulo 4, summed in `hsum`'s order, then the last blocks one by one.
+/// The activations of a block are loaded once for the four rows, and each block's f32 steps
+/// are made once for them.
+#[inline(always)]
+unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n: usize, x: &QActs8, tok: usize, offset: i32) -> v128 {
+    let nb = n / QK;
+    unsafe {
+        let mut at = At {
+            xq: x.q.as_ptr().add(tok * n),
+            x16: x.q16.as_ptr().add(tok * n),
+            qsum: x.qsum.as_ptr().add(tok * nb),
+            qsum16: x.qsum16.as_ptr().add(tok * 2 * nb),
+            xs: x.s.as_ptr().add(tok * nb),
+            q: s.q.as_ptr() as *const u8,
+            q16: s.q16.as_ptr() as *const u8,
+            d: s.d.as_ptr(),
+            m: if MINS { s.m.as_ptr() } else { core::ptr::null() },
+        };
+        let term = |at: At| tile_term::<V, G16, MINS>(at, offset);
+        let zero = f32x4_splat(0.0);
+        let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
+        // Four blocks a turn, each block's sum stored as it is made: Cranelift places a pure
+        // instruction just before its first use, and without a use in between, it would make
+        // all four blocks' products after all their loads, which then spill.
+        let mut sink = zero;
+        let sink = &mut sink as *mut v128;
+        for _ in 0..nb / 4 {
+            acc0 = f32x4_add(acc0, term(at));
+            core::ptr::write_volatile(sink, acc0);
+            acc1 = f32x4_add(acc1, term(at.step::<G16>(1)));
+            core::ptr::write_volatile(sink, acc1);
+            acc2 = f32x4_add(acc2, term(at.step::<G16>(2)));
+            core::ptr::write_volatile(sink, acc2);
+            acc3 = f32x4_add(acc3, term(at.step::<G16>(3)));
+            core::ptr::write_volatile(sink, acc3);
+            at = at.step::<G16>(4);
+        }
+        let mut out = f32x4_add(f32x4_add(f32x4_add(acc0, acc1), acc2), acc3);
+        for _ in 0..nb % 4 {
+            out = f32x4_add(out, term(at));
+            at = at.step::<G16>(1);
+        }
+        out
     }
 }
 
@@ -389,9 +475,10 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
             false => dot_row_g32::<V, F16, MINS>(row, n, x, tok, offset),
         }
     };
-    let groups = x.t / 4;
-    if groups == 0 {
-        // Decode: rows from `STREAMS` parts of the matrix in turn (see `simd128::matmul_rows`).
+    if x.t < 4 {
+        // Decode: each row read from the packed weights, rows from `STREAMS` parts of the
+        // matrix in turn (see `simd128::matmul_rows`). Unpacking four rows for `tile` costs
+        // more than it saves for so few tokens.
         const STREAMS: usize = 4;
         let part = n_out / STREAMS;
         let rows = (0..part).flat_map(|i| (0..STREAMS).map(move |c| c * part + i)).chain(STREAMS * part..n_out);
@@ -403,20 +490,20 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
         }
         return;
     }
-    for r in 0..n_out {
-        let packed = first.at(r, n, group);
+    // Four rows at a time, unpacked once for all the tokens.
+    for r in (0..n_out).step_by(4) {
         unsafe {
-            unpack_row::<V, F16, G16>(packed, n, scratch);
-            let unpacked = Row { q: scratch.q.as_ptr(), d32: scratch.d.as_ptr(), d16: core::ptr::null(), ..packed };
-            for g in 0..groups {
-                let v = dot_row_x4::<V, F16, G16, MINS>(packed, unpacked, n, x, 4 * g, offset);
-                for (k, v) in v.into_iter().enumerate() {
-                    y[(4 * g + k) * n_out + r] = v;
+            unpack4::<V, F16, G16, MINS>(w, first, r, scratch);
+            for tok in 0..x.t {
+                let v = tile::<V, G16, MINS>(scratch, n, x, tok, offset);
+                let out = &mut y[tok * n_out + r..tok * n_out + (r + 4).min(n_out)];
+                if out.len() == 4 {
+                    v128_store(out.as_mut_ptr() as *mut v128, v);
+                } else {
+                    let v = [f32x4_extract_lane::<0>(v), f32x4_extract_lane::<1>(v), f32x4_extract_lane::<2>(v)];
+                    out.copy_from_slice(&v[..out.len()]);
                 }
             }
-        }
-        for tok in 4 * groups..x.t {
-            y[tok * n_out + r] = one(packed, tok);
         }
     }
 }
@@ -426,7 +513,6 @@ pub fn matmul_q8(w: &QMatrix, x: &QActs8, scratch: &mut RowScratch, y: &mut [f32
     let (n, nb) = (w.n_in, w.n_in / QK);
     assert!(super::takes_int8(w) && x.n == n && n % QK == 0 && y.len() == x.t * w.n_out && layout_holds(w));
     assert!(x.q.len() >= x.t * n && x.s.len() >= x.t * nb && x.qsum.len() >= x.t * nb && x.qsum16.len() >= 2 * x.t * nb);
-    assert!(x.s4.len() >= x.t / 4 * nb * 4 && x.qsum4.len() >= x.t / 4 * nb * 4 && x.qsum16_4.len() >= x.t / 4 * 2 * nb * 4);
     let f16 = matches!(w.d, Scales::F16(_));
     let mins = !w.m.is_empty();
     let offset = super::unsigned_offset(w);

@@ -131,7 +131,7 @@ pub struct QActs8 {
     pub n: usize,
     /// `[t, n]`, 16-byte aligned.
     pub q: Aligned<i8>,
-    /// `q` widened to i16, `[t, n]`, 16-byte aligned: the 4-token kernel's Q8_0 products take
+    /// `q` widened to i16, `[t, n]`, 16-byte aligned: the four-row kernel's Q8_0 products take
     /// them (their values are signed 8-bit too, and products of i16 cost it no sign moves).
     pub q16: Aligned<i16>,
     /// `[t, n / 32]`
@@ -140,10 +140,6 @@ pub struct QActs8 {
     pub qsum: Vec<i32>,
     /// `[t, n / 16]`: the sum of each half block's `q` (for weights with a scale per 16).
     pub qsum16: Vec<i32>,
-    /// `s`, `qsum` and `qsum16` regrouped for the 4-token kernel (see `regroup`).
-    pub s4: Vec<f32>,
-    pub qsum4: Vec<i32>,
-    pub qsum16_4: Vec<i32>,
 }
 
 impl QActs8 {
@@ -174,18 +170,19 @@ impl QActs8 {
         }
         self.qsum.clear();
         self.qsum.extend(self.qsum16.chunks_exact(2).map(|h| h[0] + h[1]));
-        regroup(&self.s, t, &mut self.s4);
-        regroup(&self.qsum, t, &mut self.qsum4);
-        regroup(&self.qsum16, t, &mut self.qsum16_4);
     }
 }
 
-/// One weight row unpacked to i8 values and f32 scales: the kernels that reuse a row across
-/// several tokens unpack packed rows (4-bit values, f16 scales) here once.
+/// Weight rows unpacked: the kernels that reuse rows across several tokens unpack packed rows
+/// (4-bit values, f16 scales) here once. The exact kernels unpack one row to i8 values and f32
+/// scales (`q`, `d`); `matmul_q8` four rows at a time (`int8::unpack4`).
 #[derive(Default)]
 pub struct RowScratch {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
+    /// The int8 kernels' four rows at once: Q8_0's values widened, and the rows' mins.
+    pub q16: Vec<i16>,
+    pub m: Vec<f32>,
 }
 
 /// `y[t, n_out] = x[t, n_in] @ W[n_out, n_in]^T` for a quantized weight; `x` given as `QActs`.
@@ -807,10 +804,6 @@ mod tests {
         }
         assert!(acts.q16.iter().zip(acts.q.iter()).all(|(w, &v)| *w == v as i16) && acts.q16.len() == acts.q.len());
         assert_eq!(acts.q16.as_ptr() as usize % 16, 0);
-        // The regrouped sums of 4-token groups hold the same values.
-        assert_eq!(acts.qsum4[(0 * 8 + 3) * 4 + 2], acts.qsum[2 * 8 + 3]);
-        assert_eq!(acts.qsum16_4[(0 * 16 + 5) * 4 + 1], acts.qsum16[16 + 5]);
-        assert_eq!(acts.s4[(0 * 8 + 7) * 4 + 3], acts.s[3 * 8 + 7]);
     }
 
     #[test]
