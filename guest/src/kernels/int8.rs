@@ -155,13 +155,20 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
     unsafe {
         let xq = x.q.as_ptr().add(tok * n);
         let mut acc = f32x4_splat(0.0);
+        // Each block's sum stored as it is made (see `tile`).
+        let mut sink = acc;
+        let sink = &mut sink as *mut v128;
+        let made = |p: v128| {
+            core::ptr::write_volatile(sink, p);
+            p
+        };
         let mut b = 0;
         while b + 4 <= nb {
             let bits = plane::<V>(row, b);
-            let p0 = block_sum::<V>(acts(xq.add(QK * b)), block::<V>(row, b, bits, 0));
-            let p1 = block_sum::<V>(acts(xq.add(QK * (b + 1))), block::<V>(row, b + 1, bits, 1));
-            let p2 = block_sum::<V>(acts(xq.add(QK * (b + 2))), block::<V>(row, b + 2, bits, 2));
-            let p3 = block_sum::<V>(acts(xq.add(QK * (b + 3))), block::<V>(row, b + 3, bits, 3));
+            let p0 = made(block_sum::<V>(acts(xq.add(QK * b)), block::<V>(row, b, bits, 0)));
+            let p1 = made(block_sum::<V>(acts(xq.add(QK * (b + 1))), block::<V>(row, b + 1, bits, 1)));
+            let p2 = made(block_sum::<V>(acts(xq.add(QK * (b + 2))), block::<V>(row, b + 2, bits, 2)));
+            let p3 = made(block_sum::<V>(acts(xq.add(QK * (b + 3))), block::<V>(row, b + 3, bits, 3)));
             acc = f32x4_add(acc, terms4::<F16, MINS>(row, b, hsum4_i32(p0, p1, p2, p3), x, tok, off));
             b += 4;
         }
@@ -242,65 +249,58 @@ unsafe fn tail_g16(row: Row, n: usize, x: &QActs8, tok: usize, mut b: usize, mut
 /// Unpacks rows `r..r + 4` of `w` (row 0 at `first`) into `s` for `tile`, block by block, each
 /// block's four rows one after another: the unsigned values (`q`: 32 bytes a row; Q8_0's values
 /// widened to i16 in `q16` instead), the f32 scales (`d`: four a block, or G16's eight: the four
-/// rows' first halves, then their second halves) and the mins (`m`, four a block). Rows past the
-/// matrix are zeros.
+/// rows' first halves, then their second halves) and the mins (`m`, four a block). Past the
+/// matrix's last row, that row again (its outputs are not stored).
 #[inline(always)]
 unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(w: &QMatrix, first: Row, r: usize, s: &mut RowScratch) {
     let (n, group) = (w.n_in, w.group as usize);
     let nb = n / QK;
-    match V == I8 && !G16 {
+    let wide = V == I8 && !G16;
+    match wide {
         true => s.q16.resize(4 * n, 0),
         false => s.q.resize(4 * n, 0),
     }
     s.d.resize(if G16 { 8 * nb } else { 4 * nb }, 0.0);
     s.m.resize(if MINS { 4 * nb } else { 0 }, 0.0);
     let (q, q16, d, m) = (s.q.as_mut_ptr(), s.q16.as_mut_ptr(), s.d.as_mut_ptr(), s.m.as_mut_ptr());
-    for k in 0..4 {
-        if r + k >= w.n_out {
-            // SAFETY (both branches): block `b`'s four rows are at `4 * QK * b` of `q` / `q16`,
-            // its scales at `4 * b` / `8 * b` of `d` and mins at `4 * b` of `m`, all within the
-            // lengths set above; `row` is a row of `w` (`r + k < n_out`).
-            unsafe {
-                for b in 0..nb {
-                    match V == I8 && !G16 {
-                        true => core::ptr::write_bytes(q16.add(4 * QK * b + QK * k), 0, QK),
-                        false => core::ptr::write_bytes(q.add(4 * QK * b + QK * k), 0, QK),
-                    }
-                    if G16 {
-                        *d.add(8 * b + k) = 0.0;
-                        *d.add(8 * b + 4 + k) = 0.0;
-                    } else {
-                        *d.add(4 * b + k) = 0.0;
-                    }
-                    if MINS {
-                        *m.add(4 * b + k) = 0.0;
-                    }
-                }
+    let rows = [0, 1, 2, 3].map(|k| first.at((r + k).min(w.n_out - 1), n, group));
+    // SAFETY: block `b`'s four rows are at `4 * QK * b` of `q` / `q16`, its scales at `4 * b` /
+    // `8 * b` of `d` and its mins at `4 * b` of `m`, all within the lengths set above; `rows`
+    // are rows of `w`, read at blocks below `nb`.
+    unsafe {
+        let store = |b: usize, k: usize, (lo, hi): (v128, v128)| match wide {
+            true => {
+                let p = q16.add(4 * QK * b + QK * k) as *mut v128;
+                v128_store(p, i16x8_extend_low_i8x16(lo));
+                v128_store(p.add(1), i16x8_extend_high_i8x16(lo));
+                v128_store(p.add(2), i16x8_extend_low_i8x16(hi));
+                v128_store(p.add(3), i16x8_extend_high_i8x16(hi));
             }
-            continue;
-        }
-        let row = first.at(r + k, n, group);
-        unsafe {
-            let store = |b: usize, (lo, hi): (v128, v128)| match V == I8 && !G16 {
-                true => {
-                    let p = q16.add(4 * QK * b + QK * k) as *mut v128;
-                    v128_store(p, i16x8_extend_low_i8x16(lo));
-                    v128_store(p.add(1), i16x8_extend_high_i8x16(lo));
-                    v128_store(p.add(2), i16x8_extend_low_i8x16(hi));
-                    v128_store(p.add(3), i16x8_extend_high_i8x16(hi));
-                }
-                false => {
-                    let p = q.add(4 * QK * b + QK * k) as *mut v128;
-                    v128_store(p, lo);
-                    v128_store(p.add(1), hi);
-                }
-            };
-            // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
-            for four in (0..nb).step_by(4) {
+            false => {
+                let p = q.add(4 * QK * b + QK * k) as *mut v128;
+                v128_store(p, lo);
+                v128_store(p.add(1), hi);
+            }
+        };
+        // Four rows' four values (lanes) as four blocks' (or G16's two blocks' halves) four
+        // rows, stored at `p`.
+        let transposed = |p: *mut f32, [a, b, c, e]: [v128; 4]| {
+            let (ab_lo, ab_hi) = (i32x4_shuffle::<0, 4, 1, 5>(a, b), i32x4_shuffle::<2, 6, 3, 7>(a, b));
+            let (ce_lo, ce_hi) = (i32x4_shuffle::<0, 4, 1, 5>(c, e), i32x4_shuffle::<2, 6, 3, 7>(c, e));
+            let p = p as *mut v128;
+            v128_store(p, i32x4_shuffle::<0, 1, 4, 5>(ab_lo, ce_lo));
+            v128_store(p.add(1), i32x4_shuffle::<2, 3, 6, 7>(ab_lo, ce_lo));
+            v128_store(p.add(2), i32x4_shuffle::<0, 1, 4, 5>(ab_hi, ce_hi));
+            v128_store(p.add(3), i32x4_shuffle::<2, 3, 6, 7>(ab_hi, ce_hi));
+        };
+        // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
+        for four in (0..nb).step_by(4) {
+            let count = (nb - four).min(4);
+            for (k, &row) in rows.iter().enumerate() {
                 let bits = plane::<V>(row, four);
-                for j in 0..(nb - four).min(4) {
+                for j in 0..count {
                     let b = four + j;
-                    store(b, match (G16, j) {
+                    store(b, k, match (G16, j) {
                         (true, _) => block_q6(row, b),
                         (false, _) if V == I8 => block::<I8>(row, b, bits, 0),
                         (false, 0) => block_unsigned::<V>(row, b, bits, 0),
@@ -310,16 +310,30 @@ unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: boo
                     });
                 }
             }
-            for b in 0..nb {
-                if G16 {
-                    *d.add(8 * b + k) = *row.d32.add(2 * b);
-                    *d.add(8 * b + 4 + k) = *row.d32.add(2 * b + 1);
-                } else {
-                    *d.add(4 * b + k) = scale::<F16>(row, b);
+            if count < 4 {
+                for (k, &row) in rows.iter().enumerate() {
+                    for b in four..nb {
+                        if G16 {
+                            *d.add(8 * b + k) = *row.d32.add(2 * b);
+                            *d.add(8 * b + 4 + k) = *row.d32.add(2 * b + 1);
+                        } else {
+                            *d.add(4 * b + k) = scale::<F16>(row, b);
+                        }
+                        if MINS {
+                            *m.add(4 * b + k) = *row.m.add(b);
+                        }
+                    }
                 }
-                if MINS {
-                    *m.add(4 * b + k) = *row.m.add(b);
-                }
+                continue;
+            }
+            if G16 {
+                transposed(d.add(8 * four), rows.map(|row| v128_load(row.d32.add(2 * four) as *const v128)));
+                transposed(d.add(8 * four + 16), rows.map(|row| v128_load(row.d32.add(2 * four + 4) as *const v128)));
+            } else {
+                transposed(d.add(4 * four), rows.map(|row| scales4::<F16>(row, four)));
+            }
+            if MINS {
+                transposed(m.add(4 * four), rows.map(|row| v128_load(row.m.add(four) as *const v128)));
             }
         }
     }
@@ -361,9 +375,10 @@ impl At {
     }
 }
 
-/// The term of the block at `at` for the four rows, one row a lane (see `tile`).
+/// The term of the block at `at` for the four rows, one row a lane (see `tile`); `sink` takes
+/// Q8_0's row sums as they are made (see `tile`).
 #[inline(always)]
-unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offset: i32) -> v128 {
+unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offset: i32, sink: *mut v128) -> v128 {
     unsafe {
         let s_b = f32x4_splat(*at.xs);
         if G16 {
@@ -387,7 +402,9 @@ unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offs
                     let w = at.q16.add(2 * QK * k);
                     let lo = i32x4_add(i32x4_dot_i16x8(a0, load_weights(w)), i32x4_dot_i16x8(a1, load_weights(w.add(16))));
                     let hi = i32x4_add(i32x4_dot_i16x8(a2, load_weights(w.add(32))), i32x4_dot_i16x8(a3, load_weights(w.add(48))));
-                    i32x4_add(lo, hi)
+                    let sum = i32x4_add(lo, hi);
+                    core::ptr::write_volatile(sink, sum);
+                    sum
                 };
                 hsum4_i32(row(0), row(1), row(2), row(3))
             }
@@ -428,7 +445,6 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n
             d: s.d.as_ptr(),
             m: if MINS { s.m.as_ptr() } else { core::ptr::null() },
         };
-        let term = |at: At| tile_term::<V, G16, MINS>(at, offset);
         let zero = f32x4_splat(0.0);
         let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
         // Four blocks a turn, each block's sum stored as it is made: Cranelift places a pure
@@ -436,6 +452,7 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n
         // all four blocks' products after all their loads, which then spill.
         let mut sink = zero;
         let sink = &mut sink as *mut v128;
+        let term = |at: At| tile_term::<V, G16, MINS>(at, offset, sink);
         for _ in 0..nb / 4 {
             acc0 = f32x4_add(acc0, term(at));
             core::ptr::write_volatile(sink, acc0);
@@ -456,7 +473,9 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n
     }
 }
 
-/// `matmul_q8` for one layout of the weight.
+/// `matmul_q8` for one layout of the weight. Its two ways are functions of their own, so that
+/// Cranelift allocates registers for each one's loops alone (inlined together, the decode
+/// loops ran slower for changes to the other's).
 #[inline(always)]
 unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(
     w: &QMatrix,
@@ -465,33 +484,53 @@ unsafe fn matmul_rows<const V: u8, const F16: bool, const G16: bool, const MINS:
     y: &mut [f32],
     offset: i32,
 ) {
+    unsafe {
+        match x.t < 4 {
+            true => by_row::<V, F16, G16, MINS>(w, x, y, offset),
+            false => by_four_rows::<V, F16, G16, MINS>(w, x, scratch, y, offset),
+        }
+    }
+}
+
+/// Decode: each row read from the packed weights, rows from `STREAMS` parts of the matrix in
+/// turn (see `simd128::matmul_rows`). Unpacking four rows for `tile` costs more than it saves
+/// for so few tokens.
+#[inline(never)]
+unsafe fn by_row<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(w: &QMatrix, x: &QActs8, y: &mut [f32], offset: i32) {
     let (n, n_out) = (w.n_in, w.n_out);
     let first = Row::first(w);
     let group = w.group as usize;
-    // SAFETY (all calls below): row `r` and token `tok` are in bounds (see `matmul_q8`).
-    let one = |row: Row, tok: usize| unsafe {
-        match G16 {
-            true => dot_row_g16(row, n, x, tok),
-            false => dot_row_g32::<V, F16, MINS>(row, n, x, tok, offset),
+    const STREAMS: usize = 4;
+    let part = n_out / STREAMS;
+    let rows = (0..part).flat_map(|i| (0..STREAMS).map(move |c| c * part + i)).chain(STREAMS * part..n_out);
+    for r in rows {
+        let row = first.at(r, n, group);
+        for tok in 0..x.t {
+            // SAFETY: row `r` and token `tok` are in bounds (see `matmul_q8`).
+            y[tok * n_out + r] = unsafe {
+                match G16 {
+                    true => dot_row_g16(row, n, x, tok),
+                    false => dot_row_g32::<V, F16, MINS>(row, n, x, tok, offset),
+                }
+            };
         }
-    };
-    if x.t < 4 {
-        // Decode: each row read from the packed weights, rows from `STREAMS` parts of the
-        // matrix in turn (see `simd128::matmul_rows`). Unpacking four rows for `tile` costs
-        // more than it saves for so few tokens.
-        const STREAMS: usize = 4;
-        let part = n_out / STREAMS;
-        let rows = (0..part).flat_map(|i| (0..STREAMS).map(move |c| c * part + i)).chain(STREAMS * part..n_out);
-        for r in rows {
-            let row = first.at(r, n, group);
-            for tok in 0..x.t {
-                y[tok * n_out + r] = one(row, tok);
-            }
-        }
-        return;
     }
-    // Four rows at a time, unpacked once for all the tokens.
+}
+
+/// Four rows at a time, unpacked once for all the tokens (`unpack4`, `tile`).
+#[inline(never)]
+unsafe fn by_four_rows<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(
+    w: &QMatrix,
+    x: &QActs8,
+    scratch: &mut RowScratch,
+    y: &mut [f32],
+    offset: i32,
+) {
+    let (n, n_out) = (w.n_in, w.n_out);
+    let first = Row::first(w);
     for r in (0..n_out).step_by(4) {
+        // SAFETY: rows `r..r + 4` (the last one again past the end) and every token are in
+        // bounds (see `matmul_q8`).
         unsafe {
             unpack4::<V, F16, G16, MINS>(w, first, r, scratch);
             for tok in 0..x.t {
