@@ -7,7 +7,7 @@
 //! saturates), and the f32 steps after them are the same. Each kernel mirrors
 //! `scalar::dot_q8` and is tested against it.
 
-use super::simd128::{I8, NIB, NIB5, Row, block_unsigned, hsum, hsum4_i32, layout_holds, load_weights, plane, scale, scales4, storage};
+use super::simd128::{I8, NIB, NIB5, Row, Sink, block_unsigned, hsum, hsum4_i32, layout_holds, load_weights, plane, scale, scales4, storage};
 use super::{QActs8, RowScratch};
 use crate::quant::{Group, QK, QMatrix, Scales};
 use core::arch::wasm32::*;
@@ -155,13 +155,9 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
     unsafe {
         let xq = x.q.as_ptr().add(tok * n);
         let mut acc = f32x4_splat(0.0);
-        // Each block's sum stored as it is made (see `tile`).
-        let mut sink = acc;
-        let sink = &mut sink as *mut v128;
-        let made = |p: v128| {
-            core::ptr::write_volatile(sink, p);
-            p
-        };
+        // Each block's sum stored as it is made (see `Sink`).
+        let sink = Sink::new();
+        let made = |p: v128| sink.made(p);
         let mut b = 0;
         while b + 4 <= nb {
             let bits = plane::<V>(row, b);
@@ -376,9 +372,9 @@ impl At {
 }
 
 /// The term of the block at `at` for the four rows, one row a lane (see `tile`); `sink` takes
-/// Q8_0's row sums as they are made (see `tile`).
+/// Q8_0's row sums as they are made.
 #[inline(always)]
-unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offset: i32, sink: *mut v128) -> v128 {
+unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offset: i32, sink: &Sink) -> v128 {
     unsafe {
         let s_b = f32x4_splat(*at.xs);
         if G16 {
@@ -402,9 +398,7 @@ unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offs
                     let w = at.q16.add(2 * QK * k);
                     let lo = i32x4_add(i32x4_dot_i16x8(a0, load_weights(w)), i32x4_dot_i16x8(a1, load_weights(w.add(16))));
                     let hi = i32x4_add(i32x4_dot_i16x8(a2, load_weights(w.add(32))), i32x4_dot_i16x8(a3, load_weights(w.add(48))));
-                    let sum = i32x4_add(lo, hi);
-                    core::ptr::write_volatile(sink, sum);
-                    sum
+                    sink.made(i32x4_add(lo, hi))
                 };
                 hsum4_i32(row(0), row(1), row(2), row(3))
             }
@@ -447,21 +441,14 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n
         };
         let zero = f32x4_splat(0.0);
         let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
-        // Four blocks a turn, each block's sum stored as it is made: Cranelift places a pure
-        // instruction just before its first use, and without a use in between, it would make
-        // all four blocks' products after all their loads, which then spill.
-        let mut sink = zero;
-        let sink = &mut sink as *mut v128;
-        let term = |at: At| tile_term::<V, G16, MINS>(at, offset, sink);
+        // Four blocks a turn, each block's sum stored as it is made (see `Sink`).
+        let sink = Sink::new();
+        let term = |at: At| tile_term::<V, G16, MINS>(at, offset, &sink);
         for _ in 0..nb / 4 {
-            acc0 = f32x4_add(acc0, term(at));
-            core::ptr::write_volatile(sink, acc0);
-            acc1 = f32x4_add(acc1, term(at.step::<G16>(1)));
-            core::ptr::write_volatile(sink, acc1);
-            acc2 = f32x4_add(acc2, term(at.step::<G16>(2)));
-            core::ptr::write_volatile(sink, acc2);
-            acc3 = f32x4_add(acc3, term(at.step::<G16>(3)));
-            core::ptr::write_volatile(sink, acc3);
+            acc0 = sink.made(f32x4_add(acc0, term(at)));
+            acc1 = sink.made(f32x4_add(acc1, term(at.step::<G16>(1))));
+            acc2 = sink.made(f32x4_add(acc2, term(at.step::<G16>(2))));
+            acc3 = sink.made(f32x4_add(acc3, term(at.step::<G16>(3))));
             at = at.step::<G16>(4);
         }
         let mut out = f32x4_add(f32x4_add(f32x4_add(acc0, acc1), acc2), acc3);

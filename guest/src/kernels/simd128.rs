@@ -30,6 +30,26 @@ pub(super) fn hsum4_i32(a: v128, b: v128, c: v128, d: v128) -> v128 {
     i32x4_add(i32x4_shuffle::<0, 1, 4, 5>(ab, cd), i32x4_shuffle::<2, 3, 6, 7>(ab, cd))
 }
 
+/// A place the kernels store sums to as they make them. Cranelift places a pure instruction
+/// just before its first use: in an unrolled loop whose sums are first used at its end, it
+/// makes them all after all the loop's loads, which then spill. A volatile store of each sum as
+/// it is made (a store stays where it is written) keeps its instructions there.
+pub(super) struct Sink(core::cell::UnsafeCell<v128>);
+
+impl Sink {
+    pub(super) fn new() -> Sink {
+        Sink(core::cell::UnsafeCell::new(i8x16_splat(0)))
+    }
+
+    /// `v`, stored first.
+    #[inline(always)]
+    pub(super) fn made(&self, v: v128) -> v128 {
+        // SAFETY: the cell is this sink's own, and nothing reads it.
+        unsafe { core::ptr::write_volatile(self.0.get(), v) };
+        v
+    }
+}
+
 /// A load that stays where it is written. LLVM otherwise hoists every load of an unrolled
 /// block to its top; Cranelift keeps the order of loads, so all of them would be live at once
 /// and spill. In source order each is used right after it is made. `p` must be 16-byte aligned
@@ -238,13 +258,15 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
         let xq = x.q.as_ptr().add(tok * n);
         let xs = x.s.as_ptr().add(tok * nb);
         let mut acc = f32x4_splat(0.0);
+        // Each block's sums stored as they are made (see `Sink`).
+        let sink = Sink::new();
         let mut b = 0;
         while b + 4 <= nb {
             let bits = plane::<V>(row, b);
-            let p0 = products32(&widen(block_i8::<V>(row, b, bits, 0)), xq.add(QK * b));
-            let p1 = products32(&widen(block_i8::<V>(row, b + 1, bits, 1)), xq.add(QK * (b + 1)));
-            let p2 = products32(&widen(block_i8::<V>(row, b + 2, bits, 2)), xq.add(QK * (b + 2)));
-            let p3 = products32(&widen(block_i8::<V>(row, b + 3, bits, 3)), xq.add(QK * (b + 3)));
+            let p0 = sink.made(products32(&widen(block_i8::<V>(row, b, bits, 0)), xq.add(QK * b)));
+            let p1 = sink.made(products32(&widen(block_i8::<V>(row, b + 1, bits, 1)), xq.add(QK * (b + 1))));
+            let p2 = sink.made(products32(&widen(block_i8::<V>(row, b + 2, bits, 2)), xq.add(QK * (b + 2))));
+            let p3 = sink.made(products32(&widen(block_i8::<V>(row, b + 3, bits, 3)), xq.add(QK * (b + 3))));
             let sums = f32x4_convert_i32x4(hsum4_i32(p0, p1, p2, p3));
             let scale = f32x4_mul(scales4::<F16>(row, b), v128_load(xs.add(b) as *const v128));
             acc = f32x4_add(acc, f32x4_mul(sums, scale));
@@ -351,6 +373,9 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &
     unsafe {
         let xq = x.q.as_ptr().add(tok * n);
         let s4 = x.s4.as_ptr().add(tok / 4 * nb * 4);
+        // Each token's sums stored as they are made (see `Sink`).
+        let sink = Sink::new();
+        let made = |v: v128| sink.made(v);
         // Block `b`'s term of the four tokens.
         let term = |b: usize| {
             let a = widen(block_i8::<I8>(row, b, i8x16_splat(0), 0));
@@ -359,19 +384,20 @@ unsafe fn dot_row_x4<const G16: bool, const MINS: bool>(row: Row, n: usize, x: &
             match G16 {
                 false => {
                     let sums = hsum4_i32(
-                        products32(&a, x0),
-                        products32(&a, x0.add(n)),
-                        products32(&a, x0.add(2 * n)),
-                        products32(&a, x0.add(3 * n)),
+                        made(products32(&a, x0)),
+                        made(products32(&a, x0.add(n))),
+                        made(products32(&a, x0.add(2 * n))),
+                        made(products32(&a, x0.add(3 * n))),
                     );
                     let d = f32x4_splat(*row.d32.add(b));
                     f32x4_mul(f32x4_convert_i32x4(sums), f32x4_mul(d, xs4))
                 }
                 true => {
-                    let (l0, h0) = products(&a, x0);
-                    let (l1, h1) = products(&a, x0.add(n));
-                    let (l2, h2) = products(&a, x0.add(2 * n));
-                    let (l3, h3) = products(&a, x0.add(3 * n));
+                    let made2 = |(lo, hi): (v128, v128)| (made(lo), made(hi));
+                    let (l0, h0) = made2(products(&a, x0));
+                    let (l1, h1) = made2(products(&a, x0.add(n)));
+                    let (l2, h2) = made2(products(&a, x0.add(2 * n)));
+                    let (l3, h3) = made2(products(&a, x0.add(3 * n)));
                     let s_lo = f32x4_convert_i32x4(hsum4_i32(l0, l1, l2, l3));
                     let s_hi = f32x4_convert_i32x4(hsum4_i32(h0, h1, h2, h3));
                     let d0 = f32x4_splat(*row.d32.add(2 * b));
