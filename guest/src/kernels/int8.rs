@@ -242,41 +242,35 @@ unsafe fn tail_g16(row: Row, n: usize, x: &QActs8, tok: usize, mut b: usize, mut
     out
 }
 
-/// Unpacks rows `r..r + 4` of `w` (row 0 at `first`) into `s` for `tile`, block by block, each
-/// block's four rows one after another: the unsigned values (`q`: 32 bytes a row; Q8_0's values
-/// widened to i16 in `q16` instead), the f32 scales (`d`: four a block, or G16's eight: the four
-/// rows' first halves, then their second halves) and the mins (`m`, four a block). Past the
-/// matrix's last row, that row again (its outputs are not stored).
+/// Rows `r..r + 4` of `w` (row 0 at `first`), the last row again past the matrix's end.
 #[inline(always)]
-unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(w: &QMatrix, first: Row, r: usize, s: &mut RowScratch) {
-    let (n, group) = (w.n_in, w.group as usize);
+fn rows4(w: &QMatrix, first: Row, r: usize) -> [Row; 4] {
+    [0, 1, 2, 3].map(|k| first.at((r + k).min(w.n_out - 1), w.n_in, w.group as usize))
+}
+
+/// Unpacks four rows of a matrix of `n` columns (`rows4`) into `s` for `tile`, block by block, each
+/// block's four rows one after another: the unsigned values (`q`: 32 bytes a row; Q8_0's values
+/// stay where they are, `tile` widens them as it loads them), the f32 scales (`d`: four a block,
+/// or G16's eight: the four rows' first halves, then their second halves) and the mins (`m`,
+/// four a block).
+#[inline(always)]
+unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(n: usize, rows: [Row; 4], s: &mut RowScratch) {
     let nb = n / QK;
-    let wide = V == I8 && !G16;
-    match wide {
-        true => s.q16.resize(4 * n, 0),
-        false => s.q.resize(4 * n, 0),
+    let in_place = V == I8 && !G16;
+    if !in_place {
+        s.q.resize(4 * n, 0);
     }
     s.d.resize(if G16 { 8 * nb } else { 4 * nb }, 0.0);
     s.m.resize(if MINS { 4 * nb } else { 0 }, 0.0);
-    let (q, q16, d, m) = (s.q.as_mut_ptr(), s.q16.as_mut_ptr(), s.d.as_mut_ptr(), s.m.as_mut_ptr());
-    let rows = [0, 1, 2, 3].map(|k| first.at((r + k).min(w.n_out - 1), n, group));
-    // SAFETY: block `b`'s four rows are at `4 * QK * b` of `q` / `q16`, its scales at `4 * b` /
+    let (q, d, m) = (s.q.as_mut_ptr(), s.d.as_mut_ptr(), s.m.as_mut_ptr());
+    // SAFETY: block `b`'s four rows are at `4 * QK * b` of `q`, its scales at `4 * b` /
     // `8 * b` of `d` and its mins at `4 * b` of `m`, all within the lengths set above; `rows`
     // are rows of `w`, read at blocks below `nb`.
     unsafe {
-        let store = |b: usize, k: usize, (lo, hi): (v128, v128)| match wide {
-            true => {
-                let p = q16.add(4 * QK * b + QK * k) as *mut v128;
-                v128_store(p, i16x8_extend_low_i8x16(lo));
-                v128_store(p.add(1), i16x8_extend_high_i8x16(lo));
-                v128_store(p.add(2), i16x8_extend_low_i8x16(hi));
-                v128_store(p.add(3), i16x8_extend_high_i8x16(hi));
-            }
-            false => {
-                let p = q.add(4 * QK * b + QK * k) as *mut v128;
-                v128_store(p, lo);
-                v128_store(p.add(1), hi);
-            }
+        let store = |b: usize, k: usize, (lo, hi): (v128, v128)| {
+            let p = q.add(4 * QK * b + QK * k) as *mut v128;
+            v128_store(p, lo);
+            v128_store(p.add(1), hi);
         };
         // Four rows' four values (lanes) as four blocks' (or G16's two blocks' halves) four
         // rows, stored at `p`.
@@ -292,13 +286,12 @@ unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: boo
         // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
         for four in (0..nb).step_by(4) {
             let count = (nb - four).min(4);
-            for (k, &row) in rows.iter().enumerate() {
+            for (k, &row) in rows.iter().enumerate().filter(|_| !in_place) {
                 let bits = plane::<V>(row, four);
                 for j in 0..count {
                     let b = four + j;
                     store(b, k, match (G16, j) {
                         (true, _) => block_q6(row, b),
-                        (false, _) if V == I8 => block::<I8>(row, b, bits, 0),
                         (false, 0) => block_unsigned::<V>(row, b, bits, 0),
                         (false, 1) => block_unsigned::<V>(row, b, bits, 1),
                         (false, 2) => block_unsigned::<V>(row, b, bits, 2),
@@ -345,7 +338,8 @@ struct At {
     qsum16: *const i32,
     xs: *const f32,
     q: *const u8,
-    q16: *const u8,
+    /// Q8_0: the four rows' values in place.
+    w: [*const i8; 4],
     d: *const f32,
     m: *const f32,
 }
@@ -363,7 +357,7 @@ impl At {
                 qsum16: self.qsum16.add(2 * k),
                 xs: self.xs.add(k),
                 q: self.q.add(4 * QK * k),
-                q16: self.q16.add(8 * QK * k),
+                w: self.w.map(|w| w.wrapping_add(QK * k)),
                 d: self.d.add(if G16 { 8 * k } else { 4 * k }),
                 m: self.m.add(if self.m.is_null() { 0 } else { 4 * k }),
             }
@@ -390,14 +384,14 @@ unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offs
             return f32x4_mul(p, s_b);
         }
         let sums = match V == I8 {
-            // Q8_0: the activations' i16 copies against the rows' widened values.
+            // Q8_0: the activations' i16 copies against the rows' values, widened as loaded.
             true => {
                 let a = at.x16;
                 let (a0, a1, a2, a3) = (acts16(a), acts16(a.add(8)), acts16(a.add(16)), acts16(a.add(24)));
                 let row = |k: usize| {
-                    let w = at.q16.add(2 * QK * k);
-                    let lo = i32x4_add(i32x4_dot_i16x8(a0, load_weights(w)), i32x4_dot_i16x8(a1, load_weights(w.add(16))));
-                    let hi = i32x4_add(i32x4_dot_i16x8(a2, load_weights(w.add(32))), i32x4_dot_i16x8(a3, load_weights(w.add(48))));
+                    let w = at.w[k];
+                    let lo = i32x4_add(i32x4_dot_i16x8(a0, i16x8_load_extend_i8x8(w)), i32x4_dot_i16x8(a1, i16x8_load_extend_i8x8(w.add(8))));
+                    let hi = i32x4_add(i32x4_dot_i16x8(a2, i16x8_load_extend_i8x8(w.add(16))), i32x4_dot_i16x8(a3, i16x8_load_extend_i8x8(w.add(24))));
                     sink.made(i32x4_add(lo, hi))
                 };
                 hsum4_i32(row(0), row(1), row(2), row(3))
@@ -425,7 +419,7 @@ unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offs
 /// The activations of a block are loaded once for the four rows, and each block's f32 steps
 /// are made once for them.
 #[inline(always)]
-unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n: usize, x: &QActs8, tok: usize, offset: i32) -> v128 {
+unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, rows: [Row; 4], n: usize, x: &QActs8, tok: usize, offset: i32) -> v128 {
     let nb = n / QK;
     unsafe {
         let mut at = At {
@@ -435,7 +429,7 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, n
             qsum16: x.qsum16.as_ptr().add(tok * 2 * nb),
             xs: x.s.as_ptr().add(tok * nb),
             q: s.q.as_ptr() as *const u8,
-            q16: s.q16.as_ptr() as *const u8,
+            w: rows.map(|row| row.q),
             d: s.d.as_ptr(),
             m: if MINS { s.m.as_ptr() } else { core::ptr::null() },
         };
@@ -516,12 +510,12 @@ unsafe fn by_four_rows<const V: u8, const F16: bool, const G16: bool, const MINS
     let (n, n_out) = (w.n_in, w.n_out);
     let first = Row::first(w);
     for r in (0..n_out).step_by(4) {
-        // SAFETY: rows `r..r + 4` (the last one again past the end) and every token are in
-        // bounds (see `matmul_q8`).
+        let rows = rows4(w, first, r);
+        // SAFETY: `rows` and every token are in bounds (see `matmul_q8`).
         unsafe {
-            unpack4::<V, F16, G16, MINS>(w, first, r, scratch);
+            unpack4::<V, F16, G16, MINS>(n, rows, scratch);
             for tok in 0..x.t {
-                let v = tile::<V, G16, MINS>(scratch, n, x, tok, offset);
+                let v = tile::<V, G16, MINS>(scratch, rows, n, x, tok, offset);
                 let out = &mut y[tok * n_out + r..tok * n_out + (r + 4).min(n_out)];
                 if out.len() == 4 {
                     v128_store(out.as_mut_ptr() as *mut v128, v);

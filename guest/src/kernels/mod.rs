@@ -180,8 +180,7 @@ impl QActs8 {
 pub struct RowScratch {
     pub q: Vec<i8>,
     pub d: Vec<f32>,
-    /// The int8 kernels' four rows at once: Q8_0's values widened, and the rows' mins.
-    pub q16: Vec<i16>,
+    /// The int8 kernels' four rows' mins.
     pub m: Vec<f32>,
 }
 
