@@ -242,13 +242,20 @@ unsafe fn tail_g16(row: Row, n: usize, x: &QActs8, tok: usize, mut b: usize, mut
     out
 }
 
-/// Rows `r..r + 4` of `w` (row 0 at `first`), the last row again past the matrix's end.
+/// The four rows a `tile` takes at turn `i` of `by_four_rows`, as indices: row `i` of each
+/// quarter of the matrix, so that the reads run through four long stretches of memory in step
+/// (the hardware prefetches them; four adjacent rows are four streams of one row each, too short
+/// for it); then the rows past the quarters, the last row again in place of rows past the end.
 #[inline(always)]
-fn rows4(w: &QMatrix, first: Row, r: usize) -> [Row; 4] {
-    [0, 1, 2, 3].map(|k| first.at((r + k).min(w.n_out - 1), w.n_in, w.group as usize))
+fn rows4(n_out: usize, i: usize) -> [usize; 4] {
+    let part = n_out / 4;
+    match i < part {
+        true => [i, part + i, 2 * part + i, 3 * part + i],
+        false => [0, 1, 2, 3].map(|k| (4 * part + k).min(n_out - 1)),
+    }
 }
 
-/// Unpacks four rows of a matrix of `n` columns (`rows4`) into `s` for `tile`, block by block, each
+/// Unpacks four rows of a matrix of `n` columns into `s` for `tile`, block by block, each
 /// block's four rows one after another: the unsigned values (`q`: 32 bytes a row; Q8_0's values
 /// stay where they are, `tile` widens them as it loads them), the f32 scales (`d`: four a block,
 /// or G16's eight: the four rows' first halves, then their second halves) and the mins (`m`,
@@ -498,7 +505,7 @@ unsafe fn by_row<const V: u8, const F16: bool, const G16: bool, const MINS: bool
     }
 }
 
-/// Four rows at a time, unpacked once for all the tokens (`unpack4`, `tile`).
+/// Four rows at a time (`rows4`), unpacked once for all the tokens (`unpack4`, `tile`).
 #[inline(never)]
 unsafe fn by_four_rows<const V: u8, const F16: bool, const G16: bool, const MINS: bool>(
     w: &QMatrix,
@@ -509,20 +516,20 @@ unsafe fn by_four_rows<const V: u8, const F16: bool, const G16: bool, const MINS
 ) {
     let (n, n_out) = (w.n_in, w.n_out);
     let first = Row::first(w);
-    for r in (0..n_out).step_by(4) {
-        let rows = rows4(w, first, r);
+    for i in 0..n_out.div_ceil(4) {
+        let r = rows4(n_out, i);
+        let rows = r.map(|r| first.at(r, n, w.group as usize));
         // SAFETY: `rows` and every token are in bounds (see `matmul_q8`).
         unsafe {
             unpack4::<V, F16, G16, MINS>(n, rows, scratch);
             for tok in 0..x.t {
                 let v = tile::<V, G16, MINS>(scratch, rows, n, x, tok, offset);
-                let out = &mut y[tok * n_out + r..tok * n_out + (r + 4).min(n_out)];
-                if out.len() == 4 {
-                    v128_store(out.as_mut_ptr() as *mut v128, v);
-                } else {
-                    let v = [f32x4_extract_lane::<0>(v), f32x4_extract_lane::<1>(v), f32x4_extract_lane::<2>(v)];
-                    out.copy_from_slice(&v[..out.len()]);
-                }
+                // Lane by lane (a row past the end repeats the last one, the same value).
+                let y = &mut y[tok * n_out..(tok + 1) * n_out];
+                y[r[0]] = f32x4_extract_lane::<0>(v);
+                y[r[1]] = f32x4_extract_lane::<1>(v);
+                y[r[2]] = f32x4_extract_lane::<2>(v);
+                y[r[3]] = f32x4_extract_lane::<3>(v);
             }
         }
     }
