@@ -131,12 +131,13 @@ impl Offset {
 /// The term of four G32 blocks `b..b + 4` (lanes) of one token: `((isum * d) - m * qsum) * s`,
 /// `isum` the block's integer product less `offset * qsum` (no mins: `(isum * d) * s`).
 #[inline(always)]
-unsafe fn terms4<const F16: bool, const MINS: bool>(row: Row, b: usize, sums: v128, x: &QActs8, tok: usize, offset: Offset) -> v128 {
+unsafe fn terms4<const V: u8, const F16: bool, const MINS: bool>(row: Row, b: usize, sums: v128, x: &QActs8, tok: usize, offset: Offset) -> v128 {
     let nb = x.n / QK;
     unsafe {
         let qs = v128_load(x.qsum.as_ptr().add(tok * nb + b) as *const v128);
         let xs = v128_load(x.s.as_ptr().add(tok * nb + b) as *const v128);
-        let isum = i32x4_sub(sums, times_offset(qs, offset));
+        // Q8_0's values are taken as they are: no offset.
+        let isum = if V == I8 { sums } else { i32x4_sub(sums, times_offset(qs, offset)) };
         let mut t = f32x4_mul(f32x4_convert_i32x4(isum), scales4::<F16>(row, b));
         if MINS {
             t = f32x4_sub(t, f32x4_mul(v128_load(row.m.add(b) as *const v128), f32x4_convert_i32x4(qs)));
@@ -165,7 +166,7 @@ unsafe fn dot_row_g32<const V: u8, const F16: bool, const MINS: bool>(row: Row, 
             let p1 = made(block_sum::<V>(acts(xq.add(QK * (b + 1))), block::<V>(row, b + 1, bits, 1)));
             let p2 = made(block_sum::<V>(acts(xq.add(QK * (b + 2))), block::<V>(row, b + 2, bits, 2)));
             let p3 = made(block_sum::<V>(acts(xq.add(QK * (b + 3))), block::<V>(row, b + 3, bits, 3)));
-            acc = f32x4_add(acc, terms4::<F16, MINS>(row, b, hsum4_i32(p0, p1, p2, p3), x, tok, off));
+            acc = f32x4_add(acc, terms4::<V, F16, MINS>(row, b, hsum4_i32(p0, p1, p2, p3), x, tok, off));
             b += 4;
         }
         tail_g32::<V, F16, MINS>(row, n, x, tok, b, hsum(acc), offset)
@@ -410,7 +411,8 @@ unsafe fn tile_term<const V: u8, const G16: bool, const MINS: bool>(at: At, offs
             }
         };
         let qs = *at.qsum;
-        let isum = i32x4_sub(sums, i32x4_splat(qs * offset));
+        // Q8_0's values are taken as they are: no offset.
+        let isum = if V == I8 { sums } else { i32x4_sub(sums, i32x4_splat(qs * offset)) };
         let mut t = f32x4_mul(f32x4_convert_i32x4(isum), v128_load(at.d as *const v128));
         if MINS {
             t = f32x4_sub(t, f32x4_mul(v128_load(at.m as *const v128), f32x4_splat(qs as f32)));
