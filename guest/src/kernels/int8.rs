@@ -273,7 +273,7 @@ unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: boo
     let (q, d, m) = (s.q.as_mut_ptr(), s.d.as_mut_ptr(), s.m.as_mut_ptr());
     // SAFETY: block `b`'s four rows are at `4 * QK * b` of `q`, its scales at `4 * b` /
     // `8 * b` of `d` and its mins at `4 * b` of `m`, all within the lengths set above; `rows`
-    // are rows of `w`, read at blocks below `nb`.
+    // are rows of the matrix, read at blocks below `nb`.
     unsafe {
         let store = |b: usize, k: usize, (lo, hi): (v128, v128)| {
             let p = q.add(4 * QK * b + QK * k) as *mut v128;
