@@ -294,7 +294,8 @@ unsafe fn unpack4<const V: u8, const F16: bool, const G16: bool, const MINS: boo
         // Blocks in fours, each one's place in its four a constant (the fifth bits' shifts).
         for four in (0..nb).step_by(4) {
             let count = (nb - four).min(4);
-            for (k, &row) in rows.iter().enumerate().filter(|_| !in_place) {
+            // (Q8_0's values stay in place: only its scales are moved.)
+            for (k, &row) in rows.iter().enumerate().take(if in_place { 0 } else { 4 }) {
                 let bits = plane::<V>(row, four);
                 for j in 0..count {
                     let b = four + j;
@@ -353,8 +354,8 @@ struct At {
 }
 
 impl At {
-    /// `k` blocks on (`G16`: eight scales a block). Every pointer stays within its buffer or
-    /// one past its end.
+    /// `k` blocks on (`G16`: eight scales a block). Every pointer read stays within its buffer
+    /// or one past its end.
     #[inline(always)]
     unsafe fn step<const G16: bool>(self, k: usize) -> At {
         unsafe {
@@ -367,7 +368,8 @@ impl At {
                 q: self.q.add(4 * QK * k),
                 w: self.w.map(|w| w.wrapping_add(QK * k)),
                 d: self.d.add(if G16 { 8 * k } else { 4 * k }),
-                m: self.m.add(if self.m.is_null() { 0 } else { 4 * k }),
+                // Never read without mins (`m` is then an empty buffer's pointer).
+                m: self.m.wrapping_add(4 * k),
             }
         }
     }
@@ -440,7 +442,7 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, r
             q: s.q.as_ptr() as *const u8,
             w: rows.map(|row| row.q),
             d: s.d.as_ptr(),
-            m: if MINS { s.m.as_ptr() } else { core::ptr::null() },
+            m: s.m.as_ptr(),
         };
         let zero = f32x4_splat(0.0);
         let (mut acc0, mut acc1, mut acc2, mut acc3) = (zero, zero, zero, zero);
