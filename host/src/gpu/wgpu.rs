@@ -307,6 +307,9 @@ pub struct WgpuBackend {
     /// the host took to record it and how long after that its results came back (a diagnostic
     /// of where a decode step's time goes: the host or the device).
     host_times: bool,
+    /// With `host_times`: when the last recorded run's results came back, so the next run says
+    /// how long the guest (and the call into the host) took between the two.
+    results_back: Option<std::time::Instant>,
     /// Multiply-adds a dispatch may cover on this device.
     dispatch_macs: u64,
     /// The kernel of t >= 4.
@@ -580,6 +583,7 @@ impl WgpuBackend {
             spin_wait: ainfo.device_type != wgpu::DeviceType::Cpu,
             profile: std::env::var("WISP_PROFILE").is_ok_and(|v| v == "1"),
             host_times: std::env::var("WISP_TIMES").is_ok_and(|v| v == "1"),
+            results_back: None,
             gemm: if ainfo.device_type == wgpu::DeviceType::Cpu { Gemm::CPU } else { Gemm::GPU },
             coop,
             coop_module: None,

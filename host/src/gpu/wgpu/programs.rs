@@ -915,7 +915,14 @@ impl WgpuBackend {
         }
         rec.close_kernels(open);
         if self.host_times {
-            eprintln!("program run: {} ops over {total} rows planned in {} us", p.ops.len(), planning.elapsed().as_micros());
+            let between = self.results_back.map_or_else(String::new, |t| {
+                format!(", {} us after the last run's results came back", (planning - t).as_micros())
+            });
+            eprintln!(
+                "program run: {} ops over {total} rows planned in {} us{between}",
+                p.ops.len(),
+                planning.elapsed().as_micros()
+            );
         }
         let read = |view: &[u8]| {
             outputs

@@ -496,6 +496,7 @@ impl WgpuBackend {
                 recorded.as_micros(),
                 back.as_micros()
             );
+            self.results_back = Some(std::time::Instant::now());
         }
         if let Some(prof) = profile {
             let ticks = self.read_back(&prof.read, 8 * prof.names.len() as u64 * 2, |view| {
