@@ -384,6 +384,8 @@ fn compile_keyed(
         // hashes the component, the engine's settings and this crate's version) into wisp's own
         // cache directory; a file that fails wasmtime's own header checks is recompiled.
         if let Ok(c) = unsafe { Component::deserialize_file(engine, &path) } {
+            // Used now: the pruning below keeps the builds used last.
+            let _ = std::fs::File::options().write(true).open(&path).and_then(|f| f.set_modified(std::time::SystemTime::now()));
             return Ok(c);
         }
     }
@@ -402,6 +404,9 @@ fn compile_keyed(
         }
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
+            if name == "wisp" {
+                prune_builds(dir, KEEP_BUILDS);
+            }
             // Read back, so that a large memory image is mapped from the file rather than held
             // in this process's own memory.
             // SAFETY: as above: written just now, by this build.
@@ -411,6 +416,33 @@ fn compile_keyed(
         }
     }
     Ok(component)
+}
+
+/// How many builds' compiled guests the cache keeps (`prune_builds`): a few, so that builds
+/// used side by side (an upgrade and the version before it, two builds compared) each start
+/// without compiling, and the directory stops growing by one file (~12 MB) a build.
+const KEEP_BUILDS: usize = 4;
+
+/// Removes from `dir` the compiled guests of plain `wisp` (`wisp-{16 hex digits}.cwasm`) but
+/// the `keep` used last (by modification time, which a cache hit sets); other files, the
+/// pre-initialized guests' among them, stay.
+fn prune_builds(dir: &Path, keep: usize) {
+    let is_build = |n: &str| {
+        n.strip_prefix("wisp-")
+            .and_then(|r| r.strip_suffix(".cwasm"))
+            .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+    };
+    let mut builds: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| is_build(&e.file_name().to_string_lossy()))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    builds.sort_by(|a, b| b.0.cmp(&a.0));
+    for (_, path) in builds.into_iter().skip(keep) {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 /// The engine every instance of a runtime shares (with its epoch ticker when calls have a time
@@ -855,5 +887,37 @@ impl Instance {
     /// The instance's GPU context (device usage, for statistics and tests).
     pub fn gpu(&mut self) -> &mut GpuCtx {
         &mut self.store.data_mut().gpu
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime};
+
+    /// The cache keeps the builds used last and nothing but plain builds' files goes.
+    #[test]
+    fn pruning_keeps_the_builds_used_last_and_other_files() {
+        let dir = std::env::temp_dir().join(format!("wisp-prune-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let now = SystemTime::now();
+        let build = |i: u64| format!("wisp-{i:016x}.cwasm");
+        for i in 0..6u64 {
+            let f = std::fs::File::create(dir.join(build(i))).unwrap();
+            // Build 0 used last, then 1, 2, ...
+            f.set_modified(now - Duration::from_secs(60 * (i + 1))).unwrap();
+        }
+        let others = ["wisp-preloaded-gemma_3_270m_q4_k_m-0123456789abcdef.cwasm", "wisp-0123.cwasm", "notes.txt"];
+        for name in others {
+            let f = std::fs::File::create(dir.join(name)).unwrap();
+            f.set_modified(now - Duration::from_secs(86_400)).unwrap();
+        }
+        super::prune_builds(&dir, 4);
+        let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        let mut want: Vec<String> = (0..4).map(build).chain(others.iter().map(|s| s.to_string())).collect();
+        want.sort();
+        assert_eq!(left, want);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
