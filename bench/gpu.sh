@@ -4,10 +4,10 @@
 #
 #   bench/gpu.sh WISP GEMMA_GGUF QWEN_GGUF [OUT_DIR]
 #
-# WISP is a `wisp` binary built here (`cargo build --release`, then `strip`); the machine has no
-# network, so the binary and the models travel with it (the device README says how: the models
-# in pieces of at most ~50 MiB over consecutive calls). If `.gl/` holds the Vulkan loader debs
-# (the device README's recipe), they are unpacked first.
+# WISP is a `wisp` binary built here (`cargo build --release`); the machine has no network, so
+# the binary and the models travel with it: `bench/carry.sh` here packs them into `.dev/` and
+# prints the calls that carry them, and `bench/carry.sh --unpack` there puts them in /tmp. If
+# `.gl/` holds the Vulkan loader debs (the device README's recipe), they are unpacked first.
 #
 # What it runs, each part's output also in OUT_DIR (default $OUT, else /tmp/wisp-gpu):
 #   1. the device wgpu finds;
