@@ -20,8 +20,8 @@ if [ "${1:-}" = --unpack ]; then
     for sum in .dev/*.sha256; do
         [ -e "$sum" ] || continue
         name=$(basename "$sum" .sha256)
-        cat ".dev/$name".p?? >"/tmp/$name"
-        if [ "$(sha256sum "/tmp/$name" | cut -d' ' -f1)" = "$(cat "$sum")" ]; then
+        if cat ".dev/$name".p?? >"/tmp/$name" 2>/dev/null &&
+            [ "$(sha256sum "/tmp/$name" | cut -d' ' -f1)" = "$(cat "$sum")" ]; then
             echo "/tmp/$name"
         else
             echo "/tmp/$name: pieces missing or damaged" >&2

@@ -361,9 +361,9 @@ fn compile(engine: &Engine, bytes: &[u8], cache: Option<&Path>) -> Result<Compon
 }
 
 /// The component `make` gives, compiled, or read from the cache under `key` (which must say
-/// everything `make`'s bytes depend on). Its file is `{name}-{hash}.cwasm`; writing one removes
-/// the other files of that `name` when it is not plain `wisp` (a pre-initialized guest's file is
-/// as large as its model: one is kept per model).
+/// everything `make`'s bytes depend on). Its file is `{name}-{hash}.cwasm`; writing one first
+/// removes the other files of that `name` (a pre-initialized guest's file is as large as its
+/// model: one is kept per model), or for plain `wisp` all but the `KEEP_BUILDS - 1` used last.
 fn compile_keyed(
     engine: &Engine,
     name: &str,
@@ -392,21 +392,11 @@ fn compile_keyed(
     let component = Component::new(engine, make()?)?;
     if let Ok(bytes) = component.serialize() {
         let _ = std::fs::create_dir_all(dir);
-        if name != "wisp" {
-            let stale = std::fs::read_dir(dir).into_iter().flatten().flatten().filter(|e| {
-                let n = e.file_name();
-                let n = n.to_string_lossy();
-                n.starts_with(&format!("{name}-")) && n.ends_with(".cwasm")
-            });
-            for e in stale {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
+        // Room for this file first: a pre-initialized guest's file is as large as its model (one
+        // is kept per model); plain `wisp` keeps the builds used last.
+        prune(dir, name, if name == "wisp" { KEEP_BUILDS - 1 } else { 0 });
         let tmp = path.with_extension(format!("tmp{}", std::process::id()));
         if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
-            if name == "wisp" {
-                prune_builds(dir, KEEP_BUILDS);
-            }
             // Read back, so that a large memory image is mapped from the file rather than held
             // in this process's own memory.
             // SAFETY: as above: written just now, by this build.
@@ -418,29 +408,30 @@ fn compile_keyed(
     Ok(component)
 }
 
-/// How many builds' compiled guests the cache keeps (`prune_builds`): a few, so that builds
-/// used side by side (an upgrade and the version before it, two builds compared) each start
-/// without compiling, and the directory stops growing by one file (~12 MB) a build.
+/// How many builds' compiled guests the cache keeps (`prune`): a few, so that builds used side
+/// by side (an upgrade and the version before it, two builds compared) each start without
+/// compiling, and the directory stops growing by one file (~12 MB) a build.
 const KEEP_BUILDS: usize = 4;
 
-/// Removes from `dir` the compiled guests of plain `wisp` (`wisp-{16 hex digits}.cwasm`) but
-/// the `keep` used last (by modification time, which a cache hit sets); other files, the
-/// pre-initialized guests' among them, stay.
-fn prune_builds(dir: &Path, keep: usize) {
-    let is_build = |n: &str| {
-        n.strip_prefix("wisp-")
+/// Removes from `dir` the compiled files of `name` (`{name}-{16 hex digits}.cwasm`, as
+/// `compile_keyed` names them) but the `keep` used last (by modification time, which a cache
+/// hit sets); other files stay (for plain `wisp`, the pre-initialized guests' among them).
+fn prune(dir: &Path, name: &str, keep: usize) {
+    let ours = |n: &str| {
+        n.strip_prefix(name)
+            .and_then(|r| r.strip_prefix('-'))
             .and_then(|r| r.strip_suffix(".cwasm"))
             .is_some_and(|h| h.len() == 16 && h.bytes().all(|b| b.is_ascii_hexdigit()))
     };
-    let mut builds: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+    let mut files: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| is_build(&e.file_name().to_string_lossy()))
+        .filter(|e| ours(&e.file_name().to_string_lossy()))
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
-    builds.sort_by(|a, b| b.0.cmp(&a.0));
-    for (_, path) in builds.into_iter().skip(keep) {
+    files.sort_by_key(|f| std::cmp::Reverse(f.0));
+    for (_, path) in files.into_iter().skip(keep) {
         let _ = std::fs::remove_file(path);
     }
 }
@@ -894,7 +885,7 @@ impl Instance {
 mod tests {
     use std::time::{Duration, SystemTime};
 
-    /// The cache keeps the builds used last and nothing but plain builds' files goes.
+    /// The cache keeps the builds used last, and only the named files go.
     #[test]
     fn pruning_keeps_the_builds_used_last_and_other_files() {
         let dir = std::env::temp_dir().join(format!("wisp-prune-{}", std::process::id()));
@@ -912,12 +903,19 @@ mod tests {
             let f = std::fs::File::create(dir.join(name)).unwrap();
             f.set_modified(now - Duration::from_secs(86_400)).unwrap();
         }
-        super::prune_builds(&dir, 4);
-        let mut left: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
-        left.sort();
+        let left = || {
+            let mut v: Vec<String> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+            v.sort();
+            v
+        };
+        super::prune(&dir, "wisp", 4);
         let mut want: Vec<String> = (0..4).map(build).chain(others.iter().map(|s| s.to_string())).collect();
         want.sort();
-        assert_eq!(left, want);
+        assert_eq!(left(), want);
+        // A pre-initialized guest's name: its files alone go.
+        super::prune(&dir, "wisp-preloaded-gemma_3_270m_q4_k_m", 0);
+        want.retain(|n| n != others[0]);
+        assert_eq!(left(), want);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
