@@ -355,9 +355,11 @@ struct At {
 
 impl At {
     /// `k` blocks on (`G16`: eight scales a block). Every pointer read stays within its buffer
-    /// or one past its end.
+    /// or one past its end. The rows' own pointers `w` are read for Q8_0 alone (`V` is `I8`,
+    /// not `G16`), and only then stepped: with `add`, whose constant offsets LLVM folds into
+    /// the loads' offset immediates (`wrapping_add` left an address addition before each load).
     #[inline(always)]
-    unsafe fn step<const G16: bool>(self, k: usize) -> At {
+    unsafe fn step<const V: u8, const G16: bool>(self, k: usize) -> At {
         unsafe {
             At {
                 xq: self.xq.add(QK * k),
@@ -366,7 +368,10 @@ impl At {
                 qsum16: self.qsum16.add(2 * k),
                 xs: self.xs.add(k),
                 q: self.q.add(4 * QK * k),
-                w: self.w.map(|w| w.wrapping_add(QK * k)),
+                w: match V == I8 && !G16 {
+                    true => self.w.map(|w| w.add(QK * k)),
+                    false => self.w,
+                },
                 d: self.d.add(if G16 { 8 * k } else { 4 * k }),
                 // Never read without mins (`m` is then an empty buffer's pointer).
                 m: self.m.wrapping_add(4 * k),
@@ -451,15 +456,15 @@ unsafe fn tile<const V: u8, const G16: bool, const MINS: bool>(s: &RowScratch, r
         let term = |at: At| tile_term::<V, G16, MINS>(at, offset, &sink);
         for _ in 0..nb / 4 {
             acc0 = sink.made(f32x4_add(acc0, term(at)));
-            acc1 = sink.made(f32x4_add(acc1, term(at.step::<G16>(1))));
-            acc2 = sink.made(f32x4_add(acc2, term(at.step::<G16>(2))));
-            acc3 = sink.made(f32x4_add(acc3, term(at.step::<G16>(3))));
-            at = at.step::<G16>(4);
+            acc1 = sink.made(f32x4_add(acc1, term(at.step::<V, G16>(1))));
+            acc2 = sink.made(f32x4_add(acc2, term(at.step::<V, G16>(2))));
+            acc3 = sink.made(f32x4_add(acc3, term(at.step::<V, G16>(3))));
+            at = at.step::<V, G16>(4);
         }
         let mut out = f32x4_add(f32x4_add(f32x4_add(acc0, acc1), acc2), acc3);
         for _ in 0..nb % 4 {
             out = f32x4_add(out, term(at));
-            at = at.step::<G16>(1);
+            at = at.step::<V, G16>(1);
         }
         out
     }

@@ -997,4 +997,57 @@ mod bench {
             println!("{name:<28} {:>5} {:>10.3} {gflops:>10.1} {:>10.2}", 1, best * 1e3, bytes as f64 / best / 1e9);
         }
     }
+
+    /// The `fast` products (`matmul_q8`, int8 activations) by number of tokens: decode is 1, a
+    /// batched step of N sessions N, a prompt 64 or more. The same shapes as `kernel_bench`.
+    #[test]
+    #[ignore]
+    fn kernel_bench8() {
+        println!("{:<28} {:>5} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s");
+        let shapes = [("[2048, 640]", 2048, 640), ("[640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
+        let kinds = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
+        let mut rng = Rng(0x2545F4914F6CDD1D);
+        let mut scratch = RowScratch::default();
+        for (shape, n_out, n_in) in shapes {
+            for kind in kinds {
+                let (block, _) = kind.block();
+                if (n_out > 100_000 && kind != TensorType::Q8_0) || n_in % block as usize != 0 {
+                    continue;
+                }
+                let mut data = random_blocks(kind, n_out * n_in, &mut rng);
+                if kind == TensorType::Q8_0 {
+                    // No -128 among the values (ggml never writes it; `takes_int8`).
+                    for v in data.chunks_exact_mut(34).flat_map(|b| b[2..].iter_mut()) {
+                        if *v == 0x80 {
+                            *v = 0x81;
+                        }
+                    }
+                }
+                let w = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
+                assert!(takes_int8(&w));
+                for t in [1usize, 4, 8, 16, 64] {
+                    if n_out > 100_000 && t > 16 {
+                        continue;
+                    }
+                    let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
+                    let mut acts = QActs8::default();
+                    acts.quantize(&x, t, n_in);
+                    let mut y = vec![0f32; t * n_out];
+                    matmul_q8(&w, &acts, &mut scratch, &mut y);
+                    let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
+                    let mut best = f64::INFINITY;
+                    for _ in 0..3 {
+                        let start = Instant::now();
+                        for _ in 0..reps {
+                            matmul_q8(&w, &acts, &mut scratch, &mut y);
+                        }
+                        best = best.min(start.elapsed().as_secs_f64() / reps as f64);
+                    }
+                    let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
+                    let name = format!("{shape} {}", kind.name());
+                    println!("{name:<28} {t:>5} {:>10.3} {gflops:>10.1}", best * 1e3);
+                }
+            }
+        }
+    }
 }
