@@ -268,6 +268,18 @@ struct Common {
     suffix: Option<String>,
     #[serde(default)]
     tools: Option<Vec<Value>>,
+    /// OpenAI's fields that change what is generated and that wisp does not offer: refused
+    /// when set (ignoring them would answer another question than the one asked).
+    #[serde(default)]
+    logit_bias: Option<Value>,
+    #[serde(default)]
+    functions: Option<Vec<Value>>,
+    #[serde(default)]
+    function_call: Option<Value>,
+    #[serde(default)]
+    modalities: Option<Vec<Value>>,
+    #[serde(default)]
+    audio: Option<Value>,
     #[serde(default)]
     response_format: Option<Value>,
     /// llama.cpp's extension: a JSON schema as an object.
@@ -413,6 +425,17 @@ fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
     }
     if c.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::invalid_param("tools", "tools are not supported"));
+    }
+    let none = |v: &Value| v.is_null() || v.as_object().is_some_and(|o| o.is_empty());
+    let refused = [
+        ("logit_bias", c.logit_bias.as_ref().is_some_and(|v| !none(v))),
+        ("functions", c.functions.as_ref().is_some_and(|f| !f.is_empty())),
+        ("function_call", c.function_call.as_ref().is_some_and(|v| !(v.is_null() || v == "none"))),
+        ("modalities", c.modalities.as_ref().is_some_and(|m| m.iter().any(|v| v != "text"))),
+        ("audio", c.audio.as_ref().is_some_and(|v| !v.is_null())),
+    ];
+    if let Some((name, _)) = refused.iter().find(|(_, set)| *set) {
+        return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
     }
     let constraint = constraint(&c)?;
     // OpenAI's penalties are additive on logits; wisp's sampler has llama.cpp's multiplicative
@@ -910,7 +933,8 @@ mod tests {
             {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "!"}]}],
             "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 10, "min_p": 0.1, "seed": 3,
             "stop": ["\n", "END"], "stream": true, "stream_options": {"include_usage": true},
-            "presence_penalty": 0, "user": "ignored"}"#;
+            "presence_penalty": 0, "user": "ignored", "logit_bias": {}, "functions": [], "function_call": "none",
+            "modalities": ["text"], "audio": null, "service_tier": "auto"}"#;
         let g = chat_request(body).unwrap();
         assert_eq!(g.prompt, Prompt::Chat(vec![("system".into(), "Be brief.".into()), ("user".into(), "Hi!".into())]));
         assert_eq!((g.max_tokens, g.sampling.top_k, g.sampling.seed, g.stream, g.include_usage), (Some(5), 10, 3, true, true));
@@ -942,6 +966,12 @@ mod tests {
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2.5}"#, "max_tokens"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2147483648}"#, "max_tokens"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0, "max_completion_tokens": 5}"#, "max_tokens"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"651": 100}}"#, "logit_bias"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logit_bias": 3}"#, "logit_bias"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]}"#, "functions"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "function_call": "auto"}"#, "function_call"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]}"#, "modalities"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "audio": {"voice": "alloy"}}"#, "audio"),
         ];
         for (body, field) in cases {
             let e = chat_request(body).unwrap_err();

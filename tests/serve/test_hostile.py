@@ -62,6 +62,9 @@ def test_bad_requests_are_400_with_an_openai_error(server):
         (json.dumps({"model": m, "messages": user(), "logprobs": True}).encode(), "logprobs"),
         (json.dumps({"model": m, "messages": user(), "stop": ["a", "b", "c", "d", "e"]}).encode(), "stop"),
         (json.dumps({"model": m, "messages": user(), "seed": 1e30}).encode(), "seed"),
+        # Known fields that would change the answer, refused rather than ignored.
+        (json.dumps({"model": m, "messages": user(), "logit_bias": {"1": 100}}).encode(), "logit_bias"),
+        (json.dumps({"model": m, "messages": user(), "functions": [{"name": "f"}]}).encode(), "functions"),
     ]
     for raw, param in cases:
         assert_error(post(server, "/v1/chat/completions", raw=raw), 400, "invalid_request_error", param)
@@ -71,6 +74,7 @@ def test_bad_requests_are_400_with_an_openai_error(server):
         (json.dumps({"model": m, "prompt": [4294967295]}).encode(), None),
         (json.dumps({"model": m, "prompt": [-1]}).encode(), "prompt"),
         (json.dumps({"model": m, "prompt": "x", "max_tokens": 0}).encode(), "max_tokens"),
+        (json.dumps({"model": m, "prompt": "x", "logit_bias": {"1": -100}}).encode(), "logit_bias"),
     ]:
         assert_error(post(server, "/v1/completions", raw=raw), 400, "invalid_request_error", param)
     # Not JSON's content type: the body is still what counts.
