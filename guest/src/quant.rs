@@ -362,15 +362,34 @@ impl QMatrix {
         }
     }
 
-    /// Row `r` as f32 (for tests and the embedding lookup).
+    /// Row `r` as f32 (for tests and the embedding lookup: a batched step's 64 rows, each
+    /// value `scale * value - min`), a group's scale read once; 8-bit values read in place.
     pub fn row_f32(&self, r: usize, out: &mut [f32]) {
-        let g = self.group as usize;
-        for (c, o) in out.iter_mut().enumerate().take(self.n_in) {
-            let mut w = self.scale((r * self.n_in + c) / g) * self.value(r, c) as f32;
-            if !self.m.is_empty() {
-                w -= self.m[(r * self.n_in + c) / QK];
+        let (n, g) = (self.n_in, self.group as usize);
+        let out = &mut out[..n];
+        // `n` is a multiple of 32 (and so of the group): row `r`'s groups start at `r * n / g`.
+        let first = r * n / g;
+        for (k, group) in out.chunks_exact_mut(g).enumerate() {
+            let d = self.scale(first + k);
+            match &self.values {
+                Values::I8(q) => {
+                    for (o, &v) in group.iter_mut().zip(&q[r * n + k * g..r * n + (k + 1) * g]) {
+                        *o = d * v as f32;
+                    }
+                }
+                Values::Nibbles { .. } => {
+                    for (j, o) in group.iter_mut().enumerate() {
+                        *o = d * self.value(r, k * g + j) as f32;
+                    }
+                }
             }
-            *o = w;
+        }
+        if !self.m.is_empty() {
+            for (block, &m) in out.chunks_exact_mut(QK).zip(&self.m[r * n / QK..]) {
+                for o in block {
+                    *o -= m;
+                }
+            }
         }
     }
 

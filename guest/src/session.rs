@@ -85,6 +85,9 @@ pub struct Session {
     history: Vec<u32>,
     /// Tokens whose forward pass has run (`history[..done]`).
     done: usize,
+    /// The rotation tables of its rows in batched passes (`pass_input`), one a kind of layer:
+    /// kept so that a decode row turns the last row's angles on.
+    rope: Vec<rope::Table>,
     stats: Stats,
 }
 
@@ -128,6 +131,7 @@ impl Session {
             constraint: None,
             history: Vec::new(),
             done: 0,
+            rope: Vec::new(),
             stats: Stats::default(),
         })
     }
@@ -506,18 +510,18 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
         dispatch.counters = Counters::default();
         {
             let mut seqs = Vec::new();
-            let mut tokens: Vec<(&[u32], usize)> = Vec::new();
+            let mut tokens: Vec<Rows<'_>> = Vec::new();
             let mut own: Vec<&mut Dispatch> = Vec::new();
             for (a, &n) in work.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
                 let outputs = a.session.done + n == a.session.history.len();
-                let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                let Session { state, dispatch, history, done, rope, .. } = &mut *a.session;
                 let (caches, _) = state.parts();
-                tokens.push((&history[*done..*done + n], *done));
+                tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables: rope });
                 seqs.push(cpu::Seq { t: n, pos: *done, outputs, caches, d: own.len() + 1 });
                 own.push(dispatch);
             }
             let hd = model.arch.hparams().head_dim;
-            let mut input = |i: usize, out: &mut [f32]| pass_input(parts, hd, &tokens, i, out);
+            let mut input = |i: usize, out: &mut [f32]| pass_input(parts, hd, &mut tokens, i, out);
             let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut *dispatch).chain(own).collect();
             cpu::run(p, plan, parts.weights, &mut ds, values, scores, &mut seqs, &mut input);
         }
@@ -536,18 +540,29 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
     }
 }
 
-/// Input `i` of a pass of the model's recipe over several sequences (`tokens`: each one's
-/// tokens and first position), their rows one sequence after another: the tokens' embeddings
-/// (input 0), then the rotation tables of their positions (`hd` wide).
-fn pass_input(parts: &PassParts<'_>, hd: usize, tokens: &[(&[u32], usize)], i: usize, out: &mut [f32]) {
+/// One sequence's rows in a batched pass: its tokens from position `pos`, and its session's
+/// rotation tables (`Session::rope`).
+struct Rows<'a> {
+    tokens: &'a [u32],
+    pos: usize,
+    tables: &'a mut Vec<rope::Table>,
+}
+
+/// Input `i` of a pass of the model's recipe over several sequences, their rows one sequence
+/// after another: the tokens' embeddings (input 0), then the rotation tables of their positions
+/// (`hd` wide), filled in each session's own tables.
+fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize, out: &mut [f32]) {
     let mut at = 0;
-    for &(toks, pos) in tokens {
-        let t = toks.len();
+    for seq in seqs {
+        let t = seq.tokens.len();
         match i {
-            0 => embed(parts.embd, toks, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
+            0 => embed(parts.embd, seq.tokens, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
             i => {
-                let mut table = rope::Table::new(t, hd);
-                table.fill(&parts.freqs[i - 1], pos, t);
+                if seq.tables.len() < i {
+                    seq.tables.resize_with(i, || rope::Table::new(0, hd));
+                }
+                let table = &mut seq.tables[i - 1];
+                table.fill(&parts.freqs[i - 1], seq.pos, t);
                 table.write_rows(t, &mut out[at * hd..(at + t) * hd]);
             }
         }
@@ -616,23 +631,23 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
                 continue;
             }
             let passes = {
-                let mut tokens: Vec<(&[u32], usize)> = Vec::new();
+                let mut tokens: Vec<Rows<'_>> = Vec::new();
                 let mut run: Vec<Member<'_>> = Vec::new();
                 for (i, a) in work.iter_mut().enumerate().filter(|(i, _)| joined[*i]) {
                     let n = take[i];
-                    let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                    let Session { state, dispatch, history, done, rope, .. } = &mut *a.session;
                     let (caches, _) = state.parts();
-                    tokens.push((&history[*done..*done + n], *done));
+                    tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables: rope });
                     let flops = model.arch.layer_flops(n);
                     run.push(Member { d: dispatch, t: n, pos: *done, caches, ids: std::mem::take(&mut ids[i]), flops });
                 }
-                let rows: usize = tokens.iter().map(|(t, _)| t.len()).sum();
+                let rows: usize = tokens.iter().map(|r| r.tokens.len()).sum();
                 let inputs: Vec<Vec<f32>> = widths
                     .iter()
                     .enumerate()
                     .map(|(k, &w)| {
                         let mut v = vec![0.0; rows * w];
-                        pass_input(parts, h.head_dim, &tokens, k, &mut v);
+                        pass_input(parts, h.head_dim, &mut tokens, k, &mut v);
                         v
                     })
                     .collect();
