@@ -670,7 +670,7 @@ mod tests {
     }
 
     /// Random blocks of `kind` as ggml writes them: Q8_0 values in -127..=127.
-    fn ggml_blocks(kind: TensorType, n: usize, rng: &mut Rng) -> Vec<u8> {
+    pub(super) fn ggml_blocks(kind: TensorType, n: usize, rng: &mut Rng) -> Vec<u8> {
         let mut data = random_blocks(kind, n, rng);
         if kind == TensorType::Q8_0 {
             for block in data.chunks_exact_mut(34) {
@@ -854,6 +854,7 @@ mod bench {
     use super::*;
     use crate::gguf::TensorType;
     use crate::quant::QMatrix;
+    use super::tests::ggml_blocks;
     use crate::quant::tests::{Rng, random_blocks};
     use std::time::Instant;
 
@@ -906,45 +907,7 @@ mod bench {
     #[test]
     #[ignore]
     fn kernel_bench() {
-        println!("{:<28} {:>5} {:>10} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s", "weight GB/s");
-        let shapes = [("[2048, 640]", 2048, 640), ("[640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
-        let kinds = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
-        let mut rng = Rng(0x2545F4914F6CDD1D);
-        let mut scratch = RowScratch::default();
-        for (shape, n_out, n_in) in shapes {
-            for kind in kinds {
-                let (block, _) = kind.block();
-                if (n_out > 100_000 && kind != TensorType::Q8_0) || n_in % block as usize != 0 {
-                    continue;
-                }
-                let data = random_blocks(kind, n_out * n_in, &mut rng);
-                let w = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
-                drop(data);
-                for t in [1usize, 64] {
-                    if n_out > 100_000 && t > 1 {
-                        continue;
-                    }
-                    let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
-                    let mut acts = QActs::default();
-                    acts.quantize(&x, t, n_in);
-                    let mut y = vec![0f32; t * n_out];
-                    matmul_q(&w, &acts, &mut scratch, &mut y);
-                    let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
-                    let mut best = f64::INFINITY;
-                    for _ in 0..3 {
-                        let start = Instant::now();
-                        for _ in 0..reps {
-                            matmul_q(&w, &acts, &mut scratch, &mut y);
-                        }
-                        best = best.min(start.elapsed().as_secs_f64() / reps as f64);
-                    }
-                    let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
-                    let gbs = w.bytes() as f64 / best / 1e9;
-                    let name = format!("{shape} {}", kind.name());
-                    println!("{name:<28} {t:>5} {:>10.3} {gflops:>10.1} {gbs:>10.2}", best * 1e3);
-                }
-            }
-        }
+        products_bench(false, &[1, 64], 1);
         // The memory's own rate here: a plain read of 256 MB, 64 bytes a step.
         #[cfg(all(target_arch = "wasm32", target_feature = "simd128"))]
         {
@@ -972,7 +935,9 @@ mod bench {
         }
         // As decode reads them: many weights in turn, each read once from memory (64 MB of
         // file-format weights per kind, far beyond the L2 cache).
-        for kind in kinds {
+        let mut rng = Rng(0x2545F4914F6CDD1D);
+        let mut scratch = RowScratch::default();
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K] {
             let (n_out, n_in) = (2048, 640);
             let (block, bytes) = kind.block();
             let count = (64 << 20) / (n_out * n_in / block as usize * bytes as usize);
@@ -1003,7 +968,13 @@ mod bench {
     #[test]
     #[ignore]
     fn kernel_bench8() {
-        println!("{:<28} {:>5} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s");
+        products_bench(true, &[1, 4, 8, 16, 64], 16);
+    }
+
+    /// The products of `kernel_bench` (`fast`: `kernel_bench8`) for each token count of `ts`
+    /// (the output projection's up to `output_t`): the best of 3 timings of enough repeats.
+    fn products_bench(fast: bool, ts: &[usize], output_t: usize) {
+        println!("{:<28} {:>5} {:>10} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s", "weight GB/s");
         let shapes = [("[2048, 640]", 2048, 640), ("[640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
         let kinds = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
         let mut rng = Rng(0x2545F4914F6CDD1D);
@@ -1014,38 +985,34 @@ mod bench {
                 if (n_out > 100_000 && kind != TensorType::Q8_0) || n_in % block as usize != 0 {
                     continue;
                 }
-                let mut data = random_blocks(kind, n_out * n_in, &mut rng);
-                if kind == TensorType::Q8_0 {
-                    // No -128 among the values (ggml never writes it; `takes_int8`).
-                    for v in data.chunks_exact_mut(34).flat_map(|b| b[2..].iter_mut()) {
-                        if *v == 0x80 {
-                            *v = 0x81;
-                        }
-                    }
-                }
-                let w = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
-                assert!(takes_int8(&w));
-                for t in [1usize, 4, 8, 16, 64] {
-                    if n_out > 100_000 && t > 16 {
-                        continue;
-                    }
+                let w = QMatrix::from_blocks(kind, &ggml_blocks(kind, n_out * n_in, &mut rng), n_out, n_in).unwrap();
+                assert!(!fast || takes_int8(&w));
+                for &t in ts.iter().filter(|&&t| n_out < 100_000 || t <= output_t) {
                     let x: Vec<f32> = (0..t * n_in).map(|i| ((i * 13) % 17) as f32 - 8.0).collect();
-                    let mut acts = QActs8::default();
-                    acts.quantize(&x, t, n_in);
+                    let (mut acts, mut acts8) = (QActs::default(), QActs8::default());
+                    match fast {
+                        true => acts8.quantize(&x, t, n_in),
+                        false => acts.quantize(&x, t, n_in),
+                    }
                     let mut y = vec![0f32; t * n_out];
-                    matmul_q8(&w, &acts, &mut scratch, &mut y);
+                    let mut product = || match fast {
+                        true => matmul_q8(&w, &acts8, &mut scratch, &mut y),
+                        false => matmul_q(&w, &acts, &mut scratch, &mut y),
+                    };
+                    product();
                     let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
                     let mut best = f64::INFINITY;
                     for _ in 0..3 {
                         let start = Instant::now();
                         for _ in 0..reps {
-                            matmul_q8(&w, &acts, &mut scratch, &mut y);
+                            product();
                         }
                         best = best.min(start.elapsed().as_secs_f64() / reps as f64);
                     }
                     let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
+                    let gbs = w.bytes() as f64 / best / 1e9;
                     let name = format!("{shape} {}", kind.name());
-                    println!("{name:<28} {t:>5} {:>10.3} {gflops:>10.1}", best * 1e3);
+                    println!("{name:<28} {t:>5} {:>10.3} {gflops:>10.1} {gbs:>10.2}", best * 1e3);
                 }
             }
         }
