@@ -3,13 +3,16 @@
 # interleaved (bench/serve_load.py): aggregate decode tok/s and time to first token for N
 # concurrent streams. Both servers get every core of the machine.
 #
-#   bench/serve.sh [CLIENTS=8] [TOKENS=64] [ROUNDS=3]
+#   bench/serve.sh [CLIENTS=8] [TOKENS=64] [ROUNDS=3] [PROMPT_TOKENS=128]
+#
+# Each stream's prompt is PROMPT_TOKENS tokens, new each round (0: eight short prompts, the same
+# every round, which both servers then find cached from the round before).
 #
 # Needs a release build (`cargo build --release`), llama.cpp's CPU build
 # (`../shared/tools/llama-cpp.sh cpu`, or LLAMA_SERVER=path) and python3 with httpx (pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-clients=${1:-8} tokens=${2:-64} rounds=${3:-3}
+clients=${1:-8} tokens=${2:-64} rounds=${3:-3} prompt_tokens=${4:-128}
 target=${CARGO_TARGET_DIR:-target}
 wisp=${WISP:-$target/release/wisp}
 llama=${LLAMA_SERVER:-/var/tmp/llama.cpp-0.3.36/build-cpu/bin/llama-server}
@@ -29,4 +32,4 @@ done
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs); $(date -u +%FT%TZ); wisp $(git rev-parse --short HEAD)"
 head -n 1 /tmp/wisp-serve.log
 python3 bench/serve_load.py --server wisp=http://127.0.0.1:18080 --server llama.cpp=http://127.0.0.1:18081 \
-    --clients "$clients" --tokens "$tokens" --rounds "$rounds"
+    --clients "$clients" --tokens "$tokens" --rounds "$rounds" --prompt-tokens "$prompt_tokens"
