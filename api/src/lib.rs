@@ -392,15 +392,20 @@ pub fn completion_request(bytes: &[u8]) -> Result<Generation, ApiError> {
         PromptField::Tokens(t) => Prompt::Tokens(t.into_iter().map(|t| t.0).collect()),
     };
     let common: Common = parse(bytes)?;
-    for (set, name) in [(common.echo == Some(true), "echo"), (common.suffix.is_some(), "suffix")] {
-        if set {
-            return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
-        }
-    }
+    refuse(&[("echo", common.echo == Some(true)), ("suffix", common.suffix.is_some())])?;
     if common.best_of.is_some_and(|b| b.0 != 1) {
         return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
     }
     generation(common, prompt)
+}
+
+/// A 400 naming the first of `fields` (name, whether the request set it) that is set: fields
+/// of OpenAI's API that wisp does not offer.
+fn refuse(fields: &[(&str, bool)]) -> Result<(), ApiError> {
+    match fields.iter().find(|(_, set)| *set) {
+        Some((name, _)) => Err(ApiError::invalid_param(name, format!("{name} is not supported"))),
+        None => Ok(()),
+    }
 }
 
 fn range(name: &str, v: Option<f64>, lo: f64, hi: f64, default: f32) -> Result<f32, ApiError> {
@@ -427,16 +432,13 @@ fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
         return Err(ApiError::invalid_param("tools", "tools are not supported"));
     }
     let none = |v: &Value| v.is_null() || v.as_object().is_some_and(|o| o.is_empty());
-    let refused = [
+    refuse(&[
         ("logit_bias", c.logit_bias.as_ref().is_some_and(|v| !none(v))),
         ("functions", c.functions.as_ref().is_some_and(|f| !f.is_empty())),
         ("function_call", c.function_call.as_ref().is_some_and(|v| !(v.is_null() || v == "none"))),
         ("modalities", c.modalities.as_ref().is_some_and(|m| m.iter().any(|v| v != "text"))),
         ("audio", c.audio.as_ref().is_some_and(|v| !v.is_null())),
-    ];
-    if let Some((name, _)) = refused.iter().find(|(_, set)| *set) {
-        return Err(ApiError::invalid_param(name, format!("{name} is not supported")));
-    }
+    ])?;
     let constraint = constraint(&c)?;
     // OpenAI's penalties are additive on logits; wisp's sampler has llama.cpp's multiplicative
     // repeat_penalty instead. Zero (OpenAI's default) is accepted, anything else refused.
