@@ -55,6 +55,17 @@ impl State {
         }
     }
 
+    /// The KV caches (one a layer) and the rotation tables, in the order of the recipe's table
+    /// inputs: the tables each architecture's `forward` fills, which batched passes fill too (a
+    /// decode row then turns the last row's angles on, whichever way that row was run).
+    fn pass_parts(&mut self) -> (&mut [LayerCache], Vec<&mut rope::Table>) {
+        match self {
+            State::Gemma3(s) => (&mut s.cache, vec![&mut s.rope_local, &mut s.rope_global]),
+            State::Qwen2(s) => (&mut s.cache, vec![&mut s.rope]),
+            State::Phi3(s) => (&mut s.cache, vec![&mut s.rope]),
+        }
+    }
+
     /// The KV caches (one a layer) and the logits buffer.
     fn parts(&mut self) -> (&mut [LayerCache], &mut [f32]) {
         match self {
@@ -85,9 +96,6 @@ pub struct Session {
     history: Vec<u32>,
     /// Tokens whose forward pass has run (`history[..done]`).
     done: usize,
-    /// The rotation tables of its rows in batched passes (`pass_input`), one a kind of layer:
-    /// kept so that a decode row turns the last row's angles on.
-    rope: Vec<rope::Table>,
     stats: Stats,
 }
 
@@ -131,7 +139,6 @@ impl Session {
             constraint: None,
             history: Vec::new(),
             done: 0,
-            rope: Vec::new(),
             stats: Stats::default(),
         })
     }
@@ -514,9 +521,9 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
             let mut own: Vec<&mut Dispatch> = Vec::new();
             for (a, &n) in work.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
                 let outputs = a.session.done + n == a.session.history.len();
-                let Session { state, dispatch, history, done, rope, .. } = &mut *a.session;
-                let (caches, _) = state.parts();
-                tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables: rope });
+                let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                let (caches, tables) = state.pass_parts();
+                tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables });
                 seqs.push(cpu::Seq { t: n, pos: *done, outputs, caches, d: own.len() + 1 });
                 own.push(dispatch);
             }
@@ -541,11 +548,11 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
 }
 
 /// One sequence's rows in a batched pass: its tokens from position `pos`, and its session's
-/// rotation tables (`Session::rope`).
+/// rotation tables (`State::pass_parts`).
 struct Rows<'a> {
     tokens: &'a [u32],
     pos: usize,
-    tables: &'a mut Vec<rope::Table>,
+    tables: Vec<&'a mut rope::Table>,
 }
 
 /// Input `i` of a pass of the model's recipe over several sequences, their rows one sequence
@@ -558,10 +565,7 @@ fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize,
         match i {
             0 => embed(parts.embd, seq.tokens, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
             i => {
-                if seq.tables.len() < i {
-                    seq.tables.resize_with(i, || rope::Table::new(0, hd));
-                }
-                let table = &mut seq.tables[i - 1];
+                let table = &mut *seq.tables[i - 1];
                 table.fill(&parts.freqs[i - 1], seq.pos, t);
                 table.write_rows(t, &mut out[at * hd..(at + t) * hd]);
             }
@@ -635,9 +639,9 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
                 let mut run: Vec<Member<'_>> = Vec::new();
                 for (i, a) in work.iter_mut().enumerate().filter(|(i, _)| joined[*i]) {
                     let n = take[i];
-                    let Session { state, dispatch, history, done, rope, .. } = &mut *a.session;
-                    let (caches, _) = state.parts();
-                    tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables: rope });
+                    let Session { state, dispatch, history, done, .. } = &mut *a.session;
+                    let (caches, tables) = state.pass_parts();
+                    tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables });
                     let flops = model.arch.layer_flops(n);
                     run.push(Member { d: dispatch, t: n, pos: *done, caches, ids: std::mem::take(&mut ids[i]), flops });
                 }

@@ -262,9 +262,10 @@ pub struct State {
     /// The program's values on the CPU, made by the session's first pass of its own there
     /// (sessions advanced by batched steps use the model's).
     values: Option<Values>,
-    /// RoPE tables of the batch, for sliding and global layers.
-    rope_local: rope::Table,
-    rope_global: rope::Table,
+    /// RoPE tables of the batch, for sliding and global layers (the recipe's two tables, in
+    /// its order: batched steps fill them too).
+    pub rope_local: rope::Table,
+    pub rope_global: rope::Table,
 }
 
 impl State {

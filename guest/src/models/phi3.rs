@@ -240,7 +240,8 @@ pub struct State {
     pub cache: Vec<LayerCache>,
     pub buf: Scratch,
     values: Option<Values>,
-    rope: rope::Table,
+    /// RoPE table of the batch (the recipe's table: batched steps fill it too).
+    pub rope: rope::Table,
 }
 
 impl State {

@@ -288,7 +288,8 @@ pub struct State {
     /// The program's values on the CPU, made by the session's first pass of its own there
     /// (sessions advanced by batched steps use the model's).
     values: Option<Values>,
-    rope: rope::Table,
+    /// RoPE table of the batch (the recipe's table: batched steps fill it too).
+    pub rope: rope::Table,
 }
 
 impl State {
