@@ -858,6 +858,22 @@ mod bench {
     use crate::quant::tests::{Rng, random_blocks};
     use std::time::Instant;
 
+    /// The seconds one call of `f` takes: the best of 3 timings of `reps` calls.
+    fn best_of_3(reps: usize, f: &mut dyn FnMut()) -> f64 {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            let start = Instant::now();
+            for _ in 0..reps {
+                f();
+            }
+            best = best.min(start.elapsed().as_secs_f64() / reps as f64);
+        }
+        best
+    }
+
+    /// The formats the benchmarks time (Gemma 3 270M Q4_K_M's).
+    const KINDS: [TensorType; 4] = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
+
     /// The attention kernels of one layer's query token, where the time goes: 4 query heads over
     /// one key/value head of 256 (Gemma 3 270M), `n` keys. By hand, like `kernel_bench`.
     #[test]
@@ -873,17 +889,7 @@ mod bench {
             let mut scores = vec![0f32; n];
             let mut out = vec![0f32; hd];
             let reps = (4_000_000 / n).max(10);
-            let time = |f: &mut dyn FnMut()| {
-                let mut best = f64::INFINITY;
-                for _ in 0..3 {
-                    let start = Instant::now();
-                    for _ in 0..reps {
-                        f();
-                    }
-                    best = best.min(start.elapsed().as_secs_f64() / reps as f64);
-                }
-                best
-            };
+            let time = |f: &mut dyn FnMut()| best_of_3(reps, f);
             let d = time(&mut || {
                 for h in 0..4 {
                     dot_rows(&q[h * hd..(h + 1) * hd], &k, hd, 0.0625, &mut scores);
@@ -937,7 +943,7 @@ mod bench {
         // file-format weights per kind, far beyond the L2 cache).
         let mut rng = Rng(0x2545F4914F6CDD1D);
         let mut scratch = RowScratch::default();
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K] {
+        for kind in KINDS {
             let (n_out, n_in) = (2048, 640);
             let (block, bytes) = kind.block();
             let count = (64 << 20) / (n_out * n_in / block as usize * bytes as usize);
@@ -976,11 +982,10 @@ mod bench {
     fn products_bench(fast: bool, ts: &[usize], output_t: usize) {
         println!("{:<28} {:>5} {:>10} {:>10} {:>10}", "weight", "t", "ms", "GFLOP/s", "weight GB/s");
         let shapes = [("[2048, 640]", 2048, 640), ("[640, 2048]", 640, 2048), ("output [262144, 640]", 262144, 640)];
-        let kinds = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4K, TensorType::Q6K];
         let mut rng = Rng(0x2545F4914F6CDD1D);
         let mut scratch = RowScratch::default();
         for (shape, n_out, n_in) in shapes {
-            for kind in kinds {
+            for kind in KINDS {
                 let (block, _) = kind.block();
                 if (n_out > 100_000 && kind != TensorType::Q8_0) || n_in % block as usize != 0 {
                     continue;
@@ -1001,14 +1006,7 @@ mod bench {
                     };
                     product();
                     let reps = (2e9 / (2.0 * (t * n_out * n_in) as f64)).clamp(2.0, 200.0) as usize;
-                    let mut best = f64::INFINITY;
-                    for _ in 0..3 {
-                        let start = Instant::now();
-                        for _ in 0..reps {
-                            product();
-                        }
-                        best = best.min(start.elapsed().as_secs_f64() / reps as f64);
-                    }
+                    let best = best_of_3(reps, &mut product);
                     let gflops = 2.0 * (t * n_out * n_in) as f64 / best / 1e9;
                     let gbs = w.bytes() as f64 / best / 1e9;
                     let name = format!("{shape} {}", kind.name());
