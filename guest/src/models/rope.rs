@@ -70,13 +70,9 @@ impl Table {
         4 * (self.cos.len() + self.sin.len()) + 8 * self.freq.len() + 16 * (self.step.len() + self.at.len())
     }
 
-    /// Fills the rows of positions `pos..pos + t` (the table grows to `t` rows if it has fewer).
+    /// Fills the rows of positions `pos..pos + t`.
     pub fn fill(&mut self, f: &Freqs, pos: usize, t: usize) {
         let (dim, half) = (self.dim, self.dim / 2);
-        if self.cos.len() < t * half {
-            self.cos.resize(t * half, 0.0);
-            self.sin.resize(t * half, 0.0);
-        }
         let factor = |j: usize| f.factors.as_ref().map_or(1.0, |factors| factors[j] as f64);
         if self.of.as_ref() != Some(f) {
             for (j, freq) in self.freq.iter_mut().enumerate() {
@@ -223,7 +219,7 @@ mod tests {
     fn a_table_that_goes_on_reads_as_a_fresh_one() {
         let a = Freqs { base: 1e4, scale: 1.0, factors: None };
         let b = Freqs { base: 1e6, scale: 2.0, factors: Some((0..32).map(|j| 1.0 + j as f32 * 0.125).collect()) };
-        let mut kept = Table::new(1, 64);
+        let mut kept = Table::new(70, 64);
         let fills: [(&Freqs, usize, usize); 12] =
             [(&a, 0, 5), (&a, 5, 1), (&a, 6, 60), (&a, 66, 1), (&a, 67, 1), (&b, 68, 1), (&b, 69, 3), (&a, 72, 1), (&a, 10, 1), (&a, 11, 70), (&a, 81, 0), (&a, 81, 1)];
         for (f, pos, t) in fills {
