@@ -24,6 +24,8 @@ fn main() {
     for p in [
         "guest/src",
         "guest/Cargo.toml",
+        "ops/src",
+        "ops/Cargo.toml",
         "tests/conformance/src",
         "tests/conformance/Cargo.toml",
         "tests/runaway/src",

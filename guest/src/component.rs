@@ -129,6 +129,7 @@ impl dispatch::Device for HostGpu {
     fn allocate(&self, format: Format, n_out: u32, n_in: u32) -> Result<usize, DeviceError> {
         let format = match format {
             Format::F32 => gpu::WeightFormat::F32,
+            Format::Bf16 => gpu::WeightFormat::Bf16,
             Format::Q8x32 => gpu::WeightFormat::Q8x32,
             Format::Q8x16 => gpu::WeightFormat::Q8x16,
             Format::Q4x32 => gpu::WeightFormat::Q4x32,
@@ -268,19 +269,18 @@ impl dispatch::Device for HostGpu {
     }
 }
 
-/// A guest op as the WIT's (its weight ids index the program's weights), products and
-/// attention at `precision`.
+/// An op core op as the WIT's (its weights index the program's weights), products and
+/// attention at `precision` (the model's load option).
 fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
+    // Value and weight indices: a program of more than u32's ops is refused by the op core.
     let v = |x: usize| x as u32;
     match *op {
-        Op::Input { width } => gpu::Op::Input(width as u32),
-        Op::Matmul { x, w } => gpu::Op::Matmul(gpu::MatmulOp { x: v(x), weight: w.0, precision }),
-        Op::RmsNorm { x, w, group, eps } => {
-            gpu::Op::RmsNorm(gpu::NormOp { x: v(x), weight: w.map(|w| w.0), offset: 0.0, group: group as u32, eps })
-        }
+        Op::Input { width } => gpu::Op::Input(width),
+        Op::Matmul { x, weight, .. } => gpu::Op::Matmul(gpu::MatmulOp { x: v(x), weight: v(weight), precision }),
+        Op::RmsNorm { x, weight, offset, group, eps } => gpu::Op::RmsNorm(gpu::NormOp { x: v(x), weight: weight.map(v), offset, group, eps }),
         Op::Add(a, b) => gpu::Op::Add((v(a), v(b))),
         Op::Mul(a, b) => gpu::Op::Mul((v(a), v(b))),
-        Op::Bias { x, w } => gpu::Op::Bias(gpu::BiasOp { x: v(x), weight: w.0 }),
+        Op::Bias { x, weight } => gpu::Op::Bias(gpu::BiasOp { x: v(x), weight: v(weight) }),
         Op::Scale { x, by } => gpu::Op::Scale(gpu::ScaleOp { x: v(x), by }),
         Op::Gated { gate, up, act } => gpu::Op::Gated(gpu::GatedOp {
             gate: v(gate),
@@ -293,23 +293,16 @@ fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
         Op::Rotate { x, table, head_dim, rotation } => gpu::Op::Rotate(gpu::RotateOp {
             x: v(x),
             table: v(table),
-            head_dim: head_dim as u32,
+            head_dim,
             rotation: match rotation {
                 Rotation::Halves => gpu::Rotation::Halves,
                 Rotation::Pairs => gpu::Rotation::Pairs,
             },
         }),
-        Op::CacheWrite { k, v: vv, cache } => gpu::Op::CacheWrite(gpu::CacheWriteOp { k: v(k), v: v(vv), cache: cache as u32 }),
-        Op::Attention { q, cache, heads, window } => gpu::Op::Attention(gpu::AttentionOp {
-            q: v(q),
-            cache: cache as u32,
-            n_head: heads.n_head as u32,
-            n_head_kv: heads.n_head_kv as u32,
-            head_dim: heads.head_dim as u32,
-            window: window as u32,
-            scale: heads.scale,
-            precision,
-        }),
+        Op::CacheWrite { k, v: vv, cache } => gpu::Op::CacheWrite(gpu::CacheWriteOp { k: v(k), v: v(vv), cache }),
+        Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, .. } => {
+            gpu::Op::Attention(gpu::AttentionOp { q: v(q), cache, n_head, n_head_kv, head_dim, window, scale, precision })
+        }
         Op::LastRows(x) => gpu::Op::LastRows(v(x)),
         Op::Output(x) => gpu::Op::Output(v(x)),
         Op::TopK { x, k } => gpu::Op::TopK(gpu::TopKOp { x: v(x), k }),

@@ -587,7 +587,7 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
     let head = prog.head.map(|id| parts.weights.matrix(id));
     let out_len = head.map_or(h.n_vocab, |m| m.n_in);
     let program = &parts.recipe.program;
-    let widths: Vec<usize> = program.inputs.iter().map(|v| program.shapes[*v].0).collect();
+    let widths: Vec<usize> = program.input_widths().map(|w| w as usize).collect();
     let mut left = vec![false; work.len()];
     loop {
         let mut room = DEVICE_BATCH;

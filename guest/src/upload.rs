@@ -9,14 +9,8 @@ use crate::dispatch::{Device, DeviceError};
 use crate::models::{Linear, WeightData};
 use crate::quant::{Group, QMatrix, Values};
 
-/// The upload formats of the WIT `weight-format`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    F32,
-    Q8x32,
-    Q8x16,
-    Q4x32,
-}
+/// The upload formats of the WIT `weight-format`: the op core's.
+pub use wisp_ops::Format;
 
 /// Bytes per `write-rows` call: large weights go up in slices of rows, so no single list
 /// crossing the component boundary is large.
@@ -74,11 +68,7 @@ pub(crate) fn uploadable(w: &Linear) -> bool {
 pub fn upload(dev: &dyn Device, w: &Linear) -> Result<usize, DeviceError> {
     let (format, _, _) = encode_rows(w, 0, 0);
     let id = dev.allocate(format, w.n_out as u32, w.n_in as u32)?;
-    let row_bytes = match format {
-        Format::F32 => 4 * w.n_in,
-        Format::Q4x32 => w.n_in / 2,
-        _ => w.n_in,
-    };
+    let row_bytes = format.data_bytes(w.n_in as u64).unwrap_or(u64::MAX) as usize;
     let rows_per_slice = (UPLOAD_SLICE_BYTES / row_bytes.max(1)).max(1);
     let mut first = 0;
     while first < w.n_out {

@@ -71,13 +71,9 @@ pub trait Device {
     }
 }
 
-/// What a program run returns for one `output` or `top-k` op (the WIT `output`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum DeviceOutput {
-    Rows(Vec<f32>),
-    /// `k` values and their columns a row, row after row.
-    Top { values: Vec<f32>, indices: Vec<u32> },
-}
+/// What a program run returns for one `output` or `top-k` op (the WIT `output`): the op
+/// core's.
+pub type DeviceOutput = wisp_ops::Output;
 
 /// One sequence of a program run: `rows` rows from position `start`, and the device kv-cache
 /// of each of the program's cache indices.
@@ -88,15 +84,6 @@ pub struct DeviceSequence<'a> {
     pub caches: &'a [usize],
 }
 
-/// The shape of an attention: `t` queries over `n_keys` keys, the last `t` the queries' own.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AttentionShape {
-    pub t: u32,
-    pub n_keys: u32,
-    pub n_head: u32,
-    pub n_head_kv: u32,
-    pub head_dim: u32,
-    /// 0: no window.
-    pub window: u32,
-    pub scale: f32,
-}
+/// The shape of an attention: `t` queries over `n_keys` keys, the last `t` the queries' own
+/// (the op core's).
+pub use wisp_ops::AttentionShape;

@@ -5,7 +5,7 @@
 
 use super::{DeviceError, Gpu, Mode, calibrate};
 use crate::models::Linear;
-use crate::program::{Op, Program, Tensor, Tensors, WeightId};
+use crate::program::{Op, Program, Tensor, Tensors, WeightId, compact};
 use crate::upload::{encode_rows, upload, upload_vector, uploadable};
 use std::collections::HashMap;
 
@@ -40,7 +40,8 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
     let mut all = p.ops.clone();
     for op in all.iter_mut() {
         if let (Op::Output(v), None) = (*op, head) {
-            if let Op::Matmul { x, w: id } = p.ops[v] {
+            if let Op::Matmul { x, weight, .. } = p.ops[v] {
+                let id = p.weights[weight].id;
                 if w.matrix(id).gpu.is_none() {
                     *op = Op::Output(x);
                     head = Some(id);
@@ -48,41 +49,27 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
             }
         }
     }
-    let mut index: HashMap<WeightId, u32> = HashMap::new();
+    // The device's weights: those the kept ops name, in the order they first do.
+    let ops = compact(&all);
+    let mut local: HashMap<usize, usize> = HashMap::new();
     let (mut ids, mut vectors) = (Vec::new(), Vec::new());
-    let mut ops = Vec::with_capacity(p.ops.len());
     let mut placed = true;
-    for op in &crate::program::compact(&all) {
-        let mut local = |id: WeightId| -> Option<WeightId> {
-            if let Some(&i) = index.get(&id) {
-                return Some(WeightId(i));
-            }
-            let device = match w.tensor(id) {
-                Tensor::Matrix(m) => m.gpu?,
-                Tensor::Vector(v) => {
-                    let d = upload_vector(gpu.device.as_ref(), v).ok()?;
-                    vectors.push(d);
-                    d
-                }
-            };
-            ids.push(device);
-            index.insert(id, ids.len() as u32 - 1);
-            Some(WeightId(ids.len() as u32 - 1))
-        };
-        let mapped = match *op {
-            Op::Matmul { x, w } => local(w).map(|w| Op::Matmul { x, w }),
-            Op::RmsNorm { x, w: Some(n), group, eps } => local(n).map(|n| Op::RmsNorm { x, w: Some(n), group, eps }),
-            Op::Bias { x, w } => local(w).map(|w| Op::Bias { x, w }),
-            other => Some(other),
-        };
-        match mapped {
-            Some(op) => ops.push(op),
-            None => {
-                placed = false;
-                break;
-            }
+    for i in ops.iter().filter_map(Op::weight) {
+        if local.contains_key(&i) {
+            continue;
         }
+        let device = match w.tensor(p.weights[i].id) {
+            Tensor::Matrix(m) => m.gpu,
+            Tensor::Vector(v) => upload_vector(gpu.device.as_ref(), v).ok().inspect(|&d| vectors.push(d)),
+        };
+        let Some(device) = device else {
+            placed = false;
+            break;
+        };
+        ids.push(device);
+        local.insert(i, ids.len() - 1);
     }
+    let ops: Vec<Op> = ops.iter().map(|op| op.map_weights(|i| local.get(&i).copied().unwrap_or(usize::MAX))).collect();
     let made = if placed { gpu.device.create_program(&ids, caches as u32, &ops).ok() } else { None };
     if made.is_none() {
         for v in vectors {
@@ -99,8 +86,6 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
     };
     Some(DeviceProgram { id, top, caches, head })
 }
-
-
 
 /// Uploads the model's weights as the mode wants: every one with `On`; with `Auto`, one probe
 /// first, then the rest only if the measured device beats the CPU at a prefill-sized batch.

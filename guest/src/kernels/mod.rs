@@ -272,23 +272,17 @@ pub fn weighted_sum(w: &[f32], rows: &[f32], stride: usize, out: &mut [f32]) {
     scalar::weighted_sum(w, rows, stride, out);
 }
 
-/// The activation of a gated feed-forward block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Act {
-    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))` (Gemma).
-    GeluTanh,
-    /// `x / (1 + e^-x)` (Qwen2, Llama).
-    Silu,
-}
+/// The activation of a gated feed-forward block: the op core's (`GeluTanh` for Gemma, `Silu`
+/// for Qwen2, Llama and Phi-3).
+pub use wisp_ops::Activation as Act;
 
-impl Act {
-    /// The activation of one value (the scalar definition).
-    #[inline]
-    pub fn apply(self, x: f32) -> f32 {
-        match self {
-            Act::GeluTanh => gelu_tanh(x),
-            Act::Silu => x / (1.0 + (-x).exp()),
-        }
+/// The activation of one value (the scalar definition the guest's kernels hold to; the SIMD
+/// ones are tested against it).
+#[inline]
+pub fn activate(act: Act, x: f32) -> f32 {
+    match act {
+        Act::GeluTanh => gelu_tanh(x),
+        Act::Silu => x / (1.0 + (-x).exp()),
     }
 }
 

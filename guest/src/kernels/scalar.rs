@@ -158,7 +158,7 @@ pub fn quantize_block8(x: &[f32], q: &mut [i8]) -> (f32, [i32; 2]) {
 /// `g[i] = act(g[i]) * u[i]`, `act` the tanh GELU or SiLU.
 pub fn gate(act: super::Act, g: &mut [f32], u: &[f32]) {
     for (g, u) in g.iter_mut().zip(u) {
-        *g = act.apply(*g) * u;
+        *g = super::activate(act, *g) * u;
     }
 }
 

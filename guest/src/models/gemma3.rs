@@ -19,7 +19,7 @@ use crate::dispatch::{self, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::Values;
-use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
+use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
@@ -148,7 +148,7 @@ impl Tensors for Weights {
 /// Gemma 3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation tables of
 /// the sliding and of the global layers `[t, head_dim]`; output: the logits of each sequence's
 /// last token. Each layer `l` writes cache `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Program {
+pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
     let h = &c.hp;
     let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
     let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
@@ -226,7 +226,7 @@ impl Weights {
             layers,
             recipe: Recipe::default(),
         };
-        w.recipe = Recipe::new(recipe(config, &w));
+        w.recipe = Recipe::new(recipe(config, &w)?);
         Ok(w)
     }
 

@@ -43,6 +43,14 @@ pub fn invalid<T>(m: impl Into<String>) -> Result<T, LoadError> {
     Err(LoadError::Invalid(m.into()))
 }
 
+impl From<crate::program::CheckError> for LoadError {
+    /// A recipe the op core refuses: the file's tensors and metadata disagree in a way the
+    /// loader did not catch.
+    fn from(e: crate::program::CheckError) -> Self {
+        LoadError::Invalid(format!("the model's program does not check: {e}"))
+    }
+}
+
 impl From<String> for LoadError {
     fn from(m: String) -> Self {
         LoadError::Invalid(m)

@@ -20,7 +20,7 @@ use crate::dispatch::{self, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::Values;
-use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
+use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// Hyperparameters from the GGUF metadata.
 #[derive(Debug, Clone)]
@@ -118,7 +118,7 @@ impl Tensors for Weights {
 /// Phi-3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
 /// `[t, head_dim]`; output: the logits of each sequence's last token. Layer `l` writes cache
 /// `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Program {
+pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
     let h = &c.hp;
     let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
     let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
@@ -206,7 +206,7 @@ impl Weights {
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None },
             recipe: Recipe::default(),
         };
-        w.recipe = Recipe::new(recipe(c, &w));
+        w.recipe = Recipe::new(recipe(c, &w)?);
         Ok(w)
     }
 

@@ -20,7 +20,7 @@ use crate::dispatch::{self, Dispatch, Gpu};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::cpu::Values;
-use crate::program::{Builder, Program, Rotation, Tensor, Tensors, WeightId};
+use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +166,7 @@ fn bias(b: &Option<Vec<f32>>) -> Tensor<'_> {
 /// Qwen2 and Llama as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
 /// table `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l`
 /// writes cache `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Program {
+pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
     let h = &c.hp;
     let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
     let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
@@ -252,7 +252,7 @@ impl Weights {
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
             recipe: Recipe::default(),
         };
-        w.recipe = Recipe::new(recipe(c, &w));
+        w.recipe = Recipe::new(recipe(c, &w)?);
         Ok(w)
     }
 

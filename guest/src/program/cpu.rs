@@ -10,7 +10,7 @@
 //! call (one quantization of the input, one device round trip where the policy sends them
 //! there); attention goes through it too (`Dispatch::attend`).
 
-use super::{Op, Program, Rotation, Rows, Tensors, Value};
+use super::{Op, Program, Rotation, Rows, Tensors, Value, heads_of};
 use crate::dispatch::Dispatch;
 use crate::kernels::{self, rms_norm, rotate_pairs};
 use crate::models::LayerCache;
@@ -33,7 +33,7 @@ impl Plan {
         let mut widths: Vec<(usize, usize)> = Vec::new();
         let mut free: Vec<usize> = Vec::new();
         for (i, op) in p.ops.iter().enumerate() {
-            let (width, rows) = p.shapes[i];
+            let (width, rows) = (p.width(i), p.rows(i));
             if width > 0 {
                 let b = free.pop().unwrap_or_else(|| {
                     widths.push((0, 0));
@@ -46,10 +46,12 @@ impl Plan {
                 }
                 buffer[i] = b;
             }
-            let (vals, k) = op.operands();
-            for (j, &a) in vals[..k].iter().enumerate() {
-                // Once per value, also where an op reads it twice.
-                if p.last_use[a] == i && !vals[..j].contains(&a) {
+            let vals = op.operands();
+            let vals = vals.as_slice();
+            for (j, &a) in vals.iter().enumerate() {
+                // Once per value, also where an op reads it twice; never a value the run
+                // returns (read after the run).
+                if p.last_use[a] == i && !vals[..j].contains(&a) && !p.outputs.contains(&a) {
                     free.push(buffer[a]);
                 }
             }
@@ -70,7 +72,7 @@ pub struct Values {
 impl Values {
     pub fn new(p: &Program, plan: &Plan, batch: usize, seqs: usize) -> Values {
         let bufs = plan.widths.iter().map(|&(tw, sw)| vec![0.0; (batch * tw).max(seqs * sw)]).collect();
-        let widest_norm = p.ops.iter().map(|op| if let Op::RmsNorm { group, w: None, .. } = op { *group } else { 0 }).max();
+        let widest_norm = p.ops.iter().map(|op| if let Op::RmsNorm { group, weight: None, .. } = op { *group as usize } else { 0 }).max();
         Values { bufs, ones: vec![1.0; widest_norm.unwrap_or(0)], batch, seqs }
     }
 
@@ -90,7 +92,7 @@ impl Values {
 
     /// The value `v` of the last run: `rows * width` values.
     pub fn get(&self, p: &Program, plan: &Plan, v: Value, rows: usize) -> &[f32] {
-        &self.bufs[plan.buffer[v]][..rows * p.shapes[v].0]
+        &self.bufs[plan.buffer[v]][..rows * p.width(v)]
     }
 }
 
@@ -117,8 +119,8 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
     let n_out = seqs.iter().filter(|s| s.outputs).count();
     let outputs = n_out > 0;
     debug_assert!(vals.holds(t, n_out));
-    let rows = |v: Value| if p.shapes[v].1 == Rows::Sequence { n_out } else { t };
-    let n = |v: Value| rows(v) * p.shapes[v].0;
+    let rows = |v: Value| if p.rows(v) == Rows::Sequence { n_out } else { t };
+    let n = |v: Value| rows(v) * p.width(v);
     let mut next_input = 0;
     let mut i = 0;
     while i < p.ops.len() {
@@ -148,7 +150,7 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                 let mut jobs: Vec<_> = (i..end)
                     .zip(std::iter::once(&mut y).chain(outs.iter_mut()))
                     .map(|(j, buf)| match p.ops[j] {
-                        Op::Matmul { w: id, .. } => (w.matrix(id), &mut buf[..]),
+                        Op::Matmul { weight, .. } => (w.matrix(p.weights[weight].id), &mut buf[..]),
                         _ => unreachable!(),
                     })
                     .collect();
@@ -166,11 +168,13 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                 i = end;
                 continue;
             }
-            Op::RmsNorm { x, w: id, group, eps } => {
-                let y = &mut y[..n(x)];
+            Op::RmsNorm { x, weight, offset, group, eps } => {
+                // The guest's recipes fold any offset into their norm weights.
+                debug_assert_eq!(offset, 0.0);
+                let (y, group) = (&mut y[..n(x)], group as usize);
                 y.copy_from_slice(src(x));
-                let g = match id {
-                    Some(id) => w.vector(id),
+                let g = match weight {
+                    Some(i) => w.vector(p.weights[i].id),
                     None => &vals.ones[..group],
                 };
                 for run in y.chunks_exact_mut(group) {
@@ -187,10 +191,10 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                     *o = x * z;
                 }
             }
-            Op::Bias { x, w: id } => {
+            Op::Bias { x, weight } => {
                 let y = &mut y[..n(x)];
                 y.copy_from_slice(src(x));
-                let bias = w.vector(id);
+                let bias = w.vector(p.weights[weight].id);
                 for row in y.chunks_exact_mut(bias.len()) {
                     kernels::add(row, bias);
                 }
@@ -206,13 +210,13 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                 kernels::gate(act, y, src(up));
             }
             Op::Rotate { x, table, head_dim, rotation } => {
-                let (width, tw) = (p.shapes[x].0, p.shapes[table].0);
+                let (width, tw) = (p.width(x), p.width(table));
                 let y = &mut y[..n(x)];
                 y.copy_from_slice(src(x));
-                rotate(y, width, src(table), tw, head_dim, rotation);
+                rotate(y, width, src(table), tw, head_dim as usize, rotation);
             }
             Op::CacheWrite { k, v, cache } => {
-                let width = p.shapes[k].0;
+                let (width, cache) = (p.width(k), cache as usize);
                 let (ks, vs) = (src(k), src(v));
                 let mut first = 0;
                 for s in seqs.iter_mut() {
@@ -223,8 +227,9 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                     first += s.t;
                 }
             }
-            Op::Attention { q, cache, heads, window } => {
-                let width = p.shapes[q].0;
+            Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, .. } => {
+                let (heads, cache, window) = (heads_of(n_head, n_head_kv, head_dim, scale), cache as usize, window as usize);
+                let width = p.width(q);
                 let (qs, mut first) = (src(q), 0);
                 for s in seqs.iter() {
                     debug_assert_eq!(s.caches[cache].window.unwrap_or(0), window);
@@ -234,7 +239,7 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                 }
             }
             Op::LastRows(x) => {
-                let width = p.shapes[x].0;
+                let width = p.width(x);
                 let (xs, mut first, mut row) = (src(x), 0, 0);
                 for s in seqs.iter() {
                     first += s.t;
@@ -342,7 +347,7 @@ mod tests {
         let last = p.last_rows(x);
         let y = p.rms_norm(last, None, n, 1e-6);
         p.output(y);
-        p.finish()
+        p.finish().unwrap()
     }
 
     #[test]

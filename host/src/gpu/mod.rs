@@ -7,103 +7,18 @@
 //! the device's limits or the instance's budget. Nothing a guest sends can trap or panic the host.
 
 mod cpu;
+mod imports;
 pub mod program;
 mod wgpu;
 
 pub use self::wgpu::{Gemm, WgpuBackend};
 pub use cpu::CpuBackend;
 
-use crate::bindings::wisp::llm::gpu as wit;
+pub use imports::add_to_linker;
+pub use wisp_ops::{Activation, AttentionShape, Format, MAX_HEAD_DIM, Rotation};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
-use wasmtime::component::{HasData, Linker, Resource};
-
-/// A weight layout of the WIT `weight-format` (see `wit/gpu.wit` for the exact bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Format {
-    /// Plain little-endian f32, 4 bytes an element, no scales.
-    F32,
-    /// bfloat16 (the high half of an f32), 2 bytes an element, no scales. Exact for GGUF BF16.
-    Bf16,
-    /// A signed byte `q` an element and one f32 scale `d` per 32 elements of a row: `w = d * q`.
-    /// Exact for Q8_0 and Q5_0.
-    Q8x32,
-    /// As [`Format::Q8x32`] with a scale per 16 elements. Exact for Q6_K.
-    Q8x16,
-    /// Two unsigned 4-bit `q` a byte (low nibble first) and two f32 `[d, m]` per 32 elements of a
-    /// row: `w = d * q - m`. Exact for Q4_K and Q4_0.
-    Q4x32,
-}
-
-impl Format {
-    /// Elements per scale block (1 for the float formats).
-    pub fn block(self) -> u64 {
-        match self {
-            Format::F32 | Format::Bf16 => 1,
-            Format::Q8x32 | Format::Q4x32 => 32,
-            Format::Q8x16 => 16,
-        }
-    }
-
-    /// Bytes of `data` for `n` elements (`n` a multiple of the block).
-    pub fn data_bytes(self, n: u64) -> Option<u64> {
-        match self {
-            Format::F32 => n.checked_mul(4),
-            Format::Bf16 => n.checked_mul(2),
-            Format::Q8x32 | Format::Q8x16 => Some(n),
-            Format::Q4x32 => Some(n / 2),
-        }
-    }
-
-    /// Number of f32 in `scales` for `n` elements.
-    pub fn scale_count(self, n: u64) -> u64 {
-        match self {
-            Format::F32 | Format::Bf16 => 0,
-            Format::Q8x32 => n / 32,
-            Format::Q8x16 => n / 16,
-            Format::Q4x32 => n / 16,
-        }
-    }
-
-    /// The format's WIT name (`"f32"`, `"q4x32"`, ...), as error messages and `wisp bench`
-    /// print it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Format::F32 => "f32",
-            Format::Bf16 => "bf16",
-            Format::Q8x32 => "q8x32",
-            Format::Q8x16 => "q8x16",
-            Format::Q4x32 => "q4x32",
-        }
-    }
-
-    /// Every format, in the order of the WIT `weight-format` enum.
-    pub const ALL: [Format; 5] = [Format::F32, Format::Bf16, Format::Q8x32, Format::Q8x16, Format::Q4x32];
-}
-
-impl From<wit::WeightFormat> for Format {
-    fn from(f: wit::WeightFormat) -> Self {
-        match f {
-            wit::WeightFormat::F32 => Format::F32,
-            wit::WeightFormat::Bf16 => Format::Bf16,
-            wit::WeightFormat::Q8x32 => Format::Q8x32,
-            wit::WeightFormat::Q8x16 => Format::Q8x16,
-            wit::WeightFormat::Q4x32 => Format::Q4x32,
-        }
-    }
-}
-
-impl From<Format> for wit::WeightFormat {
-    fn from(f: Format) -> Self {
-        match f {
-            Format::F32 => wit::WeightFormat::F32,
-            Format::Bf16 => wit::WeightFormat::Bf16,
-            Format::Q8x32 => wit::WeightFormat::Q8x32,
-            Format::Q8x16 => wit::WeightFormat::Q8x16,
-            Format::Q4x32 => wit::WeightFormat::Q4x32,
-        }
-    }
-}
+use wasmtime::component::Resource;
 
 /// A failure of a `gpu` call, as the guest sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,17 +50,6 @@ impl std::fmt::Display for GpuError {
 
 impl std::error::Error for GpuError {}
 
-impl From<GpuError> for wit::Error {
-    fn from(e: GpuError) -> Self {
-        match e {
-            GpuError::Unavailable(m) => wit::Error::Unavailable(m),
-            GpuError::InvalidArgument(m) => wit::Error::InvalidArgument(m),
-            GpuError::OutOfMemory(m) => wit::Error::OutOfMemory(m),
-            GpuError::DeviceLost(m) => wit::Error::DeviceLost(m),
-        }
-    }
-}
-
 /// What a backend's device is and what it accepts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Device {
@@ -159,95 +63,6 @@ pub struct Device {
     pub max_weight_bytes: u64,
     /// Largest input or output of one job, in f32 elements.
     pub max_activation_elements: u64,
-}
-
-/// The activation of a `gated` op (the WIT `activation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Activation {
-    /// `0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))`, the tanh approximation of GELU.
-    GeluTanh,
-    /// `g / (1 + e^-g)`.
-    Silu,
-}
-
-impl Activation {
-    /// The activation of one value, in f32, as the shaders compute it: `g / (1 + e^-a)` with
-    /// `a = 2 sqrt(2 / pi) (g + 0.044715 g^3)` for GELU (its tanh form rewritten) and `a = g`
-    /// for SiLU.
-    pub fn apply(self, g: f32) -> f32 {
-        let a = match self {
-            Activation::GeluTanh => 1.595_769_1 * (g + 0.044715 * g * g * g),
-            Activation::Silu => g,
-        };
-        g / (1.0 + (-a).exp())
-    }
-}
-
-impl From<wit::Activation> for Activation {
-    fn from(a: wit::Activation) -> Self {
-        match a {
-            wit::Activation::GeluTanh => Activation::GeluTanh,
-            wit::Activation::Silu => Activation::Silu,
-        }
-    }
-}
-
-/// The shape of an attention over a `kv-cache` ([`Backend::attention_cached`], with which a
-/// program's `attention` op runs op by op).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct AttentionShape {
-    /// Queries.
-    pub t: u32,
-    /// Keys and values; the last `t` are the queries' own positions.
-    pub n_keys: u32,
-    /// Query heads, a multiple of `n_head_kv`.
-    pub n_head: u32,
-    /// Key/value heads.
-    pub n_head_kv: u32,
-    /// Width of every head, 1 to [`MAX_HEAD_DIM`].
-    pub head_dim: u32,
-    /// Query `i` sees only the last `window` keys up to its own; 0 for no window.
-    pub window: u32,
-    /// Multiplies each query-key product before the softmax.
-    pub scale: f32,
-}
-
-/// The widest head an `attention` op accepts.
-pub const MAX_HEAD_DIM: u32 = 512;
-
-impl AttentionShape {
-    /// The keys query `i` sees: its own position and those before, the last `window` of them
-    /// where there is a window.
-    pub fn keys_of(&self, i: u32) -> std::ops::Range<usize> {
-        let last = (self.n_keys - self.t + i) as usize;
-        let first = if self.window == 0 { 0 } else { (last + 1).saturating_sub(self.window as usize) };
-        first..last + 1
-    }
-
-    /// Values in `q` (and in the output), and in `k` (and `v`), or `None` if they overflow.
-    pub fn lens(&self) -> Option<(u64, u64)> {
-        let q = (self.t as u64).checked_mul(self.n_head as u64)?.checked_mul(self.head_dim as u64)?;
-        let k = (self.n_keys as u64).checked_mul(self.n_head_kv as u64)?.checked_mul(self.head_dim as u64)?;
-        Some((q, k))
-    }
-}
-
-/// How a rotary embedding pairs a head's values (the WIT `rotation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Rotation {
-    /// `(h[j], h[j + head_dim / 2])`.
-    Halves,
-    /// `(h[2j], h[2j + 1])`.
-    Pairs,
-}
-
-impl From<wit::Rotation> for Rotation {
-    fn from(r: wit::Rotation) -> Self {
-        match r {
-            wit::Rotation::Halves => Rotation::Halves,
-            wit::Rotation::Pairs => Rotation::Pairs,
-        }
-    }
 }
 
 /// Identifies a weight inside a backend.
@@ -706,7 +521,7 @@ impl GpuCtx {
             let h = self.weight(w).ok_or_else(|| GpuError::InvalidArgument(format!("weight {i}: not a live weight handle of this instance")))?;
             refs.push(program::WeightRef { rep: w.rep(), id: h.id, rows: h.rows, cols: h.cols, format: h.format });
         }
-        let program = program::check(ops, refs, caches).map_err(GpuError::InvalidArgument)?;
+        let program = program::check(ops, refs, caches).map_err(|e| GpuError::InvalidArgument(e.to_string()))?;
         self.budget_allows(0)?;
         let r = self.backend.prepare_program(&program);
         self.track(r)?;
@@ -783,180 +598,4 @@ impl GpuCtx {
             self.used_handles -= 1;
         }
     }
-
-    fn info(&self) -> Option<wit::DeviceInfo> {
-        let d = self.device.as_ref()?;
-        Some(wit::DeviceInfo {
-            name: d.name.clone(),
-            backend: d.backend.clone(),
-            device_type: d.device_type.clone(),
-            max_weight_bytes: d.max_weight_bytes,
-            max_activation_elements: d.max_activation_elements,
-            budget_bytes: self.budget.bytes - self.used_bytes,
-            budget_handles: self.budget.handles - self.used_handles,
-        })
-    }
-}
-
-impl wit::Host for GpuCtx {
-    fn available(&mut self) -> wasmtime::Result<Option<wit::DeviceInfo>> {
-        Ok(if self.lost.is_some() { None } else { self.info() })
-    }
-
-    fn upload(
-        &mut self,
-        format: wit::WeightFormat,
-        n_out: u32,
-        n_in: u32,
-        data: Vec<u8>,
-        scales: Vec<f32>,
-    ) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
-        Ok(GpuCtx::upload(self, format.into(), n_out, n_in, &data, &scales).map_err(Into::into))
-    }
-
-    fn allocate(&mut self, format: wit::WeightFormat, n_out: u32, n_in: u32) -> wasmtime::Result<Result<Resource<WeightHandle>, wit::Error>> {
-        Ok(GpuCtx::allocate(self, format.into(), n_out, n_in).map_err(Into::into))
-    }
-
-    fn create_kv_cache(&mut self, slots: u32, width: u32) -> wasmtime::Result<Result<Resource<KvCacheHandle>, wit::Error>> {
-        Ok(GpuCtx::create_kv_cache(self, slots, width).map_err(Into::into))
-    }
-
-    fn create_program(
-        &mut self,
-        weights: Vec<Resource<WeightHandle>>,
-        caches: u32,
-        ops: Vec<wit::Op>,
-    ) -> wasmtime::Result<Result<Resource<ProgramHandle>, wit::Error>> {
-        let ops = ops.into_iter().map(Into::into).collect();
-        Ok(GpuCtx::create_program(self, &weights, caches, ops).map_err(Into::into))
-    }
-}
-
-impl wit::HostWeight for GpuCtx {
-    fn write_rows(
-        &mut self,
-        w: Resource<WeightHandle>,
-        first_row: u32,
-        data: Vec<u8>,
-        scales: Vec<f32>,
-    ) -> wasmtime::Result<Result<(), wit::Error>> {
-        Ok(GpuCtx::write_rows(self, &w, first_row, &data, &scales).map_err(Into::into))
-    }
-
-    fn rows(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
-        Ok(self.weight(&w).map(|h| h.rows).unwrap_or(0))
-    }
-
-    fn cols(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<u32> {
-        Ok(self.weight(&w).map(|h| h.cols).unwrap_or(0))
-    }
-
-    fn format(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<wit::WeightFormat> {
-        Ok(self.weight(&w).map(|h| h.format).unwrap_or(Format::F32).into())
-    }
-
-    fn drop(&mut self, w: Resource<WeightHandle>) -> wasmtime::Result<()> {
-        self.release(w);
-        Ok(())
-    }
-}
-
-impl wit::HostKvCache for GpuCtx {
-    fn slots(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<u32> {
-        Ok(self.caches.get(&c.rep()).map(|h| h.slots).unwrap_or(0))
-    }
-
-    fn width(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<u32> {
-        Ok(self.caches.get(&c.rep()).map(|h| h.width).unwrap_or(0))
-    }
-
-    fn drop(&mut self, c: Resource<KvCacheHandle>) -> wasmtime::Result<()> {
-        self.release_cache(c);
-        Ok(())
-    }
-}
-
-impl From<wit::Precision> for program::Precision {
-    fn from(p: wit::Precision) -> Self {
-        match p {
-            wit::Precision::Exact => program::Precision::Exact,
-            wit::Precision::Fast => program::Precision::Fast,
-        }
-    }
-}
-
-impl From<wit::Op> for program::Op {
-    fn from(op: wit::Op) -> Self {
-        use program::Op;
-        let ix = |v: u32| v as usize;
-        match op {
-            wit::Op::Input(width) => Op::Input { width },
-            wit::Op::Matmul(m) => Op::Matmul { x: ix(m.x), weight: ix(m.weight), precision: m.precision.into() },
-            wit::Op::RmsNorm(n) => Op::RmsNorm { x: ix(n.x), weight: n.weight.map(ix), offset: n.offset, group: n.group, eps: n.eps },
-            wit::Op::Add((a, b)) => Op::Add(ix(a), ix(b)),
-            wit::Op::Mul((a, b)) => Op::Mul(ix(a), ix(b)),
-            wit::Op::Bias(b) => Op::Bias { x: ix(b.x), weight: ix(b.weight) },
-            wit::Op::Scale(s) => Op::Scale { x: ix(s.x), by: s.by },
-            wit::Op::Gated(g) => Op::Gated { gate: ix(g.gate), up: ix(g.up), act: g.act.into() },
-            wit::Op::Rotate(r) => Op::Rotate { x: ix(r.x), table: ix(r.table), head_dim: r.head_dim, rotation: r.rotation.into() },
-            wit::Op::CacheWrite(c) => Op::CacheWrite { k: ix(c.k), v: ix(c.v), cache: c.cache },
-            wit::Op::Attention(a) => Op::Attention {
-                q: ix(a.q),
-                cache: a.cache,
-                n_head: a.n_head,
-                n_head_kv: a.n_head_kv,
-                head_dim: a.head_dim,
-                window: a.window,
-                scale: a.scale,
-                precision: a.precision.into(),
-            },
-            wit::Op::LastRows(x) => Op::LastRows(ix(x)),
-            wit::Op::Output(x) => Op::Output(ix(x)),
-            wit::Op::TopK(t) => Op::TopK { x: ix(t.x), k: t.k },
-        }
-    }
-}
-
-impl wit::HostProgram for GpuCtx {
-    fn run(
-        &mut self,
-        p: Resource<ProgramHandle>,
-        inputs: Vec<Vec<f32>>,
-        batch: Vec<wit::Sequence>,
-    ) -> wasmtime::Result<Result<Vec<wit::Output>, wit::Error>> {
-        let batch: Vec<_> = batch.iter().map(|s| (s.rows, s.start, &s.caches[..])).collect();
-        let out = GpuCtx::run_program(self, &p, inputs, &batch).map(|outputs| {
-            outputs
-                .into_iter()
-                .map(|o| match o {
-                    program::Output::Rows(v) => wit::Output::Rows(v),
-                    program::Output::Top { values, indices } => wit::Output::Top(wit::TopRows { values, indices }),
-                })
-                .collect()
-        });
-        Ok(out.map_err(Into::into))
-    }
-
-    fn ops(&mut self, p: Resource<ProgramHandle>) -> wasmtime::Result<u32> {
-        Ok(self.programs.get(&p.rep()).map_or(0, |h| h.program.ops.len() as u32))
-    }
-
-    fn drop(&mut self, p: Resource<ProgramHandle>) -> wasmtime::Result<()> {
-        self.release_program(p);
-        Ok(())
-    }
-}
-
-struct GpuData;
-
-impl HasData for GpuData {
-    type Data<'a> = &'a mut GpuCtx;
-}
-
-/// Adds wisp's `gpu` interface to a linker whose store data holds a [`GpuCtx`]. This is all an
-/// embedder needs to give the wisp component (or any component importing `wisp:llm/gpu`) a GPU.
-pub fn add_to_linker<T: 'static>(linker: &mut Linker<T>, get: fn(&mut T) -> &mut GpuCtx) -> anyhow::Result<()> {
-    wit::add_to_linker::<T, GpuData>(linker, get)?;
-    Ok(())
 }
