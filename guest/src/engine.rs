@@ -5,7 +5,7 @@ use crate::chat;
 use crate::constraint::Grammars;
 use crate::dispatch::{self, Device, DeviceLimits, Gpu, Mode};
 use crate::gguf::{Gguf, GgufError};
-use crate::models::{Hparams, Linear, LoadError, Recipe, gemma3, phi3, qwen2, rope};
+use crate::models::{Architecture, Hparams, Linear, LoadError, Recipe, arch, rope};
 use crate::program::Tensors;
 use crate::quant::QMatrix;
 use crate::source::Source;
@@ -59,14 +59,6 @@ impl From<LoadError> for Error {
     }
 }
 
-/// The architectures this engine runs.
-pub enum Arch {
-    Gemma3 { config: gemma3::Config, weights: gemma3::Weights },
-    /// Qwen2 and Llama.
-    Qwen2 { config: qwen2::Config, weights: qwen2::Weights },
-    Phi3 { config: phi3::Config, weights: phi3::Weights },
-}
-
 /// What a pass of a model's recipe on the guest's CPU reads: its weights, its recipe, the
 /// embedding of its first input, and the rotations of its tables (its other inputs, in order).
 pub struct PassParts<'a> {
@@ -74,36 +66,6 @@ pub struct PassParts<'a> {
     pub recipe: &'a Recipe,
     pub embd: &'a Linear,
     pub freqs: Vec<rope::Freqs>,
-}
-
-impl Arch {
-    pub fn pass_parts(&self) -> PassParts<'_> {
-        match self {
-            Arch::Gemma3 { config, weights } => {
-                PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: gemma3::freqs(config).into() }
-            }
-            Arch::Qwen2 { weights, .. } => PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: vec![weights.rope.clone()] },
-            Arch::Phi3 { weights, .. } => PassParts { weights, recipe: &weights.recipe, embd: &weights.embd, freqs: vec![weights.rope.clone()] },
-        }
-    }
-
-    /// The products of a pass of `t` token rows through every layer, in floating-point
-    /// operations (the output projection apart).
-    pub fn layer_flops(&self, t: usize) -> u64 {
-        match self {
-            Arch::Gemma3 { weights, .. } => weights.layer_flops(t),
-            Arch::Qwen2 { weights, .. } => weights.layer_flops(t),
-            Arch::Phi3 { weights, .. } => weights.layer_flops(t),
-        }
-    }
-
-    pub fn hparams(&self) -> &Hparams {
-        match self {
-            Arch::Gemma3 { config, .. } => &config.hp,
-            Arch::Qwen2 { config, .. } => &config.hp,
-            Arch::Phi3 { config, .. } => &config.hp,
-        }
-    }
 }
 
 /// What `info` reports, gathered at load.
@@ -122,7 +84,10 @@ pub struct Summary {
 }
 
 pub struct Model {
-    pub arch: Arch,
+    /// The architecture's model (`models::REGISTRY`).
+    pub arch: Box<dyn Architecture>,
+    /// Its recipe, made at load, and its copy on the device where there is one.
+    pub recipe: Recipe,
     pub tokenizer: Arc<Tokenizer>,
     pub summary: Summary,
     /// The host's device, when the mode allows it and the host has one.
@@ -151,6 +116,11 @@ pub fn can_allocate(n: usize) -> bool {
 }
 
 impl Model {
+    /// What a pass of the recipe on the guest's CPU reads.
+    pub fn pass_parts(&self) -> PassParts<'_> {
+        PassParts { weights: self.arch.tensors(), recipe: &self.recipe, embd: self.arch.embd(), freqs: self.arch.freqs() }
+    }
+
     /// Builds a model from a whole GGUF file, CPU only.
     pub fn load(file: &[u8]) -> Result<Model, Error> {
         Model::load_with(file, None)
@@ -208,49 +178,15 @@ impl Model {
         // What the model needs of the metadata is read before its weights; the metadata (a
         // large vocabulary's arrays take tens of MB) is then freed for the weights to take its
         // place in the guest's memory, which never shrinks.
-        enum Config {
-            Gemma3(gemma3::Config),
-            Phi3(phi3::Config),
-            Qwen2(qwen2::Config),
-        }
-        let config = match (architecture.as_str(), qwen2::Family::from_name(&architecture)) {
-            ("gemma3", _) => {
-                let config = gemma3::Config::from_gguf(&g)?;
-                check_vocab(&config.hp)?;
-                Config::Gemma3(config)
-            }
-            ("phi3", _) => {
-                let config = phi3::Config::from_gguf(&g)?;
-                check_vocab(&config.hp)?;
-                Config::Phi3(config)
-            }
-            (_, Some(family)) => {
-                let config = qwen2::Config::from_gguf(&g, family)?;
-                check_vocab(&config.hp)?;
-                Config::Qwen2(config)
-            }
-            (other, None) => {
-                return Err(Error::Unsupported(format!("architecture {other:?}")));
-            }
-        };
+        let registered = arch::find(&architecture).ok_or_else(|| Error::Unsupported(format!("architecture {architecture:?}")))?;
+        let config = (registered.config)(&g, &architecture)?;
+        check_vocab(config.hparams())?;
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
         let name = g.get_str("general.name").ok().flatten().unwrap_or_default().to_string();
         let metadata = g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect();
         g.forget_metadata();
-        let mut arch = match config {
-            Config::Gemma3(config) => {
-                let weights = gemma3::Weights::load(&config, &g, file)?;
-                Arch::Gemma3 { config, weights }
-            }
-            Config::Phi3(config) => {
-                let weights = phi3::Weights::load(&config, &g, file)?;
-                Arch::Phi3 { config, weights }
-            }
-            Config::Qwen2(config) => {
-                let weights = qwen2::Weights::load(&config, &g, file)?;
-                Arch::Qwen2 { config, weights }
-            }
-        };
+        let mut arch = config.load(&g, file)?;
+        let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?);
         let hp = arch.hparams();
         let (n_layers, n_embd, n_vocab, n_ctx_train) = (hp.n_layer, hp.n_embd, hp.n_vocab, hp.n_ctx_train);
         let summary = Summary {
@@ -283,21 +219,16 @@ impl Model {
                 device_attention: Default::default(),
             })
         });
-        let gpu_weights = match (&gpu, &mut arch) {
-            (Some(gpu), Arch::Gemma3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
-            (Some(gpu), Arch::Qwen2 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
-            (Some(gpu), Arch::Phi3 { weights, .. }) => dispatch::place(gpu, &mut weights.linears_mut()),
-            (None, _) => 0,
+        let gpu_weights = match &gpu {
+            Some(gpu) => dispatch::place(gpu, &mut arch.linears_mut()),
+            None => 0,
         };
         // The device's whole-model path, where it holds every product: the model's program.
-        match (&gpu, &mut arch) {
-            (Some(gpu), Arch::Gemma3 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
-            (Some(gpu), Arch::Qwen2 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
-            (Some(gpu), Arch::Phi3 { weights, .. }) if gpu_weights > 0 => weights.place_program(gpu),
-            _ => {}
+        if let Some(gpu) = gpu.as_ref().filter(|_| gpu_weights > 0) {
+            recipe.device = dispatch::place_program(gpu, &recipe.program, arch.tensors(), arch.hparams().n_layer);
         }
         let tokenizer = Arc::new(tokenizer);
-        Ok(Model { arch, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
+        Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
     }
 
     /// The constraint compiler of this model's vocabulary (`unsupported` without an

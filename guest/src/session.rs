@@ -2,8 +2,8 @@
 
 use crate::constraint::{Allowed, Constraint, Spec};
 use crate::dispatch::{self, Counters, DeviceProgram, Dispatch, Member, Pass};
-use crate::engine::{Arch, Error, Model, PassParts, can_allocate};
-use crate::models::{LayerCache, embed, gemma3, phi3, qwen2, rope};
+use crate::engine::{Error, Model, PassParts, can_allocate};
+use crate::models::{self, State, embed, rope};
 use crate::program::cpu::{self, Values};
 use crate::sampler::{Params, Sampler};
 use std::rc::Rc;
@@ -14,67 +14,6 @@ pub const BATCH: usize = 64;
 /// The same with weights on a device: each pass is a round trip per batch of products (and
 /// of attention), so fewer, larger passes; the device's kernels also run best on them.
 pub const DEVICE_BATCH: usize = 512;
-
-enum State {
-    Gemma3(gemma3::State),
-    Qwen2(qwen2::State),
-    Phi3(phi3::State),
-}
-
-impl State {
-    fn n_ctx(&self) -> usize {
-        match self {
-            State::Gemma3(s) => s.n_ctx,
-            State::Qwen2(s) => s.n_ctx,
-            State::Phi3(s) => s.n_ctx,
-        }
-    }
-
-    fn batch(&self) -> usize {
-        match self {
-            State::Gemma3(s) => s.batch,
-            State::Qwen2(s) => s.batch,
-            State::Phi3(s) => s.batch,
-        }
-    }
-
-    fn logits(&self) -> &[f32] {
-        match self {
-            State::Gemma3(s) => &s.buf.logits,
-            State::Qwen2(s) => &s.buf.logits,
-            State::Phi3(s) => &s.buf.logits,
-        }
-    }
-
-    /// The KV caches (one a layer) and the logits buffer, to read.
-    fn caches(&self) -> (&[LayerCache], &[f32]) {
-        match self {
-            State::Gemma3(s) => (&s.cache, &s.buf.logits),
-            State::Qwen2(s) => (&s.cache, &s.buf.logits),
-            State::Phi3(s) => (&s.cache, &s.buf.logits),
-        }
-    }
-
-    /// The KV caches (one a layer) and the rotation tables, in the order of the recipe's table
-    /// inputs: the tables each architecture's `forward` fills, which batched passes fill too (a
-    /// decode row then turns the last row's angles on, whichever way that row was run).
-    fn pass_parts(&mut self) -> (&mut [LayerCache], Vec<&mut rope::Table>) {
-        match self {
-            State::Gemma3(s) => (&mut s.cache, vec![&mut s.rope_local, &mut s.rope_global]),
-            State::Qwen2(s) => (&mut s.cache, vec![&mut s.rope]),
-            State::Phi3(s) => (&mut s.cache, vec![&mut s.rope]),
-        }
-    }
-
-    /// The KV caches (one a layer) and the logits buffer.
-    fn parts(&mut self) -> (&mut [LayerCache], &mut [f32]) {
-        match self {
-            State::Gemma3(s) => (&mut s.cache, &mut s.buf.logits),
-            State::Qwen2(s) => (&mut s.cache, &mut s.buf.logits),
-            State::Phi3(s) => (&mut s.cache, &mut s.buf.logits),
-        }
-    }
-}
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Stats {
@@ -125,11 +64,7 @@ impl Session {
             )));
         }
         let batch = if model.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n_ctx);
-        let state = match &model.arch {
-            Arch::Gemma3 { config, .. } => State::Gemma3(gemma3::State::new(config, n_ctx, batch)),
-            Arch::Qwen2 { config, .. } => State::Qwen2(qwen2::State::new(config, n_ctx, batch)),
-            Arch::Phi3 { config, .. } => State::Phi3(phi3::State::new(config, n_ctx, batch)),
-        };
+        let state = State::new(model.arch.as_ref(), n_ctx, batch);
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
             model,
@@ -149,7 +84,7 @@ impl Session {
     }
 
     pub fn capacity(&self) -> usize {
-        self.state.n_ctx()
+        self.state.n_ctx
     }
 
     pub fn position(&self) -> usize {
@@ -196,10 +131,10 @@ impl Session {
         }
         let mut s = Session::new(Rc::clone(&self.model), self.capacity())?;
         s.set_fast(self.dispatch.fast);
-        if s.state.batch() != self.state.batch() {
+        if s.state.batch != self.state.batch {
             return Err(Error::InvalidArgument("the copy's caches differ from the session's".into()));
         }
-        let (mine, _) = self.state.caches();
+        let mine = &self.state.cache;
         let (theirs, _) = s.state.parts();
         for (to, from) in theirs.iter_mut().zip(mine) {
             to.k.copy_from_slice(&from.k);
@@ -288,24 +223,13 @@ impl Session {
             return Ok(());
         }
         let model = Rc::clone(&self.model);
-        let batch = self.state.batch();
+        let batch = self.state.batch;
         while self.done < self.history.len() {
             let n = (self.history.len() - self.done).min(batch);
             let last = self.done + n == self.history.len();
             let tokens = &self.history[self.done..self.done + n];
             let d = &mut self.dispatch;
-            let ran = match (&model.arch, &mut self.state) {
-                (Arch::Gemma3 { config, weights }, State::Gemma3(s)) => {
-                    gemma3::forward(config, weights, s, d, tokens, self.done, last)
-                }
-                (Arch::Qwen2 { config, weights }, State::Qwen2(s)) => {
-                    qwen2::forward(config, weights, s, d, tokens, self.done, last)
-                }
-                (Arch::Phi3 { config, weights }, State::Phi3(s)) => {
-                    phi3::forward(config, weights, s, d, tokens, self.done, last)
-                }
-                _ => return Err(Error::InvalidArgument("the session belongs to another model".into())),
-            };
+            let ran = models::forward(model.arch.as_ref(), &model.recipe, &mut self.state, d, tokens, self.done, last);
             if !ran {
                 // The device kept keys the guest's cache lacks, and cannot go on: the history
                 // runs again, here, from its start (the same tokens, later).
@@ -323,7 +247,7 @@ impl Session {
             return Err(Error::InvalidArgument("no token has been fed".into()));
         }
         self.run()?;
-        Ok(self.state.logits())
+        Ok(&self.state.buf.logits)
     }
 
     /// Samples a token from the current logits and appends it (its forward pass is deferred).
@@ -364,7 +288,7 @@ impl Session {
     /// `next`'s choice from the logits of the last token, which have run, and its appending.
     fn pick(&mut self, params: &Params) -> Result<Step, Error> {
         let model = Rc::clone(&self.model);
-        let logits = self.state.logits();
+        let logits = &self.state.buf.logits;
         let token = match (&mut self.constraint, self.dispatch.top.take()) {
             (None, Some(token)) => token,
             (None, None) => self.sampler.sample(logits, &self.history, params),
@@ -445,7 +369,7 @@ pub fn step(model: &Rc<Model>, fast: bool, work: &mut [Advance<'_>]) -> Vec<Resu
         results.push(admitted.map(|()| None));
     }
     let live: Vec<bool> = results.iter().map(Result::is_ok).collect();
-    let parts = model.arch.pass_parts();
+    let parts = model.pass_parts();
     match &parts.recipe.device {
         Some(prog) => run_on_device(model, &parts, prog, work, &live),
         None => run_together(model, &parts, work, &live),
@@ -493,7 +417,7 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
             .zip(live)
             .map(|(a, &live)| {
                 let s = &a.session;
-                let n = if live { (s.history.len() - s.done).min(s.state.batch()).min(room) } else { 0 };
+                let n = if live { (s.history.len() - s.done).min(s.state.batch).min(room) } else { 0 };
                 room -= n;
                 n
             })
@@ -596,7 +520,7 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
             .zip(live.iter().zip(&left))
             .map(|(a, (&live, &left))| {
                 let s = &a.session;
-                let n = if live && !left { (s.history.len() - s.done).min(s.state.batch()).min(room) } else { 0 };
+                let n = if live && !left { (s.history.len() - s.done).min(s.state.batch).min(room) } else { 0 };
                 room -= n;
                 n
             })
@@ -617,7 +541,7 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
             }
             // The policy over the group's rows; then each member's device caches.
             let t: usize = take.iter().zip(&members).filter(|(_, m)| **m).map(|(n, _)| n).sum();
-            let flops = model.arch.layer_flops(t);
+            let flops = model.recipe.flops(t);
             let bytes = 4 * (t * widths.iter().sum::<usize>()) as u64;
             let mut joined = vec![false; work.len()];
             let mut ids = vec![Vec::new(); work.len()];
@@ -642,7 +566,7 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
                     let Session { state, dispatch, history, done, .. } = &mut *a.session;
                     let (caches, tables) = state.pass_parts();
                     tokens.push(Rows { tokens: &history[*done..*done + n], pos: *done, tables });
-                    let flops = model.arch.layer_flops(n);
+                    let flops = model.recipe.flops(n);
                     run.push(Member { d: dispatch, t: n, pos: *done, caches, ids: std::mem::take(&mut ids[i]), flops });
                 }
                 let rows: usize = tokens.iter().map(|r| r.tokens.len()).sum();

@@ -1,9 +1,9 @@
-//! A third architecture, added in the guest alone: Phi-3 (fused products, a sliding window on
-//! every layer). `tests/arch/phi3.py` writes a tiny GGUF with random weights (the `gguf`
-//! package) and its golden file from a float64 numpy forward; wisp must match it on the
-//! guest's CPU path, on the host's CPU reference device and on wgpu (lavapipe here). Without
-//! python3 and those packages the test skips locally and fails under `CI=true` (`.ci/run`
-//! installs them).
+//! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
+//! products, a sliding window on every layer). `tests/arch/<arch>.py` writes a tiny GGUF with
+//! random weights (the `gguf` package) and its golden file from a float64 numpy forward
+//! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
+//! the host's CPU reference device and on wgpu (lavapipe here). Without python3 and those
+//! packages the test skips locally and fails under `CI=true` (`.ci/run` installs them).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -16,11 +16,12 @@ use wisp_tests::{hardware_required, open, root, wgpu_backend};
 const DEVICE_BOUNDS: (f32, f64) = (1e-4, 1e-5);
 const CPU_BOUNDS: (f32, f64) = (2e-3, 5e-4);
 
-/// The model and golden file `phi3.py` writes, or `None` (after saying why) without Python's
-/// packages.
-fn generated() -> Option<(PathBuf, PathBuf, f64)> {
-    let out = std::env::temp_dir().join(format!("wisp-arch-{}", std::process::id()));
-    let run = Command::new("python3").arg(root().join("tests/arch/phi3.py")).arg(&out).output();
+/// The model and golden file `tests/arch/{arch}.py` writes, and the one number `effect` it
+/// reports, or `None` (after saying why) without Python's packages.
+fn generated(arch: &str, effect: &str) -> Option<(PathBuf, PathBuf, f64)> {
+    let out = std::env::temp_dir().join(format!("wisp-arch-{arch}-{}", std::process::id()));
+    let script = root().join(format!("tests/arch/{arch}.py"));
+    let run = Command::new("python3").arg(&script).arg(&out).output();
     match run {
         Ok(o) if o.status.success() => {}
         other => {
@@ -28,19 +29,21 @@ fn generated() -> Option<(PathBuf, PathBuf, f64)> {
                 Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
                 Err(e) => e.to_string(),
             };
-            assert!(!hardware_required(), "tests/arch/phi3.py needs python3 with gguf and numpy (pip), and CI=true requires them: {why}");
+            assert!(!hardware_required(), "{} needs python3 with gguf and numpy (pip), and CI=true requires them: {why}", script.display());
             eprintln!("skipping: {why}");
             return None;
         }
     }
-    let golden = out.join("tiny-phi3.json");
+    let golden = out.join(format!("tiny-{arch}.json"));
     let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
-    Some((out.join("tiny-phi3.gguf"), golden, meta["window_effect_rmse"].as_f64().unwrap()))
+    Some((out.join(format!("tiny-{arch}.gguf")), golden, meta[effect].as_f64().unwrap()))
 }
 
-#[test]
-fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
-    let Some((model, golden, window_effect)) = generated() else { return };
+/// Holds the tiny model of `arch` to its float64 forward on the guest's CPU, the CPU reference
+/// device and wgpu, with `products` matrices on a device; `effect` is how far the logits move
+/// without the architecture's quirk (which the reference reports), far past wisp's error.
+fn matches_its_float64_forward(arch: &str, effect_name: &str, products: u32) {
+    let Some((model, golden, effect)) = generated(arch, effect_name) else { return };
     let cases = wisp::golden::load(&golden).unwrap();
     let mut paths: Vec<(&str, GpuCtx, GpuMode, (f32, f64))> = vec![
         ("the guest's CPU", GpuCtx::none(), GpuMode::Off, CPU_BOUNDS),
@@ -52,16 +55,21 @@ fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
     for (name, gpu, mode, (top5, rmse)) in paths {
         let (mut inst, m) = open(&model, gpu, mode);
         let on_device = inst.model_info(m).unwrap().gpu_weights;
-        // Every product on the device where one is offered: 7 a layer (3 layers) and the output.
-        assert_eq!(on_device, if mode == GpuMode::Off { 0 } else { 22 }, "{name}");
+        assert_eq!(on_device, if mode == GpuMode::Off { 0 } else { products }, "{arch} on {name}");
         let r = wisp::golden::run_case(&mut inst, m, &cases[0], 5).unwrap();
-        eprintln!("{name}: max top5 diff {:.2e}, rmse {:?}", r.max_top5_diff, r.rmse);
-        assert!(r.pass() && r.argmax_checked > 0 && r.argmax_mismatches.is_empty(), "{name}: {r:?}");
-        assert!(r.max_top5_diff <= top5, "{name}: top-5 difference {} past {top5}", r.max_top5_diff);
+        eprintln!("{arch} on {name}: max top5 diff {:.2e}, rmse {:?}", r.max_top5_diff, r.rmse);
+        assert!(r.pass() && r.argmax_checked > 0 && r.argmax_mismatches.is_empty(), "{arch} on {name}: {r:?}");
+        assert!(r.max_top5_diff <= top5, "{arch} on {name}: top-5 difference {} past {top5}", r.max_top5_diff);
         let got = r.rmse.expect("the golden file has the prompt's logits");
-        assert!(got <= rmse, "{name}: rmse {got} past {rmse}");
-        // The window is why the logits are what they are: without it they are far off.
-        assert!(window_effect > 100.0 * got.max(rmse), "{name}: the window moves the logits by only {window_effect}");
+        assert!(got <= rmse, "{arch} on {name}: rmse {got} past {rmse}");
+        assert!(effect > 100.0 * got.max(rmse), "{arch} on {name}: {effect_name} is only {effect}");
     }
     let _ = std::fs::remove_dir_all(model.parent().unwrap());
+}
+
+/// Every product on the device where one is offered: 7 a layer (3 layers) and the output. The
+/// window is why the logits are what they are: without it they are far off.
+#[test]
+fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
+    matches_its_float64_forward("phi3", "window_effect_rmse", 22);
 }

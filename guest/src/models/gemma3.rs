@@ -14,11 +14,10 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, recipe_pass, invalid, vector};
-use crate::dispatch::{self, Dispatch, Gpu};
+use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, invalid, vector};
 use crate::gguf::Gguf;
+use crate::source::Source;
 use crate::kernels::Act;
-use crate::program::cpu::Values;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
@@ -90,8 +89,6 @@ pub struct Weights {
     /// `[n_embd]`
     pub output_norm: Vec<f32>,
     pub layers: Vec<Layer>,
-    /// The model as a program (`recipe`), on the CPU and on the device.
-    pub recipe: Recipe,
 }
 
 /// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
@@ -192,7 +189,7 @@ pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
 }
 
 impl Weights {
-    pub fn load(config: &Config, g: &Gguf, file: &dyn crate::source::Source) -> Result<Weights, LoadError> {
+    pub fn load(config: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
         let c = &config.hp;
         let (e, hd) = (c.n_embd, c.head_dim);
         let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);
@@ -219,27 +216,13 @@ impl Weights {
             Some(_) => Some(Linear::load(g, file, "output.weight", c.n_vocab, e)?),
             None => None,
         };
-        let mut w = Weights {
+        let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", c.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            recipe: Recipe::default(),
         };
-        w.recipe = Recipe::new(recipe(config, &w)?);
         Ok(w)
-    }
-
-    /// Places the model's program on the device, once its matrices are there.
-    pub fn place_program(&mut self, gpu: &Gpu) {
-        let device = dispatch::place_program(gpu, &self.recipe.program, self, self.layers.len());
-        self.recipe.device = device;
-    }
-
-    /// The products of one token's pass through every layer, in floating-point operations.
-    pub fn layer_flops(&self, t: usize) -> u64 {
-        let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
-        self.layers.iter().map(each).sum()
     }
 
     /// Every linear layer, the output projection last, for placing them on a device.
@@ -253,49 +236,6 @@ impl Weights {
     }
 }
 
-/// Per-session state, allocated once: KV cache and scratch for batches of up to `batch` tokens.
-pub struct State {
-    pub n_ctx: usize,
-    pub batch: usize,
-    pub cache: Vec<LayerCache>,
-    pub buf: Scratch,
-    /// The program's values on the CPU, made by the session's first pass of its own there
-    /// (sessions advanced by batched steps use the model's).
-    values: Option<Values>,
-    /// RoPE tables of the batch, for sliding and global layers (the recipe's two tables, in
-    /// its order: batched steps fill them too).
-    pub rope_local: rope::Table,
-    pub rope_global: rope::Table,
-}
-
-impl State {
-    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
-        let h = &c.hp;
-        let kv = h.n_head_kv * h.head_dim;
-        let cache = (0..h.n_layer)
-            .map(|l| LayerCache::new(n_ctx, c.is_sliding(l).then_some(c.window), batch, kv))
-            .collect();
-        State {
-            n_ctx,
-            batch,
-            cache,
-            buf: Scratch::new(h, n_ctx),
-            values: None,
-            rope_local: rope::Table::new(batch, h.head_dim),
-            rope_global: rope::Table::new(batch, h.head_dim),
-        }
-    }
-
-    /// Bytes this state holds (KV cache and scratch).
-    pub fn bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::bytes).sum::<usize>()
-            + self.buf.bytes()
-            + self.values.as_ref().map_or(0, Values::bytes)
-            + self.rope_local.bytes()
-            + self.rope_global.bytes()
-    }
-}
-
 /// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
 pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
     let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
@@ -303,27 +243,52 @@ pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
     [local, global]
 }
 
-/// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
-/// keys and values to the cache; with `want_logits`, fills `s.logits` for the last token.
-/// The caller checks that the tokens are in the vocabulary and fit in the context. `false`,
-/// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
-/// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
-pub fn forward(
-    c: &Config,
-    w: &Weights,
-    s: &mut State,
-    d: &mut Dispatch,
-    tokens: &[u32],
-    pos: usize,
-    want_logits: bool,
-) -> bool {
-    let t = tokens.len();
-    debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    let [local, global] = freqs(c);
-    s.rope_local.fill(&local, pos, t);
-    s.rope_global.fill(&global, pos, t);
-    let c = &c.hp;
-
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };
-    recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope_local, &s.rope_global]), st, d, c, w.layer_flops(t), (tokens, pos, want_logits))
+/// The model: its metadata and its weights.
+pub struct Model {
+    pub config: Config,
+    pub weights: Weights,
 }
+
+impl Configured for Config {
+    fn hparams(&self) -> &Hparams {
+        &self.hp
+    }
+
+    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
+        let weights = Weights::load(&self, g, file)?;
+        Ok(Box::new(Model { config: *self, weights }))
+    }
+}
+
+impl Architecture for Model {
+    fn hparams(&self) -> &Hparams {
+        &self.config.hp
+    }
+
+    fn tensors(&self) -> &dyn Tensors {
+        &self.weights
+    }
+
+    fn recipe(&self) -> Result<Program, CheckError> {
+        recipe(&self.config, &self.weights)
+    }
+
+    fn embd(&self) -> &Linear {
+        &self.weights.embd
+    }
+
+    fn freqs(&self) -> Vec<rope::Freqs> {
+        freqs(&self.config).into()
+    }
+
+    fn window(&self, layer: usize) -> Option<usize> {
+        self.config.is_sliding(layer).then_some(self.config.window)
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        self.weights.linears_mut()
+    }
+}
+
+/// The registry's line (`models::REGISTRY`).
+pub const ARCH: Registered = Registered { names: &["gemma3"], config: |g, _| Ok(Box::new(Config::from_gguf(g)?)) };

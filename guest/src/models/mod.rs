@@ -1,18 +1,30 @@
 //! Model architectures and what they share: hyperparameters and weight loading from GGUF,
 //! linear layers, the per-session scratch, the KV cache and attention (`attention`), rotary
-//! embeddings (`rope`). One file per architecture.
+//! embeddings (`rope`). One file per architecture, each implementing [`Architecture`] and
+//! registered in one line of [`arch::REGISTRY`].
 
+pub mod arch;
 pub mod attention;
-pub mod gemma3;
-pub mod phi3;
-pub mod qwen2;
 pub mod rope;
 
+/// Declares the architectures: each is a file of `models/` (implementing [`Architecture`]) and
+/// its name here, which makes its module and its line of [`REGISTRY`] (its `ARCH`).
+macro_rules! architectures {
+    ($($arch:ident),* $(,)?) => {
+        $(pub mod $arch;)*
+        /// Every architecture the engine runs, as `architectures!` lists them.
+        pub const REGISTRY: &[Registered] = &[$($arch::ARCH),*];
+    };
+}
+
+architectures!(gemma3, qwen2, phi3);
+
+pub use arch::{Architecture, Configured, Registered, State, forward};
 pub use attention::LayerCache;
 
 use crate::dispatch::{DeviceProgram, Dispatch, Pass};
 use crate::program::cpu::{self, Plan, Values};
-use crate::program::{Program, Tensors};
+use crate::program::{Op, Program, Rows, Tensors};
 use crate::gguf::{Gguf, TensorType};
 use crate::quant::{self, QMatrix};
 use crate::source::Source;
@@ -364,19 +376,40 @@ pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
     }
 }
 
-/// A model's recipe, made at load: the program (`<arch>::recipe`), where its values live on the
-/// guest's CPU, and its copy on the device where there is one.
+/// A model's recipe, made at load: the program ([`Architecture::recipe`]), where its values live
+/// on the guest's CPU, and its copy on the device where there is one.
 #[derive(Default)]
 pub struct Recipe {
     pub program: Program,
     pub plan: Plan,
     pub device: Option<DeviceProgram>,
+    /// The floating-point operations of the products of one token row through every layer
+    /// (the products of token rows: all but the output projection, which reads the sequences'
+    /// last rows).
+    row_flops: u64,
 }
 
 impl Recipe {
     pub fn new(program: Program) -> Recipe {
         let plan = Plan::new(&program);
-        Recipe { program, plan, device: None }
+        let row_flops = program
+            .ops
+            .iter()
+            .filter_map(|op| match *op {
+                Op::Matmul { x, weight, .. } if program.rows(x) == Rows::Token => {
+                    let (n_out, n_in) = program.weights[weight].dims;
+                    Some(2 * n_out as u64 * n_in as u64)
+                }
+                _ => None,
+            })
+            .sum();
+        Recipe { program, plan, device: None, row_flops }
+    }
+
+    /// The products of a pass of `t` token rows through every layer, in floating-point
+    /// operations (the output projection apart).
+    pub fn flops(&self, t: usize) -> u64 {
+        self.row_flops * t as u64
     }
 }
 

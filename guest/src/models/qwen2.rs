@@ -15,11 +15,10 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Hparams, LayerCache, Linear, LoadError, Scratch, PassState, Recipe, recipe_pass, optional_vector, vector};
-use crate::dispatch::{self, Dispatch, Gpu};
+use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, optional_vector, vector};
 use crate::gguf::Gguf;
+use crate::source::Source;
 use crate::kernels::Act;
-use crate::program::cpu::Values;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
 /// The architectures this file runs.
@@ -103,8 +102,6 @@ pub struct Weights {
     pub layers: Vec<Layer>,
     /// RoPE frequencies, with the file's `rope_freqs.weight` (`[head_dim / 2]`) if it has one.
     pub rope: rope::Freqs,
-    /// The model as a program (`recipe`), on the CPU and on the device.
-    pub recipe: Recipe,
 }
 
 /// The weights of a layer as the recipe names them: `layer * PARTS + part`; the model's own
@@ -212,7 +209,7 @@ pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
 }
 
 impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &dyn crate::source::Source) -> Result<Weights, LoadError> {
+    pub fn load(c: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
         let h = &c.hp;
         let (e, hd) = (h.n_embd, h.head_dim);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -244,29 +241,14 @@ impl Weights {
         if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
             return super::invalid(format!("rope_freqs.weight holds the factor {bad}"));
         }
-        let mut w = Weights {
+        let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
             rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
-            recipe: Recipe::default(),
         };
-        w.recipe = Recipe::new(recipe(c, &w)?);
         Ok(w)
-    }
-
-    /// Every linear layer, the output projection last, for placing them on a device.
-    /// Places the model's program on the device, once its matrices are there.
-    pub fn place_program(&mut self, gpu: &Gpu) {
-        let device = dispatch::place_program(gpu, &self.recipe.program, self, self.layers.len());
-        self.recipe.device = device;
-    }
-
-    /// The products of one token's pass through every layer, in floating-point operations.
-    pub fn layer_flops(&self, t: usize) -> u64 {
-        let each = |l: &Layer| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].iter().map(|m| m.flops(t)).sum::<u64>();
-        self.layers.iter().map(each).sum()
     }
 
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
@@ -279,58 +261,58 @@ impl Weights {
     }
 }
 
-/// Per-session state, allocated once: KV cache and scratch for batches of up to `batch` tokens.
-pub struct State {
-    pub n_ctx: usize,
-    pub batch: usize,
-    pub cache: Vec<LayerCache>,
-    pub buf: Scratch,
-    /// The program's values on the CPU, made by the session's first pass of its own there
-    /// (sessions advanced by batched steps use the model's).
-    values: Option<Values>,
-    /// RoPE table of the batch (the recipe's table: batched steps fill it too).
-    pub rope: rope::Table,
+/// The model: its metadata and its weights.
+pub struct Model {
+    pub config: Config,
+    pub weights: Weights,
 }
 
-impl State {
-    pub fn new(c: &Config, n_ctx: usize, batch: usize) -> State {
-        let h = &c.hp;
-        let kv = h.n_head_kv * h.head_dim;
-        State {
-            n_ctx,
-            batch,
-            cache: (0..h.n_layer).map(|_| LayerCache::new(n_ctx, None, batch, kv)).collect(),
-            buf: Scratch::new(h, n_ctx),
-            values: None,
-            rope: rope::Table::new(batch, h.head_dim),
-        }
+impl Configured for Config {
+    fn hparams(&self) -> &Hparams {
+        &self.hp
     }
 
-    /// Bytes this state holds (KV cache and scratch).
-    pub fn bytes(&self) -> usize {
-        self.cache.iter().map(LayerCache::bytes).sum::<usize>() + self.buf.bytes() + self.values.as_ref().map_or(0, Values::bytes) + self.rope.bytes()
+    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
+        let weights = Weights::load(&self, g, file)?;
+        Ok(Box::new(Model { config: *self, weights }))
     }
 }
 
-/// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
-/// keys and values to the cache; with `want_logits`, fills `s.buf.logits` for the last token.
-/// The caller checks that the tokens are in the vocabulary and fit in the context. `false`,
-/// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
-/// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
-pub fn forward(
-    c: &Config,
-    w: &Weights,
-    s: &mut State,
-    d: &mut Dispatch,
-    tokens: &[u32],
-    pos: usize,
-    want_logits: bool,
-) -> bool {
-    let h = &c.hp;
-    let t = tokens.len();
-    debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    s.rope.fill(&w.rope, pos, t);
+impl Architecture for Model {
+    fn hparams(&self) -> &Hparams {
+        &self.config.hp
+    }
 
-    let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };
-    recipe_pass(w, &w.recipe, (&w.embd, &[&s.rope]), st, d, h, w.layer_flops(t), (tokens, pos, want_logits))
+    fn tensors(&self) -> &dyn Tensors {
+        &self.weights
+    }
+
+    fn recipe(&self) -> Result<Program, CheckError> {
+        recipe(&self.config, &self.weights)
+    }
+
+    fn embd(&self) -> &Linear {
+        &self.weights.embd
+    }
+
+    fn freqs(&self) -> Vec<rope::Freqs> {
+        vec![self.weights.rope.clone()]
+    }
+
+    fn window(&self, _layer: usize) -> Option<usize> {
+        None
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        self.weights.linears_mut()
+    }
 }
+
+/// The registry's line (`models::REGISTRY`): Qwen2 and Llama.
+pub const ARCH: Registered = Registered {
+    names: &["qwen2", "llama"],
+    config: |g, name| match Family::from_name(name) {
+        Some(family) => Ok(Box::new(Config::from_gguf(g, family)?)),
+        None => Err(LoadError::Unsupported(format!("architecture {name:?}"))),
+    },
+};
