@@ -1,5 +1,5 @@
 //! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
-//! products, a sliding window on every layer). `tests/arch/<arch>.py` writes a tiny GGUF with
+//! products, a sliding window on every layer) and Qwen3 (per-head q/k norms). `tests/arch/<arch>.py` writes a tiny GGUF with
 //! random weights (the `gguf` package) and its golden file from a float64 numpy forward
 //! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
 //! the host's CPU reference device and on wgpu (lavapipe here). Without python3 and those
@@ -72,4 +72,13 @@ fn matches_its_float64_forward(arch: &str, effect_name: &str, products: u32) {
 #[test]
 fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
     matches_its_float64_forward("phi3", "window_effect_rmse", 22);
+}
+
+/// Qwen3, added as its file and its name in the guest's list of architectures: per-head q/k
+/// norms, grouped-query attention, a head size past `n_embd / n_head`. Every product on the
+/// device where one is offered: 7 a layer (3 layers) and the output. Without the head norms the
+/// logits are far off.
+#[test]
+fn a_tiny_qwen3_matches_its_float64_forward_on_every_path() {
+    matches_its_float64_forward("qwen3", "head_norm_effect_rmse", 22);
 }

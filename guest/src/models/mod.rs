@@ -17,7 +17,7 @@ macro_rules! architectures {
     };
 }
 
-architectures!(gemma3, qwen2, phi3);
+architectures!(gemma3, qwen2, phi3, qwen3);
 
 pub use arch::{Architecture, Configured, Registered, State, forward};
 pub use attention::LayerCache;
