@@ -32,6 +32,13 @@ pub fn qwen_golden_cases() -> Vec<wisp::golden::Case> {
         .expect("reading the Qwen golden file")
 }
 
+/// A real Llama-architecture model (SmolLM2-135M-Instruct, Q4_1, the `smollm` pre-tokenizer),
+/// fetched once per test binary.
+pub fn smollm_model() -> &'static Path {
+    static MODEL: OnceLock<PathBuf> = OnceLock::new();
+    MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::SMOLLM2_135M, false).expect("fetching the SmolLM2 model"))
+}
+
 /// Whether a missing device must fail the test (under CI) rather than skip it.
 pub fn hardware_required() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")

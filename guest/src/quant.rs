@@ -25,6 +25,8 @@ pub const Q8_0_BYTES: usize = 34;
 pub const Q5_0_BYTES: usize = 22;
 /// Q4_0: `d: f16, qs: [u8; 16]` (low nibbles 0..16, high 16..32), `w = d * (q - 8)`.
 pub const Q4_0_BYTES: usize = 18;
+/// Q4_1: `d: f16, m: f16, qs: [u8; 16]` (low nibbles 0..16, high 16..32), `w = d * q + m`.
+pub const Q4_1_BYTES: usize = 20;
 /// Q4_K: `d: f16, dmin: f16, scales: [u8; 12]` (eight 6-bit scales and mins),
 /// `qs: [u8; 128]`; for each 64-element chunk, low nibbles hold its first 32 elements and high
 /// nibbles the next 32. `w = d * sc * q - dmin * m`.
@@ -36,6 +38,7 @@ pub const Q6_K_BYTES: usize = 210;
 const _: () = assert!(Q8_0_BYTES == 2 + QK);
 const _: () = assert!(Q5_0_BYTES == 2 + 4 + QK / 2);
 const _: () = assert!(Q4_0_BYTES == 2 + QK / 2);
+const _: () = assert!(Q4_1_BYTES == 2 + 2 + QK / 2);
 const _: () = assert!(Q4_K_BYTES == 2 + 2 + 12 + QK_K / 2);
 const _: () = assert!(Q6_K_BYTES == QK_K / 2 + QK_K / 4 + QK_K / 16 + 2);
 
@@ -76,6 +79,15 @@ fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(usize, i8, f3
             for i in 0..QK / 2 {
                 f(i, (qs[i] & 0xF) as i8 - 8, d, 0.0);
                 f(i + 16, (qs[i] >> 4) as i8 - 8, d, 0.0);
+            }
+        }
+        TensorType::Q4_1 => {
+            // `w = d * q + m`, as `d * q - (-m)`: the same value (negation is exact).
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let qs = &b[4..];
+            for i in 0..QK / 2 {
+                f(i, (qs[i] & 0xF) as i8, d, -m);
+                f(i + 16, (qs[i] >> 4) as i8, d, -m);
             }
         }
         TensorType::Q4K => {
@@ -123,7 +135,7 @@ fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(usize, i8, f3
 /// Whether the engine can compute with tensors of this type.
 pub fn supported(kind: TensorType) -> bool {
     use TensorType::*;
-    matches!(kind, F32 | F16 | BF16 | Q8_0 | Q5_0 | Q4_0 | Q4K | Q6K)
+    matches!(kind, F32 | F16 | BF16 | Q8_0 | Q5_0 | Q4_0 | Q4_1 | Q4K | Q6K)
 }
 
 /// Scalar reference: the f32 values of `n` elements of a tensor of type `kind` in `data`.
@@ -216,7 +228,7 @@ pub fn qmatrix_layout(kind: TensorType) -> Option<(Group, bool)> {
     match kind {
         TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => Some((Group::G32, false)),
         TensorType::Q6K => Some((Group::G16, false)),
-        TensorType::Q4K => Some((Group::G32, true)),
+        TensorType::Q4K | TensorType::Q4_1 => Some((Group::G32, true)),
         _ => None,
     }
 }
@@ -278,6 +290,19 @@ impl QMatrix {
                     }
                 }
                 (Values::Nibbles { nib, fifth, offset: 16 }, file_scales(d), Vec::new())
+            }
+            // Q4_K's layout (4-bit values with no offset, f32 scales and mins): `m` holds
+            // `-min` of the file, `w = d * q - m`; the file's order of nibbles is the engine's.
+            TensorType::Q4_1 => {
+                let mut nib = Vec::with_capacity(n / 2);
+                let mut d = Vec::with_capacity(n / QK);
+                let mut m = Vec::with_capacity(n / QK);
+                for b in blocks {
+                    d.push(f16_at(b, 0));
+                    m.push(-f16_at(b, 2));
+                    nib.extend_from_slice(&b[4..]);
+                }
+                (Values::Nibbles { nib, fifth: Vec::new(), offset: 0 }, Scales::F32(d), m)
             }
             TensorType::Q4K => {
                 let mut nib = Vec::with_capacity(n / 2);
@@ -416,7 +441,7 @@ impl QMatrix {
             TensorType::Q8_0 => (n, 2 * groups),
             TensorType::Q4_0 => (n / 2, 2 * groups),
             TensorType::Q5_0 => (n / 2 + n_out as u64 * fifth_bytes_per_row(n_in) as u64, 2 * groups),
-            TensorType::Q4K => (n / 2, 4 * groups),
+            TensorType::Q4K | TensorType::Q4_1 => (n / 2, 4 * groups),
             _ => (n, 4 * groups),
         };
         Some(values + scales + if has_min { 4 * (n / QK as u64) } else { 0 })
@@ -517,7 +542,7 @@ pub(crate) mod tests {
                 TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => {
                     b[0..2].copy_from_slice(&rng.f16_bytes(0.05))
                 }
-                TensorType::Q4K => {
+                TensorType::Q4K | TensorType::Q4_1 => {
                     b[0..2].copy_from_slice(&rng.f16_bytes(0.01));
                     b[2..4].copy_from_slice(&rng.f16_bytes(0.01));
                 }
@@ -542,7 +567,7 @@ pub(crate) mod tests {
     #[test]
     fn qmatrix_is_lossless() {
         let mut rng = Rng(0x9E3779B97F4A7C15);
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
             let (n_out, n_in) = (3, 512);
             let data = random_blocks(kind, n_out * n_in, &mut rng);
             let mut want = vec![0f32; n_out * n_in];
@@ -573,6 +598,7 @@ pub(crate) mod tests {
         assert_eq!(storage(TensorType::Q8_0), ("i8".into(), true, n + 2 * blocks));
         assert_eq!(storage(TensorType::Q5_0), ("nibbles+fifth -16".into(), true, n / 2 + n_out * 96 + 2 * blocks));
         assert_eq!(storage(TensorType::Q4_0), ("nibbles -8".into(), true, n / 2 + 2 * blocks));
+        assert_eq!(storage(TensorType::Q4_1), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
         assert_eq!(storage(TensorType::Q4K), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
         assert_eq!(storage(TensorType::Q6K), ("i8".into(), false, n + 8 * blocks));
     }
@@ -595,7 +621,7 @@ pub(crate) mod tests {
     fn a_matrix_converted_in_pieces_of_rows_is_the_whole_one() {
         let mut rng = Rng(0xA11CE);
         let (n_out, n_in) = (7, 768);
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
             let data = random_blocks(kind, n_out * n_in, &mut rng);
             let whole = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
             assert_eq!(QMatrix::converted_bytes(kind, n_out, n_in), Some(whole.bytes() as u64), "{kind:?}");

