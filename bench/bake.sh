@@ -7,7 +7,7 @@
 #   bench/bake.sh [MODEL=qwen2.5-coder-0.5b]
 #
 # Needs a release build with the example (`cargo build --release --examples`), wasmtime-cli
-# 48 (WASMTIME, else ~/.cache/wisp/tools/bin/wasmtime, where host/tests/bake.rs installs it)
+# 48 (WASMTIME, else ~/.cache/wisp/tools/bin/wasmtime, where cli/tests/bake.rs installs it)
 # and python3 with httpx (pip).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -138,7 +138,9 @@ fn embed(target_dir: &std::path::Path) {
             .unwrap_or_else(|e| panic!("copying {} to {}: {e}", wasm.display(), out.display()));
         println!("cargo:rustc-env={var}={}", out.display());
     }
-    // The reliability tests' runaway guest (tests/runaway) is not embedded: the tests read it.
+    // The reliability tests' runaway guest (tests/runaway) is not embedded: the tests read it,
+    // the CLI's through this package's `links` metadata (`DEP_WISP_RUNAWAY_WASM`, cli/build.rs).
     let runaway = target_dir.join("wasm32-wasip2/release/wisp_runaway.wasm");
     println!("cargo:rustc-env=WISP_RUNAWAY_WASM={}", runaway.display());
+    println!("cargo::metadata=runaway_wasm={}", runaway.display());
 }

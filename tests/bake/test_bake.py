@@ -1,7 +1,7 @@
 """`wisp bake`'s component served by `wasmtime serve` (no `-S cli`), driven by the `openai`
 Python package, against `wisp serve` on the same model (issue 26's must-shows).
 
-host/tests/bake.rs runs this with WISP_BIN (the CLI), WISP_WASMTIME (wasmtime-cli 48),
+cli/tests/bake.rs runs this with WISP_BIN (the CLI), WISP_WASMTIME (wasmtime-cli 48),
 WISP_BAKED (the component it baked) and WISP_MODEL (Qwen2.5-Coder-0.5B-Instruct, which has a
 chat template) set.
 """
@@ -135,7 +135,7 @@ def chat(p, **kw):
 
 
 def test_the_component_imports_nothing_outside_the_proxy_world(baked):
-    # host/tests/bake.rs checks the import list itself; here: it really runs without -S cli.
+    # cli/tests/bake.rs checks the import list itself; here: it really runs without -S cli.
     r = httpx.get(baked.url + "/health", timeout=60)
     assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
 

@@ -1,7 +1,7 @@
 """Starts `wisp serve` on a free loopback port for the tests of this folder.
 
 The server is the real binary (WISP_BIN) on the real default model (WISP_MODEL), as
-host/tests/serve.rs runs these tests from the cargo suite.
+cli/tests/serve.rs runs these tests from the cargo suite.
 """
 
 import os

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("host/ is inside the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("cli/ is inside the workspace").to_path_buf()
 }
 
 fn ci() -> bool {
