@@ -1,5 +1,6 @@
 //! What every architecture is to the engine: a trait that each file of `models/` implements
-//! ([`Architecture`], with [`Configured`] for the step before its weights are read), its name in
+//! ([`ArchConfig`]: its metadata, weights, recipe, rotations and windows; loaded, an
+//! [`Architecture`], and [`Configured`] for the step before its weights are read), its name in
 //! `models`' list of architectures (`architectures!`, which makes [`super::REGISTRY`], looked up
 //! by the GGUF's `general.architecture`), and the one per-session [`State`] and pass
 //! ([`forward`]) they all share. Adding an architecture is its file and its name in that list.
@@ -35,8 +36,82 @@ pub trait Architecture {
     fn linears_mut(&mut self) -> Vec<&mut Linear>;
 }
 
+/// What an architecture's file defines: its metadata (`Self`, read from the GGUF before the
+/// weights) and, from it, its weights, its recipe, its rotations and windows. Loaded, it is an
+/// [`Architecture`] to the engine.
+pub trait ArchConfig: Sized + 'static {
+    /// The weights, immutable after load, as the recipe names them.
+    type Weights: Tensors + 'static;
+    /// The hyperparameters every decoder here has.
+    fn hparams(&self) -> &Hparams;
+    /// Reads the weights.
+    fn load(&self, g: &Gguf, file: &dyn Source) -> Result<Self::Weights, LoadError>;
+    /// See [`Architecture::recipe`].
+    fn recipe(&self, w: &Self::Weights) -> Result<Program, CheckError>;
+    /// See [`Architecture::embd`].
+    fn embd(w: &Self::Weights) -> &Linear;
+    /// See [`Architecture::linears_mut`].
+    fn linears_mut(w: &mut Self::Weights) -> Vec<&mut Linear>;
+    /// See [`Architecture::freqs`]: by default one table, of the file's base and scale.
+    fn freqs(&self, _w: &Self::Weights) -> Vec<rope::Freqs> {
+        let h = self.hparams();
+        vec![rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None }]
+    }
+    /// See [`Architecture::window`]: by default none.
+    fn window(&self, _layer: usize) -> Option<usize> {
+        None
+    }
+}
+
+/// A model of an [`ArchConfig`]: its metadata and its weights.
+struct Loaded<F: ArchConfig> {
+    config: F,
+    weights: F::Weights,
+}
+
+impl<F: ArchConfig> Configured for F {
+    fn hparams(&self) -> &Hparams {
+        ArchConfig::hparams(self)
+    }
+
+    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
+        let weights = ArchConfig::load(&*self, g, file)?;
+        Ok(Box::new(Loaded { config: *self, weights }))
+    }
+}
+
+impl<F: ArchConfig> Architecture for Loaded<F> {
+    fn hparams(&self) -> &Hparams {
+        self.config.hparams()
+    }
+
+    fn tensors(&self) -> &dyn Tensors {
+        &self.weights
+    }
+
+    fn recipe(&self) -> Result<Program, CheckError> {
+        self.config.recipe(&self.weights)
+    }
+
+    fn embd(&self) -> &Linear {
+        F::embd(&self.weights)
+    }
+
+    fn freqs(&self) -> Vec<rope::Freqs> {
+        self.config.freqs(&self.weights)
+    }
+
+    fn window(&self, layer: usize) -> Option<usize> {
+        self.config.window(layer)
+    }
+
+    fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        F::linears_mut(&mut self.weights)
+    }
+}
+
 /// An architecture's metadata, read before its weights (the engine then frees the metadata so
-/// that the weights can take its place in the guest's memory).
+/// that the weights can take its place in the guest's memory). Every [`ArchConfig`] is one.
 pub trait Configured {
     /// The hyperparameters, checked against the vocabulary before anything is loaded.
     fn hparams(&self) -> &Hparams;

@@ -14,7 +14,7 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, invalid, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, invalid, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -142,55 +142,22 @@ impl Tensors for Weights {
     }
 }
 
-/// Gemma 3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation tables of
-/// the sliding and of the global layers `[t, head_dim]`; output: the logits of each sequence's
-/// last token. Each layer `l` writes cache `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
-    let h = &c.hp;
-    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-    let mut p = Builder::new(w);
-    let x = p.input(e);
-    let (local, global) = (p.input(hd), p.input(hd));
-    // x = embd[token] * sqrt(n_embd)
-    let mut x = p.scale(x, (e as f32).sqrt());
-    for l in 0..h.n_layer {
-        let id = |part| weight(l, part);
-        let (table, window) = if c.is_sliding(l) { (local, c.window) } else { (global, 0) };
-
-        // Attention: x = x + post_attn_norm(wo(attn(q, k, v))), each head of q and k normed
-        // and turned, (q, k, v) = W attn_norm(x)
-        let hn = p.norm(x, id(ATTN_NORM), eps);
-        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
-        let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
-        let q = p.rotate(q, table, hd, Rotation::Halves);
-        let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
-        let k = p.rotate(k, table, hd, Rotation::Halves);
-        p.cache_write(k, v, l);
-        let a = p.attention(q, l, heads, window);
-        let o = p.matmul(a, id(WO));
-        let o = p.norm(o, id(POST_ATTN_NORM), eps);
-        x = p.add(x, o);
-
-        // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
-        let hn = p.norm(x, id(FFN_NORM), eps);
-        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
-        let f = p.gated(g, u, Act::GeluTanh);
-        let f = p.matmul(f, id(DOWN));
-        let f = p.norm(f, id(POST_FFN_NORM), eps);
-        x = p.add(x, f);
-    }
-    // logits = output(output_norm(x)) of the last token
-    let last = p.last_rows(x);
-    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
-    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
-    p.output(logits);
-    p.finish()
+/// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
+pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
+    let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
+    let global = rope::Freqs { base: c.hp.rope_base, scale: c.hp.rope_scale, factors: None };
+    [local, global]
 }
 
-impl Weights {
-    pub fn load(config: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
-        let c = &config.hp;
+impl ArchConfig for Config {
+    type Weights = Weights;
+
+    fn hparams(&self) -> &Hparams {
+        &self.hp
+    }
+
+    fn load(&self, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+        let c = &self.hp;
         let (e, hd) = (c.n_embd, c.head_dim);
         let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);
         let mut layers = Vec::with_capacity(c.n_layer);
@@ -225,68 +192,72 @@ impl Weights {
         Ok(w)
     }
 
-    /// Every linear layer, the output projection last, for placing them on a device.
-    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+    /// Gemma 3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation tables of
+    /// the sliding and of the global layers `[t, head_dim]`; output: the logits of each sequence's
+    /// last token. Each layer `l` writes cache `l`.
+    fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
+        let c = self;
+        let h = &c.hp;
+        let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let mut p = Builder::new(w);
+        let x = p.input(e);
+        let (local, global) = (p.input(hd), p.input(hd));
+        // x = embd[token] * sqrt(n_embd)
+        let mut x = p.scale(x, (e as f32).sqrt());
+        for l in 0..h.n_layer {
+            let id = |part| weight(l, part);
+            let (table, window) = if c.is_sliding(l) { (local, c.window) } else { (global, 0) };
+
+            // Attention: x = x + post_attn_norm(wo(attn(q, k, v))), each head of q and k normed
+            // and turned, (q, k, v) = W attn_norm(x)
+            let hn = p.norm(x, id(ATTN_NORM), eps);
+            let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+            let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
+            let q = p.rotate(q, table, hd, Rotation::Halves);
+            let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
+            let k = p.rotate(k, table, hd, Rotation::Halves);
+            p.cache_write(k, v, l);
+            let a = p.attention(q, l, heads, window);
+            let o = p.matmul(a, id(WO));
+            let o = p.norm(o, id(POST_ATTN_NORM), eps);
+            x = p.add(x, o);
+
+            // FFN: x = x + post_ffn_norm(down(gelu(gate(h)) * up(h))), h = ffn_norm(x)
+            let hn = p.norm(x, id(FFN_NORM), eps);
+            let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+            let f = p.gated(g, u, Act::GeluTanh);
+            let f = p.matmul(f, id(DOWN));
+            let f = p.norm(f, id(POST_FFN_NORM), eps);
+            x = p.add(x, f);
+        }
+        // logits = output(output_norm(x)) of the last token
+        let last = p.last_rows(x);
+        let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+        let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        p.output(logits);
+        p.finish()
+    }
+
+    fn embd(w: &Weights) -> &Linear {
+        &w.embd
+    }
+
+    fn linears_mut(w: &mut Weights) -> Vec<&mut Linear> {
         let mut v: Vec<&mut Linear> = Vec::new();
-        for l in &mut self.layers {
+        for l in &mut w.layers {
             v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
         }
-        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
+        v.push(w.output.as_mut().unwrap_or(&mut w.embd));
         v
     }
-}
 
-/// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
-pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
-    let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
-    let global = rope::Freqs { base: c.hp.rope_base, scale: c.hp.rope_scale, factors: None };
-    [local, global]
-}
-
-/// The model: its metadata and its weights.
-pub struct Model {
-    pub config: Config,
-    pub weights: Weights,
-}
-
-impl Configured for Config {
-    fn hparams(&self) -> &Hparams {
-        &self.hp
-    }
-
-    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
-        let weights = Weights::load(&self, g, file)?;
-        Ok(Box::new(Model { config: *self, weights }))
-    }
-}
-
-impl Architecture for Model {
-    fn hparams(&self) -> &Hparams {
-        &self.config.hp
-    }
-
-    fn tensors(&self) -> &dyn Tensors {
-        &self.weights
-    }
-
-    fn recipe(&self) -> Result<Program, CheckError> {
-        recipe(&self.config, &self.weights)
-    }
-
-    fn embd(&self) -> &Linear {
-        &self.weights.embd
-    }
-
-    fn freqs(&self) -> Vec<rope::Freqs> {
-        freqs(&self.config).into()
+    fn freqs(&self, _w: &Weights) -> Vec<rope::Freqs> {
+        freqs(self).into()
     }
 
     fn window(&self, layer: usize) -> Option<usize> {
-        self.config.is_sliding(layer).then_some(self.config.window)
-    }
-
-    fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        self.weights.linears_mut()
+        self.is_sliding(layer).then_some(self.window)
     }
 }
 

@@ -19,7 +19,7 @@ macro_rules! architectures {
 
 architectures!(gemma3, qwen2, phi3, qwen3);
 
-pub use arch::{Architecture, Configured, Registered, State, forward};
+pub use arch::{ArchConfig, Architecture, Configured, Registered, State, forward};
 pub use attention::LayerCache;
 
 use crate::dispatch::{DeviceProgram, Dispatch, Pass};

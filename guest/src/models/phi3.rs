@@ -15,7 +15,7 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -112,44 +112,15 @@ impl Tensors for Weights {
     }
 }
 
-/// Phi-3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
-/// `[t, head_dim]`; output: the logits of each sequence's last token. Layer `l` writes cache
-/// `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
-    let h = &c.hp;
-    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-    let window = c.window.unwrap_or(0);
-    let mut p = Builder::new(w);
-    let mut x = p.input(e);
-    let table = p.input(hd);
-    for l in 0..h.n_layer {
-        let id = |part| weight(l, part);
-        // Attention: x = x + wo(attn(rope(q), rope(k), v)), (q, k, v) = W attn_norm(x)
-        let hn = p.norm(x, id(ATTN_NORM), eps);
-        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
-        let q = p.rotate(q, table, hd, Rotation::Halves);
-        let k = p.rotate(k, table, hd, Rotation::Halves);
-        p.cache_write(k, v, l);
-        let a = p.attention(q, l, heads, window);
-        let o = p.matmul(a, id(WO));
-        x = p.add(x, o);
-        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
-        let hn = p.norm(x, id(FFN_NORM), eps);
-        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
-        let f = p.gated(g, u, Act::Silu);
-        let f = p.matmul(f, id(DOWN));
-        x = p.add(x, f);
-    }
-    let last = p.last_rows(x);
-    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
-    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
-    p.output(logits);
-    p.finish()
-}
+impl ArchConfig for Config {
+    type Weights = Weights;
 
-impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+    fn hparams(&self) -> &Hparams {
+        &self.hp
+    }
+
+    fn load(&self, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+        let c = self;
         let h = &c.hp;
         let (e, hd, n_ff) = (h.n_embd, h.head_dim, h.n_ff);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -205,61 +176,62 @@ impl Weights {
         Ok(w)
     }
 
-    /// Every linear layer, the output projection last, for placing them on a device.
-    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+    /// Phi-3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
+    /// `[t, head_dim]`; output: the logits of each sequence's last token. Layer `l` writes cache
+    /// `l`.
+    fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
+        let c = self;
+        let h = &c.hp;
+        let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let window = c.window.unwrap_or(0);
+        let mut p = Builder::new(w);
+        let mut x = p.input(e);
+        let table = p.input(hd);
+        for l in 0..h.n_layer {
+            let id = |part| weight(l, part);
+            // Attention: x = x + wo(attn(rope(q), rope(k), v)), (q, k, v) = W attn_norm(x)
+            let hn = p.norm(x, id(ATTN_NORM), eps);
+            let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+            let q = p.rotate(q, table, hd, Rotation::Halves);
+            let k = p.rotate(k, table, hd, Rotation::Halves);
+            p.cache_write(k, v, l);
+            let a = p.attention(q, l, heads, window);
+            let o = p.matmul(a, id(WO));
+            x = p.add(x, o);
+            // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+            let hn = p.norm(x, id(FFN_NORM), eps);
+            let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+            let f = p.gated(g, u, Act::Silu);
+            let f = p.matmul(f, id(DOWN));
+            x = p.add(x, f);
+        }
+        let last = p.last_rows(x);
+        let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+        let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        p.output(logits);
+        p.finish()
+    }
+
+    fn embd(w: &Weights) -> &Linear {
+        &w.embd
+    }
+
+    fn linears_mut(w: &mut Weights) -> Vec<&mut Linear> {
         let mut v: Vec<&mut Linear> = Vec::new();
-        for l in &mut self.layers {
+        for l in &mut w.layers {
             v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
         }
-        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
+        v.push(w.output.as_mut().unwrap_or(&mut w.embd));
         v
     }
-}
 
-/// The model: its metadata and its weights.
-pub struct Model {
-    pub config: Config,
-    pub weights: Weights,
-}
-
-impl Configured for Config {
-    fn hparams(&self) -> &Hparams {
-        &self.hp
-    }
-
-    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
-        let weights = Weights::load(&self, g, file)?;
-        Ok(Box::new(Model { config: *self, weights }))
-    }
-}
-
-impl Architecture for Model {
-    fn hparams(&self) -> &Hparams {
-        &self.config.hp
-    }
-
-    fn tensors(&self) -> &dyn Tensors {
-        &self.weights
-    }
-
-    fn recipe(&self) -> Result<Program, CheckError> {
-        recipe(&self.config, &self.weights)
-    }
-
-    fn embd(&self) -> &Linear {
-        &self.weights.embd
-    }
-
-    fn freqs(&self) -> Vec<rope::Freqs> {
-        vec![self.weights.rope.clone()]
+    fn freqs(&self, w: &Weights) -> Vec<rope::Freqs> {
+        vec![w.rope.clone()]
     }
 
     fn window(&self, _layer: usize) -> Option<usize> {
-        self.config.window
-    }
-
-    fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        self.weights.linears_mut()
+        self.window
     }
 }
 

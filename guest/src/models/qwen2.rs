@@ -15,7 +15,7 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, optional_vector, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -160,56 +160,15 @@ fn bias(b: &Option<Vec<f32>>) -> Tensor<'_> {
     Tensor::Vector(b.as_deref().unwrap_or_default())
 }
 
-/// Qwen2 and Llama as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
-/// table `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l`
-/// writes cache `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
-    let h = &c.hp;
-    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-    let rotation = match c.rope_style {
-        Style::Neox => Rotation::Halves,
-        Style::Norm => Rotation::Pairs,
-    };
-    let mut p = Builder::new(w);
-    let mut x = p.input(e);
-    let table = p.input(hd);
-    for (l, layer) in w.layers.iter().enumerate() {
-        let id = |part| weight(l, part);
-        let has = |b: &Option<Vec<f32>>, part| b.as_ref().map(|_| id(part));
+impl ArchConfig for Config {
+    type Weights = Weights;
 
-        // Attention: x = x + wo(attn(rope(q), rope(k), v)) + bo, (q, k, v) = W h + b,
-        // h = attn_norm(x)
-        let hn = p.norm(x, id(ATTN_NORM), eps);
-        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
-        let q = p.bias_if(q, has(&layer.bq, BQ));
-        let k = p.bias_if(k, has(&layer.bk, BK));
-        let v = p.bias_if(v, has(&layer.bv, BV));
-        let q = p.rotate(q, table, hd, rotation);
-        let k = p.rotate(k, table, hd, rotation);
-        p.cache_write(k, v, l);
-        let a = p.attention(q, l, heads, 0);
-        let o = p.matmul(a, id(WO));
-        let o = p.bias_if(o, has(&layer.bo, BO));
-        x = p.add(x, o);
-
-        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
-        let hn = p.norm(x, id(FFN_NORM), eps);
-        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
-        let f = p.gated(g, u, Act::Silu);
-        let f = p.matmul(f, id(DOWN));
-        x = p.add(x, f);
+    fn hparams(&self) -> &Hparams {
+        &self.hp
     }
-    // logits = output(output_norm(x)) of the last token
-    let last = p.last_rows(x);
-    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
-    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
-    p.output(logits);
-    p.finish()
-}
 
-impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+    fn load(&self, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+        let c = self;
         let h = &c.hp;
         let (e, hd) = (h.n_embd, h.head_dim);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -251,60 +210,70 @@ impl Weights {
         Ok(w)
     }
 
-    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+    /// Qwen2 and Llama as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
+    /// table `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l`
+    /// writes cache `l`.
+    fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
+        let c = self;
+        let h = &c.hp;
+        let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let rotation = match c.rope_style {
+            Style::Neox => Rotation::Halves,
+            Style::Norm => Rotation::Pairs,
+        };
+        let mut p = Builder::new(w);
+        let mut x = p.input(e);
+        let table = p.input(hd);
+        for (l, layer) in w.layers.iter().enumerate() {
+            let id = |part| weight(l, part);
+            let has = |b: &Option<Vec<f32>>, part| b.as_ref().map(|_| id(part));
+
+            // Attention: x = x + wo(attn(rope(q), rope(k), v)) + bo, (q, k, v) = W h + b,
+            // h = attn_norm(x)
+            let hn = p.norm(x, id(ATTN_NORM), eps);
+            let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+            let q = p.bias_if(q, has(&layer.bq, BQ));
+            let k = p.bias_if(k, has(&layer.bk, BK));
+            let v = p.bias_if(v, has(&layer.bv, BV));
+            let q = p.rotate(q, table, hd, rotation);
+            let k = p.rotate(k, table, hd, rotation);
+            p.cache_write(k, v, l);
+            let a = p.attention(q, l, heads, 0);
+            let o = p.matmul(a, id(WO));
+            let o = p.bias_if(o, has(&layer.bo, BO));
+            x = p.add(x, o);
+
+            // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+            let hn = p.norm(x, id(FFN_NORM), eps);
+            let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+            let f = p.gated(g, u, Act::Silu);
+            let f = p.matmul(f, id(DOWN));
+            x = p.add(x, f);
+        }
+        // logits = output(output_norm(x)) of the last token
+        let last = p.last_rows(x);
+        let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+        let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        p.output(logits);
+        p.finish()
+    }
+
+    fn embd(w: &Weights) -> &Linear {
+        &w.embd
+    }
+
+    fn linears_mut(w: &mut Weights) -> Vec<&mut Linear> {
         let mut v: Vec<&mut Linear> = Vec::new();
-        for l in &mut self.layers {
+        for l in &mut w.layers {
             v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
         }
-        v.push(self.output.as_mut().unwrap_or(&mut self.embd));
+        v.push(w.output.as_mut().unwrap_or(&mut w.embd));
         v
     }
-}
 
-/// The model: its metadata and its weights.
-pub struct Model {
-    pub config: Config,
-    pub weights: Weights,
-}
-
-impl Configured for Config {
-    fn hparams(&self) -> &Hparams {
-        &self.hp
-    }
-
-    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
-        let weights = Weights::load(&self, g, file)?;
-        Ok(Box::new(Model { config: *self, weights }))
-    }
-}
-
-impl Architecture for Model {
-    fn hparams(&self) -> &Hparams {
-        &self.config.hp
-    }
-
-    fn tensors(&self) -> &dyn Tensors {
-        &self.weights
-    }
-
-    fn recipe(&self) -> Result<Program, CheckError> {
-        recipe(&self.config, &self.weights)
-    }
-
-    fn embd(&self) -> &Linear {
-        &self.weights.embd
-    }
-
-    fn freqs(&self) -> Vec<rope::Freqs> {
-        vec![self.weights.rope.clone()]
-    }
-
-    fn window(&self, _layer: usize) -> Option<usize> {
-        None
-    }
-
-    fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        self.weights.linears_mut()
+    fn freqs(&self, w: &Weights) -> Vec<rope::Freqs> {
+        vec![w.rope.clone()]
     }
 }
 

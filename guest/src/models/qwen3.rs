@@ -13,8 +13,7 @@
 //! - the output projection is `output.weight`, or tied to `token_embd.weight` when absent.
 
 use super::attention::Heads;
-use super::rope;
-use super::{Architecture, Configured, Hparams, Linear, LoadError, Registered, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, vector};
 use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
@@ -115,49 +114,15 @@ impl Tensors for Weights {
     }
 }
 
-/// Qwen3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
-/// `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l` writes
-/// cache `l`.
-pub fn recipe(c: &Config, w: &Weights) -> Result<Program, CheckError> {
-    let h = &c.hp;
-    let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-    let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
-    let mut p = Builder::new(w);
-    let mut x = p.input(e);
-    let table = p.input(hd);
-    for l in 0..h.n_layer {
-        let id = |part| weight(l, part);
+impl ArchConfig for Config {
+    type Weights = Weights;
 
-        // Attention: x = x + wo(attn(q, k, v)), each head of q and k normed and turned,
-        // (q, k, v) = W attn_norm(x)
-        let hn = p.norm(x, id(ATTN_NORM), eps);
-        let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
-        let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
-        let q = p.rotate(q, table, hd, Rotation::Halves);
-        let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
-        let k = p.rotate(k, table, hd, Rotation::Halves);
-        p.cache_write(k, v, l);
-        let a = p.attention(q, l, heads, 0);
-        let o = p.matmul(a, id(WO));
-        x = p.add(x, o);
-
-        // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
-        let hn = p.norm(x, id(FFN_NORM), eps);
-        let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
-        let f = p.gated(g, u, Act::Silu);
-        let f = p.matmul(f, id(DOWN));
-        x = p.add(x, f);
+    fn hparams(&self) -> &Hparams {
+        &self.hp
     }
-    // logits = output(output_norm(x)) of the last token
-    let last = p.last_rows(x);
-    let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
-    let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
-    p.output(logits);
-    p.finish()
-}
 
-impl Weights {
-    pub fn load(c: &Config, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+    fn load(&self, g: &Gguf, file: &dyn Source) -> Result<Weights, LoadError> {
+        let c = self;
         let h = &c.hp;
         let (e, hd, n_ff) = (h.n_embd, h.head_dim, h.n_ff);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
@@ -189,53 +154,54 @@ impl Weights {
             layers,
         })
     }
-}
 
-/// The model: its metadata and its weights.
-pub struct Model {
-    pub config: Config,
-    pub weights: Weights,
-}
+    /// Qwen3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
+    /// `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l` writes
+    /// cache `l`.
+    fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
+        let c = self;
+        let h = &c.hp;
+        let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let mut p = Builder::new(w);
+        let mut x = p.input(e);
+        let table = p.input(hd);
+        for l in 0..h.n_layer {
+            let id = |part| weight(l, part);
 
-impl Configured for Config {
-    fn hparams(&self) -> &Hparams {
-        &self.hp
+            // Attention: x = x + wo(attn(q, k, v)), each head of q and k normed and turned,
+            // (q, k, v) = W attn_norm(x)
+            let hn = p.norm(x, id(ATTN_NORM), eps);
+            let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
+            let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
+            let q = p.rotate(q, table, hd, Rotation::Halves);
+            let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
+            let k = p.rotate(k, table, hd, Rotation::Halves);
+            p.cache_write(k, v, l);
+            let a = p.attention(q, l, heads, 0);
+            let o = p.matmul(a, id(WO));
+            x = p.add(x, o);
+
+            // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
+            let hn = p.norm(x, id(FFN_NORM), eps);
+            let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
+            let f = p.gated(g, u, Act::Silu);
+            let f = p.matmul(f, id(DOWN));
+            x = p.add(x, f);
+        }
+        // logits = output(output_norm(x)) of the last token
+        let last = p.last_rows(x);
+        let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
+        let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        p.output(logits);
+        p.finish()
     }
 
-    fn load(self: Box<Self>, g: &Gguf, file: &dyn Source) -> Result<Box<dyn Architecture>, LoadError> {
-        let weights = Weights::load(&self, g, file)?;
-        Ok(Box::new(Model { config: *self, weights }))
-    }
-}
-
-impl Architecture for Model {
-    fn hparams(&self) -> &Hparams {
-        &self.config.hp
+    fn embd(w: &Weights) -> &Linear {
+        &w.embd
     }
 
-    fn tensors(&self) -> &dyn Tensors {
-        &self.weights
-    }
-
-    fn recipe(&self) -> Result<Program, CheckError> {
-        recipe(&self.config, &self.weights)
-    }
-
-    fn embd(&self) -> &Linear {
-        &self.weights.embd
-    }
-
-    fn freqs(&self) -> Vec<rope::Freqs> {
-        let h = &self.config.hp;
-        vec![rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None }]
-    }
-
-    fn window(&self, _layer: usize) -> Option<usize> {
-        None
-    }
-
-    fn linears_mut(&mut self) -> Vec<&mut Linear> {
-        let w = &mut self.weights;
+    fn linears_mut(w: &mut Weights) -> Vec<&mut Linear> {
         let mut v: Vec<&mut Linear> = Vec::new();
         for l in &mut w.layers {
             v.extend([&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.gate, &mut l.up, &mut l.down]);
