@@ -98,7 +98,7 @@ pub trait Backend: Send {
     /// op by op, as `wit/gpu.wit` reads it): writes the whole rows `k_new`, `v_new` (possibly
     /// none) at the rows of positions `first_new..`, then attends over the `shape.n_keys` rows
     /// of positions `first_key..`, position `p` in row `p % slots`. Returns `[t, n_head *
-    /// head_dim]`. Checked by [`program::Program::check_batch`] already.
+    /// head_dim]`. Checked by [`wisp_ops::Program::check_batch`] already.
     #[allow(clippy::too_many_arguments)]
     fn attention_cached(
         &mut self,
@@ -117,7 +117,7 @@ pub trait Backend: Send {
     fn prepare_program(&mut self, _p: &program::Program) -> Result<(), GpuError> {
         Ok(())
     }
-    /// Runs a checked program over a checked batch (see [`program::Program::check_batch`]) in
+    /// Runs a checked program over a checked batch (see [`wisp_ops::Program::check_batch`]) in
     /// its own way, where the backend can; `None` where it cannot (the default), and
     /// [`program::run`] interprets it op by op with the calls above.
     fn run_program(
@@ -536,7 +536,7 @@ impl GpuCtx {
     /// `output` and `top-k` op, in order.
     ///
     /// Errors: `InvalidArgument` for a handle that is not a live program of this context, or a
-    /// batch that [`program::Program::check_batch`] refuses (nothing is written then);
+    /// batch that [`wisp_ops::Program::check_batch`] refuses (nothing is written then);
     /// `OutOfMemory` when a value exceeds the device's `max_activation_elements`; the
     /// backend's errors; `Unavailable` or `DeviceLost` when there is no usable device.
     pub fn run_program(

@@ -79,7 +79,7 @@ impl wisp_ops::reference::Primitives<WeightRef> for OnBackend<'_> {
     }
 }
 
-/// Runs a checked program over a checked batch (see [`Program::check_batch`]) on `backend`, op
+/// Runs a checked program over a checked batch (see [`wisp_ops::Program::check_batch`]) on `backend`, op
 /// by op (the op core's reference interpreter). `vectors` holds the values of the program's
 /// vector weights (`f32` weights of one row) by weight index, and nothing for the others.
 pub fn run(p: &Program, backend: &mut dyn Backend, vectors: &[&[f32]], inputs: Vec<Vec<f32>>, batch: &[SequenceRun]) -> Result<Vec<Output>, GpuError> {
