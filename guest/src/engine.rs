@@ -65,7 +65,7 @@ pub struct PassParts<'a> {
     pub weights: &'a dyn Tensors,
     pub recipe: &'a Recipe,
     pub embd: &'a Linear,
-    pub freqs: Vec<rope::Freqs>,
+    pub freqs: &'a [rope::Freqs],
 }
 
 /// What `info` reports, gathered at load.
@@ -118,7 +118,7 @@ pub fn can_allocate(n: usize) -> bool {
 impl Model {
     /// What a pass of the recipe on the guest's CPU reads.
     pub fn pass_parts(&self) -> PassParts<'_> {
-        PassParts { weights: self.arch.tensors(), recipe: &self.recipe, embd: self.arch.embd(), freqs: self.arch.freqs() }
+        PassParts { weights: self.arch.tensors(), recipe: &self.recipe, embd: self.arch.embd(), freqs: &self.recipe.freqs }
     }
 
     /// Builds a model from a whole GGUF file, CPU only.
@@ -186,7 +186,7 @@ impl Model {
         let metadata = g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect();
         g.forget_metadata();
         let mut arch = config.load(&g, file)?;
-        let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?);
+        let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?, arch.freqs());
         let hp = arch.hparams();
         let (n_layers, n_embd, n_vocab, n_ctx_train) = (hp.n_layer, hp.n_embd, hp.n_vocab, hp.n_ctx_train);
         let summary = Summary {

@@ -232,15 +232,6 @@ impl Op {
         }
     }
 
-    /// The op with its products and attention at `precision`.
-    pub fn with_precision(&self, to: Precision) -> Op {
-        let mut op = *self;
-        if let Op::Matmul { precision, .. } | Op::Attention { precision, .. } = &mut op {
-            *precision = to;
-        }
-        op
-    }
-
     /// Whether the run returns something for the op (`output`, `top-k`).
     pub fn is_output(&self) -> bool {
         matches!(self, Op::Output(_) | Op::TopK { .. })

@@ -28,7 +28,8 @@ pub trait Architecture {
     fn recipe(&self) -> Result<Program, CheckError>;
     /// The embedding the recipe's first input is read from: `[n_vocab, n_embd]`.
     fn embd(&self) -> &Linear;
-    /// The rotations of the recipe's tables, in its order of inputs.
+    /// The rotations of the recipe's tables, in its order of inputs (read once, at load: the
+    /// recipe keeps them).
     fn freqs(&self) -> Vec<rope::Freqs>;
     /// The sliding window of layer `l` (keys a query sees, its own among them), if it has one.
     fn window(&self, layer: usize) -> Option<usize>;
@@ -148,7 +149,7 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(a: &dyn Architecture, n_ctx: usize, batch: usize) -> State {
+    pub fn new(a: &dyn Architecture, r: &Recipe, n_ctx: usize, batch: usize) -> State {
         let h = a.hparams();
         let kv = h.n_head_kv * h.head_dim;
         State {
@@ -157,7 +158,7 @@ impl State {
             cache: (0..h.n_layer).map(|l| LayerCache::new(n_ctx, a.window(l), batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx),
             values: None,
-            tables: a.freqs().iter().map(|_| rope::Table::new(batch, h.head_dim)).collect(),
+            tables: r.freqs.iter().map(|_| rope::Table::new(batch, h.head_dim)).collect(),
         }
     }
 
@@ -188,8 +189,8 @@ impl State {
 pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch, tokens: &[u32], pos: usize, want_logits: bool) -> bool {
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
-    for (table, freqs) in s.tables.iter_mut().zip(a.freqs()) {
-        table.fill(&freqs, pos, t);
+    for (table, freqs) in s.tables.iter_mut().zip(&r.freqs) {
+        table.fill(freqs, pos, t);
     }
     let tables: Vec<&rope::Table> = s.tables.iter().collect();
     let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };

@@ -387,10 +387,13 @@ pub struct Recipe {
     /// (the products of token rows: all but the output projection, which reads the sequences'
     /// last rows).
     row_flops: u64,
+    /// The rotations of its tables (its inputs after the embeddings), in order: fixed for the
+    /// model, read by every pass.
+    pub freqs: Vec<rope::Freqs>,
 }
 
 impl Recipe {
-    pub fn new(program: Program) -> Recipe {
+    pub fn new(program: Program, freqs: Vec<rope::Freqs>) -> Recipe {
         let plan = Plan::new(&program);
         let row_flops = program
             .ops
@@ -403,7 +406,7 @@ impl Recipe {
                 _ => None,
             })
             .sum();
-        Recipe { program, plan, device: None, row_flops }
+        Recipe { program, plan, device: None, row_flops, freqs }
     }
 
     /// The products of a pass of `t` token rows through every layer, in floating-point
