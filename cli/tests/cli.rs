@@ -311,6 +311,25 @@ fn conformance_passes_on_the_cpu_reference_and_skips_without_a_device() {
     assert!(!stdout(&o).contains("golden check"), "{}", stdout(&o));
 }
 
+/// The native CPU device: the whole kit with no failure and no skip, then every golden case
+/// in both precisions (`fast`: its int8 activations within the golden thresholds).
+#[test]
+fn conformance_passes_on_the_native_device_in_both_precisions() {
+    model();
+    for precision in ["exact", "fast"] {
+        let o = wisp(&["conformance", "--device", "native", "--threads", "2", "--seed", "1", "--json", "--precision", precision]);
+        assert!(o.status.success(), "{precision}: {}{}", stdout(&o), stderr(&o));
+        let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!((v["failed"].as_u64(), v["skipped"].as_u64()), (Some(0), Some(0)), "{v}");
+        let g = &v["golden"];
+        assert_eq!(g["precision"], precision, "{g}");
+        assert!(g["device"].as_str().unwrap().starts_with("native CPU ("), "{g}");
+        assert!(g["gpu_weights"].as_u64().unwrap() > 0, "the guest put no weight on the device: {g}");
+        assert_eq!((g["failed"].as_u64(), &v["pass"]), (Some(0), &Value::Bool(true)), "{v}");
+        assert!(g["passed"].as_u64().unwrap() >= 7, "{g}");
+    }
+}
+
 #[test]
 fn conformance_runs_the_golden_check_after_the_kit_on_the_same_device() {
     model();

@@ -30,7 +30,7 @@ mod runtime;
 
 pub use gpu::{
     Activation, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, Format, Gemm,
-    GpuCtx, GpuError, MAX_HEAD_DIM, NoDevice, Rotation, WgpuBackend, add_to_linker,
+    GpuCtx, GpuError, MAX_HEAD_DIM, NativeBackend, NoDevice, Rotation, WgpuBackend, add_to_linker,
     program::Precision,
 };
 pub use runtime::{

@@ -10,7 +10,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wisp::gpu::program::{Output, Program, SequenceRun};
-use wisp::{Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, Gemm, GpuError, GpuCtx, GpuMode, Instance, Model, Options, Sampling, Session, WgpuBackend, Wisp};
+use wisp::{
+    Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, Gemm, GpuError, GpuCtx, GpuMode, Instance, Model,
+    NativeBackend, Options, Precision, Sampling, Session, WgpuBackend, Wisp,
+};
 
 fn model() -> PathBuf {
     static MODEL: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
@@ -26,10 +29,13 @@ enum On {
     Reference,
     /// wgpu's adapter (lavapipe where there is no GPU), every pass there it takes.
     Wgpu,
+    /// The native CPU device on two threads, every pass there (`--gpu on`).
+    Native,
 }
 
-/// The CPU reference device, noting the most sequences any program run brought.
-struct Widest(CpuBackend, Arc<AtomicUsize>);
+/// A CPU device (the reference or the native one), noting the most sequences any program run
+/// brought.
+struct Widest(Box<dyn Backend>, Arc<AtomicUsize>);
 
 impl Backend for Widest {
     fn device(&self) -> Option<Device> {
@@ -43,6 +49,9 @@ impl Backend for Widest {
     }
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
         self.0.matmul(x, t, n_in, jobs)
+    }
+    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        self.0.matmul_op(id, x, t, n_in, precision)
     }
     fn free(&mut self, id: BufferId) {
         self.0.free(id)
@@ -79,7 +88,11 @@ fn open_on(on: On) -> Option<(Instance, Model, Arc<AtomicUsize>)> {
     let wisp = Wisp::new(Options::default()).unwrap();
     let (ctx, mode) = match on {
         On::Guest => (GpuCtx::none(), GpuMode::Off),
-        On::Reference => (GpuCtx::new(Box::new(Widest(CpuBackend::new(), widest.clone())), Budget::default()), GpuMode::On),
+        On::Reference => (GpuCtx::new(Box::new(Widest(Box::new(CpuBackend::new()), widest.clone())), Budget::default()), GpuMode::On),
+        On::Native => {
+            let native = NativeBackend::new(2).expect("the native device");
+            (GpuCtx::new(Box::new(Widest(Box::new(native), widest.clone())), Budget::default()), GpuMode::On)
+        }
         On::Wgpu => match WgpuBackend::new().expect("opening the wgpu adapter") {
             Some(mut b) => {
                 // As on GPUs (lavapipe is a CPU device): products of at most 64 rows and few
@@ -265,6 +278,17 @@ fn on_the_reference_device_a_batch_is_bit_for_bit_each_session_alone() {
         assert_eq!(same, compared);
         // The batches were runs of the model's program over the sessions' sequences, not
         // session by session (of the 64, at most 32 share a step: they join 16 a step).
+        assert!(run >= widest, "{n} sessions: the widest program run had {run} sequences");
+    }
+}
+
+/// On the native CPU device, as on the reference one: every session's logits in a batch bit
+/// for bit those it has alone (its `exact` products sum each row alike whatever the batch).
+#[test]
+fn on_the_native_device_a_batch_is_bit_for_bit_each_session_alone() {
+    for (n, g, longest, widest) in [(1, 2, 37, 1), (5, 2, 37, 4), (64, 1, 3, 32)] {
+        let (same, compared, run) = batch_matches_alone_on(On::Native, n, g, longest).expect("the native device");
+        assert_eq!(same, compared);
         assert!(run >= widest, "{n} sessions: the widest program run had {run} sequences");
     }
 }

@@ -3,7 +3,7 @@
 //! here in f32, each value freed after its last reader. It is the reading of the contract that
 //! every executor shares; one that records whole programs on its device takes over from it.
 
-use crate::op::{Op, Rotation};
+use crate::op::{Op, Precision, Rotation};
 use crate::program::{Program, Rows, SequenceRun, Weight, first_key};
 use alloc::vec;
 use alloc::vec::Vec;
@@ -64,8 +64,9 @@ impl AttentionShape {
 pub trait Primitives<W> {
     /// The executor's error.
     type Error;
-    /// `y[rows, n_out] = x[rows, n_in] @ W^T`, `W[n_out, n_in]` the weight `w`.
-    fn matmul(&mut self, w: &W, x: &[f32], rows: u32) -> Result<Vec<f32>, Self::Error>;
+    /// `y[rows, n_out] = x[rows, n_in] @ W^T`, `W[n_out, n_in]` the weight `w`, summed as
+    /// `precision` allows (an executor with one way of summing may ignore it).
+    fn matmul(&mut self, w: &W, x: &[f32], rows: u32, precision: Precision) -> Result<Vec<f32>, Self::Error>;
     /// Rows of keys `k` and values `v` to cache `cache` (the executor's id) at positions
     /// `first..`.
     fn write_cache(&mut self, cache: u64, first: u32, k: &[f32], v: &[f32]) -> Result<(), Self::Error>;
@@ -95,7 +96,7 @@ pub fn run<W: Weight, P: Primitives<W>>(
                 next_input += 1;
                 Some(core::mem::take(&mut inputs[next_input - 1]))
             }
-            Op::Matmul { x, weight, .. } => Some(prims.matmul(&p.weights[weight], &values[x], rows_of(x))?),
+            Op::Matmul { x, weight, precision } => Some(prims.matmul(&p.weights[weight], &values[x], rows_of(x), precision)?),
             Op::RmsNorm { x, weight, offset, group, eps } => {
                 let mut y = values[x].clone();
                 let ones = vec![0.0; group as usize];
@@ -247,7 +248,7 @@ pub fn top_of<R: Iterator<Item = (f32, u32)>>(rows: impl Iterator<Item = R>, k: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op::{Activation, Precision};
+    use crate::op::Activation;
     use crate::program::{WeightShape, check};
     use crate::Format;
 
@@ -269,7 +270,7 @@ mod tests {
 
     impl Primitives<WeightShape> for Plain {
         type Error = ();
-        fn matmul(&mut self, w: &WeightShape, x: &[f32], rows: u32) -> Result<Vec<f32>, ()> {
+        fn matmul(&mut self, w: &WeightShape, x: &[f32], rows: u32, _: Precision) -> Result<Vec<f32>, ()> {
             let m = &self.matrices[0];
             let (n_out, n_in) = (w.rows as usize, w.cols as usize);
             Ok((0..rows as usize * n_out).map(|i| (0..n_in).map(|j| x[i / n_out * n_in + j] as f64 * m[i % n_out * n_in + j] as f64).sum::<f64>() as f32).collect())

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use wisp::conformance::{self, CaseResult};
 use wisp::golden::{self, Outcome};
-use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, LoadOptions, Options, WgpuBackend, Wisp};
+use wisp::{Budget, GpuCtx, GpuMode, LoadOptions, Options, Wisp};
 
 /// The golden file of the default model, from the workspace this binary was built in (when not
 /// found under the current directory).
@@ -26,6 +26,9 @@ pub struct ConformanceArgs {
     /// Seed of the random shapes and values: the same seed makes the same calls [default: fresh, printed]
     #[arg(long)]
     seed: Option<u64>,
+    /// Threads of the native device (`--device native`) [default: one a physical core]
+    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true)]
+    threads: usize,
     /// Device memory the kit may use, in MiB (the budget-bytes case fills it; above 256 it is skipped).
     #[arg(long, default_value_t = 64, value_name = "MIB")]
     gpu_budget: u64,
@@ -83,19 +86,15 @@ fn verdict(r: &CaseResult) -> &'static str {
 }
 
 /// The device `--device` names, with `budget`; none when wgpu finds no adapter (`say`: say so).
-fn device(arg: DeviceArg, budget: Budget, say: bool) -> Result<GpuCtx> {
-    Ok(match arg {
-        DeviceArg::None => GpuCtx::none(),
-        DeviceArg::Cpu => GpuCtx::new(Box::new(CpuBackend::new()), budget),
-        DeviceArg::Wgpu => match WgpuBackend::new()? {
-            Some(b) => GpuCtx::new(Box::new(b), budget),
-            None => {
-                if say {
-                    eprintln!("wisp: no wgpu adapter found: the device cases are skipped, the golden check runs on the guest's CPU");
-                }
-                GpuCtx::none()
+fn device(arg: DeviceArg, budget: Budget, threads: usize, say: bool) -> Result<GpuCtx> {
+    Ok(match arg.open(budget, threads)? {
+        Some(ctx) => ctx,
+        None => {
+            if say {
+                eprintln!("wisp: no wgpu adapter found: the device cases are skipped, the golden check runs on the guest's CPU");
             }
-        },
+            GpuCtx::none()
+        }
     })
 }
 
@@ -112,7 +111,7 @@ pub fn conformance(a: ConformanceArgs) -> Result<()> {
     // The golden file is read first: a wrong path fails at once, not after the kit.
     let cases = if a.no_golden { None } else { Some(golden_cases(&a)?) };
 
-    let gpu = device(a.device, Budget { bytes: a.gpu_budget << 20, ..Budget::default() }, true)?;
+    let gpu = device(a.device, Budget { bytes: a.gpu_budget << 20, ..Budget::default() }, a.threads, true)?;
     let device = describe_device(&gpu);
     let seed = a.seed.unwrap_or_else(|| {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1)
@@ -247,7 +246,7 @@ impl Golden {
 /// guest can send goes to that device. Prints each case as it ends, unless `--json`.
 fn run_golden(a: &ConformanceArgs, file: &Path, cases: &[golden::Case]) -> Result<Golden> {
     let model = model_path(a.model.as_deref())?;
-    let gpu = device(a.device, Budget::default(), false)?;
+    let gpu = device(a.device, Budget::default(), a.threads, false)?;
     let device = describe_device(&gpu);
     let mut inst = Wisp::new(Options::default())?.instantiate(gpu, model.parent())?;
     let m = inst

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 use wisp::{
-    Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, LoadOptions, Model, Options, Precision, Sampling, WgpuBackend, Wisp, fetch,
+    Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, LoadOptions, Model, NativeBackend, Options, Precision, Sampling, WgpuBackend, Wisp, fetch,
 };
 
 #[derive(Parser)]
@@ -162,10 +162,25 @@ pub enum DeviceArg {
     /// The GPU through wgpu (Vulkan, Metal, DX12 or GL); none if no adapter is found.
     #[default]
     Wgpu,
-    /// The host's CPU reference implementation (for testing the contract).
-    Cpu,
+    /// The host's own CPU, natively: its full vector width, on `--threads` threads.
+    Native,
+    /// The host's exact f32 CPU reference implementation (for testing the contract).
+    #[value(alias = "cpu")]
+    Reference,
     /// No device.
     None,
+}
+
+impl DeviceArg {
+    /// The device, with `budget`; `None` where `--device wgpu` finds no adapter.
+    pub fn open(self, budget: Budget, threads: usize) -> Result<Option<GpuCtx>> {
+        Ok(match self {
+            DeviceArg::None => Some(GpuCtx::none()),
+            DeviceArg::Reference => Some(GpuCtx::new(Box::new(CpuBackend::new()), budget)),
+            DeviceArg::Native => Some(GpuCtx::new(Box::new(NativeBackend::new(threads)?), budget)),
+            DeviceArg::Wgpu => WgpuBackend::new()?.map(|b| GpuCtx::new(Box::new(b), budget)),
+        })
+    }
 }
 
 #[derive(Args, Clone)]
@@ -195,6 +210,9 @@ pub struct ModelArgs {
     /// Device memory the guest may fill with weights, in MiB.
     #[arg(long, default_value_t = 8192, value_name = "MIB")]
     pub gpu_budget: u64,
+    /// Threads of the native device (`--device native`) [default: one a physical core]
+    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true)]
+    pub threads: usize,
 }
 
 impl ModelArgs {
@@ -425,18 +443,14 @@ pub fn gpu_ctx(args: &ModelArgs) -> Result<GpuCtx> {
     if matches!(args.gpu, GpuArg::Off) {
         return Ok(GpuCtx::none());
     }
-    Ok(match args.device {
-        DeviceArg::None => GpuCtx::none(),
-        DeviceArg::Cpu => GpuCtx::new(Box::new(CpuBackend::new()), args.budget()),
-        DeviceArg::Wgpu => match WgpuBackend::new()? {
-            Some(b) => GpuCtx::new(Box::new(b), args.budget()),
-            None => {
-                if matches!(args.gpu, GpuArg::On) {
-                    eprintln!("wisp: no GPU adapter found; running on the CPU");
-                }
-                GpuCtx::none()
+    Ok(match args.device.open(args.budget(), args.threads)? {
+        Some(ctx) => ctx,
+        None => {
+            if matches!(args.gpu, GpuArg::On) {
+                eprintln!("wisp: no GPU adapter found; running on the CPU");
             }
-        },
+            GpuCtx::none()
+        }
     })
 }
 
@@ -549,7 +563,7 @@ fn run(a: RunArgs) -> Result<()> {
 }
 
 fn tokenize(a: TokenizeArgs) -> Result<()> {
-    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, precision: PrecisionArg::Exact, max_memory: 4096, timeout: 600, max_stack: 2048, gpu_budget: 0 };
+    let args = ModelArgs { model: a.model.clone(), gpu: GpuArg::Off, device: DeviceArg::None, precision: PrecisionArg::Exact, max_memory: 4096, timeout: 600, max_stack: 2048, gpu_budget: 0, threads: 1 };
     let Loaded { mut inst, model, .. } = load(&args)?;
     let ids = engine(inst.tokenize(model, &a.text, !a.no_bos, a.parse_special)?)?;
     if a.json {

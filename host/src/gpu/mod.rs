@@ -8,14 +8,16 @@
 
 mod cpu;
 mod imports;
+pub mod native;
 pub mod program;
 mod wgpu;
 
 pub use self::wgpu::{Gemm, WgpuBackend};
 pub use cpu::CpuBackend;
+pub use native::NativeBackend;
 
 pub use imports::add_to_linker;
-pub use wisp_ops::{Activation, AttentionShape, Format, MAX_HEAD_DIM, Rotation};
+pub use wisp_ops::{Activation, AttentionShape, Format, MAX_HEAD_DIM, Precision, Rotation};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU32, Ordering};
 use wasmtime::component::Resource;
@@ -79,6 +81,13 @@ pub trait Backend: Send {
     fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError>;
     /// `y_j[t, n_out_j] = x[t, n_in] @ W_j^T` for each job.
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError>;
+    /// `y[t, n_out] = x[t, n_in] @ W^T` for one weight, summed as `precision` allows (a
+    /// program's `matmul` op, run op by op). The default is [`Backend::matmul`], one way of
+    /// summing for both.
+    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, _precision: Precision) -> Result<Vec<f32>, GpuError> {
+        let mut out = self.matmul(x, t, n_in, &[id])?;
+        out.pop().ok_or_else(|| GpuError::DeviceLost("a product returned nothing".into()))
+    }
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
     /// Reserves a zeroed `kv-cache` of `slots` rows of `width` values (keys and values alike).

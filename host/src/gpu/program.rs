@@ -65,9 +65,8 @@ struct OnBackend<'a>(&'a mut dyn Backend);
 impl wisp_ops::reference::Primitives<WeightRef> for OnBackend<'_> {
     type Error = GpuError;
 
-    fn matmul(&mut self, w: &WeightRef, x: &[f32], rows: u32) -> Result<Vec<f32>, GpuError> {
-        let mut out = self.0.matmul(x, rows, w.cols, &[w.id])?;
-        out.pop().ok_or_else(|| GpuError::DeviceLost("a product returned nothing".into()))
+    fn matmul(&mut self, w: &WeightRef, x: &[f32], rows: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        self.0.matmul_op(w.id, x, rows, w.cols, precision)
     }
 
     fn write_cache(&mut self, cache: u64, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {

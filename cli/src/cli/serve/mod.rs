@@ -87,9 +87,10 @@ pub struct ServeArgs {
     shutdown_timeout: u64,
 }
 
-/// Whether the host offers the guest a device that is a GPU (not none, not a CPU adapter).
+/// Whether the host offers the guest a device that runs whole batches for it: a GPU, or the
+/// native CPU device (not none, not a CPU adapter such as lavapipe, not the reference).
 fn has_gpu(args: &ModelArgs) -> Result<bool> {
-    Ok(gpu_ctx(args)?.device().is_some_and(|d| d.device_type != "cpu"))
+    Ok(gpu_ctx(args)?.device().is_some_and(|d| d.device_type != "cpu" || d.backend == "native"))
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {

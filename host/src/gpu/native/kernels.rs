@@ -1,0 +1,717 @@
+//! The native device's products, a weight's rows with rows of x, in each upload format: the
+//! plain reading of each (`scalar`, which also runs where no vector unit below is found) and
+//! x86-64 AVX2 + FMA versions chosen at run time ([`Isa::detect`]).
+//!
+//! Two ways of summing, as the WIT `precision` names them:
+//! - `exact`: each weight decoded to f32 as the contract reads it (`d * q - m`), then f32
+//!   products and sums. A row's result depends on its x row and the weight alone, never on the
+//!   other rows of the batch: the order of its sums is fixed (eight lanes over the row, then
+//!   their sum in one order), whichever rows share a pass.
+//! - `fast`: each x row quantized per block of the weight's format to int8 (`sx * qx`, `qx` in
+//!   -127..=127, as llama.cpp's `q8_0` activations), integer products within a block, f32 across
+//!   blocks: `sum_b dw_b sx_b (qw . qx)_b - sum_b m_b sx_b (sum qx)_b`.
+//!
+//! Quantized weights keep their upload bytes; the f32 scales are split out of their interleaving
+//! (`d` and, for `q4x32`, `m` apart).
+
+use super::super::Format;
+
+/// A weight as the native device holds it: `[n_out, n_in]`, rows in order.
+pub enum Stored {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// bfloat16 values (the high halves of f32).
+    Bf16(Vec<u16>),
+    /// Signed bytes, one f32 scale per `block` (16 or 32) elements.
+    Q8 { block: usize, q: Vec<i8>, d: Vec<f32> },
+    /// Unsigned nibbles (element `2j` in byte `j`'s low half), `d` and `m` per 32 elements.
+    Q4 { q: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+}
+
+/// Elements of a block of activations quantized together in `fast` (the weight's block).
+pub fn block_of(format: Format) -> usize {
+    match format {
+        Format::Q8x16 => 16,
+        _ => 32,
+    }
+}
+
+impl Stored {
+    /// A zeroed weight of `n` elements in `format`, or `None` where memory is short.
+    pub fn zeroed(format: Format, n: usize) -> Option<Stored> {
+        fn zeros<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n).ok()?;
+            v.resize(n, T::default());
+            Some(v)
+        }
+        Some(match format {
+            Format::F32 => Stored::F32(zeros(n)?),
+            Format::Bf16 => Stored::Bf16(zeros(n)?),
+            Format::Q8x32 | Format::Q8x16 => {
+                let block = block_of(format);
+                Stored::Q8 { block, q: zeros(n)?, d: zeros(n / block)? }
+            }
+            Format::Q4x32 => Stored::Q4 { q: zeros(n / 2)?, d: zeros(n / 32)?, m: zeros(n / 32)? },
+        })
+    }
+
+    /// Writes rows starting at element `at` (a row's first) from their upload bytes and scales.
+    /// The caller checked that they fit (`GpuCtx::write_rows`).
+    pub fn write(&mut self, at: usize, data: &[u8], scales: &[f32]) {
+        match self {
+            Stored::F32(w) => {
+                for (o, c) in w[at..].iter_mut().zip(data.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            Stored::Bf16(w) => {
+                for (o, c) in w[at..].iter_mut().zip(data.chunks_exact(2)) {
+                    *o = u16::from_le_bytes([c[0], c[1]]);
+                }
+            }
+            Stored::Q8 { block, q, d } => {
+                for (o, &b) in q[at..].iter_mut().zip(data) {
+                    *o = b as i8;
+                }
+                d[at / *block..][..scales.len()].copy_from_slice(scales);
+            }
+            Stored::Q4 { q, d, m } => {
+                q[at / 2..][..data.len()].copy_from_slice(data);
+                for (i, dm) in scales.chunks_exact(2).enumerate() {
+                    d[at / 32 + i] = dm[0];
+                    m[at / 32 + i] = dm[1];
+                }
+            }
+        }
+    }
+
+    /// Row `o` (of `n_in` elements) decoded to f32 into `out`, as the contract reads it.
+    pub fn decode_row(&self, o: usize, n_in: usize, out: &mut [f32]) {
+        let out = &mut out[..n_in];
+        match self {
+            Stored::F32(w) => out.copy_from_slice(&w[o * n_in..][..n_in]),
+            Stored::Bf16(w) => {
+                for (x, &b) in out.iter_mut().zip(&w[o * n_in..][..n_in]) {
+                    *x = f32::from_bits((b as u32) << 16);
+                }
+            }
+            Stored::Q8 { block, q, d } => {
+                let (q, d) = (&q[o * n_in..][..n_in], &d[o * n_in / *block..][..n_in / *block]);
+                for ((x, &q), i) in out.iter_mut().zip(q).zip(0..) {
+                    *x = d[i / *block] * q as f32;
+                }
+            }
+            Stored::Q4 { q, d, m } => {
+                let (q, d, m) = (&q[o * n_in / 2..][..n_in / 2], &d[o * n_in / 32..], &m[o * n_in / 32..]);
+                for (i, x) in out.iter_mut().enumerate() {
+                    let v = (q[i / 2] >> (4 * (i % 2))) & 0xF;
+                    *x = d[i / 32] * v as f32 - m[i / 32];
+                }
+            }
+        }
+    }
+}
+
+/// Weight rows a `fast` product's vector kernel sweeps with the same rows of x (held in the L1
+/// cache with them).
+pub const FAST_BLOCK: usize = 16;
+
+/// The vector unit the kernels use, found at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust (what the compiler makes of it for the baseline target).
+    Scalar,
+    /// x86-64 AVX2 with FMA.
+    Avx2,
+}
+
+impl Isa {
+    /// The best this CPU offers of those the kernels know.
+    pub fn detect() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            return Isa::Avx2;
+        }
+        Isa::Scalar
+    }
+
+    /// Its name, as `wisp info` prints it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2+fma",
+        }
+    }
+}
+
+/// Rows of x quantized for `fast` products with a weight of one format: per row, int8 values
+/// in the layout the format's kernel reads, a scale per block, and per block the scale times
+/// the sum of its values (the `m` term of `q4x32`).
+pub struct Quantized {
+    /// Values a block.
+    pub block: usize,
+    /// `[t, n_in]`. For `q4x32`, each pair of blocks A, B reorders as A's even elements, B's
+    /// even, A's odd, B's odd (a lone last block as its even, then its odd elements), the
+    /// order in which a weight's nibbles unpack; the other formats keep the row's order.
+    pub q: Vec<i8>,
+    /// `[t, n_in / block]`.
+    pub s: Vec<f32>,
+    /// `[t, n_in / block]`: `s * sum(q)` of each block.
+    pub c: Vec<f32>,
+    /// `[t, n_in / block / 2 * 8]`: for each pair of blocks A, B, `[s_A x4, s_B x4]` (the
+    /// scales as the vector kernels of the formats with two blocks a 256-bit step read them).
+    pub pairs: Vec<f32>,
+}
+
+/// Where element `i` of a row goes in the `q4x32` layout of [`Quantized::q`] (n_in elements,
+/// a multiple of 32).
+pub fn q4_slot(i: usize, n_in: usize) -> usize {
+    let (b, j) = (i / 32, i % 32);
+    let (even, odd) = q4_bases(b, n_in / 32);
+    if j % 2 == 0 { even + j / 2 } else { odd + j / 2 }
+}
+
+/// Where block `b`'s even and odd elements start in the `q4x32` layout (of `nb` blocks a row).
+fn q4_bases(b: usize, nb: usize) -> (usize, usize) {
+    if b / 2 * 2 + 1 < nb {
+        // A pair: [A even, B even, A odd, B odd].
+        let base = b / 2 * 64 + (b % 2) * 16;
+        (base, base + 32)
+    } else {
+        (b * 32, b * 32 + 16)
+    }
+}
+
+/// `v` rounded to the nearest integer, halves away from zero (without a call to `roundf`,
+/// which the baseline x86-64 target has no instruction for).
+#[inline(always)]
+fn round_i8(v: f32) -> i8 {
+    (v + 0.5f32.copysign(v)) as i32 as i8
+}
+
+/// Quantizes `t` rows of `n_in` values for a `fast` product with a weight in `format`.
+pub fn quantize(x: &[f32], n_in: usize, format: Format) -> Quantized {
+    #[inline(always)]
+    fn body(x: &[f32], n_in: usize, format: Format) -> Quantized {
+        let block = block_of(format);
+        let t = x.len() / n_in;
+        let nb = n_in / block;
+        let mut q = vec![0i8; x.len()];
+        let (mut s, mut c) = (vec![0f32; t * nb], vec![0f32; t * nb]);
+        let mut pairs = vec![0f32; t * (nb / 2) * 8];
+        let q4 = format == Format::Q4x32;
+        for (r, row) in x.chunks_exact(n_in).enumerate() {
+            let qr = &mut q[r * n_in..][..n_in];
+            for (b, v) in row.chunks_exact(block).enumerate() {
+                let amax = v.iter().fold(0f32, |a, &x| a.max(x.abs()));
+                let d = amax / 127.0;
+                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+                let mut qs = [0i8; 32];
+                for (o, &x) in qs.iter_mut().zip(v) {
+                    *o = round_i8(x * inv);
+                }
+                let sum: i32 = qs[..block].iter().map(|&v| v as i32).sum();
+                if q4 {
+                    let (even, odd) = q4_bases(b, nb);
+                    for j in 0..16 {
+                        qr[even + j] = qs[2 * j];
+                        qr[odd + j] = qs[2 * j + 1];
+                    }
+                } else {
+                    qr[b * block..][..block].copy_from_slice(&qs[..block]);
+                }
+                s[r * nb + b] = d;
+                c[r * nb + b] = d * sum as f32;
+            }
+            for (p, o) in pairs[r * (nb / 2) * 8..][..(nb / 2) * 8].chunks_exact_mut(8).enumerate() {
+                o[..4].fill(s[r * nb + 2 * p]);
+                o[4..].fill(s[r * nb + 2 * p + 1]);
+            }
+        }
+        Quantized { block, q, s, c, pairs }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn wide(x: &[f32], n_in: usize, format: Format) -> Quantized {
+        body(x, n_in, format)
+    }
+    #[cfg(target_arch = "x86_64")]
+    if Isa::detect() == Isa::Avx2 {
+        // SAFETY: the CPU has AVX2 and FMA (detected just now).
+        return unsafe { wide(x, n_in, format) };
+    }
+    body(x, n_in, format)
+}
+
+/// Reorders `t` rows of `n_in` values into the `q4x32` layout (for `exact` products with such
+/// a weight, whose kernel decodes a block's even elements, then its odd ones); `None` for the
+/// formats that read x in order.
+pub fn reorder_q4(x: &[f32], n_in: usize) -> Vec<f32> {
+    let mut out = vec![0f32; x.len()];
+    for (row, o) in x.chunks_exact(n_in).zip(out.chunks_exact_mut(n_in)) {
+        for (i, &v) in row.iter().enumerate() {
+            o[q4_slot(i, n_in)] = v;
+        }
+    }
+    out
+}
+
+/// The plain kernels: the reading every vector kernel is tested against.
+pub mod scalar {
+    use super::{Quantized, Stored, q4_slot};
+
+    /// `fast`: row `o` of the weight against row `r` of `x`.
+    pub fn fast(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize) -> f32 {
+        let nb = n_in / x.block;
+        let (xq, s, c) = (&x.q[r * n_in..][..n_in], &x.s[r * nb..][..nb], &x.c[r * nb..][..nb]);
+        match w {
+            Stored::Q8 { block, q, d } => {
+                let (q, d) = (&q[o * n_in..][..n_in], &d[o * nb..][..nb]);
+                let mut y = 0f32;
+                for b in 0..nb {
+                    let dot: i32 = (0..*block).map(|j| q[b * block + j] as i32 * xq[b * block + j] as i32).sum();
+                    y += d[b] * s[b] * dot as f32;
+                }
+                y
+            }
+            Stored::Q4 { q, d, m } => {
+                let (q, d, m) = (&q[o * n_in / 2..][..n_in / 2], &d[o * nb..][..nb], &m[o * nb..][..nb]);
+                let (mut y, mut min) = (0f32, 0f32);
+                for b in 0..nb {
+                    let dot: i32 = (0..32)
+                        .map(|j| {
+                            let i = b * 32 + j;
+                            ((q[i / 2] >> (4 * (i % 2))) & 0xF) as i32 * xq[q4_slot(i, n_in)] as i32
+                        })
+                        .sum();
+                    y += d[b] * s[b] * dot as f32;
+                    min += m[b] * c[b];
+                }
+                y - min
+            }
+            Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
+        }
+    }
+
+    /// `exact`: f32 products of a decoded row `w` (in the layout of `x`) with `x`, summed in
+    /// eight lanes, then the lanes in order, then the tail.
+    pub fn exact(w: &[f32], x: &[f32]) -> f32 {
+        let mut lanes = [0f32; 8];
+        let whole = w.len() / 8 * 8;
+        for (wc, xc) in w[..whole].chunks_exact(8).zip(x[..whole].chunks_exact(8)) {
+            for l in 0..8 {
+                lanes[l] = wc[l].mul_add(xc[l], lanes[l]);
+            }
+        }
+        let mut y = sum8(&lanes);
+        for (a, b) in w[whole..].iter().zip(&x[whole..]) {
+            y = a.mul_add(*b, y);
+        }
+        y
+    }
+
+    /// The eight lanes' sum, in the order the vector kernels sum them.
+    pub fn sum8(l: &[f32; 8]) -> f32 {
+        let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+        let p = [q[0] + q[2], q[1] + q[3]];
+        p[0] + p[1]
+    }
+
+    /// Decodes row `o` for the exact kernel, in the layout of x for its format.
+    pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
+        match w {
+            Stored::Q4 { .. } => {
+                let mut plain = vec![0f32; n_in];
+                w.decode_row(o, n_in, &mut plain);
+                for (i, v) in plain.into_iter().enumerate() {
+                    out[q4_slot(i, n_in)] = v;
+                }
+            }
+            _ => w.decode_row(o, n_in, out),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub mod avx2 {
+    //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
+    //! Loads are unaligned, from slices whose bounds are checked where they are cut.
+    use super::{Quantized, Stored};
+    use std::arch::x86_64::*;
+
+    /// The sum of a vector's lanes, in [`super::scalar::sum8`]'s order.
+    #[target_feature(enable = "avx2,fma")]
+    fn hsum(v: __m256) -> f32 {
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(p, _mm_shuffle_ps::<1>(p, p)))
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn load_u8(s: &[u8]) -> __m256i {
+        let s = &s[..32];
+        // SAFETY: `s` holds 32 bytes (cut above); the load is unaligned.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    fn load_f32(s: &[f32]) -> __m256 {
+        let s = &s[..8];
+        // SAFETY: `s` holds 8 f32 (cut above); the load is unaligned.
+        unsafe { _mm256_loadu_ps(s.as_ptr()) }
+    }
+
+    /// A block's two scales `[a x4, b x4]`.
+    #[target_feature(enable = "avx2,fma")]
+    fn pair(a: f32, b: f32) -> __m256 {
+        _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a))
+    }
+
+    /// `fast` for `R` rows of x (from `r0`) against the `W` rows of a q8 weight from `o`
+    /// (`B16`: a scale per 16 elements, else per 32): `out[j * R + i]` for weight row `o + j`
+    /// and x row `r0 + i`. Bytes past the last whole 32 (a q8x16 row of an odd number of
+    /// blocks) go to the scalar kernel's arithmetic.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q8<const W: usize, const R: usize, const B16: bool>(q: &[i8], d: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+        let block = if B16 { 16 } else { 32 };
+        let nb = n_in / block;
+        let chunks = n_in / 32;
+        let wq: [&[i8]; W] = core::array::from_fn(|j| &q[(o + j) * n_in..][..n_in]);
+        let wd: [&[f32]; W] = core::array::from_fn(|j| &d[(o + j) * nb..][..nb]);
+        let xq: [&[i8]; R] = core::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
+        let xs: [&[f32]; R] = core::array::from_fn(|i| &x.s[(r0 + i) * nb..][..nb]);
+        let xp: [&[f32]; R] = core::array::from_fn(|i| if B16 { &x.pairs[(r0 + i) * (nb / 2) * 8..][..chunks * 8] } else { &[][..] });
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: chunk `k < n_in / 32` reads bytes `32k..32k + 32` of each `wq[j]` and `xq[i]`
+        // (rows of `n_in`), scales `k` (< nb) or `2k, 2k + 1` (< nb with 16-element blocks) of
+        // each `wd[j]`, `k` of each `xs[i]`, and `8k..8k + 8` of each `xp[i]` (cut to `8 *
+        // chunks`).
+        unsafe {
+            for k in 0..chunks {
+                let xv: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(32 * k).cast()));
+                let s: [__m256; R] = core::array::from_fn(|i| if B16 { _mm256_loadu_ps(xp[i].as_ptr().add(8 * k)) } else { _mm256_set1_ps(*xs[i].get_unchecked(k)) });
+                for j in 0..W {
+                    let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * k).cast());
+                    let wa = _mm256_sign_epi8(w, w);
+                    let ws = if B16 { pair(*wd[j].get_unchecked(2 * k), *wd[j].get_unchecked(2 * k + 1)) } else { _mm256_set1_ps(*wd[j].get_unchecked(k)) };
+                    for i in 0..R {
+                        // |w| * (x with w's sign): at most 128 * 127 * 2 a pair, inside i16.
+                        let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv[i], w));
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                        acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
+                    }
+                }
+            }
+        }
+        for j in 0..W {
+            for i in 0..R {
+                let mut y = hsum(acc[j][i]);
+                for b in chunks * 32 / block..nb {
+                    let dot: i32 = wq[j][b * block..][..block].iter().zip(&xq[i][b * block..][..block]).map(|(&a, &b)| a as i32 * b as i32).sum();
+                    y += wd[j][b] * xs[i][b] * dot as f32;
+                }
+                out[j * R + i] = y;
+            }
+        }
+    }
+
+    /// `fast` for `R` rows of x against the `W` rows of a q4x32 weight from `o` (x in the
+    /// q4x32 layout): `out[j * R + i]`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q4<const W: usize, const R: usize>(q: &[u8], d: &[f32], m: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+        let nb = n_in / 32;
+        let pairs = nb / 2;
+        let wq: [&[u8]; W] = core::array::from_fn(|j| &q[(o + j) * n_in / 2..][..n_in / 2]);
+        let wd: [&[f32]; W] = core::array::from_fn(|j| &d[(o + j) * nb..][..nb]);
+        let wm: [&[f32]; W] = core::array::from_fn(|j| &m[(o + j) * nb..][..nb]);
+        let xq: [&[i8]; R] = core::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
+        let xp: [&[f32]; R] = core::array::from_fn(|i| &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8]);
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
+        // bytes), bytes `64p..64p + 64` of each `xq[i]` (n_in), scales `2p, 2p + 1` (< nb) of
+        // each `wd[j]` and `8p..8p + 8` of each `xp[i]` (cut to `8 * pairs`).
+        unsafe {
+            for p in 0..pairs {
+                let xa: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast()));
+                let xb: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast()));
+                let s: [__m256; R] = core::array::from_fn(|i| _mm256_loadu_ps(xp[i].as_ptr().add(8 * p)));
+                for j in 0..W {
+                    let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
+                    let lo = _mm256_and_si256(w, low);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                    let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
+                    for i in 0..R {
+                        let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i]));
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
+                    }
+                }
+            }
+        }
+        for j in 0..W {
+            for i in 0..R {
+                let r = r0 + i;
+                let mut y = hsum(acc[j][i]);
+                let (q, d, m) = (wq[j], wd[j], wm[j]);
+                if nb % 2 == 1 {
+                    // The lone last block: its even elements, then its odd ones.
+                    let b = nb - 1;
+                    let xq = &xq[i][b * 32..][..32];
+                    let dot: i32 = q[b * 16..][..16].iter().enumerate().map(|(j, &v)| (v & 0xF) as i32 * xq[j] as i32 + (v >> 4) as i32 * xq[16 + j] as i32).sum();
+                    y += d[b] * x.s[r * nb + b] * dot as f32;
+                }
+                let c = &x.c[r * nb..][..nb];
+                let mut mins = _mm256_setzero_ps();
+                for k in 0..nb / 8 {
+                    mins = _mm256_fmadd_ps(load_f32(&m[k * 8..]), load_f32(&c[k * 8..]), mins);
+                }
+                let mut min = hsum(mins);
+                for b in nb / 8 * 8..nb {
+                    min += m[b] * c[b];
+                }
+                out[j * R + i] = y - min;
+            }
+        }
+    }
+
+    /// One call of a kernel: `W` weight rows from `o` against `R` rows of x from `r`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn fast_tile<const W: usize, const R: usize>(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize, y: &mut [f32]) {
+        match w {
+            Stored::Q8 { block: 16, q, d } => q8::<W, R, true>(q, d, o, n_in, x, r, y),
+            Stored::Q8 { q, d, .. } => q8::<W, R, false>(q, d, o, n_in, x, r, y),
+            Stored::Q4 { q, d, m } => q4::<W, R>(q, d, m, o, n_in, x, r, y),
+            Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
+        }
+    }
+
+    /// `fast` for weight rows `rows` against every row of x: `out[r * width + o - rows.start]`.
+    /// A few rows of x (a decode step): four weight rows at a time against each. More: four
+    /// rows of x at a time against each weight row of a block of [`super::FAST_BLOCK`], both
+    /// held in the L1 cache while the block sweeps them.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn fast_rows(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        let mut y = [0f32; 16];
+        let first = rows.start;
+        if t < 4 {
+            for r in 0..t {
+                let mut o = rows.start;
+                while o < rows.end {
+                    let n = if rows.end - o >= 4 { 4 } else { 1 };
+                    if n == 4 {
+                        fast_tile::<4, 1>(w, o, n_in, x, r, &mut y);
+                    } else {
+                        fast_tile::<1, 1>(w, o, n_in, x, r, &mut y);
+                    }
+                    for j in 0..n {
+                        out[r * width + o + j - first] = y[j];
+                    }
+                    o += n;
+                }
+            }
+            return;
+        }
+        let mut block = rows.start;
+        while block < rows.end {
+            let end = (block + super::FAST_BLOCK).min(rows.end);
+            let mut r = 0;
+            while r < t {
+                let n = if t - r >= 4 { 4 } else { 1 };
+                for o in block..end {
+                    if n == 4 {
+                        fast_tile::<1, 4>(w, o, n_in, x, r, &mut y);
+                    } else {
+                        fast_tile::<1, 1>(w, o, n_in, x, r, &mut y);
+                    }
+                    for i in 0..n {
+                        out[(r + i) * width + o - first] = y[i];
+                    }
+                }
+                r += n;
+            }
+            block = end;
+        }
+    }
+
+    /// `exact` for `W` weight rows from `o` against one row of x, each weight decoded as it
+    /// is read (x in its format's layout): `out[j]` for row `o + j`. Each sum is
+    /// [`exact`]'s for the decoded rows: the same bits.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn exact_fused<const W: usize>(w: &Stored, o: usize, n_in: usize, x: &[f32], out: &mut [f32]) {
+        let x = &x[..n_in];
+        let mut acc = [_mm256_setzero_ps(); W];
+        let whole = n_in / 8;
+        match w {
+            Stored::Q8 { block, q, d } => {
+                let nb = n_in / block;
+                let rows: [(&[i8], &[f32]); W] = core::array::from_fn(|j| (&q[(o + j) * n_in..][..n_in], &d[(o + j) * nb..][..nb]));
+                // SAFETY: step `k < n_in / 8` reads elements `8k..8k + 8` of x and of each
+                // row's bytes (n_in), and scale `8k / block` (< nb) of its scales.
+                unsafe {
+                    for k in 0..whole {
+                        let xv = _mm256_loadu_ps(x.as_ptr().add(8 * k));
+                        for j in 0..W {
+                            let v = _mm_loadl_epi64(rows[j].0.as_ptr().add(8 * k).cast());
+                            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                            let wv = _mm256_mul_ps(_mm256_set1_ps(*rows[j].1.get_unchecked(8 * k / block)), f);
+                            acc[j] = _mm256_fmadd_ps(wv, xv, acc[j]);
+                        }
+                    }
+                }
+            }
+            Stored::Q4 { q, d, m } => {
+                let nb = n_in / 32;
+                let rows: [(&[u8], &[f32], &[f32]); W] =
+                    core::array::from_fn(|j| (&q[(o + j) * n_in / 2..][..n_in / 2], &d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]));
+                let pairs = nb / 2;
+                let low = _mm_set1_epi8(0x0F);
+                // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each row (n_in / 2),
+                // elements `64p..64p + 64` of x, and scales `2p, 2p + 1` (< nb).
+                unsafe {
+                    for p in 0..pairs {
+                        let xv: [__m256; 8] = core::array::from_fn(|c| _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c)));
+                        for j in 0..W {
+                            let (q, d, m) = rows[j];
+                            let bytes = [_mm_loadu_si128(q.as_ptr().add(32 * p).cast()), _mm_loadu_si128(q.as_ptr().add(32 * p + 16).cast())];
+                            // x's order: A even, B even, A odd, B odd, 8 at a time.
+                            for c in 0..8 {
+                                let (half, odd, part) = (c / 2 % 2, c / 4, c % 2);
+                                let v = if odd == 0 { _mm_and_si128(bytes[half], low) } else { _mm_and_si128(_mm_srli_epi16::<4>(bytes[half]), low) };
+                                let v = if part == 0 { v } else { _mm_srli_si128::<8>(v) };
+                                let b = 2 * p + half;
+                                let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+                                let wv = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(*d.get_unchecked(b)), f), _mm256_set1_ps(*m.get_unchecked(b)));
+                                acc[j] = _mm256_fmadd_ps(wv, xv[c], acc[j]);
+                            }
+                        }
+                    }
+                }
+                if nb % 2 == 1 {
+                    // The lone last block, in the scratch path's way.
+                    let mut row = [0f32; 32];
+                    for j in 0..W {
+                        let (q, d, m) = rows[j];
+                        let b = nb - 1;
+                        for (i, &v) in q[b * 16..][..16].iter().enumerate() {
+                            row[i] = d[b] * (v & 0xF) as f32 - m[b];
+                            row[16 + i] = d[b] * (v >> 4) as f32 - m[b];
+                        }
+                        for c in 0..4 {
+                            acc[j] = _mm256_fmadd_ps(load_f32(&row[8 * c..]), load_f32(&x[b * 32 + 8 * c..]), acc[j]);
+                        }
+                    }
+                }
+            }
+            Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 rows take the decoded path"),
+        }
+        for j in 0..W {
+            out[j] = hsum(acc[j]);
+        }
+    }
+
+    /// Decodes row `o` of a weight into `out` (`n_in` f32, in x's layout for its format).
+    #[target_feature(enable = "avx2,fma")]
+    pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
+        let out = &mut out[..n_in];
+        match w {
+            Stored::Q4 { q, d, m } => {
+                let nb = n_in / 32;
+                let (q, d, m) = (&q[o * n_in / 2..][..n_in / 2], &d[o * nb..][..nb], &m[o * nb..][..nb]);
+                let pairs = nb / 2;
+                let low = _mm256_set1_epi8(0x0F);
+                for p in 0..pairs {
+                    let w = load_u8(&q[p * 32..]);
+                    // [A even, B even] and [A odd, B odd], as x's layout has them.
+                    let halves = [_mm256_and_si256(w, low), _mm256_and_si256(_mm256_srli_epi16::<4>(w), low)];
+                    for (h, v) in halves.into_iter().enumerate() {
+                        for part in 0..4 {
+                            let bytes = match part {
+                                0 => _mm256_castsi256_si128(v),
+                                1 => _mm_srli_si128::<8>(_mm256_castsi256_si128(v)),
+                                2 => _mm256_extracti128_si256::<1>(v),
+                                _ => _mm_srli_si128::<8>(_mm256_extracti128_si256::<1>(v)),
+                            };
+                            let b = 2 * p + part / 2;
+                            let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+                            let val = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(d[b]), f), _mm256_set1_ps(m[b]));
+                            let at = &mut out[p * 64 + h * 32 + part * 8..][..8];
+                            // SAFETY: `at` holds 8 f32 (cut above); the store is unaligned.
+                            unsafe { _mm256_storeu_ps(at.as_mut_ptr(), val) };
+                        }
+                    }
+                }
+                if nb % 2 == 1 {
+                    let b = nb - 1;
+                    for (j, &v) in q[b * 16..][..16].iter().enumerate() {
+                        out[b * 32 + j] = d[b] * (v & 0xF) as f32 - m[b];
+                        out[b * 32 + 16 + j] = d[b] * (v >> 4) as f32 - m[b];
+                    }
+                }
+            }
+            Stored::Q8 { block, q, d } => {
+                let nb = n_in / block;
+                let (q, d) = (&q[o * n_in..][..n_in], &d[o * nb..][..nb]);
+                for k in 0..n_in / 8 {
+                    let bytes = &q[k * 8..][..8];
+                    // SAFETY: `bytes` holds 8 bytes (cut above); the load is unaligned.
+                    let v = unsafe { _mm_loadl_epi64(bytes.as_ptr().cast()) };
+                    let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+                    let val = _mm256_mul_ps(_mm256_set1_ps(d[k * 8 / block]), f);
+                    let at = &mut out[k * 8..][..8];
+                    // SAFETY: as above.
+                    unsafe { _mm256_storeu_ps(at.as_mut_ptr(), val) };
+                }
+            }
+            Stored::Bf16(v) => {
+                let v = &v[o * n_in..][..n_in];
+                for k in 0..n_in / 8 {
+                    let h = &v[k * 8..][..8];
+                    // SAFETY: `h` holds 8 u16 (cut above); the load is unaligned.
+                    let x = unsafe { _mm_loadu_si128(h.as_ptr().cast()) };
+                    let f = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(x)));
+                    let at = &mut out[k * 8..][..8];
+                    // SAFETY: as above.
+                    unsafe { _mm256_storeu_ps(at.as_mut_ptr(), f) };
+                }
+                for i in n_in / 8 * 8..n_in {
+                    out[i] = f32::from_bits((v[i] as u32) << 16);
+                }
+            }
+            Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
+        }
+    }
+
+    /// `exact` for `W` decoded weight rows (`w[j]`, in x's layout) against `R` rows of x
+    /// (`x[i]`): `out[j * R + i]`. Each pair's sum is [`super::scalar::exact`]'s: one lane
+    /// vector over the row, then its lanes, then the tail.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn exact<const W: usize, const R: usize>(w: [&[f32]; W], x: [&[f32]; R], out: &mut [f32]) {
+        let n = w[0].len();
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        for k in 0..n / 8 {
+            let xv: [__m256; R] = core::array::from_fn(|i| load_f32(&x[i][k * 8..]));
+            for j in 0..W {
+                let wv = load_f32(&w[j][k * 8..]);
+                for i in 0..R {
+                    acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+                }
+            }
+        }
+        for j in 0..W {
+            for i in 0..R {
+                let mut y = hsum(acc[j][i]);
+                for e in n / 8 * 8..n {
+                    y = w[j][e].mul_add(x[i][e], y);
+                }
+                out[j * R + i] = y;
+            }
+        }
+    }
+}

@@ -1,0 +1,484 @@
+//! The native CPU device: the `gpu` interface on the host's own CPU, at its full vector width
+//! and on every core the host gives it. It runs programs with the op core's interpreter
+//! ([`super::program::run`]); its products, cache writes and attention are its own
+//! ([`kernels`]): weights kept in their upload formats, `exact` products in f32 and `fast` ones
+//! over int8 activations, the rows of each product split over a pool of threads (each weight
+//! read once a pass, whatever the number of sequences), attention split by head.
+//!
+//! Where the guest's own kernels are wasm's 128-bit vectors on one core, this device is what a
+//! native host offers on a machine without a GPU, as ggml's CPU backend is llama.cpp's.
+
+mod kernels;
+
+use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError, Precision};
+use kernels::{Isa, Quantized, Stored};
+use rayon::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+/// A weight: its shape and format, and its values as [`Stored`].
+struct Matrix {
+    n_out: usize,
+    n_in: usize,
+    format: Format,
+    stored: Stored,
+}
+
+/// A `kv-cache`: `slots` rows of `width` keys and as many values.
+struct Cache {
+    slots: usize,
+    width: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+/// The native CPU device.
+pub struct NativeBackend {
+    weights: HashMap<BufferId, Matrix>,
+    caches: HashMap<BufferId, Cache>,
+    next: BufferId,
+    /// The workers; `None` for one thread (the caller's).
+    pool: Option<Arc<rayon::ThreadPool>>,
+    threads: usize,
+    isa: Isa,
+}
+
+/// The physical cores of this machine (logical CPUs sharing a core counted once), as far as
+/// the system tells; at least 1.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    #[cfg(target_os = "linux")]
+    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+        // Distinct (physical id, core id) pairs.
+        let mut cores = std::collections::HashSet::new();
+        let (mut phys, mut core) = (None, None);
+        for line in info.lines() {
+            let value = || line.split(':').nth(1).map(|v| v.trim().to_string());
+            if line.starts_with("physical id") {
+                phys = value();
+            } else if line.starts_with("core id") {
+                core = value();
+            } else if line.trim().is_empty() {
+                if let (Some(p), Some(c)) = (phys.take(), core.take()) {
+                    cores.insert((p, c));
+                }
+            }
+        }
+        if !cores.is_empty() {
+            return cores.len().min(logical);
+        }
+    }
+    logical
+}
+
+/// A process-wide pool of `threads` workers, made on first use (instances of a server share
+/// it); a later call with another count gets a pool of its own.
+fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, GpuError> {
+    static POOL: OnceLock<(usize, Arc<rayon::ThreadPool>)> = OnceLock::new();
+    let make = || {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("wisp-native-{i}"))
+            .build()
+            .map(Arc::new)
+            .map_err(|e| GpuError::Unavailable(format!("cannot start {threads} worker threads: {e}")))
+    };
+    if let Some((n, p)) = POOL.get() {
+        return if *n == threads { Ok(p.clone()) } else { make() };
+    }
+    let p = make()?;
+    Ok(POOL.get_or_init(|| (threads, p.clone())).1.clone())
+}
+
+/// Rows of x a product's inner loops take at once in `exact` (each weight row decoded once
+/// for them).
+const X_TILE: usize = 32;
+
+impl NativeBackend {
+    /// The device on `threads` threads (0: one a physical core), with the best kernels this CPU
+    /// runs.
+    pub fn new(threads: usize) -> Result<NativeBackend, GpuError> {
+        Self::with_isa(threads, Isa::detect())
+    }
+
+    /// As [`NativeBackend::new`] with the kernels of `isa` (for tests: [`Isa::Scalar`] runs
+    /// everywhere).
+    pub(crate) fn with_isa(threads: usize, isa: Isa) -> Result<NativeBackend, GpuError> {
+        let threads = if threads == 0 { physical_cores() } else { threads };
+        let pool = if threads > 1 { Some(pool(threads)?) } else { None };
+        Ok(NativeBackend { weights: HashMap::new(), caches: HashMap::new(), next: 1, pool, threads, isa })
+    }
+
+    /// Worker threads.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f` on the pool (or here, with one thread).
+    fn on_pool<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match &self.pool {
+            Some(p) => p.install(f),
+            None => f(),
+        }
+    }
+
+    fn id(&mut self) -> BufferId {
+        self.next += 1;
+        self.next - 1
+    }
+
+    fn matrix(&self, id: BufferId) -> Result<&Matrix, GpuError> {
+        self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))
+    }
+
+    /// `y[t, n_out] = x[t, n_in] @ W^T` over the pool: each task a run of the weight's rows,
+    /// against every row of x.
+    fn product_of(&self, m: &Matrix, x: &[f32], t: usize, precision: Precision) -> Vec<f32> {
+        let (n_out, n_in) = (m.n_out, m.n_in);
+        let fast = precision == Precision::Fast && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. });
+        // x as the kernels read it: quantized for `fast`, reordered for q4x32's `exact`.
+        let quantized = fast.then(|| kernels::quantize(x, n_in, m.format));
+        let reordered = (!fast && m.format == Format::Q4x32).then(|| kernels::reorder_q4(x, n_in));
+        let xs = reordered.as_deref().unwrap_or(x);
+        // Runs of weight rows: about four a thread, whole groups of 8; each task's output
+        // `[t, rows]`, copied into place after.
+        let per = if self.pool.is_some() { n_out.div_ceil(self.threads * 4).next_multiple_of(8).max(16) } else { n_out };
+        let isa = self.isa;
+        let task = |c: usize| {
+            let rows = c * per..((c + 1) * per).min(n_out);
+            let mut out = vec![0f32; t * rows.len()];
+            match &quantized {
+                Some(q) => fast_rows(isa, m, rows, q, t, &mut out),
+                None => exact_rows(isa, m, rows, xs, t, &mut out),
+            }
+            out
+        };
+        let tasks = n_out.div_ceil(per);
+        if tasks == 1 {
+            return task(0);
+        }
+        let tiles: Vec<Vec<f32>> = if self.pool.is_some() {
+            self.on_pool(|| (0..tasks).into_par_iter().map(task).collect())
+        } else {
+            (0..tasks).map(task).collect()
+        };
+        let mut y = vec![0f32; n_out * t];
+        for (c, tile) in tiles.iter().enumerate() {
+            let width = tile.len() / t;
+            for (r, row) in tile.chunks_exact(width).enumerate() {
+                y[r * n_out + c * per..][..width].copy_from_slice(row);
+            }
+        }
+        y
+    }
+
+    /// Attention of `q` over cache `c`'s positions `first_key..`, split by head over the pool.
+    fn attend(&self, c: &Cache, first_key: u32, q: &[f32], s: &AttentionShape) -> Vec<f32> {
+        let (hd, n_head) = (s.head_dim as usize, s.n_head as usize);
+        let group = n_head / s.n_head_kv as usize;
+        let width = n_head * hd;
+        let t = s.t as usize;
+        let isa = self.isa;
+        let head = |h: usize| {
+            let mut out = vec![0f32; t * hd];
+            let mut scores = Vec::with_capacity(s.n_keys as usize);
+            let g = h / group * hd;
+            for i in 0..t {
+                let qh = &q[i * width + h * hd..][..hd];
+                let keys = s.keys_of(i as u32);
+                let row = |j: usize| ((first_key as u64 + j as u64) % c.slots as u64) as usize * c.width + g;
+                scores.clear();
+                scores.extend(keys.clone().map(|j| s.scale * dot(isa, qh, &c.k[row(j)..][..hd])));
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut total = 0f32;
+                for e in scores.iter_mut() {
+                    *e = (*e - max).exp();
+                    total += *e;
+                }
+                let o = &mut out[i * hd..][..hd];
+                for (j, &e) in keys.zip(&scores) {
+                    axpy(isa, e / total, &c.v[row(j)..][..hd], o);
+                }
+            }
+            out
+        };
+        let heads: Vec<Vec<f32>> = if self.pool.is_some() && n_head > 1 {
+            self.on_pool(|| (0..n_head).into_par_iter().map(head).collect())
+        } else {
+            (0..n_head).map(head).collect()
+        };
+        let mut out = vec![0f32; t * width];
+        for (h, v) in heads.iter().enumerate() {
+            for i in 0..t {
+                out[i * width + h * hd..][..hd].copy_from_slice(&v[i * hd..][..hd]);
+            }
+        }
+        out
+    }
+}
+
+/// `fast` products of weight rows `rows` against the `t` rows of `x`: `out[r * rows.len() + o
+/// - rows.start]`.
+fn fast_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &Quantized, t: usize, out: &mut [f32]) {
+    let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { kernels::avx2::fast_rows(&m.stored, rows, n_in, x, t, out, width) },
+        _ => {
+            for o in rows {
+                for r in 0..t {
+                    out[r * width + o - first] = kernels::scalar::fast(&m.stored, o, n_in, x, r);
+                }
+            }
+        }
+    }
+}
+
+/// Rows of x below which `exact` products decode each weight as they read it (a decode step),
+/// and from which they decode rows once into a scratch buffer for a tile of x (a prefill). The
+/// two ways sum each pair of rows alike, to the same bits.
+const FUSED_MAX_T: usize = 4;
+
+/// `exact` products of weight rows `rows` against the `t` rows of `x` (in the layout the
+/// format's decoding gives): `out[r * rows.len() + o - rows.start]`.
+fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
+    let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. }) {
+        use kernels::avx2::exact_fused;
+        let mut y = [0f32; 8];
+        for r in 0..t {
+            let xr = &x[r * n_in..][..n_in];
+            let mut o = rows.start;
+            while o < rows.end {
+                let nw = match rows.end - o {
+                    8.. => 8,
+                    4.. => 4,
+                    _ => 1,
+                };
+                // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+                unsafe {
+                    match nw {
+                        8 => exact_fused::<8>(&m.stored, o, n_in, xr, &mut y),
+                        4 => exact_fused::<4>(&m.stored, o, n_in, xr, &mut y),
+                        _ => exact_fused::<1>(&m.stored, o, n_in, xr, &mut y),
+                    }
+                }
+                for j in 0..nw {
+                    out[r * width + o + j - first] = y[j];
+                }
+                o += nw;
+            }
+        }
+        return;
+    }
+    // f32 rows are read where they are; the others decoded, four rows at a time.
+    let plain = match &m.stored {
+        Stored::F32(v) => Some(v),
+        _ => None,
+    };
+    let mut w = vec![0f32; if plain.is_some() { 0 } else { 4 * n_in }];
+    for tile in (0..t).step_by(X_TILE) {
+        let tile = tile..(tile + X_TILE).min(t);
+        let mut o = rows.start;
+        while o < rows.end {
+            let nw = (rows.end - o).min(4);
+            if plain.is_none() {
+                for j in 0..nw {
+                    let dst = &mut w[j * n_in..][..n_in];
+                    match isa {
+                        #[cfg(target_arch = "x86_64")]
+                        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+                        Isa::Avx2 => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
+                        _ => kernels::scalar::decode(&m.stored, o + j, n_in, dst),
+                    }
+                }
+            }
+            let wr = |j: usize| match plain {
+                Some(v) => &v[(o + j) * n_in..][..n_in],
+                None => &w[j * n_in..][..n_in],
+            };
+            let mut r = tile.start;
+            while r < tile.end {
+                let nr = (tile.end - r).min(2);
+                let mut y = [0f32; 8];
+                let xr = |i: usize| &x[(r + i) * n_in..][..n_in];
+                match isa {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: as above.
+                    Isa::Avx2 => unsafe {
+                        use kernels::avx2::exact;
+                        match (nw, nr) {
+                            (4, 2) => exact::<4, 2>([wr(0), wr(1), wr(2), wr(3)], [xr(0), xr(1)], &mut y),
+                            (4, _) => exact::<4, 1>([wr(0), wr(1), wr(2), wr(3)], [xr(0)], &mut y),
+                            (_, 2) => {
+                                for j in 0..nw {
+                                    exact::<1, 2>([wr(j)], [xr(0), xr(1)], &mut y[j * 2..]);
+                                }
+                            }
+                            _ => {
+                                for j in 0..nw {
+                                    exact::<1, 1>([wr(j)], [xr(0)], &mut y[j..]);
+                                }
+                            }
+                        }
+                    },
+                    _ => {
+                        for j in 0..nw {
+                            for i in 0..nr {
+                                y[j * nr + i] = kernels::scalar::exact(wr(j), xr(i));
+                            }
+                        }
+                    }
+                }
+                for j in 0..nw {
+                    for i in 0..nr {
+                        out[(r + i) * width + o + j - first] = y[j * nr + i];
+                    }
+                }
+                r += nr;
+            }
+            o += nw;
+        }
+    }
+}
+
+/// `a . b` in eight f32 lanes, then their sum.
+fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    #[inline(always)]
+    fn plain(a: &[f32], b: &[f32]) -> f32 {
+        let mut lanes = [0f32; 8];
+        let whole = a.len() / 8 * 8;
+        for (x, y) in a[..whole].chunks_exact(8).zip(b[..whole].chunks_exact(8)) {
+            for l in 0..8 {
+                lanes[l] += x[l] * y[l];
+            }
+        }
+        let mut s = kernels::scalar::sum8(&lanes);
+        for (x, y) in a[whole..].iter().zip(&b[whole..]) {
+            s += x * y;
+        }
+        s
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn wide(a: &[f32], b: &[f32]) -> f32 {
+        plain(a, b)
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { wide(a, b) },
+        _ => plain(a, b),
+    }
+}
+
+/// `y += a * x`.
+fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
+    #[inline(always)]
+    fn plain(a: f32, x: &[f32], y: &mut [f32]) {
+        for (y, x) in y.iter_mut().zip(x) {
+            *y += a * x;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    fn wide(a: f32, x: &[f32], y: &mut [f32]) {
+        plain(a, x, y)
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dot`.
+        Isa::Avx2 => unsafe { wide(a, x, y) },
+        _ => plain(a, x, y),
+    }
+}
+
+impl Backend for NativeBackend {
+    fn device(&self) -> Option<Device> {
+        Some(Device {
+            name: format!("native CPU ({}, {} threads)", self.isa.name(), self.threads),
+            backend: "native".into(),
+            device_type: "cpu".into(),
+            // The host's memory is the limit: an allocation that fails is `out-of-memory`.
+            max_weight_bytes: 1 << 40,
+            max_activation_elements: 1 << 28,
+        })
+    }
+
+    fn create(&mut self, format: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        let n = n_out as usize * n_in as usize;
+        let stored = Stored::zeroed(format, n).ok_or_else(|| GpuError::OutOfMemory(format!("a {} weight of {n} values", format.name())))?;
+        let id = self.id();
+        self.weights.insert(id, Matrix { n_out: n_out as usize, n_in: n_in as usize, format, stored });
+        Ok(id)
+    }
+
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        let w = self.weights.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))?;
+        w.stored.write(first_row as usize * w.n_in, data, scales);
+        Ok(())
+    }
+
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        jobs.iter().map(|&id| self.matmul_op(id, x, t, n_in, Precision::Exact)).collect()
+    }
+
+    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, _n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        let m = self.matrix(id)?;
+        Ok(self.product_of(m, x, t as usize, precision))
+    }
+
+    fn free(&mut self, id: BufferId) {
+        self.weights.remove(&id);
+    }
+
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        let n = slots as usize * width as usize;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        if k.try_reserve_exact(n).is_err() || v.try_reserve_exact(n).is_err() {
+            return Err(GpuError::OutOfMemory(format!("a kv-cache of 2 x {n} values")));
+        }
+        k.resize(n, 0.0);
+        v.resize(n, 0.0);
+        let id = self.id();
+        self.caches.insert(id, Cache { slots: slots as usize, width: width as usize, k, v });
+        Ok(id)
+    }
+
+    fn free_cache(&mut self, id: BufferId) {
+        self.caches.remove(&id);
+    }
+
+    fn write_cache(&mut self, id: BufferId, first: u32, k_new: &[f32], v_new: &[f32]) -> Result<(), GpuError> {
+        let c = self.caches.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
+        let w = c.width;
+        for (r, (kr, vr)) in k_new.chunks_exact(w).zip(v_new.chunks_exact(w)).enumerate() {
+            let at = ((first as u64 + r as u64) % c.slots as u64) as usize * w;
+            c.k[at..at + w].copy_from_slice(kr);
+            c.v[at..at + w].copy_from_slice(vr);
+        }
+        Ok(())
+    }
+
+    fn attention_cached(
+        &mut self,
+        q: &[f32],
+        k_new: &[f32],
+        v_new: &[f32],
+        first_new: u32,
+        cache: BufferId,
+        first_key: u32,
+        shape: &AttentionShape,
+    ) -> Result<Vec<f32>, GpuError> {
+        if !k_new.is_empty() {
+            self.write_cache(cache, first_new, k_new, v_new)?;
+        }
+        let c = self.caches.get(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
+        Ok(self.attend(c, first_key, q, shape))
+    }
+}
+
+#[cfg(test)]
+mod tests;

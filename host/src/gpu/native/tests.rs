@@ -1,0 +1,237 @@
+//! The native device's kernels against the CPU reference and each other.
+
+use super::kernels::Isa;
+use super::*;
+use crate::gpu::CpuBackend;
+
+/// A small deterministic generator (xorshift).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// In -1..1.
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// A random weight `[n_out, n_in]` of `format`: its upload bytes and scales.
+fn weight(rng: &mut Rng, format: Format, n_out: usize, n_in: usize) -> (Vec<u8>, Vec<f32>) {
+    let n = n_out * n_in;
+    let data = match format {
+        Format::F32 => (0..n).flat_map(|_| rng.f().to_le_bytes()).collect(),
+        Format::Bf16 => (0..n).flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        _ => rng.bytes(format.data_bytes(n as u64).unwrap() as usize),
+    };
+    let scales = (0..format.scale_count(n as u64)).map(|i| if format == Format::Q4x32 && i % 2 == 1 { rng.f() * 0.1 } else { rng.f().abs() * 0.05 + 0.001 }).collect();
+    (data, scales)
+}
+
+fn upload(b: &mut dyn Backend, format: Format, n_out: usize, n_in: usize, data: &[u8], scales: &[f32]) -> BufferId {
+    let id = b.create(format, n_out as u32, n_in as u32).unwrap();
+    // In two writes, to cover rows written after the first.
+    let half = n_out / 2;
+    let row = format.data_bytes(n_in as u64).unwrap() as usize;
+    let srow = format.scale_count(n_in as u64) as usize;
+    b.write_rows(id, 0, &data[..half * row], &scales[..half * srow]).unwrap();
+    b.write_rows(id, half as u32, &data[half * row..], &scales[half * srow..]).unwrap();
+    id
+}
+
+/// Each format at widths with and without a lone last block (q4x32 pairs, q8x16 chunks of 32),
+/// and at f32 widths that leave a tail past whole vectors.
+fn cases() -> Vec<(Format, usize)> {
+    vec![
+        (Format::F32, 64),
+        (Format::F32, 37),
+        (Format::Bf16, 45),
+        (Format::Q8x32, 96),
+        (Format::Q8x16, 80),
+        (Format::Q8x16, 64),
+        (Format::Q4x32, 128),
+        (Format::Q4x32, 96),
+    ]
+}
+
+fn isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Scalar];
+    if Isa::detect() != Isa::Scalar {
+        v.push(Isa::detect());
+    } else if std::env::var("CI").is_ok_and(|v| v == "true") && cfg!(target_arch = "x86_64") {
+        panic!("CI=true: this x86-64 CPU offers no AVX2 + FMA, so the vector kernels are not tested");
+    }
+    v
+}
+
+#[test]
+fn exact_products_match_the_cpu_reference_and_each_isa_the_same_bits() {
+    let mut rng = Rng(7);
+    for (format, n_in) in cases() {
+        let n_out = 37;
+        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+        let mut reference = CpuBackend::new();
+        let rid = upload(&mut reference, format, n_out, n_in, &data, &scales);
+        for t in [1, 2, 5, 40] {
+            let x: Vec<f32> = (0..t * n_in).map(|_| rng.f()).collect();
+            let want = reference.matmul(&x, t as u32, n_in as u32, &[rid]).unwrap().remove(0);
+            let mut bits = None;
+            for isa in isas() {
+                for threads in [1, 3] {
+                    let mut b = NativeBackend::with_isa(threads, isa).unwrap();
+                    let id = upload(&mut b, format, n_out, n_in, &data, &scales);
+                    let got = b.matmul_op(id, &x, t as u32, n_in as u32, Precision::Exact).unwrap();
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let row = &x[i / n_out * n_in..][..n_in];
+                        let scale: f32 = row.iter().map(|v| v.abs()).sum::<f32>() + 1.0;
+                        assert!((g - w).abs() <= 1e-5 * scale, "{} n_in {n_in} t {t} {isa:?}: {g} against {w}", format.name());
+                    }
+                    // The same bits whatever the kernels' width and the threads.
+                    let b2: Vec<u32> = got.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(bits.get_or_insert(b2.clone()), &b2, "{} {isa:?} {threads} threads", format.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rows_exact_and_fast_products_do_not_depend_on_the_batch() {
+    let mut rng = Rng(11);
+    for (format, n_in) in cases() {
+        let n_out = 21;
+        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+        let x: Vec<f32> = (0..9 * n_in).map(|_| rng.f()).collect();
+        for isa in isas() {
+            let mut b = NativeBackend::with_isa(2, isa).unwrap();
+            let id = upload(&mut b, format, n_out, n_in, &data, &scales);
+            for precision in [Precision::Exact, Precision::Fast] {
+                let all = b.matmul_op(id, &x, 9, n_in as u32, precision).unwrap();
+                for r in 0..9 {
+                    let alone = b.matmul_op(id, &x[r * n_in..][..n_in], 1, n_in as u32, precision).unwrap();
+                    assert_eq!(alone, all[r * n_out..][..n_out], "{} {isa:?} {precision:?} row {r}", format.name());
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_products_are_within_the_int8_rounding_of_exact_ones() {
+    let mut rng = Rng(3);
+    for (format, n_in) in cases().into_iter().filter(|c| !matches!(c.0, Format::F32 | Format::Bf16)) {
+        let n_out = 19;
+        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+        let mut reference = CpuBackend::new();
+        let rid = upload(&mut reference, format, n_out, n_in, &data, &scales);
+        let mut plain = NativeBackend::with_isa(1, Isa::Scalar).unwrap();
+        let pid = upload(&mut plain, format, n_out, n_in, &data, &scales);
+        let mut dense = vec![0f32; n_out * n_in];
+        for (o, row) in dense.chunks_exact_mut(n_in).enumerate() {
+            plain.weights[&pid].stored.decode_row(o, n_in, row);
+        }
+        let t = 6;
+        let x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 3.0).collect();
+        let exact = reference.matmul(&x, t as u32, n_in as u32, &[rid]).unwrap().remove(0);
+        let mut first: Option<Vec<f32>> = None;
+        for isa in isas() {
+            let mut b = NativeBackend::with_isa(1, isa).unwrap();
+            let id = upload(&mut b, format, n_out, n_in, &data, &scales);
+            let fast = b.matmul_op(id, &x, t as u32, n_in as u32, Precision::Fast).unwrap();
+            for (i, (f, e)) in fast.iter().zip(&exact).enumerate() {
+                let (r, o) = (i / n_out, i % n_out);
+                let (xr, wr) = (&x[r * n_in..][..n_in], &dense[o * n_in..][..n_in]);
+                // Each x value moves by at most half its block's step, amax / 254.
+                let block = kernels::block_of(format);
+                let bound: f32 = xr
+                    .chunks(block)
+                    .zip(wr.chunks(block))
+                    .map(|(xb, wb)| xb.iter().fold(0f32, |a, v| a.max(v.abs())) / 254.0 * wb.iter().map(|w| w.abs()).sum::<f32>())
+                    .sum();
+                assert!((f - e).abs() <= bound * 1.01 + 1e-4, "{} {isa:?} [{r}, {o}]: {f} against {e} (bound {bound})", format.name());
+            }
+            // The vector kernels sum the same integers as the plain ones, in another order.
+            if let Some(first) = &first {
+                for (a, b) in fast.iter().zip(first) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "{} {isa:?}: {a} against the scalar {b}", format.name());
+                }
+            } else {
+                first = Some(fast);
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
+    let mut rng = Rng(5);
+    let (n_head, n_head_kv, hd) = (4u32, 2u32, 16u32);
+    let width = (n_head_kv * hd) as usize;
+    for (t, start, window, slots) in [(1u32, 9u32, 0u32, 16u32), (5, 3, 0, 16), (3, 20, 6, 8), (7, 0, 0, 7)] {
+        let (first, n_keys) = {
+            let f = wisp_ops::first_key(start, window);
+            (f, start + t - f)
+        };
+        let shape = AttentionShape { t, n_keys, n_head, n_head_kv, head_dim: hd, window, scale: 0.25 };
+        let k: Vec<f32> = (0..(start + t) as usize * width).map(|_| rng.f()).collect();
+        let v: Vec<f32> = (0..(start + t) as usize * width).map(|_| rng.f()).collect();
+        let q: Vec<f32> = (0..(t * n_head * hd) as usize).map(|_| rng.f()).collect();
+        let mut want = None;
+        let run = |b: &mut dyn Backend| {
+            let c = b.create_cache(slots, width as u32).unwrap();
+            // The history first (the ring keeps its last `slots` positions), then the queries'.
+            let before = start as usize * width;
+            for p in 0..start as usize {
+                b.write_cache(c, p as u32, &k[p * width..][..width], &v[p * width..][..width]).unwrap();
+            }
+            b.attention_cached(&q, &k[before..], &v[before..], start, c, first, &shape).unwrap()
+        };
+        let reference = run(&mut CpuBackend::new());
+        for isa in isas() {
+            let got = run(&mut NativeBackend::with_isa(2, isa).unwrap());
+            for (g, w) in got.iter().zip(&reference) {
+                assert!((g - w).abs() < 1e-5, "t {t} start {start} window {window} {isa:?}: {g} against {w}");
+            }
+            want.get_or_insert(got);
+        }
+    }
+}
+
+#[test]
+#[ignore = "a timing, not a test: cargo test --release -p wisp --lib native_speed -- --ignored --nocapture"]
+fn native_speed() {
+    let mut rng = Rng(1);
+    let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
+    for (format, n_out, n_in) in [(Format::Q8x32, 2048, 640), (Format::Q4x32, 2048, 640), (Format::Q8x16, 640, 2048), (Format::Q8x32, 32768, 640)] {
+        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+        let mut b = NativeBackend::new(threads).unwrap();
+        let id = upload(&mut b, format, n_out, n_in, &data, &scales);
+        for t in [1usize, 128] {
+            let x: Vec<f32> = (0..t * n_in).map(|_| rng.f()).collect();
+            for precision in [Precision::Exact, Precision::Fast] {
+                let runs = if t == 1 { 200 } else { 10 };
+                b.matmul_op(id, &x, t as u32, n_in as u32, precision).unwrap();
+                let start = std::time::Instant::now();
+                for _ in 0..runs {
+                    b.matmul_op(id, &x, t as u32, n_in as u32, precision).unwrap();
+                }
+                let s = start.elapsed().as_secs_f64() / runs as f64;
+                let q = std::time::Instant::now();
+                if precision == Precision::Fast {
+                    for _ in 0..runs {
+                        std::hint::black_box(kernels::quantize(&x, n_in, format));
+                    }
+                }
+                let qs = q.elapsed().as_secs_f64() / runs as f64;
+                println!("{} [{n_out}, {n_in}] t {t} {precision:?}: {:.1} GMAC/s ({:.3} ms, quantize {:.3} ms)", format.name(), (t * n_out * n_in) as f64 / s / 1e9, s * 1e3, qs * 1e3);
+            }
+        }
+    }
+}
