@@ -11,11 +11,16 @@
 # page cache and the CPU. It prints each side's median prefill and decode tok/s and wisp's ratio
 # to llama.cpp's.
 #
+# $DEVICE picks where wisp computes: `none` (the default: the guest alone, on one core, `--gpu
+# off`) or `native` (the host's native CPU device on $THREADS threads: `--device native
+# --threads $THREADS`, the guest's whole passes there).
+#
 # Models: $GEMMA and $QWEN (default: wisp's cache, as `wisp fetch gemma3-270m` and `wisp fetch
-# qwen2.5-coder-0.5b` leave them; QWEN=- leaves Qwen out). llama.cpp: $LLAMA_BENCH, else the CPU
+# qwen2.5-coder-0.5b` leave them; QWEN=- leaves Qwen out); $MORE, space-separated NAME=PATH
+# pairs, adds others (e.g. MORE="qwen15=$HOME/.cache/wisp/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"). llama.cpp: $LLAMA_BENCH, else the CPU
 # build of ../shared/tools/llama-cpp.sh (built if missing; on the GPU machine, which has no
 # network, set LLAMA_CPP_TGZ to the tarball of `llama-cpp.sh pack`). $THREADS (default 1) is
-# llama.cpp's thread count; wisp's guest runs on one core. Raw outputs go to $OUT (default
+# llama.cpp's thread count, and the native device's; the guest alone runs on one core. Raw outputs go to $OUT (default
 # /tmp/wisp-cpu).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -26,6 +31,16 @@ cache=${WISP_CACHE:-$HOME/.cache/wisp}
 gemma=${GEMMA:-$cache/gemma-3-270m-q4_k_m.gguf}
 qwen=${QWEN:-$cache/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf}
 threads=${THREADS:-1}
+device=${DEVICE:-none}
+case $device in
+none) where=(--gpu off) ;;
+native) where=(--device native --threads "$threads" --gpu on) ;;
+*) echo "DEVICE is none or native, not $device" >&2; exit 2 ;;
+esac
+declare -A extra=()
+for pair in ${MORE:-}; do
+    extra[${pair%%=*}]=${pair#*=}
+done
 out=${OUT:-/tmp/wisp-cpu}
 mkdir -p "$out"
 [ -x "$wisp" ] || { echo "no wisp binary at $wisp (cargo build --release)" >&2; exit 2; }
@@ -36,18 +51,21 @@ if [ -z "${LLAMA_BENCH:-}" ]; then
 fi
 models=(gemma)
 [ "$qwen" != - ] && models+=(qwen)
+models+=("${!extra[@]}")
+model_path() { if [ -n "${extra[$1]:-}" ]; then echo "${extra[$1]}"; else echo "${!1}"; fi; }
 for m in "${models[@]}"; do
-    path=${!m}
+    path=$(model_path "$m")
     [ -f "$path" ] || { echo "no $m model at $path (wisp fetch)" >&2; exit 2; }
 done
 
 # One measurement: appends a JSON line {model, side, round, prefill, decode} to $out/runs.jsonl.
 measure() {
-    local m=$1 side=$2 round=$3 path=${!1} log
+    local m=$1 side=$2 round=$3 path log
+    path=$(model_path "$m")
     log=$out/$m-$side-$round.json
     case $side in
     wisp-exact | wisp-fast)
-        "$wisp" bench --model "$path" --gpu off --runs 1 --prompt-tokens 128 --decode-tokens 64 \
+        "$wisp" bench --model "$path" "${where[@]}" --runs 1 --prompt-tokens 128 --decode-tokens 64 \
             --precision "${side#wisp-}" --json >"$log"
         python3 - "$log" "$m" "$side" "$round" >>"$out/runs.jsonl" <<'EOF'
 import json, sys
@@ -69,7 +87,7 @@ EOF
 }
 
 : >"$out/runs.jsonl"
-echo "wisp $("$wisp" --version 2>/dev/null || echo "$wisp"), llama-bench $LLAMA_BENCH (-t $threads), $rounds rounds; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)" >&2
+echo "wisp $("$wisp" --version 2>/dev/null || echo "$wisp") (${where[*]}), llama-bench $LLAMA_BENCH (-t $threads), $rounds rounds; $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-)" >&2
 for round in $(seq 0 "$rounds"); do
     for m in "${models[@]}"; do
         for side in wisp-exact llama wisp-fast; do

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use wisp::gpu::program::{Output, Program, SequenceRun};
 use wisp::{
-    Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, Gemm, GpuError, GpuCtx, GpuMode, Instance, Model,
+    Activation, Advance, AttentionShape, Backend, BufferId, Budget, CpuBackend, Device, EngineError, Format, Gemm, GpuError, GpuCtx, GpuMode, Instance, Model,
     NativeBackend, Options, Precision, Sampling, Session, WgpuBackend, Wisp,
 };
 
@@ -52,6 +52,9 @@ impl Backend for Widest {
     }
     fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
         self.0.matmul_op(id, x, t, n_in, precision)
+    }
+    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        self.0.gated(act, gate, up)
     }
     fn free(&mut self, id: BufferId) {
         self.0.free(id)

@@ -3,7 +3,7 @@
 //! here in f32, each value freed after its last reader. It is the reading of the contract that
 //! every executor shares; one that records whole programs on its device takes over from it.
 
-use crate::op::{Op, Precision, Rotation};
+use crate::op::{Activation, Op, Precision, Rotation};
 use crate::program::{Program, Rows, SequenceRun, Weight, first_key};
 use alloc::vec;
 use alloc::vec::Vec;
@@ -73,6 +73,11 @@ pub trait Primitives<W> {
     /// Attention of the queries `q` over cache `cache`'s positions `first_key..` (the last
     /// `shape.t` of them the queries' own).
     fn attention(&mut self, cache: u64, first_key: u32, q: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, Self::Error>;
+    /// `act(gate) * up`, value by value (a `gated` op). The default is [`Activation::apply`]'s
+    /// f32 reading of each; an executor may compute it its own way within f32 rounding of it.
+    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        gate.iter().zip(up).map(|(&g, &u)| act.apply(g) * u).collect()
+    }
 }
 
 /// Runs a checked program over a checked batch (see [`Program::check_batch`]). `vectors` holds
@@ -118,7 +123,7 @@ pub fn run<W: Weight, P: Primitives<W>>(
                 Some(y)
             }
             Op::Scale { x, by } => Some(values[x].iter().map(|a| a * by).collect()),
-            Op::Gated { gate, up, act } => Some(values[gate].iter().zip(&values[up]).map(|(&g, &u)| act.apply(g) * u).collect()),
+            Op::Gated { gate, up, act } => Some(prims.gated(act, &values[gate], &values[up])),
             Op::Rotate { x, table, head_dim, rotation } => {
                 let mut y = values[x].clone();
                 rotate(&mut y, p.width(x), &values[table], p.width(table), head_dim as usize, rotation);
@@ -248,7 +253,6 @@ pub fn top_of<R: Iterator<Item = (f32, u32)>>(rows: impl Iterator<Item = R>, k: 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::op::Activation;
     use crate::program::{WeightShape, check};
     use crate::Format;
 

@@ -121,6 +121,11 @@ pub trait Backend: Send {
     ) -> Result<Vec<f32>, GpuError> {
         Err(GpuError::Unavailable("this host does not offer kv-caches".into()))
     }
+    /// `act(gate) * up`, value by value (a program's `gated` op, run op by op). The default is
+    /// the op core's f32 reading ([`Activation::apply`]).
+    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        gate.iter().zip(up).map(|(&g, &u)| act.apply(g) * u).collect()
+    }
     /// Makes ready what running `p` will need (pipelines, say): called once, when the program
     /// is made, so that its first run does not wait for them. The default has nothing to do.
     fn prepare_program(&mut self, _p: &program::Program) -> Result<(), GpuError> {

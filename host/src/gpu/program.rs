@@ -76,6 +76,10 @@ impl wisp_ops::reference::Primitives<WeightRef> for OnBackend<'_> {
     fn attention(&mut self, cache: u64, first_key: u32, q: &[f32], shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
         self.0.attention_cached(q, &[], &[], 0, cache, first_key, shape)
     }
+
+    fn gated(&mut self, act: wisp_ops::Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        self.0.gated(act, gate, up)
+    }
 }
 
 /// Runs a checked program over a checked batch (see [`wisp_ops::Program::check_batch`]) on `backend`, op

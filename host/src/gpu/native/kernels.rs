@@ -14,7 +14,7 @@
 //! Quantized weights keep their upload bytes; the f32 scales are split out of their interleaving
 //! (`d` and, for `q4x32`, `m` apart).
 
-use super::super::Format;
+use super::super::{Activation, Format};
 
 /// A weight as the native device holds it: `[n_out, n_in]`, rows in order.
 pub enum Stored {
@@ -40,8 +40,9 @@ impl Stored {
     /// A zeroed weight of `n` elements in `format`, or `None` where memory is short.
     pub fn zeroed(format: Format, n: usize) -> Option<Stored> {
         fn zeros<T: Clone + Default>(n: usize) -> Option<Vec<T>> {
-            let mut v = Vec::new();
+            let mut v: Vec<T> = Vec::new();
             v.try_reserve_exact(n).ok()?;
+            huge_pages(v.as_mut_ptr().cast(), n * size_of::<T>());
             v.resize(n, T::default());
             Some(v)
         }
@@ -116,6 +117,28 @@ impl Stored {
 /// Weight rows a `fast` product's vector kernel sweeps with the same rows of x (held in the L1
 /// cache with them).
 pub const FAST_BLOCK: usize = 16;
+
+/// Asks the kernel to back `len` bytes from `ptr` with transparent huge pages where it can (a
+/// hint; nothing changes where it cannot). A product streams its weight from memory, and with
+/// 4 KiB pages a large weight misses the TLB every few rows, which costs most in a virtual
+/// machine: measured here, a decode step's output projection (262144 x 640, q8x32) streams
+/// at ~7 GB/s on 4 KiB pages.
+fn huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = (ptr as usize).next_multiple_of(HUGE);
+        let end = (ptr as usize + len) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: `madvise` only advises on pages of this process's own allocation
+            // (`start..end` lies inside `ptr..ptr + len`, whole 2 MiB pages); it reads and
+            // writes no memory, and its failure is harmless (the hint is dropped).
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
 
 /// The vector unit the kernels use, found at run time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,6 +280,21 @@ pub fn reorder_q4(x: &[f32], n_in: usize) -> Vec<f32> {
     out
 }
 
+/// `out = act(gate) * up`, value by value: the op core's formula (`g / (1 + e^-a)`), with
+/// `e^x` in eight lanes on AVX2 ([`avx2::exp`], within 2 ulp of `expf`).
+pub fn gated(isa: Isa, act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+        done = unsafe { avx2::gated(act, gate, up, out) };
+    }
+    let _ = isa;
+    for ((o, &g), &u) in out[done..].iter_mut().zip(&gate[done..]).zip(&up[done..]) {
+        *o = act.apply(g) * u;
+    }
+}
+
 /// The plain kernels: the reading every vector kernel is tested against.
 pub mod scalar {
     use super::{Quantized, Stored, q4_slot};
@@ -340,6 +378,52 @@ pub mod avx2 {
     use super::{Quantized, Stored};
     use std::arch::x86_64::*;
 
+    /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
+    /// 2`, `e^r` by its degree-6 Taylor polynomial (within 2 ulp of `expf`); `x` clamped to
+    /// `[-87.3, 88.7]` (0 and infinity beyond, as `expf`'s underflow and overflow give, within
+    /// what an f32 activation needs).
+    #[target_feature(enable = "avx2,fma")]
+    pub fn exp(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7)), _mm256_set1_ps(-87.3));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(core::f32::consts::LOG2_E)));
+        // r = x - n ln 2, ln 2 in two parts so that n ln 2's rounding does not reach r.
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+        let mut p = _mm256_set1_ps(1.0 / 720.0);
+        for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+        }
+        // 2^n: n + 127 in the exponent's bits (n is in -126..=128 after the clamp; 128 only
+        // at the top, where x rounds to 88.7 / ln 2 = 127.97: n = 128 would overflow, so the
+        // clamp keeps x below it).
+        let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    /// [`super::gated`]'s vector part: whole runs of eight; returns how many it did.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn gated(act: super::Activation, gate: &[f32], up: &[f32], out: &mut [f32]) -> usize {
+        let n = gate.len().min(up.len()).min(out.len()) / 8 * 8;
+        let one = _mm256_set1_ps(1.0);
+        for k in (0..n).step_by(8) {
+            let g = load_f32(&gate[k..]);
+            let a = match act {
+                super::Activation::GeluTanh => {
+                    // In `Activation::apply`'s order: ((0.044715 g) g) g, then g + that.
+                    let c = _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.044715), g), g), g);
+                    _mm256_mul_ps(_mm256_set1_ps(1.595_769_1), _mm256_add_ps(g, c))
+                }
+                super::Activation::Silu => g,
+            };
+            let e = exp(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            let y = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), load_f32(&up[k..]));
+            let o = &mut out[k..k + 8];
+            // SAFETY: `o` holds 8 f32 (cut above); the store is unaligned.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), y) };
+        }
+        n
+    }
+
     /// The sum of a vector's lanes, in [`super::scalar::sum8`]'s order.
     #[target_feature(enable = "avx2,fma")]
     fn hsum(v: __m256) -> f32 {
@@ -378,11 +462,19 @@ pub mod avx2 {
         let block = if B16 { 16 } else { 32 };
         let nb = n_in / block;
         let chunks = n_in / 32;
-        let wq: [&[i8]; W] = core::array::from_fn(|j| &q[(o + j) * n_in..][..n_in]);
-        let wd: [&[f32]; W] = core::array::from_fn(|j| &d[(o + j) * nb..][..nb]);
-        let xq: [&[i8]; R] = core::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
-        let xs: [&[f32]; R] = core::array::from_fn(|i| &x.s[(r0 + i) * nb..][..nb]);
-        let xp: [&[f32]; R] = core::array::from_fn(|i| if B16 { &x.pairs[(r0 + i) * (nb / 2) * 8..][..chunks * 8] } else { &[][..] });
+        let (mut wq, mut wd): ([&[i8]; W], [&[f32]; W]) = ([&[]; W], [&[]; W]);
+        for j in 0..W {
+            wq[j] = &q[(o + j) * n_in..][..n_in];
+            wd[j] = &d[(o + j) * nb..][..nb];
+        }
+        let (mut xq, mut xs, mut xp): ([&[i8]; R], [&[f32]; R], [&[f32]; R]) = ([&[]; R], [&[]; R], [&[]; R]);
+        for i in 0..R {
+            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
+            xs[i] = &x.s[(r0 + i) * nb..][..nb];
+            if B16 {
+                xp[i] = &x.pairs[(r0 + i) * (nb / 2) * 8..][..chunks * 8];
+            }
+        }
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let ones = _mm256_set1_epi16(1);
         // SAFETY: chunk `k < n_in / 32` reads bytes `32k..32k + 32` of each `wq[j]` and `xq[i]`
@@ -391,9 +483,18 @@ pub mod avx2 {
         // chunks`).
         unsafe {
             for k in 0..chunks {
-                let xv: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(32 * k).cast()));
-                let s: [__m256; R] = core::array::from_fn(|i| if B16 { _mm256_loadu_ps(xp[i].as_ptr().add(8 * k)) } else { _mm256_set1_ps(*xs[i].get_unchecked(k)) });
+                let mut xv = [_mm256_setzero_si256(); R];
+                let mut s = [_mm256_setzero_ps(); R];
+                for i in 0..R {
+                    xv[i] = _mm256_loadu_si256(xq[i].as_ptr().add(32 * k).cast());
+                    s[i] = if B16 { _mm256_loadu_ps(xp[i].as_ptr().add(8 * k)) } else { _mm256_set1_ps(*xs[i].get_unchecked(k)) };
+                }
                 for j in 0..W {
+                    if W > 1 && k % 2 == 0 {
+                        // The same line of the rows `W` on (the next call's): a decode step
+                        // streams its weights from memory faster with them asked for ahead.
+                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * k + 2 * W * n_in).cast());
+                    }
                     let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * k).cast());
                     let wa = _mm256_sign_epi8(w, w);
                     let ws = if B16 { pair(*wd[j].get_unchecked(2 * k), *wd[j].get_unchecked(2 * k + 1)) } else { _mm256_set1_ps(*wd[j].get_unchecked(k)) };
@@ -425,11 +526,17 @@ pub mod avx2 {
     fn q4<const W: usize, const R: usize>(q: &[u8], d: &[f32], m: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
         let nb = n_in / 32;
         let pairs = nb / 2;
-        let wq: [&[u8]; W] = core::array::from_fn(|j| &q[(o + j) * n_in / 2..][..n_in / 2]);
-        let wd: [&[f32]; W] = core::array::from_fn(|j| &d[(o + j) * nb..][..nb]);
-        let wm: [&[f32]; W] = core::array::from_fn(|j| &m[(o + j) * nb..][..nb]);
-        let xq: [&[i8]; R] = core::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
-        let xp: [&[f32]; R] = core::array::from_fn(|i| &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8]);
+        let (mut wq, mut wd, mut wm): ([&[u8]; W], [&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
+        for j in 0..W {
+            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
+            wd[j] = &d[(o + j) * nb..][..nb];
+            wm[j] = &m[(o + j) * nb..][..nb];
+        }
+        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
+        for i in 0..R {
+            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
+            xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
+        }
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
@@ -438,10 +545,17 @@ pub mod avx2 {
         // each `wd[j]` and `8p..8p + 8` of each `xp[i]` (cut to `8 * pairs`).
         unsafe {
             for p in 0..pairs {
-                let xa: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast()));
-                let xb: [__m256i; R] = core::array::from_fn(|i| _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast()));
-                let s: [__m256; R] = core::array::from_fn(|i| _mm256_loadu_ps(xp[i].as_ptr().add(8 * p)));
+                let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
+                for i in 0..R {
+                    xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
+                    xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
+                    s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(8 * p));
+                }
                 for j in 0..W {
+                    if W > 1 {
+                        // As in `q8`: the line two calls on.
+                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                    }
                     let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
                     let lo = _mm256_and_si256(w, low);
                     let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
@@ -551,13 +665,20 @@ pub mod avx2 {
         match w {
             Stored::Q8 { block, q, d } => {
                 let nb = n_in / block;
-                let rows: [(&[i8], &[f32]); W] = core::array::from_fn(|j| (&q[(o + j) * n_in..][..n_in], &d[(o + j) * nb..][..nb]));
+                let mut rows: [(&[i8], &[f32]); W] = [(&[], &[]); W];
+                for (j, r) in rows.iter_mut().enumerate() {
+                    *r = (&q[(o + j) * n_in..][..n_in], &d[(o + j) * nb..][..nb]);
+                }
                 // SAFETY: step `k < n_in / 8` reads elements `8k..8k + 8` of x and of each
                 // row's bytes (n_in), and scale `8k / block` (< nb) of its scales.
                 unsafe {
                     for k in 0..whole {
                         let xv = _mm256_loadu_ps(x.as_ptr().add(8 * k));
                         for j in 0..W {
+                            if k % 8 == 0 {
+                                // As in `q8`: the line two calls on.
+                                _mm_prefetch::<_MM_HINT_T0>(rows[j].0.as_ptr().wrapping_add(8 * k + 2 * W * n_in).cast());
+                            }
                             let v = _mm_loadl_epi64(rows[j].0.as_ptr().add(8 * k).cast());
                             let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
                             let wv = _mm256_mul_ps(_mm256_set1_ps(*rows[j].1.get_unchecked(8 * k / block)), f);
@@ -568,17 +689,23 @@ pub mod avx2 {
             }
             Stored::Q4 { q, d, m } => {
                 let nb = n_in / 32;
-                let rows: [(&[u8], &[f32], &[f32]); W] =
-                    core::array::from_fn(|j| (&q[(o + j) * n_in / 2..][..n_in / 2], &d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]));
+                let mut rows: [(&[u8], &[f32], &[f32]); W] = [(&[], &[], &[]); W];
+                for (j, r) in rows.iter_mut().enumerate() {
+                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]);
+                }
                 let pairs = nb / 2;
                 let low = _mm_set1_epi8(0x0F);
                 // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each row (n_in / 2),
                 // elements `64p..64p + 64` of x, and scales `2p, 2p + 1` (< nb).
                 unsafe {
                     for p in 0..pairs {
-                        let xv: [__m256; 8] = core::array::from_fn(|c| _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c)));
+                        let mut xv = [_mm256_setzero_ps(); 8];
+                        for (c, v) in xv.iter_mut().enumerate() {
+                            *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
+                        }
                         for j in 0..W {
                             let (q, d, m) = rows[j];
+                            _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(32 * p + W * n_in).cast());
                             let bytes = [_mm_loadu_si128(q.as_ptr().add(32 * p).cast()), _mm_loadu_si128(q.as_ptr().add(32 * p + 16).cast())];
                             // x's order: A even, B even, A odd, B odd, 8 at a time.
                             for c in 0..8 {
@@ -696,7 +823,10 @@ pub mod avx2 {
         let n = w[0].len();
         let mut acc = [[_mm256_setzero_ps(); R]; W];
         for k in 0..n / 8 {
-            let xv: [__m256; R] = core::array::from_fn(|i| load_f32(&x[i][k * 8..]));
+            let mut xv = [_mm256_setzero_ps(); R];
+            for i in 0..R {
+                xv[i] = load_f32(&x[i][k * 8..]);
+            }
             for j in 0..W {
                 let wv = load_f32(&w[j][k * 8..]);
                 for i in 0..R {

@@ -10,7 +10,7 @@
 
 mod kernels;
 
-use super::{AttentionShape, Backend, BufferId, Device, Format, GpuError, Precision};
+use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError, Precision};
 use kernels::{Isa, Quantized, Stored};
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -364,7 +364,30 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn wide(a: &[f32], b: &[f32]) -> f32 {
-        plain(a, b)
+        use std::arch::x86_64::*;
+        let n = a.len().min(b.len());
+        let (mut s0, mut s1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut k = 0;
+        // SAFETY: every load reads 8 f32 at `k..k + 8 <= n`, inside both slices.
+        unsafe {
+            while k + 16 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(k)), _mm256_loadu_ps(b.as_ptr().add(k)), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(k + 8)), _mm256_loadu_ps(b.as_ptr().add(k + 8)), s1);
+                k += 16;
+            }
+            if k + 8 <= n {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a.as_ptr().add(k)), _mm256_loadu_ps(b.as_ptr().add(k)), s0);
+                k += 8;
+            }
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), _mm256_add_ps(s0, s1)) };
+        let mut s = kernels::scalar::sum8(&lanes);
+        for (x, y) in a[k..n].iter().zip(&b[k..n]) {
+            s = x.mul_add(*y, s);
+        }
+        s
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -385,7 +408,21 @@ fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn wide(a: f32, x: &[f32], y: &mut [f32]) {
-        plain(a, x, y)
+        use std::arch::x86_64::*;
+        let n = x.len().min(y.len());
+        let av = _mm256_set1_ps(a);
+        let mut k = 0;
+        // SAFETY: every load and store covers 8 f32 at `k..k + 8 <= n`, inside both slices.
+        unsafe {
+            while k + 8 <= n {
+                let v = _mm256_fmadd_ps(av, _mm256_loadu_ps(x.as_ptr().add(k)), _mm256_loadu_ps(y.as_ptr().add(k)));
+                _mm256_storeu_ps(y.as_mut_ptr().add(k), v);
+                k += 8;
+            }
+        }
+        for (y, x) in y[k..n].iter_mut().zip(&x[k..n]) {
+            *y = a.mul_add(*x, *y);
+        }
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -432,6 +469,12 @@ impl Backend for NativeBackend {
 
     fn free(&mut self, id: BufferId) {
         self.weights.remove(&id);
+    }
+
+    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        let mut out = vec![0f32; gate.len().min(up.len())];
+        kernels::gated(self.isa, act, gate, up, &mut out);
+        out
     }
 
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
