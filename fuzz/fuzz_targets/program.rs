@@ -1,7 +1,8 @@
 //! Random weights, caches, programs and batches through the host's checks (`GpuCtx`) on the CPU
-//! reference backend, against the same calls made one sequence at a time: a call is either a
-//! typed error that changed nothing, or a result equal, bit for bit, to each of its sequences
-//! run alone (the contract's batch invariance on the reference device).
+//! reference backend or the native CPU device (the input's first choice), against the same
+//! calls made one sequence at a time: a call is either a typed error that changed nothing, or a
+//! result equal, bit for bit, to each of its sequences run alone (the contract's batch
+//! invariance, which both devices keep in both precisions).
 //!
 //! Two contexts see the same uploads, caches, programs and releases. `batched` runs each batch
 //! whole; `alone` runs only the batches `batched` accepted, one sequence at a time. A batch that
@@ -13,7 +14,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use wisp::gpu::program::{Op, Output};
 use wisp::gpu::{KvCacheHandle, ProgramHandle, WeightHandle};
-use wisp::{Activation, Budget, CpuBackend, Format, GpuCtx, GpuError, Precision, Rotation};
+use wisp::{Activation, Budget, CpuBackend, Format, GpuCtx, GpuError, NativeBackend, Precision, Rotation};
 use wasmtime::component::Resource;
 
 #[derive(Arbitrary, Debug)]
@@ -112,9 +113,12 @@ struct Side {
 }
 
 impl Side {
-    fn new() -> Side {
+    /// A context on the CPU reference backend, or with `native` on the native device (one
+    /// thread, its vector kernels where the CPU has them).
+    fn new(native: bool) -> Side {
         let budget = Budget { bytes: 4 << 20, handles: 64, jobs: 8 };
-        Side { ctx: GpuCtx::new(Box::new(CpuBackend::new()), budget), weights: Vec::new(), caches: Vec::new(), programs: Vec::new() }
+        let backend: Box<dyn wisp::Backend> = if native { Box::new(NativeBackend::new(1).unwrap()) } else { Box::new(CpuBackend::new()) };
+        Side { ctx: GpuCtx::new(backend, budget), weights: Vec::new(), caches: Vec::new(), programs: Vec::new() }
     }
 }
 
@@ -176,8 +180,9 @@ fn same(a: &Output, b: &Output) -> bool {
     }
 }
 
-fuzz_target!(|calls: Vec<Call>| {
-    let (mut batched, mut alone) = (Side::new(), Side::new());
+fuzz_target!(|input: (bool, Vec<Call>)| {
+    let (native, calls) = input;
+    let (mut batched, mut alone) = (Side::new(native), Side::new(native));
     // The widths of each program's inputs, as its guest would know them.
     let mut widths: Vec<Vec<u32>> = Vec::new();
     for call in calls.iter().take(64) {

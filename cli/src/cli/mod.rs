@@ -60,7 +60,7 @@ enum Command {
     #[command(after_help = "Examples:\n  wisp info\n  wisp info --model ./my.gguf --json")]
     Info(InfoArgs),
     /// Fetch a known model into the cache and print its path.
-    #[command(after_help = "Examples:\n  wisp fetch\n  wisp fetch gemma3-270m\n  wisp fetch qwen2.5-coder-0.5b\n  wisp fetch smollm2-135m")]
+    #[command(after_help = "Examples:\n  wisp fetch\n  wisp fetch gemma3-270m\n  wisp fetch qwen2.5-coder-0.5b\n  wisp fetch smollm2-135m\n  wisp fetch qwen2.5-coder-1.5b")]
     Fetch(FetchArgs),
     /// Chat with a model: its own chat template, one reply per message.
     ///
@@ -397,7 +397,7 @@ struct InfoArgs {
 
 #[derive(Args)]
 struct FetchArgs {
-    /// A known model name: gemma3-270m, qwen2.5-coder-0.5b, smollm2-135m.
+    /// A known model name: gemma3-270m, qwen2.5-coder-0.5b, smollm2-135m, qwen2.5-coder-1.5b.
     #[arg(default_value = "gemma3-270m")]
     name: String,
 }

@@ -26,6 +26,13 @@ pub enum Stored {
     Q8 { block: usize, q: Vec<i8>, d: Vec<f32> },
     /// Unsigned nibbles (element `2j` in byte `j`'s low half), `d` and `m` per 32 elements.
     Q4 { q: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
+    /// A `q8x32` weight whose every value lies in -16..=15 (what GGUF's Q5_0 and Q4_0 make),
+    /// kept in five bits, as Q5_0 keeps it (0.75 bytes a value against `q8x32`'s 1.125): `u =
+    /// q + 16` in nibbles as [`Stored::Q4`]'s and each value's fifth bit in `h`, one `u64` for
+    /// each pair of blocks (a row's lone last block alone), bit `i` the value at position `i`
+    /// of the pair in x's `q4x32` layout ([`q4_slot`]); `d` per 32 values: `w = d * (u - 16)`.
+    /// A product's weight is the same in either form.
+    Q5 { q: Vec<u8>, h: Vec<u64>, d: Vec<f32> },
 }
 
 /// Elements of a block of activations quantized together in `fast` (the weight's block).
@@ -84,7 +91,62 @@ impl Stored {
                     m[at / 32 + i] = dm[1];
                 }
             }
+            Stored::Q5 { .. } => unreachable!("a five-bit weight is written as q8x32 (`expand` first)"),
         }
+    }
+
+    /// A `q8x32` weight of rows of `n_in` in five bits where every value fits ([`Stored::Q5`]);
+    /// `None` where one does not, or for another form.
+    pub fn compacted(&self, n_in: usize) -> Option<Stored> {
+        let Stored::Q8 { block: 32, q, d } = self else { return None };
+        if q.iter().any(|&v| !(-16..=15).contains(&v)) {
+            return None;
+        }
+        let nb = n_in / 32;
+        let per_row = nb.div_ceil(2);
+        let rows = q.len() / n_in;
+        let mut nibbles = Vec::new();
+        nibbles.try_reserve_exact(q.len() / 2).ok()?;
+        huge_pages(nibbles.as_mut_ptr(), q.len() / 2);
+        nibbles.resize(q.len() / 2, 0u8);
+        let mut h = vec![0u64; rows * per_row];
+        for (r, row) in q.chunks_exact(n_in).enumerate() {
+            for (b, block) in row.chunks_exact(32).enumerate() {
+                // Where the block's even and odd values sit in its pair's bits (x's layout).
+                let (even, odd) = q4_bases(b, nb);
+                let word = &mut h[r * per_row + b / 2];
+                let base = b / 2 * 64;
+                for (j, &v) in block.iter().enumerate() {
+                    let u = (v + 16) as u8;
+                    nibbles[(r * n_in + b * 32 + j) / 2] |= (u & 0xF) << (4 * (j % 2));
+                    let slot = if j % 2 == 0 { even + j / 2 } else { odd + j / 2 };
+                    *word |= ((u >> 4) as u64) << (slot - base);
+                }
+            }
+        }
+        Some(Stored::Q5 { q: nibbles, h, d: d.clone() })
+    }
+
+    /// A [`Stored::Q5`] weight back in `q8x32`, to be written (`None` for another form).
+    pub fn expanded(&self, n_in: usize) -> Option<Stored> {
+        let Stored::Q5 { d, .. } = self else { return None };
+        let rows = d.len() / (n_in / 32);
+        let mut q = vec![0i8; rows * n_in];
+        for (r, row) in q.chunks_exact_mut(n_in).enumerate() {
+            for (i, v) in row.iter_mut().enumerate() {
+                *v = self.q5_value(r, i, n_in);
+            }
+        }
+        Some(Stored::Q8 { block: 32, q, d: d.clone() })
+    }
+
+    /// Value `i` of row `r` of a [`Stored::Q5`] weight (`q`, -16..=15).
+    fn q5_value(&self, r: usize, i: usize, n_in: usize) -> i8 {
+        let Stored::Q5 { q, h, .. } = self else { unreachable!("q5_value of another form") };
+        let per_row = (n_in / 32).div_ceil(2);
+        let lo = (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF;
+        let hi = ((h[r * per_row + i / 64] >> (q4_slot(i, n_in) % 64)) & 1) as u8;
+        (lo | hi << 4) as i8 - 16
     }
 
     /// Row `o` (of `n_in` elements) decoded to f32 into `out`, as the contract reads it.
@@ -110,6 +172,21 @@ impl Stored {
                     *x = d[i / 32] * v as f32 - m[i / 32];
                 }
             }
+            Stored::Q5 { d, .. } => {
+                for (i, x) in out.iter_mut().enumerate() {
+                    *x = d[o * n_in / 32 + i / 32] * self.q5_value(o, i, n_in) as f32;
+                }
+            }
+        }
+    }
+
+    /// How a `fast` product quantizes x for this weight: the block, and whether in the
+    /// `q4x32` layout; `None` for the float forms (their `fast` is `exact`).
+    pub fn x_layout(&self) -> Option<(usize, bool)> {
+        match self {
+            Stored::F32(_) | Stored::Bf16(_) => None,
+            Stored::Q8 { block, .. } => Some((*block, false)),
+            Stored::Q4 { .. } | Stored::Q5 { .. } => Some((32, true)),
         }
     }
 }
@@ -213,17 +290,16 @@ fn round_i8(v: f32) -> i8 {
     (v + 0.5f32.copysign(v)) as i32 as i8
 }
 
-/// Quantizes `t` rows of `n_in` values for a `fast` product with a weight in `format`.
-pub fn quantize(x: &[f32], n_in: usize, format: Format) -> Quantized {
+/// Quantizes `t` rows of `n_in` values for a `fast` product: blocks of `block`, in the `q4x32`
+/// layout with `q4` (see [`Stored::x_layout`]).
+pub fn quantize(x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized {
     #[inline(always)]
-    fn body(x: &[f32], n_in: usize, format: Format) -> Quantized {
-        let block = block_of(format);
+    fn body(x: &[f32], n_in: usize, block: usize, q4: bool) -> Quantized {
         let t = x.len() / n_in;
         let nb = n_in / block;
         let mut q = vec![0i8; x.len()];
         let (mut s, mut c) = (vec![0f32; t * nb], vec![0f32; t * nb]);
         let mut pairs = vec![0f32; t * (nb / 2) * 8];
-        let q4 = format == Format::Q4x32;
         for (r, row) in x.chunks_exact(n_in).enumerate() {
             let qr = &mut q[r * n_in..][..n_in];
             for (b, v) in row.chunks_exact(block).enumerate() {
@@ -256,15 +332,15 @@ pub fn quantize(x: &[f32], n_in: usize, format: Format) -> Quantized {
     }
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn wide(x: &[f32], n_in: usize, format: Format) -> Quantized {
-        body(x, n_in, format)
+    fn wide(x: &[f32], n_in: usize, block: usize, q4: bool) -> Quantized {
+        body(x, n_in, block, q4)
     }
     #[cfg(target_arch = "x86_64")]
     if Isa::detect() == Isa::Avx2 {
         // SAFETY: the CPU has AVX2 and FMA (detected just now).
-        return unsafe { wide(x, n_in, format) };
+        return unsafe { wide(x, n_in, block, q4) };
     }
-    body(x, n_in, format)
+    body(x, n_in, block, q4)
 }
 
 /// Reorders `t` rows of `n_in` values into the `q4x32` layout (for `exact` products with such
@@ -328,6 +404,15 @@ pub mod scalar {
                 }
                 y - min
             }
+            Stored::Q5 { d, .. } => {
+                let d = &d[o * nb..][..nb];
+                let mut y = 0f32;
+                for b in 0..nb {
+                    let dot: i32 = (0..32).map(|j| w.q5_value(o, b * 32 + j, n_in) as i32 * xq[q4_slot(b * 32 + j, n_in)] as i32).sum();
+                    y += d[b] * s[b] * dot as f32;
+                }
+                y
+            }
             Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
         }
     }
@@ -359,7 +444,7 @@ pub mod scalar {
     /// Decodes row `o` for the exact kernel, in the layout of x for its format.
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         match w {
-            Stored::Q4 { .. } => {
+            Stored::Q4 { .. } | Stored::Q5 { .. } => {
                 let mut plain = vec![0f32; n_in];
                 w.decode_row(o, n_in, &mut plain);
                 for (i, v) in plain.into_iter().enumerate() {
@@ -594,6 +679,101 @@ pub mod avx2 {
         }
     }
 
+    /// The fifth bits of 32 values (bit `i` of `bits` for byte `i`) as bytes of 16 or 0.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn fifth_bits(bits: u32) -> __m256i {
+        // Byte i takes byte i / 8 of `bits`, then keeps its bit i % 8.
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+        );
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+        _mm256_and_si256(set, _mm256_set1_epi8(16))
+    }
+
+    /// `fast` for `R` rows of x against the `W` rows of a five-bit weight from `o` (x in the
+    /// q4x32 layout): `out[j * R + i]`. As [`q4`], with each nibble's fifth bit added and the
+    /// offset of 16 taken off through x's block sums.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn q5<const W: usize, const R: usize>(q: &[u8], h: &[u64], d: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+        let nb = n_in / 32;
+        let pairs = nb / 2;
+        let per_row = nb.div_ceil(2);
+        let (mut wq, mut wh, mut wd): ([&[u8]; W], [&[u64]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
+        for j in 0..W {
+            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
+            wh[j] = &h[(o + j) * per_row..][..per_row];
+            wd[j] = &d[(o + j) * nb..][..nb];
+        }
+        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
+        for i in 0..R {
+            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
+            xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
+        }
+        let mut acc = [[_mm256_setzero_ps(); R]; W];
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
+        // bytes), `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]` (n_in), scales
+        // `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]` (8 * pairs).
+        unsafe {
+            for p in 0..pairs {
+                let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
+                for i in 0..R {
+                    xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
+                    xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
+                    s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(8 * p));
+                }
+                for j in 0..W {
+                    if W > 1 {
+                        // As in `q8`: the line two calls on.
+                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                    }
+                    let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
+                    let bits = *wh[j].get_unchecked(p);
+                    let lo = _mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32));
+                    let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32));
+                    let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
+                    for i in 0..R {
+                        // At most 31 * 127 * 2 a pair of bytes, twice: inside i16.
+                        let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i]));
+                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
+                    }
+                }
+            }
+        }
+        for j in 0..W {
+            for i in 0..R {
+                let r = r0 + i;
+                let mut y = hsum(acc[j][i]);
+                let d = wd[j];
+                if nb % 2 == 1 {
+                    // The lone last block: its even values, then its odd ones, in `u`.
+                    let b = nb - 1;
+                    let (xq, bits) = (&xq[i][b * 32..][..32], wh[j][per_row - 1]);
+                    let u = |k: usize, v: u8| (v as i32) | (((bits >> k) & 1) as i32) << 4;
+                    let dot: i32 = wq[j][b * 16..][..16].iter().enumerate().map(|(k, &v)| u(k, v & 0xF) * xq[k] as i32 + u(16 + k, v >> 4) * xq[16 + k] as i32).sum();
+                    y += d[b] * x.s[r * nb + b] * dot as f32;
+                }
+                // The offset: 16 d_b s_b (sum of the block's x values), over the blocks.
+                let c = &x.c[r * nb..][..nb];
+                let mut mins = _mm256_setzero_ps();
+                for k in 0..nb / 8 {
+                    mins = _mm256_fmadd_ps(load_f32(&d[k * 8..]), load_f32(&c[k * 8..]), mins);
+                }
+                let mut min = hsum(mins);
+                for b in nb / 8 * 8..nb {
+                    min += d[b] * c[b];
+                }
+                out[j * R + i] = y - 16.0 * min;
+            }
+        }
+    }
+
     /// One call of a kernel: `W` weight rows from `o` against `R` rows of x from `r`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -602,6 +782,7 @@ pub mod avx2 {
             Stored::Q8 { block: 16, q, d } => q8::<W, R, true>(q, d, o, n_in, x, r, y),
             Stored::Q8 { q, d, .. } => q8::<W, R, false>(q, d, o, n_in, x, r, y),
             Stored::Q4 { q, d, m } => q4::<W, R>(q, d, m, o, n_in, x, r, y),
+            Stored::Q5 { q, h, d } => q5::<W, R>(q, h, d, o, n_in, x, r, y),
             Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
         }
     }
@@ -683,6 +864,62 @@ pub mod avx2 {
                             let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
                             let wv = _mm256_mul_ps(_mm256_set1_ps(*rows[j].1.get_unchecked(8 * k / block)), f);
                             acc[j] = _mm256_fmadd_ps(wv, xv, acc[j]);
+                        }
+                    }
+                }
+            }
+            Stored::Q5 { q, h, d } => {
+                let nb = n_in / 32;
+                let per_row = nb.div_ceil(2);
+                let low = _mm256_set1_epi8(0x0F);
+                let sixteen = _mm256_set1_epi8(16);
+                // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of row `o + j`'s
+                // nibbles (cut to n_in / 2), its word `p` of fifth bits (< per_row), elements
+                // `64p..64p + 64` of x and scales `2p, 2p + 1` (< nb).
+                unsafe {
+                    for p in 0..nb / 2 {
+                        let mut xv = [_mm256_setzero_ps(); 8];
+                        for (c, v) in xv.iter_mut().enumerate() {
+                            *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
+                        }
+                        for j in 0..W {
+                            let (q, h, d) = (&q[(o + j) * n_in / 2..][..n_in / 2], &h[(o + j) * per_row..][..per_row], &d[(o + j) * nb..][..nb]);
+                            _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                            let w = _mm256_loadu_si256(q.as_ptr().add(32 * p).cast());
+                            let bits = *h.get_unchecked(p);
+                            let halves = [
+                                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32)), sixteen),
+                                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32)), sixteen),
+                            ];
+                            let (da, db) = (_mm256_set1_ps(*d.get_unchecked(2 * p)), _mm256_set1_ps(*d.get_unchecked(2 * p + 1)));
+                            // x's order: A even, B even, A odd, B odd, 8 at a time.
+                            for c in 0..8 {
+                                let v = halves[c / 4];
+                                let bytes = match c % 4 {
+                                    0 => _mm256_castsi256_si128(v),
+                                    1 => _mm_srli_si128::<8>(_mm256_castsi256_si128(v)),
+                                    2 => _mm256_extracti128_si256::<1>(v),
+                                    _ => _mm_srli_si128::<8>(_mm256_extracti128_si256::<1>(v)),
+                                };
+                                let scale = if c % 4 < 2 { da } else { db };
+                                let wv = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+                                acc[j] = _mm256_fmadd_ps(wv, xv[c], acc[j]);
+                            }
+                        }
+                    }
+                }
+                if nb % 2 == 1 {
+                    // The lone last block, in the decoded path's way.
+                    let b = nb - 1;
+                    let mut row = [0f32; 32];
+                    for j in 0..W {
+                        for (k, v) in row.iter_mut().enumerate() {
+                            // x's order: the block's even values, then its odd ones.
+                            let i = if k < 16 { 2 * k } else { 2 * (k - 16) + 1 };
+                            *v = d[(o + j) * nb + b] * w.q5_value(o + j, b * 32 + i, n_in) as f32;
+                        }
+                        for c in 0..4 {
+                            acc[j] = _mm256_fmadd_ps(load_f32(&row[8 * c..]), load_f32(&x[b * 32 + 8 * c..]), acc[j]);
                         }
                     }
                 }
@@ -779,6 +1016,48 @@ pub mod avx2 {
                     for (j, &v) in q[b * 16..][..16].iter().enumerate() {
                         out[b * 32 + j] = d[b] * (v & 0xF) as f32 - m[b];
                         out[b * 32 + 16 + j] = d[b] * (v >> 4) as f32 - m[b];
+                    }
+                }
+            }
+            Stored::Q5 { q, h, d } => {
+                let nb = n_in / 32;
+                let per_row = nb.div_ceil(2);
+                let (q, h, d) = (&q[o * n_in / 2..][..n_in / 2], &h[o * per_row..][..per_row], &d[o * nb..][..nb]);
+                let low = _mm256_set1_epi8(0x0F);
+                let sixteen = _mm256_set1_epi8(16);
+                for p in 0..nb / 2 {
+                    let w = load_u8(&q[p * 32..]);
+                    let bits = h[p];
+                    // [A even, B even] and [A odd, B odd] as signed bytes `u - 16`.
+                    let halves = [
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32)), sixteen),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32)), sixteen),
+                    ];
+                    for (hf, v) in halves.into_iter().enumerate() {
+                        for part in 0..4 {
+                            let bytes = match part {
+                                0 => _mm256_castsi256_si128(v),
+                                1 => _mm_srli_si128::<8>(_mm256_castsi256_si128(v)),
+                                2 => _mm256_extracti128_si256::<1>(v),
+                                _ => _mm_srli_si128::<8>(_mm256_extracti128_si256::<1>(v)),
+                            };
+                            let b = 2 * p + part / 2;
+                            let val = _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+                            let at = &mut out[p * 64 + hf * 32 + part * 8..][..8];
+                            // SAFETY: `at` holds 8 f32 (cut above); the store is unaligned.
+                            unsafe { _mm256_storeu_ps(at.as_mut_ptr(), val) };
+                        }
+                    }
+                }
+                if nb % 2 == 1 {
+                    // The lone last block, as the plain decoding reads it.
+                    let b = nb - 1;
+                    let mut plain = [0f32; 32];
+                    for (j, v) in plain.iter_mut().enumerate() {
+                        *v = d[b] * w.q5_value(o, b * 32 + j, n_in) as f32;
+                    }
+                    for (j, &v) in plain.iter().enumerate() {
+                        out[b * 32 + if j % 2 == 0 { j / 2 } else { 16 + j / 2 }] = v;
                     }
                 }
             }

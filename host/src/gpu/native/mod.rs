@@ -16,12 +16,30 @@ use rayon::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-/// A weight: its shape and format, and its values as [`Stored`].
+/// A weight: its shape, and its values as [`Stored`].
 struct Matrix {
     n_out: usize,
     n_in: usize,
-    format: Format,
     stored: Stored,
+    /// Whether its form was chosen since its last write ([`Matrix::settle`]).
+    settled: bool,
+    /// Rows written so far (counted again where rewritten): once every row may have been,
+    /// the weight settles, at load rather than in its first product.
+    written: u64,
+}
+
+impl Matrix {
+    /// Once written, a weight takes its most compact form: a `q8x32` weight of five-bit values
+    /// (a GGUF Q5_0 or Q4_0 tensor) keeps five bits a value ([`Stored::Q5`]), which a decode
+    /// step, reading every weight from memory, streams a third faster.
+    fn settle(&mut self) {
+        if !self.settled {
+            if let Some(c) = self.stored.compacted(self.n_in) {
+                self.stored = c;
+            }
+            self.settled = true;
+        }
+    }
 }
 
 /// A `kv-cache`: `slots` rows of `width` keys and as many values.
@@ -90,6 +108,16 @@ fn pool(threads: usize) -> Result<Arc<rayon::ThreadPool>, GpuError> {
     Ok(POOL.get_or_init(|| (threads, p.clone())).1.clone())
 }
 
+/// Bytes of one uploaded row of `n_in` values for a weight kept as `s` (its upload format's).
+fn format_bytes(s: &Stored, n_in: usize) -> u64 {
+    match s {
+        Stored::F32(_) => 4 * n_in as u64,
+        Stored::Bf16(_) => 2 * n_in as u64,
+        Stored::Q8 { .. } | Stored::Q5 { .. } => n_in as u64,
+        Stored::Q4 { .. } => n_in as u64 / 2,
+    }
+}
+
 /// Rows of x a product's inner loops take at once in `exact` (each weight row decoded once
 /// for them).
 const X_TILE: usize = 32;
@@ -135,10 +163,12 @@ impl NativeBackend {
     /// against every row of x.
     fn product_of(&self, m: &Matrix, x: &[f32], t: usize, precision: Precision) -> Vec<f32> {
         let (n_out, n_in) = (m.n_out, m.n_in);
-        let fast = precision == Precision::Fast && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. });
-        // x as the kernels read it: quantized for `fast`, reordered for q4x32's `exact`.
-        let quantized = fast.then(|| kernels::quantize(x, n_in, m.format));
-        let reordered = (!fast && m.format == Format::Q4x32).then(|| kernels::reorder_q4(x, n_in));
+        let layout = m.stored.x_layout();
+        let fast = precision == Precision::Fast && layout.is_some();
+        // x as the kernels read it: quantized for `fast`, reordered where the weight decodes in
+        // the q4x32 layout for `exact`.
+        let quantized = layout.filter(|_| fast).map(|l| kernels::quantize(x, n_in, l));
+        let reordered = (!fast && layout.is_some_and(|(_, q4)| q4)).then(|| kernels::reorder_q4(x, n_in));
         let xs = reordered.as_deref().unwrap_or(x);
         // Runs of weight rows: about four a thread, whole groups of 8; each task's output
         // `[t, rows]`, copied into place after.
@@ -245,7 +275,7 @@ const FUSED_MAX_T: usize = 4;
 fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. }) {
+    if isa == Isa::Avx2 && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {
@@ -448,13 +478,26 @@ impl Backend for NativeBackend {
         let n = n_out as usize * n_in as usize;
         let stored = Stored::zeroed(format, n).ok_or_else(|| GpuError::OutOfMemory(format!("a {} weight of {n} values", format.name())))?;
         let id = self.id();
-        self.weights.insert(id, Matrix { n_out: n_out as usize, n_in: n_in as usize, format, stored });
+        self.weights.insert(id, Matrix { n_out: n_out as usize, n_in: n_in as usize, stored, settled: false, written: 0 });
         Ok(id)
     }
 
     fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
         let w = self.weights.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))?;
+        if let Some(full) = w.stored.expanded(w.n_in) {
+            w.stored = full;
+        }
         w.stored.write(first_row as usize * w.n_in, data, scales);
+        w.settled = false;
+        let rows = data.len() as u64 / format_bytes(&w.stored, w.n_in).max(1);
+        // Once, as the count first reaches every row (the load); rewrites after it settle at
+        // the next product, so that writing a row at a time does not compact the whole weight
+        // each time.
+        let before = w.written;
+        w.written = w.written.saturating_add(rows);
+        if before < w.n_out as u64 && w.written >= w.n_out as u64 {
+            w.settle();
+        }
         Ok(())
     }
 
@@ -463,6 +506,9 @@ impl Backend for NativeBackend {
     }
 
     fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, _n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        if let Some(m) = self.weights.get_mut(&id) {
+            m.settle();
+        }
         let m = self.matrix(id)?;
         Ok(self.product_of(m, x, t as usize, precision))
     }

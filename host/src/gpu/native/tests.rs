@@ -23,12 +23,15 @@ impl Rng {
     }
 }
 
-/// A random weight `[n_out, n_in]` of `format`: its upload bytes and scales.
-fn weight(rng: &mut Rng, format: Format, n_out: usize, n_in: usize) -> (Vec<u8>, Vec<f32>) {
-    let n = n_out * n_in;
+/// A random weight `[n_out, n_in]` of `format`: its upload bytes and scales. `n_in` past 10000
+/// (`FIVE_BITS` added) makes a `q8x32` weight of values in -16..=15, which the native device
+/// keeps in five bits.
+fn weight(rng: &mut Rng, format: Format, n_out: usize, marked: usize) -> (Vec<u8>, Vec<f32>) {
+    let n = n_out * (marked % FIVE_BITS);
     let data = match format {
         Format::F32 => (0..n).flat_map(|_| rng.f().to_le_bytes()).collect(),
         Format::Bf16 => (0..n).flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes()).collect(),
+        Format::Q8x32 if five_bits(marked) => (0..n).map(|_| ((rng.next() % 32) as i8 - 16) as u8).collect(),
         _ => rng.bytes(format.data_bytes(n as u64).unwrap() as usize),
     };
     let scales = (0..format.scale_count(n as u64)).map(|i| if format == Format::Q4x32 && i % 2 == 1 { rng.f() * 0.1 } else { rng.f().abs() * 0.05 + 0.001 }).collect();
@@ -46,14 +49,24 @@ fn upload(b: &mut dyn Backend, format: Format, n_out: usize, n_in: usize, data: 
     id
 }
 
+/// Marks a `q8x32` case's width as one of five-bit values (see [`weight`]).
+const FIVE_BITS: usize = 100_000;
+
+fn five_bits(n_in: usize) -> bool {
+    n_in > FIVE_BITS
+}
+
 /// Each format at widths with and without a lone last block (q4x32 pairs, q8x16 chunks of 32),
-/// and at f32 widths that leave a tail past whole vectors.
+/// and at f32 widths that leave a tail past whole vectors; `q8x32` also with five-bit values.
+/// Returns each case's format, width, and the `n_in` to give it (`FIVE_BITS` added where so).
 fn cases() -> Vec<(Format, usize)> {
     vec![
         (Format::F32, 64),
         (Format::F32, 37),
         (Format::Bf16, 45),
         (Format::Q8x32, 96),
+        (Format::Q8x32, FIVE_BITS + 96),
+        (Format::Q8x32, FIVE_BITS + 128),
         (Format::Q8x16, 80),
         (Format::Q8x16, 64),
         (Format::Q4x32, 128),
@@ -74,9 +87,9 @@ fn isas() -> Vec<Isa> {
 #[test]
 fn exact_products_match_the_cpu_reference_and_each_isa_the_same_bits() {
     let mut rng = Rng(7);
-    for (format, n_in) in cases() {
-        let n_out = 37;
-        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+    for (format, marked) in cases() {
+        let (n_out, n_in) = (37, marked % FIVE_BITS);
+        let (data, scales) = weight(&mut rng, format, n_out, marked);
         let mut reference = CpuBackend::new();
         let rid = upload(&mut reference, format, n_out, n_in, &data, &scales);
         for t in [1, 2, 5, 40] {
@@ -88,6 +101,7 @@ fn exact_products_match_the_cpu_reference_and_each_isa_the_same_bits() {
                     let mut b = NativeBackend::with_isa(threads, isa).unwrap();
                     let id = upload(&mut b, format, n_out, n_in, &data, &scales);
                     let got = b.matmul_op(id, &x, t as u32, n_in as u32, Precision::Exact).unwrap();
+                    assert_eq!(matches!(b.weights[&id].stored, Stored::Q5 { .. }), five_bits(marked), "{} {marked}: the form kept", format.name());
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         let row = &x[i / n_out * n_in..][..n_in];
                         let scale: f32 = row.iter().map(|v| v.abs()).sum::<f32>() + 1.0;
@@ -105,9 +119,9 @@ fn exact_products_match_the_cpu_reference_and_each_isa_the_same_bits() {
 #[test]
 fn a_rows_exact_and_fast_products_do_not_depend_on_the_batch() {
     let mut rng = Rng(11);
-    for (format, n_in) in cases() {
-        let n_out = 21;
-        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+    for (format, marked) in cases() {
+        let (n_out, n_in) = (21, marked % FIVE_BITS);
+        let (data, scales) = weight(&mut rng, format, n_out, marked);
         let x: Vec<f32> = (0..9 * n_in).map(|_| rng.f()).collect();
         for isa in isas() {
             let mut b = NativeBackend::with_isa(2, isa).unwrap();
@@ -126,9 +140,9 @@ fn a_rows_exact_and_fast_products_do_not_depend_on_the_batch() {
 #[test]
 fn fast_products_are_within_the_int8_rounding_of_exact_ones() {
     let mut rng = Rng(3);
-    for (format, n_in) in cases().into_iter().filter(|c| !matches!(c.0, Format::F32 | Format::Bf16)) {
-        let n_out = 19;
-        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+    for (format, marked) in cases().into_iter().filter(|c| !matches!(c.0, Format::F32 | Format::Bf16)) {
+        let (n_out, n_in) = (19, marked % FIVE_BITS);
+        let (data, scales) = weight(&mut rng, format, n_out, marked);
         let mut reference = CpuBackend::new();
         let rid = upload(&mut reference, format, n_out, n_in, &data, &scales);
         let mut plain = NativeBackend::with_isa(1, Isa::Scalar).unwrap();
@@ -245,7 +259,7 @@ fn native_speed() {
                 let q = std::time::Instant::now();
                 if precision == Precision::Fast {
                     for _ in 0..runs {
-                        std::hint::black_box(kernels::quantize(&x, n_in, format));
+                        std::hint::black_box(kernels::quantize(&x, n_in, b.weights[&id].stored.x_layout().unwrap()));
                     }
                 }
                 let qs = q.elapsed().as_secs_f64() / runs as f64;
@@ -272,6 +286,32 @@ fn gated_activations_match_the_op_cores_formula() {
                 // Past f32's range the vector form may saturate where the formula overflows.
                 assert!(same || !want.is_finite(), "{act:?} {isa:?} at {g}: {o} against {want}");
             }
+        }
+    }
+}
+
+#[test]
+fn a_five_bit_weight_written_again_takes_the_new_values() {
+    let mut rng = Rng(13);
+    let (n_out, n_in) = (8, 96);
+    let (data, scales) = weight(&mut rng, Format::Q8x32, n_out, FIVE_BITS + n_in);
+    let wide = rng.bytes(n_in * 3); // rows 2..5 again, with values past five bits
+    let x: Vec<f32> = (0..2 * n_in).map(|_| rng.f()).collect();
+    for isa in isas() {
+        let mut reference = CpuBackend::new();
+        let mut b = NativeBackend::with_isa(1, isa).unwrap();
+        let (rid, id) = (upload(&mut reference, Format::Q8x32, n_out, n_in, &data, &scales), upload(&mut b, Format::Q8x32, n_out, n_in, &data, &scales));
+        for round in 0..2 {
+            for precision in [Precision::Exact, Precision::Fast] {
+                let got = b.matmul_op(id, &x, 2, n_in as u32, precision).unwrap();
+                let want = reference.matmul(&x, 2, n_in as u32, &[rid]).unwrap().remove(0);
+                for (g, w) in got.iter().zip(&want) {
+                    assert!((g - w).abs() <= 0.02 * (1.0 + w.abs()), "round {round} {isa:?} {precision:?}: {g} against {w}");
+                }
+            }
+            assert_eq!(matches!(b.weights[&id].stored, Stored::Q5 { .. }), round == 0, "round {round}");
+            reference.write_rows(rid, 2, &wide, &scales[2 * n_in / 32..5 * n_in / 32]).unwrap();
+            b.write_rows(id, 2, &wide, &scales[2 * n_in / 32..5 * n_in / 32]).unwrap();
         }
     }
 }
