@@ -10,17 +10,25 @@
 # named `.dev/NAME.pNN`; `../shared/tools/llama-cpp.sh pack` makes `.dev/llama.tgz` (and the
 # script itself is copied beside it, since `../shared` does not travel). It prints the
 # calls to make, in order: the first carries `.gl`, the binary and llama.cpp's source, each next
-# one a piece. There, `bench/carry.sh --unpack` puts the binary at /tmp/wisp and each model, once
-# all its pieces are there, at /tmp/NAME (and checks its SHA-256 against the one recorded here).
+# one a piece. A call's carried `.dev/` replaces the last one's there, so each call runs
+# `bench/carry.sh --keep`, which moves what it brought to /tmp/wisp-carried; `bench/carry.sh
+# --unpack` then puts the binary at /tmp/wisp and each model, once all its pieces are there, at
+# /tmp/NAME (and checks its SHA-256 against the one recorded here).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+kept=/tmp/wisp-carried
+if [ "${1:-}" = --keep ] || [ "${1:-}" = --unpack ]; then
+    mkdir -p "$kept"
+    [ -d .dev ] && cp -f .dev/* "$kept"/ 2>/dev/null || true
+    [ "$1" = --keep ] && { ls "$kept"; exit 0; }
+fi
 if [ "${1:-}" = --unpack ]; then
-    [ -f .dev/wisp.xz ] && python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.dev/wisp.xz'), open('/tmp/wisp', 'wb'))" &&
+    [ -f "$kept/wisp.xz" ] && python3 -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$kept/wisp.xz'), open('/tmp/wisp', 'wb'))" &&
         chmod +x /tmp/wisp && echo "/tmp/wisp"
-    for sum in .dev/*.sha256; do
+    for sum in "$kept"/*.sha256; do
         [ -e "$sum" ] || continue
         name=$(basename "$sum" .sha256)
-        if cat ".dev/$name".p?? >"/tmp/$name" 2>/dev/null &&
+        if cat "$kept/$name".p?? >"/tmp/$name" 2>/dev/null &&
             [ "$(sha256sum "/tmp/$name" | cut -d' ' -f1)" = "$(cat "$sum")" ]; then
             echo "/tmp/$name"
         else
@@ -54,11 +62,11 @@ cp ../shared/tools/llama-cpp.sh .dev/llama-cpp.sh
 echo "calls, in order (each within the machine's idle release of the last):"
 sums=$(for m in "${models[@]}"; do printf ', .dev/%s.sha256' "$(basename "$m")"; done)
 echo "  carry [.gl, .dev/wisp.xz, .dev/llama.tgz, .dev/llama-cpp.sh$sums]: bench/carry.sh --unpack, and start"
-echo "    llama.cpp's build in the background: setsid env LLAMA_CPP_DIR=/tmp/llama.cpp LLAMA_CPP_TGZ=\$PWD/.dev/llama.tgz"
-echo "    bash .dev/llama-cpp.sh cpu > /tmp/llama.log 2>&1 < /dev/null & (CPU; its header says how to build with CUDA)"
+echo "    llama.cpp's build in the background: setsid env LLAMA_CPP_DIR=/tmp/llama.cpp LLAMA_CPP_TGZ=/tmp/wisp-carried/llama.tgz"
+echo "    bash /tmp/wisp-carried/llama-cpp.sh cpu > /tmp/llama.log 2>&1 < /dev/null & (CPU; its header says how to build with CUDA)"
 for m in "${models[@]}"; do
     for p in ".dev/$(basename "$m")".p??; do
-        echo "  carry [$p]"
+        echo "  carry [$p]: bench/carry.sh --keep"
     done
 done
 echo "  then, with the last piece: bench/carry.sh --unpack && bench/gpu.sh /tmp/wisp /tmp/MODEL ..."

@@ -1,7 +1,7 @@
 //! The native CPU device: the `gpu` interface on the host's own CPU, at its full vector width
 //! and on every core the host gives it. It runs programs with the op core's interpreter
-//! ([`super::program::run`]); its products, cache writes and attention are its own
-//! ([`kernels`]): weights kept in their upload formats, `exact` products in f32 and `fast` ones
+//! ([`super::program::run`]); its products, cache writes and attention are its own (the
+//! private `kernels` module): weights kept in their upload formats, `exact` products in f32 and `fast` ones
 //! over int8 activations, the rows of each product split over a pool of threads (each weight
 //! read once a pass, whatever the number of sequences), attention split by head.
 //!
