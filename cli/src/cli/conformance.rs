@@ -4,7 +4,7 @@
 //! default model, the guest's matrix products on that same device. One table (or JSON); exit code
 //! 3 when a kit case or a golden case fails.
 
-use super::{DeviceArg, model_path};
+use super::{DeviceArg, model_path, threads};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::{Value, json};
@@ -26,8 +26,8 @@ pub struct ConformanceArgs {
     /// Seed of the random shapes and values: the same seed makes the same calls [default: fresh, printed]
     #[arg(long)]
     seed: Option<u64>,
-    /// Threads of the native device (`--device native`) [default: one a physical core]
-    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true)]
+    /// Threads of the native device (`--device native`), 1 to 1024 [default: one a physical core]
+    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true, value_parser = threads)]
     threads: usize,
     /// Device memory the kit may use, in MiB (the budget-bytes case fills it; above 256 it is skipped).
     #[arg(long, default_value_t = 64, value_name = "MIB")]

@@ -171,6 +171,14 @@ pub enum DeviceArg {
     None,
 }
 
+/// `--threads`: 1 to 1024 (0, the default, stands for one a physical core).
+pub fn threads(s: &str) -> std::result::Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n <= 1024 => Ok(n),
+        _ => Err(format!("{s} is not a thread count of 1 to 1024")),
+    }
+}
+
 impl DeviceArg {
     /// The device, with `budget`; `None` where `--device wgpu` finds no adapter.
     pub fn open(self, budget: Budget, threads: usize) -> Result<Option<GpuCtx>> {
@@ -210,8 +218,8 @@ pub struct ModelArgs {
     /// Device memory the guest may fill with weights, in MiB.
     #[arg(long, default_value_t = 8192, value_name = "MIB")]
     pub gpu_budget: u64,
-    /// Threads of the native device (`--device native`) [default: one a physical core]
-    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true)]
+    /// Threads of the native device (`--device native`), 1 to 1024 [default: one a physical core]
+    #[arg(long, short = 't', default_value_t = 0, value_name = "N", hide_default_value = true, value_parser = threads)]
     pub threads: usize,
 }
 

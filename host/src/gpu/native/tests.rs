@@ -1,3 +1,4 @@
+#![cfg(test)]
 //! The native device's kernels against the CPU reference and each other.
 
 use super::kernels::Isa;
