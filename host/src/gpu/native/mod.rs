@@ -167,7 +167,7 @@ impl NativeBackend {
         let fast = precision == Precision::Fast && layout.is_some();
         // x as the kernels read it: quantized for `fast`, reordered where the weight decodes in
         // the q4x32 layout for `exact`.
-        let quantized = layout.filter(|_| fast).map(|l| kernels::quantize(x, n_in, l));
+        let quantized = layout.filter(|_| fast).map(|l| self.quantize(x, n_in, t, l));
         let reordered = (!fast && layout.is_some_and(|(_, q4)| q4)).then(|| kernels::reorder_q4(x, n_in));
         let xs = reordered.as_deref().unwrap_or(x);
         // Runs of weight rows: about four a thread, whole groups of 8; each task's output
@@ -200,6 +200,25 @@ impl NativeBackend {
             }
         }
         y
+    }
+
+    /// [`kernels::quantize`] of `t` rows of x, their runs over the pool where there are many
+    /// (each row's values are its own: the same bytes however the rows are split).
+    fn quantize(&self, x: &[f32], n_in: usize, t: usize, layout: (usize, bool)) -> Quantized {
+        const MIN_ROWS: usize = 16;
+        if self.pool.is_none() || t < MIN_ROWS {
+            return kernels::quantize(x, n_in, layout);
+        }
+        let per = t.div_ceil(self.threads).max(MIN_ROWS / 2);
+        let parts: Vec<Quantized> = self.on_pool(|| x.par_chunks(per * n_in).map(|rows| kernels::quantize(rows, n_in, layout)).collect());
+        let mut all = Quantized { block: layout.0, q: Vec::with_capacity(x.len()), s: Vec::new(), c: Vec::new(), pairs: Vec::new() };
+        for p in parts {
+            all.q.extend_from_slice(&p.q);
+            all.s.extend_from_slice(&p.s);
+            all.c.extend_from_slice(&p.c);
+            all.pairs.extend_from_slice(&p.pairs);
+        }
+        all
     }
 
     /// Attention of `q` over cache `c`'s positions `first_key..`, split by head over the pool.
@@ -518,8 +537,21 @@ impl Backend for NativeBackend {
     }
 
     fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
-        let mut out = vec![0f32; gate.len().min(up.len())];
-        kernels::gated(self.isa, act, gate, up, &mut out);
+        // Runs of 64 Ki values over the pool (each value its own: the same whatever the split).
+        const RUN: usize = 1 << 16;
+        let n = gate.len().min(up.len());
+        let mut out = vec![0f32; n];
+        let isa = self.isa;
+        if self.pool.is_some() && n > RUN {
+            self.on_pool(|| {
+                out.par_chunks_mut(RUN).enumerate().for_each(|(i, o)| {
+                    let at = i * RUN;
+                    kernels::gated(isa, act, &gate[at..at + o.len()], &up[at..at + o.len()], o)
+                })
+            });
+        } else {
+            kernels::gated(isa, act, gate, up, &mut out);
+        }
         out
     }
 
