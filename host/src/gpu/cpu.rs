@@ -19,9 +19,53 @@ struct Weight {
 #[derive(Default)]
 pub struct CpuBackend {
     weights: HashMap<BufferId, Weight>,
-    /// `kv-cache`s: slots, width, keys and values (`[slots, width]` each).
-    caches: HashMap<BufferId, (usize, usize, Vec<f32>, Vec<f32>)>,
+    caches: HashMap<BufferId, KvRing>,
     next: BufferId,
+}
+
+/// A `kv-cache` in host memory, as the host's CPU devices (this reference and the native one)
+/// keep it: `slots` rows of `width` keys and as many values, position `p` in row `p % slots`.
+pub(super) struct KvRing {
+    pub slots: usize,
+    pub width: usize,
+    /// `[slots, width]`.
+    pub k: Vec<f32>,
+    /// `[slots, width]`.
+    pub v: Vec<f32>,
+}
+
+impl KvRing {
+    /// A zeroed ring, or `out-of-memory` where the host has not the memory.
+    pub fn new(slots: u32, width: u32) -> Result<KvRing, GpuError> {
+        let n = slots as usize * width as usize;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        if k.try_reserve_exact(n).is_err() || v.try_reserve_exact(n).is_err() {
+            return Err(GpuError::OutOfMemory(format!("a kv-cache of 2 x {n} values")));
+        }
+        k.resize(n, 0.0);
+        v.resize(n, 0.0);
+        Ok(KvRing { slots: slots as usize, width: width as usize, k, v })
+    }
+
+    /// Where position `p`'s row starts in `k` and `v`.
+    pub fn row(&self, p: u64) -> usize {
+        (p % self.slots as u64) as usize * self.width
+    }
+
+    /// The whole rows `k_new` and `v_new` at the rows of positions `first..`.
+    pub fn write(&mut self, first: u32, k_new: &[f32], v_new: &[f32]) {
+        let w = self.width;
+        for (r, (kr, vr)) in k_new.chunks_exact(w).zip(v_new.chunks_exact(w)).enumerate() {
+            let at = self.row(first as u64 + r as u64);
+            self.k[at..at + w].copy_from_slice(kr);
+            self.v[at..at + w].copy_from_slice(vr);
+        }
+    }
+}
+
+/// The `kv-cache` `id` of `caches`, or `invalid-argument`.
+pub(super) fn ring(caches: &mut HashMap<BufferId, KvRing>, id: BufferId) -> Result<&mut KvRing, GpuError> {
+    caches.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))
 }
 
 impl CpuBackend {
@@ -143,17 +187,10 @@ impl Backend for CpuBackend {
     }
 
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
-        let n = slots as usize * width as usize;
-        let mut k = Vec::new();
-        let mut v = Vec::new();
-        if k.try_reserve_exact(n).is_err() || v.try_reserve_exact(n).is_err() {
-            return Err(GpuError::OutOfMemory(format!("a kv-cache of 2 x {n} values")));
-        }
-        k.resize(n, 0.0);
-        v.resize(n, 0.0);
+        let ring = KvRing::new(slots, width)?;
         let id = self.next;
         self.next += 1;
-        self.caches.insert(id, (slots as usize, width as usize, k, v));
+        self.caches.insert(id, ring);
         Ok(id)
     }
 
@@ -162,13 +199,7 @@ impl Backend for CpuBackend {
     }
 
     fn write_cache(&mut self, id: BufferId, first: u32, k_new: &[f32], v_new: &[f32]) -> Result<(), GpuError> {
-        let (slots, width, k, v) = self.caches.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
-        let (slots, width) = (*slots as u64, *width);
-        for (r, (kr, vr)) in k_new.chunks_exact(width).zip(v_new.chunks_exact(width)).enumerate() {
-            let at = ((first as u64 + r as u64) % slots) as usize * width;
-            k[at..at + width].copy_from_slice(kr);
-            v[at..at + width].copy_from_slice(vr);
-        }
+        ring(&mut self.caches, id)?.write(first, k_new, v_new);
         Ok(())
     }
 
@@ -182,13 +213,11 @@ impl Backend for CpuBackend {
         first_key: u32,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>, GpuError> {
-        self.write_cache(cache, first_new, k_new, v_new)?;
-        let (slots, width, k, v) = self.caches.get(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
-        let (slots, width) = (*slots, *width);
-        let row = |p: u64| (p % slots as u64) as usize * width;
+        let c = ring(&mut self.caches, cache)?;
+        c.write(first_new, k_new, v_new);
         // The shape's keys in order of position, then attention as the contract reads it.
-        let keys: Vec<usize> = (0..shape.n_keys as u64).map(|j| row(first_key as u64 + j)).collect();
-        let gather = |m: &[f32]| keys.iter().flat_map(|&at| m[at..at + width].iter().copied()).collect::<Vec<f32>>();
-        Ok(attention_reference(q, &gather(k), &gather(v), shape))
+        let keys: Vec<usize> = (0..shape.n_keys as u64).map(|j| c.row(first_key as u64 + j)).collect();
+        let gather = |m: &[f32]| keys.iter().flat_map(|&at| m[at..at + c.width].iter().copied()).collect::<Vec<f32>>();
+        Ok(attention_reference(q, &gather(&c.k), &gather(&c.v), shape))
     }
 }

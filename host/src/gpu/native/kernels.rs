@@ -604,16 +604,31 @@ pub mod avx2 {
         }
     }
 
-    /// `fast` for `R` rows of x against the `W` rows of a q4x32 weight from `o` (x in the
-    /// q4x32 layout): `out[j * R + i]`.
+    /// `fast` for `R` rows of x against the `W` rows of a weight of nibbles from `o` (x in the
+    /// q4x32 layout): `out[j * R + i]`. A q4x32 weight (`FIVE` false): `w = d u - m`, `h`
+    /// empty. A five-bit one (`FIVE`): each nibble's fifth bit from `h` added, `w = d (u -
+    /// 16)`, so `m` is `d` and `offset` 16. Either way the offset term, `offset * sum_b m_b
+    /// s_b (sum of the block's x values)`, is taken off through x's block sums.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn q4<const W: usize, const R: usize>(q: &[u8], d: &[f32], m: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+    #[allow(clippy::too_many_arguments)]
+    fn nibbles<const W: usize, const R: usize, const FIVE: bool>(
+        (q, h, d, m, offset): (&[u8], &[u64], &[f32], &[f32], f32),
+        o: usize,
+        n_in: usize,
+        x: &Quantized,
+        r0: usize,
+        out: &mut [f32],
+    ) {
         let nb = n_in / 32;
         let pairs = nb / 2;
-        let (mut wq, mut wd, mut wm): ([&[u8]; W], [&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
+        let per_row = nb.div_ceil(2);
+        let (mut wq, mut wh, mut wd, mut wm): ([&[u8]; W], [&[u64]; W], [&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W], [&[]; W]);
         for j in 0..W {
             wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
+            if FIVE {
+                wh[j] = &h[(o + j) * per_row..][..per_row];
+            }
             wd[j] = &d[(o + j) * nb..][..nb];
             wm[j] = &m[(o + j) * nb..][..nb];
         }
@@ -626,8 +641,9 @@ pub mod avx2 {
         let low = _mm256_set1_epi8(0x0F);
         let ones = _mm256_set1_epi16(1);
         // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
-        // bytes), bytes `64p..64p + 64` of each `xq[i]` (n_in), scales `2p, 2p + 1` (< nb) of
-        // each `wd[j]` and `8p..8p + 8` of each `xp[i]` (cut to `8 * pairs`).
+        // bytes), with `FIVE` `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]`
+        // (n_in), scales `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]`
+        // (cut to `8 * pairs`).
         unsafe {
             for p in 0..pairs {
                 let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
@@ -642,10 +658,16 @@ pub mod avx2 {
                         _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
                     }
                     let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
-                    let lo = _mm256_and_si256(w, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                    let mut lo = _mm256_and_si256(w, low);
+                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                    if FIVE {
+                        let bits = *wh[j].get_unchecked(p);
+                        lo = _mm256_or_si256(lo, fifth_bits(bits as u32));
+                        hi = _mm256_or_si256(hi, fifth_bits((bits >> 32) as u32));
+                    }
                     let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
                     for i in 0..R {
+                        // At most 31 * 127 * 2 a pair of bytes, twice: inside i16.
                         let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i]));
                         let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
@@ -657,12 +679,14 @@ pub mod avx2 {
             for i in 0..R {
                 let r = r0 + i;
                 let mut y = hsum(acc[j][i]);
-                let (q, d, m) = (wq[j], wd[j], wm[j]);
+                let (d, m) = (wd[j], wm[j]);
                 if nb % 2 == 1 {
-                    // The lone last block: its even elements, then its odd ones.
+                    // The lone last block: its even values, then its odd ones, in `u`.
                     let b = nb - 1;
                     let xq = &xq[i][b * 32..][..32];
-                    let dot: i32 = q[b * 16..][..16].iter().enumerate().map(|(j, &v)| (v & 0xF) as i32 * xq[j] as i32 + (v >> 4) as i32 * xq[16 + j] as i32).sum();
+                    let bits = if FIVE { wh[j][per_row - 1] } else { 0 };
+                    let u = |k: usize, v: u8| (v as i32) | (((bits >> k) & 1) as i32) << 4;
+                    let dot: i32 = wq[j][b * 16..][..16].iter().enumerate().map(|(k, &v)| u(k, v & 0xF) * xq[k] as i32 + u(16 + k, v >> 4) * xq[16 + k] as i32).sum();
                     y += d[b] * x.s[r * nb + b] * dot as f32;
                 }
                 let c = &x.c[r * nb..][..nb];
@@ -674,7 +698,7 @@ pub mod avx2 {
                 for b in nb / 8 * 8..nb {
                     min += m[b] * c[b];
                 }
-                out[j * R + i] = y - min;
+                out[j * R + i] = y - offset * min;
             }
         }
     }
@@ -693,87 +717,6 @@ pub mod avx2 {
         _mm256_and_si256(set, _mm256_set1_epi8(16))
     }
 
-    /// `fast` for `R` rows of x against the `W` rows of a five-bit weight from `o` (x in the
-    /// q4x32 layout): `out[j * R + i]`. As [`q4`], with each nibble's fifth bit added and the
-    /// offset of 16 taken off through x's block sums.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn q5<const W: usize, const R: usize>(q: &[u8], h: &[u64], d: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
-        let nb = n_in / 32;
-        let pairs = nb / 2;
-        let per_row = nb.div_ceil(2);
-        let (mut wq, mut wh, mut wd): ([&[u8]; W], [&[u64]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
-        for j in 0..W {
-            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
-            wh[j] = &h[(o + j) * per_row..][..per_row];
-            wd[j] = &d[(o + j) * nb..][..nb];
-        }
-        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
-        for i in 0..R {
-            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
-            xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
-        }
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
-        // bytes), `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]` (n_in), scales
-        // `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]` (8 * pairs).
-        unsafe {
-            for p in 0..pairs {
-                let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
-                for i in 0..R {
-                    xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
-                    xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
-                    s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(8 * p));
-                }
-                for j in 0..W {
-                    if W > 1 {
-                        // As in `q8`: the line two calls on.
-                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                    }
-                    let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
-                    let bits = *wh[j].get_unchecked(p);
-                    let lo = _mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32));
-                    let hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32));
-                    let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
-                    for i in 0..R {
-                        // At most 31 * 127 * 2 a pair of bytes, twice: inside i16.
-                        let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i]));
-                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                        acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
-                    }
-                }
-            }
-        }
-        for j in 0..W {
-            for i in 0..R {
-                let r = r0 + i;
-                let mut y = hsum(acc[j][i]);
-                let d = wd[j];
-                if nb % 2 == 1 {
-                    // The lone last block: its even values, then its odd ones, in `u`.
-                    let b = nb - 1;
-                    let (xq, bits) = (&xq[i][b * 32..][..32], wh[j][per_row - 1]);
-                    let u = |k: usize, v: u8| (v as i32) | (((bits >> k) & 1) as i32) << 4;
-                    let dot: i32 = wq[j][b * 16..][..16].iter().enumerate().map(|(k, &v)| u(k, v & 0xF) * xq[k] as i32 + u(16 + k, v >> 4) * xq[16 + k] as i32).sum();
-                    y += d[b] * x.s[r * nb + b] * dot as f32;
-                }
-                // The offset: 16 d_b s_b (sum of the block's x values), over the blocks.
-                let c = &x.c[r * nb..][..nb];
-                let mut mins = _mm256_setzero_ps();
-                for k in 0..nb / 8 {
-                    mins = _mm256_fmadd_ps(load_f32(&d[k * 8..]), load_f32(&c[k * 8..]), mins);
-                }
-                let mut min = hsum(mins);
-                for b in nb / 8 * 8..nb {
-                    min += d[b] * c[b];
-                }
-                out[j * R + i] = y - 16.0 * min;
-            }
-        }
-    }
-
     /// One call of a kernel: `W` weight rows from `o` against `R` rows of x from `r`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -781,8 +724,8 @@ pub mod avx2 {
         match w {
             Stored::Q8 { block: 16, q, d } => q8::<W, R, true>(q, d, o, n_in, x, r, y),
             Stored::Q8 { q, d, .. } => q8::<W, R, false>(q, d, o, n_in, x, r, y),
-            Stored::Q4 { q, d, m } => q4::<W, R>(q, d, m, o, n_in, x, r, y),
-            Stored::Q5 { q, h, d } => q5::<W, R>(q, h, d, o, n_in, x, r, y),
+            Stored::Q4 { q, d, m } => nibbles::<W, R, false>((q, &[], d, m, 1.0), o, n_in, x, r, y),
+            Stored::Q5 { q, h, d } => nibbles::<W, R, true>((q, h, d, d, 16.0), o, n_in, x, r, y),
             Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
         }
     }

@@ -10,6 +10,7 @@
 
 mod kernels;
 
+use super::cpu::{KvRing, ring};
 use super::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError, Precision};
 use kernels::{Isa, Quantized, Stored};
 use rayon::prelude::*;
@@ -42,18 +43,10 @@ impl Matrix {
     }
 }
 
-/// A `kv-cache`: `slots` rows of `width` keys and as many values.
-struct Cache {
-    slots: usize,
-    width: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
-}
-
 /// The native CPU device.
 pub struct NativeBackend {
     weights: HashMap<BufferId, Matrix>,
-    caches: HashMap<BufferId, Cache>,
+    caches: HashMap<BufferId, KvRing>,
     next: BufferId,
     /// The workers; `None` for one thread (the caller's).
     pool: Option<Arc<rayon::ThreadPool>>,
@@ -222,7 +215,7 @@ impl NativeBackend {
     }
 
     /// Attention of `q` over cache `c`'s positions `first_key..`, split by head over the pool.
-    fn attend(&self, c: &Cache, first_key: u32, q: &[f32], s: &AttentionShape) -> Vec<f32> {
+    fn attend(&self, c: &KvRing, first_key: u32, q: &[f32], s: &AttentionShape) -> Vec<f32> {
         let (hd, n_head) = (s.head_dim as usize, s.n_head as usize);
         let group = n_head / s.n_head_kv as usize;
         let width = n_head * hd;
@@ -235,7 +228,7 @@ impl NativeBackend {
             for i in 0..t {
                 let qh = &q[i * width + h * hd..][..hd];
                 let keys = s.keys_of(i as u32);
-                let row = |j: usize| ((first_key as u64 + j as u64) % c.slots as u64) as usize * c.width + g;
+                let row = |j: usize| c.row(first_key as u64 + j as u64) + g;
                 scores.clear();
                 scores.extend(keys.clone().map(|j| s.scale * dot(isa, qh, &c.k[row(j)..][..hd])));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -556,15 +549,9 @@ impl Backend for NativeBackend {
     }
 
     fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
-        let n = slots as usize * width as usize;
-        let (mut k, mut v) = (Vec::new(), Vec::new());
-        if k.try_reserve_exact(n).is_err() || v.try_reserve_exact(n).is_err() {
-            return Err(GpuError::OutOfMemory(format!("a kv-cache of 2 x {n} values")));
-        }
-        k.resize(n, 0.0);
-        v.resize(n, 0.0);
+        let ring = KvRing::new(slots, width)?;
         let id = self.id();
-        self.caches.insert(id, Cache { slots: slots as usize, width: width as usize, k, v });
+        self.caches.insert(id, ring);
         Ok(id)
     }
 
@@ -573,13 +560,7 @@ impl Backend for NativeBackend {
     }
 
     fn write_cache(&mut self, id: BufferId, first: u32, k_new: &[f32], v_new: &[f32]) -> Result<(), GpuError> {
-        let c = self.caches.get_mut(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {id}")))?;
-        let w = c.width;
-        for (r, (kr, vr)) in k_new.chunks_exact(w).zip(v_new.chunks_exact(w)).enumerate() {
-            let at = ((first as u64 + r as u64) % c.slots as u64) as usize * w;
-            c.k[at..at + w].copy_from_slice(kr);
-            c.v[at..at + w].copy_from_slice(vr);
-        }
+        ring(&mut self.caches, id)?.write(first, k_new, v_new);
         Ok(())
     }
 
@@ -593,11 +574,9 @@ impl Backend for NativeBackend {
         first_key: u32,
         shape: &AttentionShape,
     ) -> Result<Vec<f32>, GpuError> {
-        if !k_new.is_empty() {
-            self.write_cache(cache, first_new, k_new, v_new)?;
-        }
-        let c = self.caches.get(&cache).ok_or_else(|| GpuError::InvalidArgument(format!("no kv-cache {cache}")))?;
-        Ok(self.attend(c, first_key, q, shape))
+        let c = ring(&mut self.caches, cache)?;
+        c.write(first_new, k_new, v_new);
+        Ok(self.attend(&self.caches[&cache], first_key, q, shape))
     }
 }
 
