@@ -8,6 +8,10 @@
 # Each stream's prompt is PROMPT_TOKENS tokens, new each round (0: eight short prompts, the same
 # every round, which both servers then find cached from the round before).
 #
+# $DEVICE picks where wisp computes: `none` (the default: the guest's own kernels, `--gpu off`, an
+# instance a core) or `native` (the host's native CPU device on every core: `--device native
+# --threads $(nproc)`, one instance, every stream in its batched step).
+#
 # Needs a release build (`cargo build --release`), llama.cpp's CPU build
 # (`../shared/tools/llama-cpp.sh cpu`, or LLAMA_SERVER=path) and python3 with httpx (pip).
 set -euo pipefail
@@ -19,8 +23,13 @@ llama=${LLAMA_SERVER:-/var/tmp/llama.cpp-0.3.36/build-cpu/bin/llama-server}
 model=$("$wisp" fetch)
 cores=$(nproc)
 ctx=512
+case ${DEVICE:-none} in
+none) where=(--gpu off) ;;
+native) where=(--device native --threads "$cores" --gpu on) ;;
+*) echo "DEVICE is none or native, not $DEVICE" >&2; exit 2 ;;
+esac
 # WISP_SERVE_ARGS: more options of `wisp serve` (e.g. `--precision fast`).
-"$wisp" serve --model "$model" --port 18080 --gpu off --parallel "$clients" --ctx "$ctx" ${WISP_SERVE_ARGS:-} 2>/tmp/wisp-serve.log &
+"$wisp" serve --model "$model" --port 18080 "${where[@]}" --parallel "$clients" --ctx "$ctx" ${WISP_SERVE_ARGS:-} 2>/tmp/wisp-serve.log &
 wisp_pid=$!
 "$llama" -m "$model" --port 18081 -t "$cores" --parallel "$clients" -c $((ctx * clients)) --no-webui \
     >/tmp/llama-server.log 2>&1 &

@@ -245,8 +245,8 @@ fn native_speed() {
                 println!("  streaming the weight's {} bytes: {:.1} GB/s ({sum})", q.len(), q.len() as f64 / s / 1e9);
             }
         }
-        for t in [1usize, 128] {
-            if n_out > 100_000 && t > 1 {
+        for t in [1usize, 32, 128] {
+            if n_out > 100_000 && t > 32 {
                 continue;
             }
             let x: Vec<f32> = (0..t * n_in).map(|_| rng.f()).collect();
