@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
-use wisp::{CpuBackend, GpuCtx, GpuMode};
+use wisp::{CpuBackend, GpuCtx, GpuMode, NativeBackend};
 use wisp_tests::{hardware_required, open, root, wgpu_backend};
 
 /// wisp against exact arithmetic on logits of magnitude ~5, as (top-5 difference, rmse): the
@@ -40,7 +40,7 @@ fn generated(arch: &str, effect: &str) -> Option<(PathBuf, PathBuf, f64)> {
 }
 
 /// Holds the tiny model of `arch` to its float64 forward on the guest's CPU, the CPU reference
-/// device and wgpu, with `products` matrices on a device; `effect` is how far the logits move
+/// device, the native device and wgpu, with `products` matrices on a device; `effect` is how far the logits move
 /// without the architecture's quirk (which the reference reports), far past wisp's error.
 fn matches_its_float64_forward(arch: &str, effect_name: &str, products: u32) {
     let Some((model, golden, effect)) = generated(arch, effect_name) else { return };
@@ -48,6 +48,7 @@ fn matches_its_float64_forward(arch: &str, effect_name: &str, products: u32) {
     let mut paths: Vec<(&str, GpuCtx, GpuMode, (f32, f64))> = vec![
         ("the guest's CPU", GpuCtx::none(), GpuMode::Off, CPU_BOUNDS),
         ("the CPU reference device", GpuCtx::new(Box::new(CpuBackend::new()), Default::default()), GpuMode::On, DEVICE_BOUNDS),
+        ("the native device", GpuCtx::new(Box::new(NativeBackend::new(2).expect("two worker threads")), Default::default()), GpuMode::On, DEVICE_BOUNDS),
     ];
     if let Some(b) = wgpu_backend() {
         paths.push(("wgpu", GpuCtx::new(Box::new(b), Default::default()), GpuMode::On, DEVICE_BOUNDS));

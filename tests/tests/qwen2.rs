@@ -3,7 +3,7 @@
 //! the devices, and the model's chat template.
 
 use wisp::golden::{self, Case};
-use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, Model, Sampling};
+use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, LoadOptions, Model, NativeBackend, Precision, Sampling};
 use wisp_tests::{open, qwen_golden_cases, qwen_model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
@@ -114,17 +114,30 @@ fn a_greedy_chat_reply_ends_at_end_of_turn() {
     assert!(reply.to_lowercase().contains("yes"), "{reply:?}");
 }
 
-#[test]
-fn golden_cases_pass_through_the_cpu_reference_device() {
-    let (mut inst, m) = open(qwen_model(), GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), GpuMode::On);
+/// The golden cases with every product on the device `gpu` offers, in `precision`, and a
+/// session's step there with no fallback to the guest's CPU.
+fn golden_on_the_device(gpu: GpuCtx, precision: Precision) {
+    let (mut inst, m) = open(qwen_model(), gpu, LoadOptions { gpu: GpuMode::On, precision });
     let info = inst.model_info(m).unwrap();
     // 24 layers x 7 weights and the output projection.
-    assert_eq!(info.gpu_weights, 24 * 7 + 1, "weights resident");
+    assert_eq!(info.gpu_weights, 24 * 7 + 1, "{precision:?}: weights resident");
     check(&mut inst, m, &some_cases());
     let s = inst.new_session(m, 8).unwrap().unwrap();
     inst.feed(s, &[785, 12884]).unwrap().unwrap();
     let stats = inst.stats(s).unwrap();
-    assert!(stats.gpu_calls > 0 && stats.gpu_fallbacks == 0, "{stats:?}");
+    assert!(stats.gpu_calls > 0 && stats.gpu_fallbacks == 0, "{precision:?}: {stats:?}");
+}
+
+#[test]
+fn golden_cases_pass_through_the_cpu_reference_device() {
+    golden_on_the_device(GpuCtx::new(Box::new(CpuBackend::new()), Budget::default()), Precision::Exact);
+}
+
+#[test]
+fn golden_cases_pass_on_the_native_device_in_both_precisions() {
+    for precision in [Precision::Exact, Precision::Fast] {
+        golden_on_the_device(GpuCtx::new(Box::new(NativeBackend::new(2).expect("two worker threads")), Budget::default()), precision);
+    }
 }
 
 #[test]

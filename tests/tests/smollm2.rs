@@ -2,13 +2,14 @@
 //! the `smollm` pre-tokenizer (`wisp fetch smollm2-135m`). `tests/smollm2/reference.py` gives
 //! its references: Hugging Face's `tokenizers` with SmolLM2's pre-tokenizer for the token ids,
 //! and a float64 numpy forward over the `gguf` package's dequantized weights for the logits;
-//! wisp must match both, on the guest's CPU, the CPU reference device and wgpu. Without python3
+//! wisp must match both, on the guest's CPU, the CPU reference device, the native device and
+//! wgpu. Without python3
 //! and those packages the test skips locally and fails under `CI=true` (`.ci/run` installs
 //! them).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use wisp::{CpuBackend, GpuCtx, GpuMode};
+use wisp::{CpuBackend, GpuCtx, GpuMode, NativeBackend};
 use wisp_tests::{hardware_required, open, root, smollm_model, wgpu_backend};
 
 /// wisp against the float64 forward, as (top-5 difference, rmse) over logits of magnitude ~20:
@@ -59,6 +60,7 @@ fn smollm2_tokenizes_as_its_own_tokenizer_and_matches_its_float64_forward_on_eve
     let mut paths: Vec<(&str, GpuCtx, GpuMode, (f32, f64))> = vec![
         ("the guest's CPU", GpuCtx::none(), GpuMode::Off, CPU_BOUNDS),
         ("the CPU reference device", GpuCtx::new(Box::new(CpuBackend::new()), Default::default()), GpuMode::On, DEVICE_BOUNDS),
+        ("the native device", GpuCtx::new(Box::new(NativeBackend::new(2).expect("two worker threads")), Default::default()), GpuMode::On, DEVICE_BOUNDS),
     ];
     if let Some(b) = wgpu_backend() {
         paths.push(("wgpu", GpuCtx::new(Box::new(b), Default::default()), GpuMode::On, DEVICE_BOUNDS));
