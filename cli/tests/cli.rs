@@ -131,6 +131,37 @@ fn info_reports_the_model() {
     assert!(stdout(&text).contains("architecture: gemma3"), "{}", stdout(&text));
 }
 
+/// The device `wisp info` reports the model placed on: `(name, backend)`, or `None`.
+fn info_device(args: &[&str], env: &[(&str, &std::ffi::OsStr)], remove: &[&str]) -> Option<(String, String)> {
+    let m = model();
+    let mut all = vec!["info", "--model", m.to_str().unwrap(), "--json"];
+    all.extend_from_slice(args);
+    let o = wisp_env(&all, env, remove);
+    assert!(o.status.success(), "{all:?}: {}", stderr(&o));
+    let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let d = &v["device"];
+    d["name"].as_str().map(|n| (n.to_string(), d["backend"].as_str().unwrap_or_default().to_string()))
+}
+
+#[test]
+fn the_default_device_is_the_native_cpu_where_wgpu_finds_no_gpu() {
+    let wgpu = info_device(&["--device", "wgpu"], &[], &["WISP_ADAPTER"]);
+    let auto = info_device(&[], &[], &["WISP_ADAPTER"]).expect("a device by default");
+    // Mesa's software rasterizers (lavapipe's llvmpipe, softpipe) are CPU adapters.
+    let software = wgpu.as_ref().is_none_or(|(name, _)| name.contains("llvmpipe") || name.contains("softpipe"));
+    if software {
+        assert_eq!(auto.1, "native", "wgpu offers {wgpu:?}: the default should be the native device, not {auto:?}");
+        assert!(auto.0.starts_with("native CPU ("), "{auto:?}");
+        if let Some((name, backend)) = &wgpu {
+            // Named, the software adapter is what the default takes.
+            let named = info_device(&[], &[("WISP_ADAPTER", std::ffi::OsStr::new("llvmpipe"))], &[]);
+            assert_eq!(named.as_ref().map(|d| &d.1), Some(backend), "WISP_ADAPTER=llvmpipe: {named:?}, not {name}");
+        }
+    } else {
+        assert_eq!(Some(&auto), wgpu.as_ref(), "a GPU adapter is the default device");
+    }
+}
+
 #[test]
 fn bench_prints_speeds() {
     let o = wisp(&[

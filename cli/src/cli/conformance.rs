@@ -21,7 +21,7 @@ const GOLDEN: &str = "tests/golden/gemma3-270m.json";
 #[derive(Args)]
 pub struct ConformanceArgs {
     /// The implementation of the `gpu` interface to check (WISP_ADAPTER=name picks a wgpu adapter).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Wgpu)]
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     device: DeviceArg,
     /// Seed of the random shapes and values: the same seed makes the same calls [default: fresh, printed]
     #[arg(long)]

@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 use wisp::{
-    Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, LoadOptions, Model, NativeBackend, Options, Precision, Sampling, WgpuBackend, Wisp, fetch,
+    Backend, Budget, Constraint, CpuBackend, EngineError, GpuCtx, GpuMode, Instance, LoadOptions, Model, NativeBackend, Options, Precision, Sampling, WgpuBackend, Wisp, fetch,
 };
 
 #[derive(Parser)]
@@ -159,8 +159,11 @@ impl From<PrecisionArg> for Precision {
 /// Which implementation of the `gpu` interface the host offers the guest.
 #[derive(Clone, Copy, ValueEnum, Default, Debug, PartialEq, Eq)]
 pub enum DeviceArg {
-    /// The GPU through wgpu (Vulkan, Metal, DX12 or GL); none if no adapter is found.
+    /// The GPU through wgpu where it finds one; else the native CPU device (also where wgpu
+    /// finds only a CPU adapter, such as lavapipe, unless WISP_ADAPTER names it).
     #[default]
+    Auto,
+    /// The GPU through wgpu (Vulkan, Metal, DX12 or GL); none if no adapter is found.
     Wgpu,
     /// The host's own CPU, natively: its full vector width, on `--threads` threads.
     Native,
@@ -183,6 +186,22 @@ impl DeviceArg {
     /// The device, with `budget`; `None` where `--device wgpu` finds no adapter.
     pub fn open(self, budget: Budget, threads: usize) -> Result<Option<GpuCtx>> {
         Ok(match self {
+            DeviceArg::Auto => {
+                // A CPU adapter (a software rasterizer) computes far slower than the CPU's own
+                // kernels: the native device takes its place unless asked for by name.
+                let named = std::env::var_os("WISP_ADAPTER").is_some();
+                let gpu = match WgpuBackend::new() {
+                    Ok(b) => b.filter(|b| named || b.device().is_some_and(|d| d.device_type != "cpu")),
+                    Err(e) => {
+                        tracing::warn!("wgpu: {e:#}; the native CPU device computes instead");
+                        None
+                    }
+                };
+                Some(match gpu {
+                    Some(b) => GpuCtx::new(Box::new(b), budget),
+                    None => GpuCtx::new(Box::new(NativeBackend::new(threads)?), budget),
+                })
+            }
             DeviceArg::None => Some(GpuCtx::none()),
             DeviceArg::Reference => Some(GpuCtx::new(Box::new(CpuBackend::new()), budget)),
             DeviceArg::Native => Some(GpuCtx::new(Box::new(NativeBackend::new(threads)?), budget)),
@@ -201,7 +220,7 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = GpuArg::Auto)]
     pub gpu: GpuArg,
     /// The device the host offers (WISP_ADAPTER=name picks a wgpu adapter).
-    #[arg(long, value_enum, default_value_t = DeviceArg::Wgpu)]
+    #[arg(long, value_enum, default_value_t = DeviceArg::Auto)]
     pub device: DeviceArg,
     /// How exactly products are computed.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]

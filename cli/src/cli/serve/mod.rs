@@ -42,7 +42,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 64)]
     queue: usize,
     /// Guest instances, each serving its share of the parallel requests on its own thread
-    /// [default: the number of cores (at most 8) without a GPU, else 1]. Each loads the model.
+    /// [default: 1 with a device that runs whole batches, a GPU or the native CPU device (what
+    /// `--device auto` gives a machine without a GPU); else, with `--gpu off` or `--device
+    /// none`, the number of cores, at most 8]. Each loads the model.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=256))]
     instances: Option<u32>,
     /// A request's context in tokens, prompt and reply together (at most the model's training
