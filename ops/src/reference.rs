@@ -67,6 +67,13 @@ pub trait Primitives<W> {
     /// `y[rows, n_out] = x[rows, n_in] @ W^T`, `W[n_out, n_in]` the weight `w`, summed as
     /// `precision` allows (an executor with one way of summing may ignore it).
     fn matmul(&mut self, w: &W, x: &[f32], rows: u32, precision: Precision) -> Result<Vec<f32>, Self::Error>;
+    /// The products of several weights with the same `x` (the program's consecutive products
+    /// of one value: a layer's query, key and value, or gate and up), each as [`Primitives::matmul`]
+    /// gives it, in order. The default runs them one by one; an executor may run them together
+    /// (one parallel region for all, where each is a fork and join of its own).
+    fn matmuls(&mut self, ws: &[&W], x: &[f32], rows: u32, precision: Precision) -> Result<Vec<Vec<f32>>, Self::Error> {
+        ws.iter().map(|w| self.matmul(w, x, rows, precision)).collect()
+    }
     /// Rows of keys `k` and values `v` to cache `cache` (the executor's id) at positions
     /// `first..`.
     fn write_cache(&mut self, cache: u64, first: u32, k: &[f32], v: &[f32]) -> Result<(), Self::Error>;
@@ -94,6 +101,8 @@ pub fn run<W: Weight, P: Primitives<W>>(
     let mut values: Vec<Vec<f32>> = vec![Vec::new(); p.ops.len()];
     let mut outputs = Vec::new();
     let mut next_input = 0;
+    // Ops before this one were products made with a group before them.
+    let mut grouped = 0;
     for (i, op) in p.ops.iter().enumerate() {
         let rows_of = |a: usize| if p.rows(a) == Rows::Sequence { batch.len() as u32 } else { total };
         let made = match *op {
@@ -101,7 +110,28 @@ pub fn run<W: Weight, P: Primitives<W>>(
                 next_input += 1;
                 Some(core::mem::take(&mut inputs[next_input - 1]))
             }
-            Op::Matmul { x, weight, precision } => Some(prims.matmul(&p.weights[weight], &values[x], rows_of(x), precision)?),
+            Op::Matmul { .. } if i < grouped => None,
+            Op::Matmul { x, weight, precision } => {
+                // This product and the ones right after it of the same value, in one call.
+                let ws: Vec<&W> = p.ops[i..]
+                    .iter()
+                    .map_while(|o| match *o {
+                        Op::Matmul { x: x2, weight, precision: p2 } if x2 == x && p2 == precision => Some(&p.weights[weight]),
+                        _ => None,
+                    })
+                    .collect();
+                if ws.len() < 2 {
+                    Some(prims.matmul(&p.weights[weight], &values[x], rows_of(x), precision)?)
+                } else {
+                    let mut ys = prims.matmuls(&ws, &values[x], rows_of(x), precision)?.into_iter();
+                    let first = ys.next();
+                    for (k, y) in ys.enumerate() {
+                        values[i + 1 + k] = y;
+                    }
+                    grouped = i + ws.len();
+                    first
+                }
+            }
             Op::RmsNorm { x, weight, offset, group, eps } => {
                 let mut y = values[x].clone();
                 let ones = vec![0.0; group as usize];
@@ -344,5 +374,62 @@ mod tests {
         }
         let Output::Top { indices, .. } = &out[1] else { panic!("{out:?}") };
         assert_eq!(indices, &[if rows[0] >= rows[1] { 0 } else { 1 }]);
+    }
+
+    /// Products that give each weight's row count as every value, and record how they were
+    /// asked for.
+    struct Counting {
+        groups: Vec<usize>,
+    }
+
+    impl Primitives<WeightShape> for Counting {
+        type Error = ();
+        fn matmul(&mut self, w: &WeightShape, _: &[f32], rows: u32, _: Precision) -> Result<Vec<f32>, ()> {
+            self.groups.push(1);
+            Ok(vec![w.rows as f32; (rows * w.rows) as usize])
+        }
+        fn matmuls(&mut self, ws: &[&WeightShape], x: &[f32], rows: u32, precision: Precision) -> Result<Vec<Vec<f32>>, ()> {
+            let ys = ws.iter().map(|w| self.matmul(w, x, rows, precision)).collect();
+            self.groups.truncate(self.groups.len() - ws.len());
+            self.groups.push(ws.len());
+            ys
+        }
+        fn write_cache(&mut self, _: u64, _: u32, _: &[f32], _: &[f32]) -> Result<(), ()> {
+            Ok(())
+        }
+        fn attention(&mut self, _: u64, _: u32, _: &[f32], _: &AttentionShape) -> Result<Vec<f32>, ()> {
+            Err(())
+        }
+    }
+
+    #[test]
+    fn consecutive_products_of_one_value_are_one_call_and_each_keeps_its_place() {
+        // x W0, x W1, x W2 in a row (one call of three), then y W1 of another value alone, and
+        // an exact product of x after a fast one (another call).
+        let fast = Precision::Fast;
+        let ops = vec![
+            Op::Input { width: 4 },
+            Op::Matmul { x: 0, weight: 0, precision: fast },
+            Op::Matmul { x: 0, weight: 1, precision: fast },
+            Op::Matmul { x: 0, weight: 2, precision: fast },
+            Op::Matmul { x: 1, weight: 3, precision: fast },
+            Op::Matmul { x: 0, weight: 1, precision: Precision::Exact },
+            Op::Output(1),
+            Op::Output(2),
+            Op::Output(3),
+            Op::Output(4),
+            Op::Output(5),
+        ];
+        let shape = |rows, cols| WeightShape { rows, cols, format: Some(Format::F32) };
+        let p = check(ops, vec![shape(2, 4), shape(3, 4), shape(5, 4), shape(1, 2)], 0).unwrap();
+        let mut prims = Counting { groups: Vec::new() };
+        let batch = [SequenceRun { rows: 2, start: 0, caches: vec![] }];
+        let out = run(&p, &mut prims, &[], vec![vec![0.5; 8]], &batch).unwrap();
+        assert_eq!(prims.groups, [3, 1, 1]);
+        let widths: Vec<Vec<f32>> = out.iter().map(|o| match o {
+            Output::Rows(v) => v.clone(),
+            other => panic!("{other:?}"),
+        }).collect();
+        assert_eq!(widths, [vec![2.0; 4], vec![3.0; 6], vec![5.0; 10], vec![1.0; 2], vec![3.0; 6]]);
     }
 }

@@ -88,6 +88,12 @@ pub trait Backend: Send {
         let mut out = self.matmul(x, t, n_in, &[id])?;
         out.pop().ok_or_else(|| GpuError::DeviceLost("a product returned nothing".into()))
     }
+    /// [`Backend::matmul_op`] of each weight `ids` with the same `x` (of `n_in` values a row),
+    /// in order: a program's consecutive products of one value. The default runs them one by
+    /// one.
+    fn matmul_ops(&mut self, ids: &[BufferId], x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<Vec<f32>>, GpuError> {
+        ids.iter().map(|&id| self.matmul_op(id, x, t, n_in, precision)).collect()
+    }
     /// Frees a weight. Never fails: a lost device has nothing left to free.
     fn free(&mut self, id: BufferId);
     /// Reserves a zeroed `kv-cache` of `slots` rows of `width` values (keys and values alike).

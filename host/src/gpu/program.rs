@@ -69,6 +69,12 @@ impl wisp_ops::reference::Primitives<WeightRef> for OnBackend<'_> {
         self.0.matmul_op(w.id, x, rows, w.cols, precision)
     }
 
+    fn matmuls(&mut self, ws: &[&WeightRef], x: &[f32], rows: u32, precision: Precision) -> Result<Vec<Vec<f32>>, GpuError> {
+        let ids: Vec<BufferId> = ws.iter().map(|w| w.id).collect();
+        let n_in = ws.first().map_or(0, |w| w.cols);
+        self.0.matmul_ops(&ids, x, rows, n_in, precision)
+    }
+
     fn write_cache(&mut self, cache: u64, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
         self.0.write_cache(cache, first, k, v)
     }

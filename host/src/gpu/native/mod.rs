@@ -152,47 +152,74 @@ impl NativeBackend {
         self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no buffer {id}")))
     }
 
-    /// `y[t, n_out] = x[t, n_in] @ W^T` over the pool: each task a run of the weight's rows,
-    /// against every row of x.
-    fn product_of(&self, m: &Matrix, x: &[f32], t: usize, precision: Precision) -> Vec<f32> {
-        let (n_out, n_in) = (m.n_out, m.n_in);
-        let layout = m.stored.x_layout();
-        let fast = precision == Precision::Fast && layout.is_some();
-        // x as the kernels read it: quantized for `fast`, reordered where the weight decodes in
-        // the q4x32 layout for `exact`.
-        let quantized = layout.filter(|_| fast).map(|l| self.quantize(x, n_in, t, l));
-        let reordered = (!fast && layout.is_some_and(|(_, q4)| q4)).then(|| kernels::reorder_q4(x, n_in));
-        let xs = reordered.as_deref().unwrap_or(x);
+    /// `y[t, n_out] = x[t, n_in] @ W^T` for each weight of `ms` (all of `n_in` values a row),
+    /// over the pool in one parallel region: each task a run of one weight's rows against every
+    /// row of x (a decode step's products of one value, a layer's query, key and value, are
+    /// one fork and join rather than three).
+    fn products_of(&self, ms: &[&Matrix], x: &[f32], t: usize, precision: Precision) -> Vec<Vec<f32>> {
+        if t == 0 {
+            return vec![Vec::new(); ms.len()];
+        }
+        // x as each weight's kernels read it, made once a layout: quantized for `fast`,
+        // reordered for `exact` where the weight decodes in the q4x32 layout.
+        let n_in = ms.first().map_or(0, |m| m.n_in);
+        let mut quantized: Vec<((usize, bool), Quantized)> = Vec::new();
+        let mut reordered: Option<Vec<f32>> = None;
+        for m in ms {
+            match m.stored.x_layout() {
+                Some(l) if precision == Precision::Fast => {
+                    if !quantized.iter().any(|(have, _)| *have == l) {
+                        quantized.push((l, self.quantize(x, n_in, t, l)));
+                    }
+                }
+                Some((_, true)) if reordered.is_none() => reordered = Some(kernels::reorder_q4(x, n_in)),
+                _ => {}
+            }
+        }
         // Runs of weight rows: about four a thread, whole groups of 8; each task's output
         // `[t, rows]`, copied into place after.
-        let per = if self.pool.is_some() { n_out.div_ceil(self.threads * 4).next_multiple_of(8).max(16) } else { n_out };
+        let per_of = |m: &Matrix| if self.pool.is_some() { m.n_out.div_ceil(self.threads * 4).next_multiple_of(8).max(16) } else { m.n_out.max(1) };
+        let tasks: Vec<(usize, usize)> = ms.iter().enumerate().flat_map(|(k, m)| (0..m.n_out.div_ceil(per_of(m))).map(move |c| (k, c))).collect();
         let isa = self.isa;
-        let task = |c: usize| {
-            let rows = c * per..((c + 1) * per).min(n_out);
+        let task = |&(k, c): &(usize, usize)| {
+            let m = ms[k];
+            let per = per_of(m);
+            let rows = c * per..((c + 1) * per).min(m.n_out);
             let mut out = vec![0f32; t * rows.len()];
-            match &quantized {
-                Some(q) => fast_rows(isa, m, rows, q, t, &mut out),
-                None => exact_rows(isa, m, rows, xs, t, &mut out),
+            let layout = m.stored.x_layout();
+            // Quantized where `fast` made x for this layout (only `fast` makes any).
+            match quantized.iter().find(|(l, _)| Some(*l) == layout) {
+                Some((_, q)) => fast_rows(isa, m, rows, q, t, &mut out),
+                None => {
+                    let xs = if layout.is_some_and(|(_, q4)| q4) { reordered.as_deref().unwrap_or(x) } else { x };
+                    exact_rows(isa, m, rows, xs, t, &mut out)
+                }
             }
             out
         };
-        let tasks = n_out.div_ceil(per);
-        if tasks == 1 {
-            return task(0);
-        }
-        let tiles: Vec<Vec<f32>> = if self.pool.is_some() {
-            self.on_pool(|| (0..tasks).into_par_iter().map(task).collect())
+        let tiles: Vec<Vec<f32>> = if self.pool.is_some() && tasks.len() > 1 {
+            self.on_pool(|| tasks.par_iter().map(task).collect())
         } else {
-            (0..tasks).map(task).collect()
+            tasks.iter().map(task).collect()
         };
-        let mut y = vec![0f32; n_out * t];
-        for (c, tile) in tiles.iter().enumerate() {
+        let mut ys: Vec<Vec<f32>> = vec![Vec::new(); ms.len()];
+        for (&(k, c), tile) in tasks.iter().zip(tiles) {
+            let (m, per) = (ms[k], per_of(ms[k]));
+            if m.n_out <= per {
+                // One task: its tile is the whole product.
+                ys[k] = tile;
+                continue;
+            }
+            let y = &mut ys[k];
+            if y.is_empty() {
+                *y = vec![0f32; m.n_out * t];
+            }
             let width = tile.len() / t;
             for (r, row) in tile.chunks_exact(width).enumerate() {
-                y[r * n_out + c * per..][..width].copy_from_slice(row);
+                y[r * m.n_out + c * per..][..width].copy_from_slice(row);
             }
         }
-        y
+        ys
     }
 
     /// [`kernels::quantize`] of `t` rows of x, their runs over the pool where there are many
@@ -514,15 +541,22 @@ impl Backend for NativeBackend {
     }
 
     fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
-        jobs.iter().map(|&id| self.matmul_op(id, x, t, n_in, Precision::Exact)).collect()
+        self.matmul_ops(jobs, x, t, n_in, Precision::Exact)
     }
 
-    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, _n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
-        if let Some(m) = self.weights.get_mut(&id) {
-            m.settle();
+    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        let mut ys = self.matmul_ops(&[id], x, t, n_in, precision)?;
+        ys.pop().ok_or_else(|| GpuError::InvalidArgument("a product of no weight".into()))
+    }
+
+    fn matmul_ops(&mut self, ids: &[BufferId], x: &[f32], t: u32, _n_in: u32, precision: Precision) -> Result<Vec<Vec<f32>>, GpuError> {
+        for id in ids {
+            if let Some(m) = self.weights.get_mut(id) {
+                m.settle();
+            }
         }
-        let m = self.matrix(id)?;
-        Ok(self.product_of(m, x, t as usize, precision))
+        let ms = ids.iter().map(|&id| self.matrix(id)).collect::<Result<Vec<_>, _>>()?;
+        Ok(self.products_of(&ms, x, t as usize, precision))
     }
 
     fn free(&mut self, id: BufferId) {
