@@ -395,7 +395,12 @@ fn compile_keyed(
         // Room for this file first: a pre-initialized guest's file is as large as its model (one
         // is kept per model); plain `wisp` keeps the builds used last.
         prune(dir, name, if name == "wisp" { KEEP_BUILDS - 1 } else { 0 });
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+        // A name of this call's own: threads of one process (tests, a server's instances) may
+        // compile the same build at once, and one writing over another's file while that one
+        // maps it would fault (SIGBUS); each renames a whole file of its own into place.
+        static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = path.with_extension(format!("tmp{}-{n}", std::process::id()));
         if std::fs::write(&tmp, bytes).is_ok() && std::fs::rename(&tmp, &path).is_ok() {
             // Read back, so that a large memory image is mapped from the file rather than held
             // in this process's own memory.
