@@ -396,6 +396,7 @@ fn open(file: &dyn Source, options: wit::LoadOptions) -> Result<wit::Model, wit:
             budget_bytes: d.budget_bytes,
             budget_handles: d.budget_handles,
         },
+        weights_on_device: false,
     });
     let g = file.header().map_err(Error::from)?;
     let model = Model::load_from(g, file, offer)?;

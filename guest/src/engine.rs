@@ -11,6 +11,7 @@ use crate::quant::QMatrix;
 use crate::source::Source;
 use crate::tokenizer::Tokenizer;
 use crate::session::StepScratch;
+use crate::upload::Streaming;
 use std::cell::{OnceCell, RefCell};
 use std::fmt;
 use std::rc::Rc;
@@ -107,6 +108,9 @@ pub struct DeviceOffer {
     pub mode: Mode,
     pub device: Box<dyn Device>,
     pub limits: DeviceLimits,
+    /// The weights live on the device alone even where the guest could hold them (else only
+    /// a model past the guest's memory does).
+    pub weights_on_device: bool,
 }
 
 /// Whether `n` bytes can be allocated now, without aborting when they cannot.
@@ -156,11 +160,33 @@ impl Model {
                     .unwrap_or(t.n_elements.saturating_mul(4))
             })
             .fold(0, u64::saturating_add);
-        if need > usize::MAX as u64 || !can_allocate(need as usize) {
-            return Err(Error::OutOfMemory(format!(
-                "the model's {n_params} parameters need about {} MiB of guest memory",
-                need >> 20
-            )));
+        // A model the guest cannot hold lives on the device, where one is offered (or where the
+        // offer asks for it): its matrices go there as they are read, the guest keeping none.
+        let offer = offer.filter(|o| o.mode != Mode::Off);
+        let guest = || format!("the model's {n_params} parameters need about {} MiB of guest memory", need >> 20);
+        let fits = || need <= usize::MAX as u64 && can_allocate(need as usize);
+        let owns = match &offer {
+            Some(o) => o.weights_on_device || !fits(),
+            None if fits() => false,
+            None => return Err(Error::OutOfMemory(format!("{}, past its limit, and no device is offered to hold them", guest()))),
+        };
+        if let Some(o) = offer.as_ref().filter(|_| owns) {
+            let on_device: u64 = g
+                .tensors
+                .iter()
+                .map(|t| match t.dims.as_slice() {
+                    [n_in, n_out] => crate::upload::device_bytes(t.kind, *n_out, *n_in),
+                    _ => 0,
+                })
+                .fold(0, u64::saturating_add);
+            if on_device > o.limits.budget_bytes {
+                let why = if o.weights_on_device { "the weights go to the device".to_string() } else { format!("{}, past its limit", guest()) };
+                return Err(Error::OutOfMemory(format!(
+                    "{why}, and they need about {} MiB on the device, past its budget of {} MiB",
+                    on_device >> 20,
+                    o.limits.budget_bytes >> 20
+                )));
+            }
         }
         let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
             if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
@@ -185,41 +211,44 @@ impl Model {
         let name = g.get_str("general.name").ok().flatten().unwrap_or_default().to_string();
         let metadata = g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect();
         g.forget_metadata();
-        let mut arch = config.load(&g, file)?;
-        let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?, arch.freqs());
-        let hp = arch.hparams();
-        let (n_layers, n_embd, n_vocab, n_ctx_train) = (hp.n_layer, hp.n_embd, hp.n_vocab, hp.n_ctx_train);
+        let gpu = offer.map(|o| Rc::new(Gpu::new(o.device, o.mode, o.limits, owns)));
+        let streaming = gpu.as_ref().filter(|_| owns).map(|gpu| {
+            let tied = g.tensor("output.weight").is_none();
+            Streaming::new(file, gpu.device.as_ref(), tied, gpu.limits.max_weight_bytes)
+        });
+        // What went to the device is freed again where the load fails after it.
+        let loaded = Model::load_weights(config, &g, streaming.as_ref().map_or(file, |s| s as &dyn Source), gpu.clone(), owns);
+        if loaded.is_err() {
+            if let Some(s) = &streaming {
+                s.release();
+            }
+        }
+        drop(streaming);
+        let (arch, recipe, gpu_weights) = loaded?;
+        let tokenizer = Arc::new(tokenizer);
         let summary = Summary {
             name,
             architecture,
             n_params,
-            n_layers: n_layers as u32,
-            n_embd: n_embd as u32,
-            n_vocab: n_vocab as u32,
-            n_ctx_train: n_ctx_train as u32,
+            n_layers: arch.hparams().n_layer as u32,
+            n_embd: arch.hparams().n_embd as u32,
+            n_vocab: arch.hparams().n_vocab as u32,
+            n_ctx_train: arch.hparams().n_ctx_train as u32,
             file_bytes: file.len(),
-            tensors: g
-                .tensors
-                .iter()
-                .map(|t| (t.name.clone(), t.kind.name(), t.dims.clone(), t.n_bytes))
-                .collect(),
+            tensors: g.tensors.iter().map(|t| (t.name.clone(), t.kind.name(), t.dims.clone(), t.n_bytes)).collect(),
             metadata,
         };
-        let gpu = offer.filter(|o| o.mode != Mode::Off).map(|o| {
-            Rc::new(Gpu {
-                device: o.device,
-                mode: o.mode,
-                limits: o.limits,
-                rates: Default::default(),
-                lost: Default::default(),
-                no_attention: Default::default(),
-                no_kv_cache: Default::default(),
-                no_programs: Default::default(),
-                cpu_attention: Default::default(),
-                device_attention: Default::default(),
-            })
-        });
+        Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
+    }
+
+    /// Reads the weights of the architecture `config` from `file` (the device's when the
+    /// weights live there alone: `owns`), makes the recipe and places what goes on `gpu`.
+    /// Returns the model's architecture, its recipe and how many matrices the device holds.
+    fn load_weights(config: Box<dyn arch::Configured>, g: &Gguf, file: &dyn Source, gpu: Option<Rc<Gpu>>, owns: bool) -> Result<(Box<dyn Architecture>, Recipe, usize), Error> {
+        let mut arch = config.load(g, file)?;
+        let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?, arch.freqs());
         let gpu_weights = match &gpu {
+            Some(_) if owns => arch.linears_mut().iter().filter(|w| w.gpu.is_some()).count(),
             Some(gpu) => dispatch::place(gpu, &mut arch.linears_mut()),
             None => 0,
         };
@@ -227,14 +256,22 @@ impl Model {
         if let Some(gpu) = gpu.as_ref().filter(|_| gpu_weights > 0) {
             recipe.device = dispatch::place_program(gpu, &recipe.program, arch.tensors(), arch.hparams().n_layer);
         }
-        let tokenizer = Arc::new(tokenizer);
-        Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
+        if owns && recipe.device.as_ref().is_none_or(|p| p.head.is_some()) {
+            return Err(Error::Unsupported("the device holds the model's weights but does not run its program".into()));
+        }
+        Ok((arch, recipe, gpu_weights))
     }
 
     /// The constraint compiler of this model's vocabulary (`unsupported` without an
     /// end-of-generation token).
     pub fn grammars(&self) -> Result<&Grammars, Error> {
         self.grammars.get_or_init(|| Grammars::new(&self.tokenizer)).as_ref().map_err(|m| Error::Unsupported(m.clone()))
+    }
+
+    /// Whether the device alone holds the model's weights (the guest could not): its sessions'
+    /// keys and values live there too, and a pass the device does not run fails.
+    pub fn on_device(&self) -> bool {
+        self.gpu.as_ref().is_some_and(|g| g.owns)
     }
 
     pub fn n_vocab(&self) -> usize {

@@ -3,7 +3,7 @@
 use crate::constraint::{Allowed, Constraint, Spec};
 use crate::dispatch::{self, Counters, DeviceProgram, Dispatch, Member, Pass};
 use crate::engine::{Error, Model, PassParts, can_allocate};
-use crate::models::{self, State, embed, rope};
+use crate::models::{self, LoadError, State, embed, rope};
 use crate::program::cpu::{self, Values};
 use crate::sampler::{Params, Sampler};
 use std::rc::Rc;
@@ -55,16 +55,17 @@ impl Session {
                 model.n_ctx_train()
             )));
         }
-        // Estimate first so that a context too large for guest memory is an error.
+        // Estimate first so that a context too large for guest memory is an error (where the
+        // device holds the model, its keys and values live there: the device's budget says).
         let need = n_ctx.saturating_mul(model.arch.hparams().kv_bytes_per_token());
-        if !can_allocate(need) {
+        if !model.on_device() && !can_allocate(need) {
             return Err(Error::OutOfMemory(format!(
                 "a context of {n_ctx} tokens needs {} MiB of KV cache",
                 need >> 20
             )));
         }
         let batch = if model.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n_ctx);
-        let state = State::new(model.arch.as_ref(), &model.recipe, n_ctx, batch);
+        let state = State::new(model.arch.as_ref(), &model.recipe, n_ctx, batch, model.on_device());
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
             model,
@@ -229,7 +230,7 @@ impl Session {
             let last = self.done + n == self.history.len();
             let tokens = &self.history[self.done..self.done + n];
             let d = &mut self.dispatch;
-            let ran = models::forward(model.arch.as_ref(), &model.recipe, &mut self.state, d, tokens, self.done, last);
+            let ran = models::forward(model.arch.as_ref(), &model.recipe, &mut self.state, d, tokens, self.done, last)?;
             if !ran {
                 // The device kept keys the guest's cache lacks, and cannot go on: the history
                 // runs again, here, from its start (the same tokens, later).
@@ -452,9 +453,15 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
                 own.push(dispatch);
             }
             let hd = model.arch.hparams().head_dim;
-            let mut input = |i: usize, out: &mut [f32]| pass_input(parts, hd, &mut tokens, i, out);
+            let mut failed = false;
+            let mut input = |i: usize, out: &mut [f32]| failed |= pass_input(parts, hd, &mut tokens, i, out).is_err();
             let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut *dispatch).chain(own).collect();
             cpu::run(p, plan, parts.weights, &mut ds, values, scores, &mut seqs, &mut input);
+            if failed {
+                // An embedding row that did not read: each session runs its rows on its own,
+                // and meets the error there.
+                return;
+            }
         }
         let logits = values.get(p, plan, p.outputs[0], n_out);
         let mut row = 0;
@@ -482,12 +489,12 @@ struct Rows<'a> {
 /// Input `i` of a pass of the model's recipe over several sequences, their rows one sequence
 /// after another: the tokens' embeddings (input 0), then the rotation tables of their positions
 /// (`hd` wide), filled in each session's own tables.
-fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize, out: &mut [f32]) {
+fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize, out: &mut [f32]) -> Result<(), LoadError> {
     let mut at = 0;
     for seq in seqs {
         let t = seq.tokens.len();
         match i {
-            0 => embed(parts.embd, seq.tokens, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in]),
+            0 => embed(parts.embd, seq.tokens, &mut out[at * parts.embd.n_in..(at + t) * parts.embd.n_in])?,
             i => {
                 let table = &mut *seq.tables[i - 1];
                 table.fill(&parts.freqs[i - 1], seq.pos, t);
@@ -496,6 +503,7 @@ fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize,
         }
         at += t;
     }
+    Ok(())
 }
 
 /// The forward passes of a step for a model whose program is on the device: the rows the
@@ -570,16 +578,16 @@ fn run_on_device(model: &Model, parts: &PassParts<'_>, prog: &DeviceProgram, wor
                     run.push(Member { d: dispatch, t: n, pos: *done, caches, ids: std::mem::take(&mut ids[i]), flops });
                 }
                 let rows: usize = tokens.iter().map(|r| r.tokens.len()).sum();
-                let inputs: Vec<Vec<f32>> = widths
+                let inputs: Result<Vec<Vec<f32>>, LoadError> = widths
                     .iter()
                     .enumerate()
                     .map(|(k, &w)| {
                         let mut v = vec![0.0; rows * w];
-                        pass_input(parts, h.head_dim, &mut tokens, k, &mut v);
-                        v
+                        pass_input(parts, h.head_dim, &mut tokens, k, &mut v).map(|()| v)
                     })
                     .collect();
-                dispatch::run_together(prog, &inputs, &mut run, out_len, group)
+                // An embedding row that did not read: each session meets the error on its own.
+                inputs.ok().and_then(|inputs| dispatch::run_together(prog, &inputs, &mut run, out_len, group))
             };
             let Some(passes) = passes else {
                 for (l, j) in left.iter_mut().zip(&joined) {

@@ -8,6 +8,7 @@ use crate::models::LoadError;
 use std::borrow::Cow;
 use std::cell::RefCell;
 use std::io::{Read, Seek, SeekFrom};
+use std::rc::Rc;
 
 /// The most bytes of a tensor read at once while loading: what a load holds besides the
 /// weights it has converted.
@@ -27,6 +28,20 @@ pub trait Source {
     /// The most bytes of a tensor the loader reads at once (a whole row at least).
     fn piece_bytes(&self) -> usize {
         PIECE_BYTES
+    }
+
+    /// Where the model's matrices go as they are read: the device, a piece at a time, the
+    /// guest keeping none of their rows (`crate::upload::Streaming`). `None`, the default:
+    /// into the guest's memory, as its CPU kernels read them.
+    fn device(&self) -> Option<&crate::upload::Streaming<'_>> {
+        None
+    }
+
+    /// The same bytes again, to be read after the load (the embedding's rows, read as tokens
+    /// need them where the device holds the weights). `None` where the source cannot be kept:
+    /// bytes in memory, borrowed for the load.
+    fn reopen(&self) -> Option<Rc<dyn Source>> {
+        None
     }
 
     /// The file's header, read with as few bytes as it takes.
@@ -79,6 +94,11 @@ impl FileSource {
 impl Source for FileSource {
     fn len(&self) -> u64 {
         self.len
+    }
+
+    fn reopen(&self) -> Option<Rc<dyn Source>> {
+        let again = FileSource::open(&self.path).ok().filter(|f| f.len == self.len)?;
+        Some(Rc::new(again))
     }
 
     fn read(&self, offset: u64, len: usize) -> Result<Cow<'_, [u8]>, LoadError> {

@@ -6,8 +6,14 @@
 //! (`dispatch`).
 
 use crate::dispatch::{Device, DeviceError};
-use crate::models::{Linear, WeightData};
-use crate::quant::{Group, QMatrix, Values};
+use crate::gguf::TensorType;
+use crate::models::{FileRows, Linear, LoadError, WeightData};
+use crate::quant::{self, Group, QMatrix, Values};
+use crate::source::Source;
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
+use std::ops::Range;
+use std::rc::Rc;
 
 /// The upload formats of the WIT `weight-format`: the op core's.
 pub use wisp_ops::Format;
@@ -26,6 +32,9 @@ pub(crate) fn encode_rows(w: &Linear, first: usize, rows: usize) -> (Format, Vec
             (Format::F32, data, Vec::new())
         }
         WeightData::Q(q) => encode_q(q, first, rows),
+        // Not the guest's to upload (`uploadable` says no).
+        WeightData::Device(f) => (*f, Vec::new(), Vec::new()),
+        WeightData::File(_) => (Format::F32, Vec::new(), Vec::new()),
     }
 }
 
@@ -55,6 +64,7 @@ fn encode_q(q: &QMatrix, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32
 pub(crate) fn uploadable(w: &Linear) -> bool {
     match &w.w {
         WeightData::F32(_) => true,
+        WeightData::Device(_) | WeightData::File(_) => false,
         WeightData::Q(q) => match &q.values {
             _ if q.m.is_empty() => true,
             // Q4_K: 4-bit values with no offset, 0..=15 by construction.
@@ -89,4 +99,171 @@ pub fn upload_vector(dev: &dyn Device, v: &[f32]) -> Result<usize, DeviceError> 
         return Err(e);
     }
     Ok(id)
+}
+
+/// The upload format a tensor of GGUF type `kind` goes to the device in (as `encode_rows` makes
+/// it: the block formats' own, f32 for the float types, which the guest widens at load).
+pub fn format_of(kind: TensorType) -> Format {
+    match quant::qmatrix_layout(kind) {
+        Some((Group::G16, _)) => Format::Q8x16,
+        Some((Group::G32, true)) => Format::Q4x32,
+        Some((Group::G32, false)) => Format::Q8x32,
+        None => Format::F32,
+    }
+}
+
+/// Bytes a `[n_out, n_in]` tensor of type `kind` takes on the device, data and scales.
+pub fn device_bytes(kind: TensorType, n_out: u64, n_in: u64) -> u64 {
+    let (format, n) = (format_of(kind), n_out.saturating_mul(n_in));
+    format.data_bytes(n).unwrap_or(u64::MAX).saturating_add(4 * format.scale_count(n))
+}
+
+/// The embedding's tensor in every architecture here: read by the guest (a token's row), and
+/// the output projection too where a model has no `output.weight`.
+const EMBEDDING: &str = "token_embd.weight";
+
+/// A load that puts each matrix on the device as it is read, a piece of rows at a time, the
+/// guest keeping nothing of it: the [`Source`] the architectures read from where the model's
+/// weights live on the device (the engine decides). The embedding's rows stay in the file, read
+/// as tokens need them (from bytes in memory, in guest memory as the CPU reads them); it goes
+/// to the device too where it is also the output projection (`tied`). Vectors (norms, biases)
+/// are read into guest memory as always: the program uploads them.
+pub struct Streaming<'a> {
+    file: &'a dyn Source,
+    device: &'a dyn Device,
+    /// The model has no `output.weight`: the embedding is also the output projection.
+    tied: bool,
+    /// The device's largest weight, in bytes of data.
+    max_weight_bytes: u64,
+    /// Bytes uploaded so far.
+    uploaded: Cell<u64>,
+    /// The device ids of the weights made, for [`Streaming::release`].
+    made: RefCell<Vec<usize>>,
+}
+
+impl<'a> Streaming<'a> {
+    pub fn new(file: &'a dyn Source, device: &'a dyn Device, tied: bool, max_weight_bytes: u64) -> Streaming<'a> {
+        Streaming { file, device, tied, max_weight_bytes, uploaded: Cell::new(0), made: RefCell::new(Vec::new()) }
+    }
+
+    /// Bytes uploaded so far.
+    pub fn uploaded(&self) -> u64 {
+        self.uploaded.get()
+    }
+
+    /// Frees every weight this load made on the device (a load that failed part way: nothing
+    /// of it stays there).
+    pub fn release(&self) {
+        for id in self.made.borrow_mut().drain(..) {
+            self.device.free(id);
+        }
+    }
+
+    /// Rows `rows` of the tensor `name` (`kind`, its rows of `row` bytes from `offset` in the
+    /// file), `n_in` wide, on the device (`Linear::gpu`); the embedding as the type says.
+    pub(crate) fn load(&self, name: &str, (kind, offset, row): (TensorType, u64, usize), n_in: usize, rows: Range<usize>) -> Result<Linear, LoadError> {
+        let (n_part, part) = (rows.len(), name.to_string());
+        if name != EMBEDDING {
+            let id = self.upload(name, (kind, offset, row), n_in, rows)?;
+            return Ok(Linear { name: part, n_out: n_part, n_in, w: WeightData::Device(format_of(kind)), kind, gpu: Some(id) });
+        }
+        let gpu = if self.tied { Some(self.upload(name, (kind, offset, row), n_in, rows.clone())?) } else { None };
+        let w = match self.file.reopen() {
+            Some(source) => WeightData::File(FileRows { source, kind, offset: offset + (rows.start * row) as u64, row_bytes: row }),
+            // Bytes in memory (borrowed for the load): the embedding converted as the CPU reads
+            // it (the guest holds the whole file anyway).
+            None => Linear::read_here(self.file, name, (kind, offset, row), n_in, rows)?.w,
+        };
+        Ok(Linear { name: part, n_out: n_part, n_in, w, kind, gpu })
+    }
+
+    /// Uploads rows `rows` of a tensor a piece at a time: each piece read, converted to the
+    /// upload format and written, then dropped. Returns the device id; frees what it made on
+    /// an error.
+    fn upload(&self, name: &str, (kind, offset, row): (TensorType, u64, usize), n_in: usize, rows: Range<usize>) -> Result<usize, LoadError> {
+        let format = format_of(kind);
+        let n_part = rows.len();
+        let bytes = format.data_bytes(n_part as u64 * n_in as u64).unwrap_or(u64::MAX);
+        if bytes > self.max_weight_bytes {
+            return Err(LoadError::OutOfMemory(format!(
+                "tensor {name}: {} MiB of {} on the device, past its largest weight of {} MiB",
+                bytes >> 20,
+                format.name(),
+                self.max_weight_bytes >> 20
+            )));
+        }
+        let device = |e: DeviceError| match e {
+            DeviceError::OutOfMemory(m) => LoadError::OutOfMemory(format!("tensor {name}: the device has no room for it: {m}")),
+            DeviceError::Lost(m) => LoadError::Io(format!("tensor {name}: the device was lost: {m}")),
+            DeviceError::InvalidArgument(m) | DeviceError::Unavailable(m) => LoadError::Io(format!("tensor {name}: the device refused it: {m}")),
+        };
+        let id = self.device.allocate(format, n_part as u32, n_in as u32).map_err(device)?;
+        let per_piece = (self.file.piece_bytes() / row.max(1)).max(1);
+        let mut first = rows.start;
+        let written = (|| {
+            while first < rows.end {
+                let n = per_piece.min(rows.end - first);
+                let data: Cow<'_, [u8]> = self.file.read(offset + (first * row) as u64, n * row)?;
+                if kind == TensorType::F32 {
+                    // The file's rows are the upload format's already.
+                    self.device.write_rows(id, (first - rows.start) as u32, &data, &[]).map_err(device)?;
+                    self.uploaded.set(self.uploaded.get() + data.len() as u64);
+                    first += n;
+                    continue;
+                }
+                let piece = Linear { name: name.to_string(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
+                drop(data);
+                if !uploadable(&piece) {
+                    return Err(LoadError::Unsupported(format!("tensor {name}: its {} values have no upload format", kind.name())));
+                }
+                let (got, data, scales) = encode_rows(&piece, 0, n);
+                debug_assert_eq!(got, format);
+                drop(piece);
+                self.device.write_rows(id, (first - rows.start) as u32, &data, &scales).map_err(device)?;
+                self.uploaded.set(self.uploaded.get() + (data.len() + 4 * scales.len()) as u64);
+                first += n;
+            }
+            Ok(())
+        })();
+        if let Err(e) = written {
+            self.device.free(id);
+            return Err(e);
+        }
+        self.made.borrow_mut().push(id);
+        Ok(id)
+    }
+}
+
+/// `n` rows of a tensor of type `kind` (`data`, whole blocks) as the upload encoder reads them.
+fn converted(kind: TensorType, data: &[u8], n: usize, n_in: usize) -> WeightData {
+    match QMatrix::from_blocks(kind, data, n, n_in) {
+        Some(q) => WeightData::Q(q),
+        None => {
+            let mut w = vec![0f32; n * n_in];
+            quant::dequantize(kind, data, &mut w);
+            WeightData::F32(w)
+        }
+    }
+}
+
+impl Source for Streaming<'_> {
+    fn len(&self) -> u64 {
+        self.file.len()
+    }
+
+    fn read(&self, offset: u64, len: usize) -> Result<Cow<'_, [u8]>, LoadError> {
+        self.file.read(offset, len)
+    }
+
+    fn piece_bytes(&self) -> usize {
+        self.file.piece_bytes()
+    }
+
+    fn device(&self) -> Option<&Streaming<'_>> {
+        Some(self)
+    }
+
+    fn reopen(&self) -> Option<Rc<dyn Source>> {
+        self.file.reopen()
+    }
 }

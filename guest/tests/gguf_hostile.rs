@@ -1802,3 +1802,89 @@ fn builder_round_trip() {
     let t = g.tensor("t").expect("tensor t");
     assert_eq!((t.n_elements, t.n_bytes, t.offset), (64, 68, g.data_offset));
 }
+
+/// A device that keeps what it is given (no programs: a model on it does not load past its
+/// weights), counting what it holds.
+#[derive(Default)]
+struct Holding {
+    live: Rc<Cell<isize>>,
+    made: Rc<Cell<usize>>,
+}
+
+impl wisp_guest::dispatch::Device for Holding {
+    fn allocate(&self, _: wisp_guest::upload::Format, _: u32, _: u32) -> Result<usize, wisp_guest::dispatch::DeviceError> {
+        self.live.set(self.live.get() + 1);
+        self.made.set(self.made.get() + 1);
+        Ok(self.made.get())
+    }
+    fn write_rows(&self, _: usize, _: u32, _: &[u8], _: &[f32]) -> Result<(), wisp_guest::dispatch::DeviceError> {
+        Ok(())
+    }
+    fn matmul(&self, _: &[f32], _: u32, _: u32, _: &[usize]) -> Result<Vec<Vec<f32>>, wisp_guest::dispatch::DeviceError> {
+        Err(wisp_guest::dispatch::DeviceError::Unavailable("no products".into()))
+    }
+    fn free(&self, _: usize) {
+        self.live.set(self.live.get() - 1);
+    }
+}
+
+/// The offer of a [`Holding`] device with `budget` bytes, the weights to live on it alone.
+fn holding(budget: u64) -> (wisp_guest::engine::DeviceOffer, Rc<Cell<isize>>, Rc<Cell<usize>>) {
+    let device = Holding::default();
+    let (live, made) = (device.live.clone(), device.made.clone());
+    let limits = wisp_guest::dispatch::DeviceLimits {
+        name: "holding".into(),
+        max_weight_bytes: u64::MAX,
+        max_activation_elements: u64::MAX,
+        budget_bytes: budget,
+        budget_handles: u32::MAX,
+    };
+    let offer = wisp_guest::engine::DeviceOffer { mode: wisp_guest::dispatch::Mode::Auto, device: Box::new(device), limits, weights_on_device: true };
+    (offer, live, made)
+}
+
+#[test]
+fn weights_streamed_to_a_device_are_freed_when_the_file_breaks_mid_stream() {
+    let bytes = tiny_gemma().build();
+    // A file whose reads fail from half way through its tensors (the header read whole).
+    struct Cut<'a>(&'a [u8], u64);
+    impl Source for Cut<'_> {
+        fn len(&self) -> u64 {
+            self.0.len() as u64
+        }
+        fn read(&self, offset: u64, len: usize) -> Result<std::borrow::Cow<'_, [u8]>, LoadError> {
+            if offset > 0 && offset + len as u64 > self.1 { Err(LoadError::Io(format!("the file ends at {}", self.1))) } else { Source::read(&self.0, offset, len) }
+        }
+    }
+    let header = Gguf::parse(&bytes).expect("the header");
+    let first = header.tensors.iter().map(|t| t.offset).min().unwrap();
+    let cut = Cut(&bytes, first + (bytes.len() as u64 - first) / 2);
+    let (offer, live, made) = holding(u64::MAX);
+    match Model::load_from(cut.header().expect("the header"), &cut, Some(offer)) {
+        Err(Error::Io(m)) => assert!(m.contains("the file ends at"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("loaded from a cut file"),
+    }
+    assert!(made.get() > 0, "nothing went to the device before the cut");
+    assert_eq!(live.get(), 0, "weights left on the device after the failed load");
+
+    // The whole file: every matrix goes to the device; one that does not run programs leaves
+    // the model unloaded (the guest has no copy to run it with), and nothing on the device.
+    let (offer, live, made) = holding(u64::MAX);
+    match Model::load_from(Gguf::parse(&bytes).unwrap(), &bytes.as_slice(), Some(offer)) {
+        Err(Error::Unsupported(m)) => assert!(m.contains("does not run its program"), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a model without weights loaded"),
+    }
+    assert!(made.get() >= 7 && live.get() == 0, "made {}, left {}", made.get(), live.get());
+
+    // A budget below the weights: refused before anything is made, in one line with both
+    // numbers.
+    let (offer, _, made) = holding(1000);
+    match Model::load_from(Gguf::parse(&bytes).unwrap(), &bytes.as_slice(), Some(offer)) {
+        Err(Error::OutOfMemory(m)) => assert!(m.contains("on the device, past its budget of 0 MiB") && !m.contains('\n'), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("loaded past the budget"),
+    }
+    assert_eq!(made.get(), 0);
+}

@@ -373,6 +373,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 "precision": format!("{:?}", a.model.precision).to_lowercase(),
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls,
                 "gpu_attention_calls": s.gpu_attention_calls, "device_matmul": matmuls,
+                "guest_memory_peak_bytes": inst.memory_bytes(),
                 "stages": { "prefill": prefill_stages.json(), "decode": decode_stages.json() },
                 "constrained": constrained_json,
                 "parallel": parallels,
@@ -380,7 +381,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         );
     } else {
         println!("model:   {}", l.path.display());
-        println!("load:    {:.2} s ({:?} precision)", l.load_s, a.model.precision);
+        println!("load:    {:.2} s ({:?} precision; guest memory {} MiB at most)", l.load_s, a.model.precision, inst.memory_bytes() >> 20);
         println!("prefill: {:.1} tok/s ({} tokens, median of {})", p, prompt.len(), a.runs.max(1));
         println!("decode:  {:.1} tok/s ({} tokens, median of {})", d, a.decode_tokens, a.runs.max(1));
         for r in &parallels {

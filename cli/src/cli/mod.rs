@@ -570,6 +570,7 @@ fn run(a: RunArgs) -> Result<()> {
                 "decode_tokens": s.decode_tokens, "decode_tok_s": rate(s.decode_tokens, s.decode_ns),
                 "cpu_matmuls": s.cpu_matmuls, "gpu_calls": s.gpu_calls, "gpu_flops": s.gpu_flops,
                 "gpu_attention_calls": s.gpu_attention_calls, "seed": sampling.seed,
+                "guest_memory_peak_bytes": inst.memory_bytes(),
             })
         );
     } else {

@@ -48,7 +48,8 @@ impl Dispatch {
                 gpu.no_kv_cache.set(true);
                 None
             }
-            Err(_) => {
+            Err(e) => {
+                self.fault = Some(e);
                 self.no_caches = true;
                 self.counters.gpu_fallbacks += 1;
                 None

@@ -23,7 +23,7 @@ pub use policy::{Gpu, Rates, calibrate};
 
 use crate::kernels::{self, QActs, QActs8, RowScratch};
 use crate::models::attention::{Heads, LayerCache, attend};
-use crate::models::{Linear, WeightData};
+use crate::models::{Linear, LoadError, WeightData};
 use caches::DeviceCache;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
@@ -101,6 +101,9 @@ pub struct Dispatch {
     /// `precision: fast`: the CPU products take int8 activations where the weight's format
     /// allows (`kernels::takes_int8`); else i16 ones, within f32 rounding of exact math.
     pub fast: bool,
+    /// The device's answer to this session's last failed run of the model's program or cache
+    /// request (what [`Dispatch::held_on_device`] reports).
+    fault: Option<DeviceError>,
 }
 
 /// What a pass of the model's program on the device gave.
@@ -335,6 +338,25 @@ impl Dispatch {
         Some(ids)
     }
 
+    /// Where the device alone holds the model's weights (`Gpu::owns`), why a pass that did
+    /// not run there cannot run on the guest's CPU either: the device's failure, as the
+    /// session's error. A lost device takes the sessions' keys and values with it: the model
+    /// must be loaded again. `None` where the guest holds the weights.
+    pub fn held_on_device(&self) -> Option<LoadError> {
+        let gpu = self.gpu.as_ref().filter(|g| g.owns)?;
+        let held = "the device that holds the model's weights";
+        Some(match (gpu.lost.borrow().as_ref(), &self.fault) {
+            (Some(why), _) => LoadError::Io(format!("{held} was lost ({why}): load the model again")),
+            (None, Some(DeviceError::OutOfMemory(why))) => LoadError::OutOfMemory(format!("{held} has no room for this pass: {why}")),
+            _ if self.no_caches => LoadError::OutOfMemory(format!("{held} has no room for this session's keys and values")),
+            (None, Some(DeviceError::InvalidArgument(why) | DeviceError::Unavailable(why))) => {
+                LoadError::Io(format!("{held} did not run the pass: {why}"))
+            }
+            _ if gpu.no_programs.get() || gpu.no_kv_cache.get() => LoadError::Io(format!("{held} no longer runs programs over kv-caches")),
+            _ => LoadError::Io(format!("{held} did not run the pass")),
+        })
+    }
+
     /// The products on the guest's CPU kernels; returns the time they took.
     fn cpu(&mut self, x: &[f32], t: usize, n_in: usize, jobs: &mut [(&Linear, &mut [f32])]) -> Duration {
         let start = Instant::now();
@@ -355,6 +377,9 @@ impl Dispatch {
                 WeightData::Q(q) if int8(w) => kernels::matmul_q8(q, &self.acts8, &mut self.rows, y),
                 WeightData::Q(q) => kernels::matmul_q(q, &self.acts, &mut self.rows, y),
                 WeightData::F32(f) => kernels::matmul_f32(f, w.n_out, w.n_in, x, t, y),
+                // Never here: a weight the guest does not hold is on the device, and a model
+                // with such weights runs on the device or fails (`held_on_device`).
+                WeightData::Device(_) | WeightData::File(_) => y.fill(f32::NAN),
             }
             self.counters.cpu_matmuls += 1;
             self.counters.cpu_flops += w.flops(t);
@@ -416,7 +441,12 @@ pub fn run_together(prog: &DeviceProgram, inputs: &[Vec<f32>], members: &mut [Me
             };
             (passes, None)
         }
-        Err(e) => (None, Some(e)),
+        Err(e) => {
+            for m in members.iter_mut() {
+                m.d.fault = Some(e.clone());
+            }
+            (None, Some(e))
+        }
     };
     match passes {
         Some(passes) => {

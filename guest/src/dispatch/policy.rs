@@ -42,9 +42,29 @@ pub struct Gpu {
     /// Seconds of a decode step's attention on the device over its `kv-cache`, a running
     /// average (none ran yet: `None`).
     pub device_attention: Cell<Option<f64>>,
+    /// The device holds the model's weights alone (the guest keeps no copy, see
+    /// `upload::Streaming`): every pass runs there, whatever the rates, or fails.
+    pub owns: bool,
 }
 
 impl Gpu {
+    /// The device `device` in `mode`, nothing measured or failed yet.
+    pub fn new(device: Box<dyn Device>, mode: Mode, limits: DeviceLimits, owns: bool) -> Gpu {
+        Gpu {
+            device,
+            mode,
+            limits,
+            rates: Cell::new(None),
+            lost: RefCell::new(None),
+            no_attention: Cell::new(false),
+            no_kv_cache: Cell::new(false),
+            no_programs: Cell::new(false),
+            cpu_attention: Cell::new(None),
+            device_attention: Cell::new(None),
+            owns,
+        }
+    }
+
     /// Whether the device may be asked: the mode allows it and it was not lost.
     pub(super) fn usable(&self) -> bool {
         self.mode != Mode::Off && self.lost.borrow().is_none()
@@ -54,6 +74,7 @@ impl Gpu {
     pub(super) fn wants(&self, t: usize, flops: u64, bytes: u64) -> bool {
         match self.mode {
             Mode::Off => false,
+            _ if self.owns => true,
             Mode::On => true,
             Mode::Auto => match self.rates.get() {
                 None => false,
@@ -84,6 +105,7 @@ impl Gpu {
         }
         match self.mode {
             Mode::Off => false,
+            _ if self.owns => true,
             Mode::On => true,
             Mode::Auto => match (self.rates.get(), self.cpu_attention.get()) {
                 (Some(r), Some(cpu)) => {
@@ -205,24 +227,16 @@ mod tests {
 
     /// The fake device in `mode` with `rates`, nothing measured or failed yet.
     fn gpu(mode: Mode, rates: Option<Rates>) -> Gpu {
-        Gpu {
-            device: Box::new(Fake),
-            mode,
-            limits: DeviceLimits {
-                name: "fake".into(),
-                max_weight_bytes: u64::MAX,
-                max_activation_elements: u64::MAX,
-                budget_bytes: u64::MAX,
-                budget_handles: u32::MAX,
-            },
-            rates: Cell::new(rates),
-            lost: RefCell::new(None),
-            no_attention: Cell::new(false),
-            no_kv_cache: Cell::new(false),
-            no_programs: Cell::new(false),
-            cpu_attention: Cell::new(None),
-            device_attention: Cell::new(None),
-        }
+        let limits = DeviceLimits {
+            name: "fake".into(),
+            max_weight_bytes: u64::MAX,
+            max_activation_elements: u64::MAX,
+            budget_bytes: u64::MAX,
+            budget_handles: u32::MAX,
+        };
+        let gpu = Gpu::new(Box::new(Fake), mode, limits, false);
+        gpu.rates.set(rates);
+        gpu
     }
 
     /// Rates in powers of two, so that the estimates compare exactly: a device round trip of

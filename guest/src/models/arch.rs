@@ -149,9 +149,11 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(a: &dyn Architecture, r: &Recipe, n_ctx: usize, batch: usize) -> State {
+    /// With `device_caches`, the keys and values live on the device alone (the model's weights
+    /// are there): the layers' rings keep their shape and no storage.
+    pub fn new(a: &dyn Architecture, r: &Recipe, n_ctx: usize, batch: usize, device_caches: bool) -> State {
         let h = a.hparams();
-        let kv = h.n_head_kv * h.head_dim;
+        let kv = if device_caches { 0 } else { h.n_head_kv * h.head_dim };
         State {
             n_ctx,
             batch,
@@ -183,10 +185,11 @@ impl State {
 
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
 /// keys and values to the caches; with `want_logits`, fills `s.buf.logits` for the last token.
-/// The caller checks that the tokens are in the vocabulary and fit in the context. `false`,
+/// The caller checks that the tokens are in the vocabulary and fit in the context. `Ok(false)`,
 /// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
 /// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
-pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch, tokens: &[u32], pos: usize, want_logits: bool) -> bool {
+/// An error where the device alone holds the weights and failed (see [`recipe_pass`]).
+pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch, tokens: &[u32], pos: usize, want_logits: bool) -> Result<bool, LoadError> {
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
     for (table, freqs) in s.tables.iter_mut().zip(&r.freqs) {

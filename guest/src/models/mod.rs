@@ -28,7 +28,9 @@ use crate::program::{Op, Program, Rows, Tensors};
 use crate::gguf::{Gguf, TensorType};
 use crate::quant::{self, QMatrix};
 use crate::source::Source;
+use crate::upload::Format;
 use std::fmt;
+use std::rc::Rc;
 
 /// Why a model could not be built from a GGUF file.
 #[derive(Debug)]
@@ -118,10 +120,25 @@ fn out_of_memory(name: &str, bytes: usize) -> LoadError {
     LoadError::OutOfMemory(format!("tensor {name}: {bytes} bytes of weights do not fit in guest memory"))
 }
 
-/// The weights of a linear layer as the CPU kernels want them.
+/// The weights of a linear layer: as the CPU kernels want them, or held elsewhere.
 pub enum WeightData {
     Q(QMatrix),
     F32(Vec<f32>),
+    /// On the device alone, in this upload format (`Linear::gpu` its id): the guest holds
+    /// none of it, and only the model's program on the device reads it.
+    Device(Format),
+    /// Rows read from the file as they are needed: the embedding of a model whose weights are
+    /// on the device (a lookup reads a token's row).
+    File(FileRows),
+}
+
+/// The rows of a tensor in a file the guest keeps open: `row_bytes` each from `offset`, of
+/// GGUF type `kind`.
+pub struct FileRows {
+    pub source: Rc<dyn Source>,
+    pub kind: TensorType,
+    pub offset: u64,
+    pub row_bytes: usize,
 }
 
 /// A linear layer `y = x @ W^T`, `W: [n_out, n_in]`.
@@ -170,6 +187,28 @@ impl Linear {
         if rows.is_empty() || (rows.end * row) as u64 > n_bytes {
             return invalid(format!("tensor {name} has no rows {rows:?}"));
         }
+        let part = (rows.len() != n_out).then(|| format!("{name}[{}..{}]", rows.start, rows.end));
+        let mut w = match file.device() {
+            // The device holds it; the guest keeps nothing of it (the embedding, its rows in
+            // the file for lookups).
+            Some(device) => device.load(name, (kind, offset, row), n_in, rows)?,
+            None => Linear::read_here(file, name, (kind, offset, row), n_in, rows)?,
+        };
+        if let Some(part) = part {
+            w.name = part;
+        }
+        Ok(w)
+    }
+
+    /// Rows `rows` of the tensor `name` (`kind`, rows of `row` bytes from `offset` in `file`,
+    /// checked to lie in it), `n_in` wide, into guest memory as the CPU kernels read them.
+    pub fn read_here(
+        file: &dyn Source,
+        name: &str,
+        (kind, offset, row): (TensorType, u64, usize),
+        n_in: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Linear, LoadError> {
         let n_part = rows.len();
         let per_piece = (file.piece_bytes() / row.max(1)).max(1);
         let mut pieces = (rows.start..rows.end).step_by(per_piece).map(|start| start..(start + per_piece).min(rows.end));
@@ -198,16 +237,23 @@ impl Linear {
             }
             WeightData::F32(w)
         };
-        let name = if n_part == n_out { name.to_string() } else { format!("{name}[{}..{}]", rows.start, rows.end) };
-        Ok(Linear { name, n_out: n_part, n_in, w, kind, gpu: None })
+        Ok(Linear { name: name.to_string(), n_out: n_part, n_in, w, kind, gpu: None })
     }
 
-    /// Row `r` of `W` as f32 (the embedding lookup of tied embeddings).
-    pub fn row(&self, r: usize, out: &mut [f32]) {
+    /// Row `r` of `W` as f32 (the embedding lookup), read from the file for rows kept there.
+    /// A weight on the device alone has no row here: an error (the loader keeps the embedding
+    /// where the guest reads it).
+    pub fn row(&self, r: usize, out: &mut [f32]) -> Result<(), LoadError> {
         match &self.w {
             WeightData::Q(q) => q.row_f32(r, out),
             WeightData::F32(w) => out.copy_from_slice(&w[r * self.n_in..(r + 1) * self.n_in]),
+            WeightData::File(f) => {
+                let bytes = f.source.read(f.offset + (r * f.row_bytes) as u64, f.row_bytes)?;
+                quant::dequantize(f.kind, &bytes, out);
+            }
+            WeightData::Device(_) => return Err(LoadError::Invalid(format!("{}: its rows are on the device alone", self.name))),
         }
+        Ok(())
     }
 
     pub fn flops(&self, t: usize) -> u64 {
@@ -219,6 +265,7 @@ impl Linear {
         match &self.w {
             WeightData::Q(q) => q.bytes(),
             WeightData::F32(w) => 4 * w.len(),
+            WeightData::Device(_) | WeightData::File(_) => 0,
         }
     }
 }
@@ -369,11 +416,13 @@ impl Scratch {
     }
 }
 
-/// `x[i, :] = embd[tokens[i], :]`, `x: [t, n_embd]`.
-pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) {
+/// `x[i, :] = embd[tokens[i], :]`, `x: [t, n_embd]`. Fails only where the rows are read from
+/// the file (a model whose weights are on the device) and the file no longer reads.
+pub fn embed(embd: &Linear, tokens: &[u32], x: &mut [f32]) -> Result<(), LoadError> {
     for (row, &tok) in x.chunks_exact_mut(embd.n_in).zip(tokens) {
-        embd.row(tok as usize, row);
+        embd.row(tok as usize, row)?;
     }
+    Ok(())
 }
 
 /// A model's recipe, made at load: the program ([`Architecture::recipe`]), where its values live
@@ -425,13 +474,15 @@ pub struct PassState<'a> {
     pub buf: &'a mut Scratch,
 }
 
-/// A pass of `tokens` (at positions `pos..`) through a model's recipe: the model's program on the device as one run, where the device has it and the
-/// dispatcher sends the batch there (see `Dispatch::run_program`), else the guest's CPU. The
-/// recipe's inputs are the tokens' embeddings (rows of `embd`) and the rotation `tables`, in
-/// order; the logits, when wanted, go to `buf.logits` (through the program's head product where
-/// the device does not hold it), or, for a greedy step the device ran in its `top` form, its
-/// token to `Dispatch::top` (`buf.logits` then stale). `false`, with nothing run, as
-/// `<arch>::forward` says.
+/// A pass of `tokens` (at positions `pos..`) through a model's recipe: the model's program on
+/// the device as one run, where the device has it and the dispatcher sends the batch there (see
+/// `Dispatch::run_program`), else the guest's CPU. The recipe's inputs are the tokens'
+/// embeddings (rows of `embd`) and the rotation `tables`, in order; the logits, when wanted, go
+/// to `buf.logits` (through the program's head product where the device does not hold it), or,
+/// for a greedy step the device ran in its `top` form, its token to `Dispatch::top`
+/// (`buf.logits` then stale). `Ok(false)`, with nothing run, as `<arch>::forward` says; an
+/// error where the device alone holds the weights and did not run the pass (see
+/// `Dispatch::held_on_device`), or the embedding's rows no longer read from the file.
 #[allow(clippy::too_many_arguments)]
 pub fn recipe_pass(
     w: &dyn Tensors,
@@ -442,11 +493,11 @@ pub fn recipe_pass(
     h: &Hparams,
     flops: u64,
     (tokens, pos, want_logits): (&[u32], usize, bool),
-) -> bool {
+) -> Result<bool, LoadError> {
     let t = tokens.len();
     if let Some(prog) = &r.device {
         let mut inputs = vec![vec![0.0; t * h.n_embd]];
-        embed(embd, tokens, &mut inputs[0]);
+        embed(embd, tokens, &mut inputs[0])?;
         inputs.extend(tables.iter().map(|table| table.rows(t)));
         let head = prog.head.map(|id| w.matrix(id));
         let out_len = head.map_or(h.n_vocab, |m| m.n_in);
@@ -462,21 +513,33 @@ pub fn recipe_pass(
                 (Pass::Rows(out), true, None) => st.buf.logits.copy_from_slice(&out),
                 (Pass::Rows(_), false, _) => {}
             }
-            return true;
+            return Ok(true);
         }
     }
     if !d.ring_holds(pos) {
-        return false;
+        return Ok(false);
     }
+    if let Some(e) = d.held_on_device() {
+        return Err(e);
+    }
+    // The embedding is in guest memory here (the CPU holds the weights): its rows read.
+    let mut failed = None;
     let mut input = |i: usize, out: &mut [f32]| match i {
-        0 => embed(embd, tokens, out),
+        0 => {
+            if let Err(e) = embed(embd, tokens, out) {
+                failed.get_or_insert(e);
+            }
+        }
         i => tables[i - 1].write_rows(t, out),
     };
     let mut seq = [cpu::Seq { t, pos, outputs: want_logits, caches: st.caches, d: 0 }];
     let values = st.values.get_or_insert_with(|| Values::new(&r.program, &r.plan, st.batch, 1));
     cpu::run(&r.program, &r.plan, w, &mut [d], values, &mut st.buf.scores, &mut seq, &mut input);
+    if let Some(e) = failed {
+        return Err(e);
+    }
     if want_logits {
         st.buf.logits.copy_from_slice(values.get(&r.program, &r.plan, r.program.outputs[0], 1));
     }
-    true
+    Ok(true)
 }
