@@ -3,7 +3,8 @@
 //! there a piece at a time as it is read, the guest keeping the metadata, the tokenizer, the
 //! norms and where the embedding's rows lie in the file; its sessions' keys and values live
 //! there too. Its logits and tokens are the ones the same device gives where the guest also
-//! holds a copy, bit for bit. A model nothing can hold is refused in one line that names both
+//! holds a copy, bit for bit, alone and as a server uses sessions (copies of a context, cuts,
+//! batched steps). A model nothing can hold is refused in one line that names both
 //! numbers; a device lost under a model it alone holds is a typed error for each session, not
 //! a trap and not a replay on a CPU that has no weights.
 
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use wisp::gpu::program::{Output, Program, SequenceRun};
 use wisp::{
-    Activation, AttentionShape, Backend, BufferId, Budget, Device, EngineError, Format, GpuCtx, GpuError, GpuMode, Instance, Model, NativeBackend, Options,
+    Activation, Advance, AttentionShape, Backend, BufferId, Budget, Device, EngineError, Format, GpuCtx, GpuError, GpuMode, Instance, Model, NativeBackend, Options,
     Precision, Sampling, Wisp,
 };
 use wisp_tests::{model, open};
@@ -39,6 +40,35 @@ fn generate(inst: &mut Instance, m: Model) -> (Vec<f32>, Vec<u32>) {
     (logits, tokens)
 }
 
+/// What a server does with sessions, greedy: a copy of a session's context continued, a
+/// session cut back and continued, and three sessions advanced in batched steps (each fed its
+/// own prompt in the first). Every token, in order.
+fn serve_like(inst: &mut Instance, m: Model) -> Vec<u32> {
+    let greedy = Sampling { temperature: 0.0, ..Sampling::default() };
+    let prompt = inst.tokenize(m, "A list of the planets:", true, false).unwrap().unwrap();
+    let s = inst.new_session(m, 96).unwrap().unwrap();
+    inst.feed(s, &prompt).unwrap().unwrap();
+    let mut out: Vec<u32> = (0..6).map(|_| inst.next(s, &greedy).unwrap().unwrap().token).collect();
+    let copy = inst.fork(s, prompt.len() as u32 + 3).unwrap().unwrap();
+    out.extend((0..4).map(|_| inst.next(copy, &greedy).unwrap().unwrap().token));
+    inst.truncate(s, prompt.len() as u32).unwrap().unwrap();
+    out.extend((0..4).map(|_| inst.next(s, &greedy).unwrap().unwrap().token));
+    let texts = ["One, two,", "The sky is", "def main():"];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| inst.tokenize(m, t, true, false).unwrap().unwrap()).collect();
+    let sessions: Vec<_> = prompts.iter().map(|_| inst.new_session(m, 64).unwrap().unwrap()).collect();
+    for round in 0..4 {
+        let work: Vec<Advance<'_>> = sessions
+            .iter()
+            .zip(&prompts)
+            .map(|(&session, p)| Advance { session, tokens: if round == 0 { p } else { &[] }, sample: Some(greedy) })
+            .collect();
+        for r in inst.step(m, &work).unwrap().unwrap() {
+            out.push(r.unwrap().unwrap().token);
+        }
+    }
+    out
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -49,6 +79,7 @@ fn a_model_past_the_guest_memory_lives_on_the_device_with_the_same_logits() {
     // The native device running every pass, the guest holding a copy as well.
     let (mut both, m) = open(path, GpuCtx::new(native(), Budget::default()), GpuMode::On);
     let want = generate(&mut both, m);
+    let served = serve_like(&mut both, m);
     let copies = both.model_info(m).unwrap().gpu_weights;
     drop(both);
 
@@ -59,6 +90,7 @@ fn a_model_past_the_guest_memory_lives_on_the_device_with_the_same_logits() {
         let got = generate(&mut inst, m);
         assert_eq!(bits(&got.0), bits(&want.0), "{mode:?}: the prompt's logits");
         assert_eq!(got.1, want.1, "{mode:?}: the greedy tokens");
+        assert_eq!(serve_like(&mut inst, m), served, "{mode:?}: forks, truncations and batched steps");
         let file = std::fs::metadata(path).unwrap().len() as usize;
         let peak = inst.memory_bytes();
         println!("{mode:?}: guest memory {} MiB at most, for a file of {} MiB", peak >> 20, file >> 20);
