@@ -39,6 +39,21 @@ pub fn smollm_model() -> &'static Path {
     MODEL.get_or_init(|| wisp::fetch::ensure(&wisp::fetch::SMOLLM2_135M, false).expect("fetching the SmolLM2 model"))
 }
 
+/// Runs the Python script `tests/{script}` with `args`; `false` (after saying why) where it
+/// fails outside CI, for want of python3 or the packages `needs` names (pip), so that the test
+/// skips; under `CI=true`, which installs them (`.ci/run`), a failure.
+pub fn python(script: &str, args: &[&std::ffi::OsStr], needs: &str) -> bool {
+    let run = std::process::Command::new("python3").arg(root().join("tests").join(script)).args(args).output();
+    let why = match run {
+        Ok(o) if o.status.success() => return true,
+        Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
+        Err(e) => e.to_string(),
+    };
+    assert!(!hardware_required(), "tests/{script} needs python3 with {needs} (pip), and CI=true requires them: {why}");
+    eprintln!("skipping: {why}");
+    false
+}
+
 /// Whether a missing device must fail the test (under CI) rather than skip it.
 pub fn hardware_required() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")

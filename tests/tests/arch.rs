@@ -6,9 +6,8 @@
 //! packages the test skips locally and fails under `CI=true` (`.ci/run` installs them).
 
 use std::path::PathBuf;
-use std::process::Command;
 use wisp::{CpuBackend, GpuCtx, GpuMode, NativeBackend};
-use wisp_tests::{hardware_required, open, root, wgpu_backend};
+use wisp_tests::{open, python, wgpu_backend};
 
 /// wisp against exact arithmetic on logits of magnitude ~5, as (top-5 difference, rmse): the
 /// devices compute in f32; the guest's CPU path multiplies quantized weights with activations
@@ -20,19 +19,8 @@ const CPU_BOUNDS: (f32, f64) = (2e-3, 5e-4);
 /// reports, or `None` (after saying why) without Python's packages.
 fn generated(arch: &str, effect: &str) -> Option<(PathBuf, PathBuf, f64)> {
     let out = std::env::temp_dir().join(format!("wisp-arch-{arch}-{}", std::process::id()));
-    let script = root().join(format!("tests/arch/{arch}.py"));
-    let run = Command::new("python3").arg(&script).arg(&out).output();
-    match run {
-        Ok(o) if o.status.success() => {}
-        other => {
-            let why = match other {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                Err(e) => e.to_string(),
-            };
-            assert!(!hardware_required(), "{} needs python3 with gguf and numpy (pip), and CI=true requires them: {why}", script.display());
-            eprintln!("skipping: {why}");
-            return None;
-        }
+    if !python(&format!("arch/{arch}.py"), &[out.as_os_str()], "gguf and numpy") {
+        return None;
     }
     let golden = out.join(format!("tiny-{arch}.json"));
     let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();

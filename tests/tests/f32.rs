@@ -7,9 +7,8 @@
 //! under `CI=true` (`.ci/run` installs them).
 
 use std::path::PathBuf;
-use std::process::Command;
 use wisp::{Budget, GpuCtx, GpuMode, Instance, Model, NativeBackend, Options, Sampling, Wisp};
-use wisp_tests::{hardware_required, open, root};
+use wisp_tests::{open, python};
 
 /// The F32 file, made from the Q4_K_M one where the cache does not hold it yet; `None` (after
 /// saying why) where it cannot be made outside CI.
@@ -18,19 +17,7 @@ fn f32_model(q4: &std::path::Path) -> Option<PathBuf> {
     if out.exists() {
         return Some(out);
     }
-    let made = Command::new("python3").arg(root().join("tests/f32/make.py")).arg(q4).arg(&out).output();
-    match made {
-        Ok(o) if o.status.success() => Some(out),
-        other => {
-            let why = match other {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                Err(e) => e.to_string(),
-            };
-            assert!(!hardware_required(), "tests/f32/make.py needs python3 with gguf and numpy (pip), and CI=true requires them: {why}");
-            eprintln!("skipping: {why}");
-            None
-        }
-    }
+    python("f32/make.py", &[q4.as_os_str(), out.as_os_str()], "gguf and numpy").then_some(out)
 }
 
 /// 12 greedy tokens after a prompt.

@@ -8,9 +8,8 @@
 //! them).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use wisp::{CpuBackend, GpuCtx, GpuMode, NativeBackend};
-use wisp_tests::{hardware_required, open, root, smollm_model, wgpu_backend};
+use wisp_tests::{open, python, smollm_model, wgpu_backend};
 
 /// wisp against the float64 forward, as (top-5 difference, rmse) over logits of magnitude ~20:
 /// the devices compute in f32 from the file's exact weights; the guest's CPU path multiplies
@@ -22,19 +21,7 @@ const CPU_BOUNDS: (f32, f64) = (0.02, 0.01);
 /// without Python's packages.
 fn references(model: &Path) -> Option<PathBuf> {
     let out = std::env::temp_dir().join(format!("wisp-smollm2-{}", std::process::id()));
-    let run = Command::new("python3").arg(root().join("tests/smollm2/reference.py")).arg(model).arg(&out).output();
-    match run {
-        Ok(o) if o.status.success() => Some(out),
-        other => {
-            let why = match other {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                Err(e) => e.to_string(),
-            };
-            assert!(!hardware_required(), "tests/smollm2/reference.py needs python3 with gguf, numpy and tokenizers (pip), and CI=true requires them: {why}");
-            eprintln!("skipping: {why}");
-            None
-        }
-    }
+    python("smollm2/reference.py", &[model.as_os_str(), out.as_os_str()], "gguf, numpy and tokenizers").then_some(out)
 }
 
 #[test]
