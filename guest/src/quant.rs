@@ -14,7 +14,7 @@ use half::{bf16, f16};
 pub const QK: usize = 32;
 pub const QK_K: usize = 256;
 
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
@@ -43,7 +43,7 @@ const _: () = assert!(Q4_K_BYTES == 2 + 2 + 12 + QK_K / 2);
 const _: () = assert!(Q6_K_BYTES == QK_K / 2 + QK_K / 4 + QK_K / 16 + 2);
 
 /// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K block.
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
@@ -54,7 +54,7 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
 /// Calls `f(element, q, scale_group, scale, min)` for every element of one block, with the
 /// block's integer value `q`, the index of its scale group inside the block and the group's
 /// scale and min (`w = scale * q - min`).
-fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(usize, i8, f32, f32)) {
+pub(crate) fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(usize, i8, f32, f32)) {
     match kind {
         TensorType::Q8_0 => {
             let d = f16_at(b, 0);

@@ -211,14 +211,19 @@ impl<'a> Streaming<'a> {
                     first += n;
                     continue;
                 }
-                let piece = Linear { name: name.to_string(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
-                drop(data);
-                if !uploadable(&piece) {
-                    return Err(LoadError::Unsupported(format!("tensor {name}: its {} values have no upload format", kind.name())));
-                }
-                let (got, data, scales) = encode_rows(&piece, 0, n);
+                let (got, data, scales) = match transcode(kind, &data, n, n_in) {
+                    Some(rows) => rows,
+                    // A float type: widened to f32, the format it goes up in.
+                    None => {
+                        let piece = Linear { name: name.to_string(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
+                        drop(data);
+                        if !uploadable(&piece) {
+                            return Err(LoadError::Unsupported(format!("tensor {name}: its {} values have no upload format", kind.name())));
+                        }
+                        encode_rows(&piece, 0, n)
+                    }
+                };
                 debug_assert_eq!(got, format);
-                drop(piece);
                 self.device.write_rows(id, (first - rows.start) as u32, &data, &scales).map_err(device)?;
                 self.uploaded.set(self.uploaded.get() + (data.len() + 4 * scales.len()) as u64);
                 first += n;
@@ -232,6 +237,66 @@ impl<'a> Streaming<'a> {
         self.made.borrow_mut().push(id);
         Ok(id)
     }
+}
+
+/// `n` rows of GGUF blocks of type `kind` (`data`, whole blocks), `n_in` values a row, in their
+/// upload format: the very bytes and scales [`encode_rows`] gives from the weights converted
+/// for the CPU kernels (the same values, scales and mins, read by `quant`'s one reading of each
+/// block), without converting them first: a load to the device. `None` for the float types.
+pub(crate) fn transcode(kind: TensorType, data: &[u8], n: usize, n_in: usize) -> Option<(Format, Vec<u8>, Vec<f32>)> {
+    quant::qmatrix_layout(kind)?;
+    let format = format_of(kind);
+    let (block, bytes) = kind.block();
+    let (block, total) = (block as usize, n * n_in);
+    let mut values = vec![0u8; format.data_bytes(total as u64)? as usize];
+    let mut scales = vec![0f32; format.scale_count(total as u64) as usize];
+    // GGUF's blocks lie within rows: element `base + i` of the whole is that of the block.
+    let blocks = data.chunks_exact(bytes as usize).take(total / block);
+    match format {
+        // Q4_K, the commonest: its nibbles repacked a byte at a time (the file pairs element j
+        // of a 64 with element 32 + j; the format pairs neighbours), its scales and mins a
+        // sub-block at a time.
+        Format::Q4x32 if kind == TensorType::Q4K => {
+            for ((b, out), sc) in blocks.zip(values.chunks_exact_mut(128)).zip(scales.chunks_exact_mut(16)) {
+                let (d, dmin) = (quant::f16_at(b, 0), quant::f16_at(b, 2));
+                for chunk in 0..4 {
+                    let q = &b[16 + 32 * chunk..][..32];
+                    let (lo, hi) = out[32 * chunk..][..32].split_at_mut(16);
+                    for k in 0..16 {
+                        lo[k] = (q[2 * k] & 0xF) | (q[2 * k + 1] << 4);
+                        hi[k] = (q[2 * k] >> 4) | (q[2 * k + 1] & 0xF0);
+                    }
+                    for sub in [2 * chunk, 2 * chunk + 1] {
+                        let (s, m) = quant::scale_min_k4(sub, &b[4..16]);
+                        sc[2 * sub] = d * s as f32;
+                        sc[2 * sub + 1] = dmin * m as f32;
+                    }
+                }
+            }
+        }
+        Format::Q4x32 => {
+            // Two 4-bit values a byte, element `2i` low; `[d, m]` a block of 32.
+            for (k, b) in blocks.enumerate() {
+                quant::for_each_in_block(kind, b, |i, q, d, m| {
+                    let e = k * block + i;
+                    values[e / 2] |= (q as u8 & 0xF) << (4 * (e % 2));
+                    scales[e / 32 * 2] = d;
+                    scales[e / 32 * 2 + 1] = m;
+                });
+            }
+        }
+        _ => {
+            let group = format.block() as usize;
+            for (k, b) in blocks.enumerate() {
+                quant::for_each_in_block(kind, b, |i, q, d, _| {
+                    let e = k * block + i;
+                    values[e] = q as u8;
+                    scales[e / group] = d;
+                });
+            }
+        }
+    }
+    Some((format, values, scales))
 }
 
 /// `n` rows of a tensor of type `kind` (`data`, whole blocks) as the upload encoder reads them.
@@ -265,5 +330,31 @@ impl Source for Streaming<'_> {
 
     fn reopen(&self) -> Option<Rc<dyn Source>> {
         self.file.reopen()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::tests::{Rng, random_blocks};
+
+    /// Every block type's rows transcoded straight from the file are the bytes and scales the
+    /// upload encoder makes from the converted weights.
+    #[test]
+    fn blocks_transcode_to_what_the_encoder_makes_of_the_converted_weights() {
+        let mut rng = Rng(7);
+        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
+            for (n, n_in) in [(1, 256), (3, 512), (5, 768)] {
+                let data = random_blocks(kind, n * n_in, &mut rng);
+                let converted = Linear { name: "w".into(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
+                assert!(uploadable(&converted), "{kind:?}");
+                let want = encode_rows(&converted, 0, n);
+                let got = transcode(kind, &data, n, n_in).expect("a block type");
+                assert_eq!((got.0, &got.1), (want.0, &want.1), "{kind:?} {n}x{n_in}: data");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                assert_eq!(bits(&got.2), bits(&want.2), "{kind:?} {n}x{n_in}: scales");
+            }
+        }
+        assert!(transcode(TensorType::F16, &[0; 64], 1, 32).is_none());
     }
 }
