@@ -1,7 +1,10 @@
 //! Shared helpers of wisp's conformance and end-to-end tests.
 
 use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use wisp::gpu::program::{Output, Program, SequenceRun};
+use wisp::{Activation, AttentionShape, Backend, BufferId, Device, Format, GpuError, Precision};
 
 /// The workspace root.
 pub fn root() -> PathBuf {
@@ -87,4 +90,94 @@ pub fn open(path: &Path, gpu: wisp::GpuCtx, mode: impl Into<wisp::LoadOptions>) 
     let mut inst = wisp.instantiate(gpu, path.parent()).expect("an instance");
     let m = inst.open_model(path, mode).expect("no trap").expect("the model opens");
     (inst, m)
+}
+
+/// A device that works until it is lost, as a driver reset loses one: `inner` until the
+/// `healthy`-th whole pass (a program's run) or until `lost` is set, then `device-lost` for
+/// every call.
+pub struct Losable {
+    pub inner: Box<dyn Backend>,
+    /// Whole passes to run before the loss (`usize::MAX`: the test sets `lost` instead).
+    pub healthy: usize,
+    pub lost: Arc<AtomicBool>,
+}
+
+impl Losable {
+    /// `inner`, lost when the test sets the flag it returns.
+    pub fn new(inner: Box<dyn Backend>) -> (Losable, Arc<AtomicBool>) {
+        let lost = Arc::new(AtomicBool::new(false));
+        (Losable { inner, healthy: usize::MAX, lost: lost.clone() }, lost)
+    }
+
+    fn live(&self) -> Result<(), GpuError> {
+        match self.lost.load(Ordering::SeqCst) {
+            true => Err(GpuError::DeviceLost("simulated loss mid-session".into())),
+            false => Ok(()),
+        }
+    }
+
+    /// Counts a whole pass: the device is lost once `healthy` have run.
+    fn pass(&mut self) -> Result<(), GpuError> {
+        if self.healthy == 0 {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+        self.live()?;
+        self.healthy = self.healthy.saturating_sub(1);
+        Ok(())
+    }
+}
+
+impl Backend for Losable {
+    fn device(&self) -> Option<Device> {
+        self.inner.device()
+    }
+    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
+        self.live()?;
+        self.inner.create(f, n_out, n_in)
+    }
+    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        self.live()?;
+        self.inner.write_rows(id, first_row, data, scales)
+    }
+    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.live()?;
+        self.inner.matmul(x, t, n_in, jobs)
+    }
+    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
+        self.live()?;
+        self.inner.matmul_op(id, x, t, n_in, precision)
+    }
+    fn matmul_ops(&mut self, ids: &[BufferId], x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<Vec<f32>>, GpuError> {
+        self.live()?;
+        self.inner.matmul_ops(ids, x, t, n_in, precision)
+    }
+    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
+        self.inner.gated(act, gate, up)
+    }
+    fn free(&mut self, id: BufferId) {
+        self.inner.free(id)
+    }
+    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
+        self.live()?;
+        self.inner.create_cache(slots, width)
+    }
+    fn free_cache(&mut self, id: BufferId) {
+        self.inner.free_cache(id)
+    }
+    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
+        self.live()?;
+        self.inner.write_cache(id, first, k, v)
+    }
+    fn attention_cached(&mut self, q: &[f32], k: &[f32], v: &[f32], first_new: u32, cache: BufferId, first_key: u32, shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
+        self.live()?;
+        self.inner.attention_cached(q, k, v, first_new, cache, first_key, shape)
+    }
+    fn run_program(&mut self, p: &Program, inputs: &[Vec<f32>], batch: &[SequenceRun]) -> Option<Result<Vec<Output>, GpuError>> {
+        if let Err(e) = self.pass() {
+            return Some(Err(e));
+        }
+        // A backend that interprets programs does so over this one (`None`): its calls are
+        // counted too.
+        self.inner.run_program(p, inputs, batch)
+    }
 }

@@ -10,7 +10,7 @@ use wisp::{
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use wisp_tests::{open, golden_cases, model, wgpu_backend};
+use wisp_tests::{Losable, open, golden_cases, model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
     for case in cases {
@@ -379,86 +379,6 @@ fn a_device_lost_mid_generation_leaves_the_tokens_unchanged() {
     assert_eq!(inst.next(s2, &greedy_s).unwrap().unwrap().token, want[0]);
 }
 
-/// The CPU reference, lost at its `healthy`-th whole pass (a program's run).
-struct LosesPasses {
-    inner: CpuBackend,
-    healthy: usize,
-    lost: bool,
-}
-
-impl LosesPasses {
-    fn live(&self) -> Result<(), GpuError> {
-        if self.lost { Err(GpuError::DeviceLost("simulated loss mid-session".into())) } else { Ok(()) }
-    }
-
-    /// Counts a whole pass: the device is lost once `healthy` have run.
-    fn pass(&mut self) -> Result<(), GpuError> {
-        if self.healthy == 0 {
-            self.lost = true;
-        }
-        self.live()?;
-        self.healthy -= 1;
-        Ok(())
-    }
-}
-
-impl Backend for LosesPasses {
-    fn device(&self) -> Option<Device> {
-        self.inner.device()
-    }
-    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
-        self.live()?;
-        self.inner.create(f, n_out, n_in)
-    }
-    fn write_rows(&mut self, id: BufferId, r: u32, d: &[u8], s: &[f32]) -> Result<(), GpuError> {
-        self.live()?;
-        self.inner.write_rows(id, r, d, s)
-    }
-    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
-        self.live()?;
-        self.inner.matmul(x, t, n_in, jobs)
-    }
-    fn free(&mut self, id: BufferId) {
-        self.inner.free(id)
-    }
-    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
-        self.live()?;
-        self.inner.create_cache(slots, width)
-    }
-    fn free_cache(&mut self, id: BufferId) {
-        self.inner.free_cache(id)
-    }
-    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
-        self.live()?;
-        self.inner.write_cache(id, first, k, v)
-    }
-    fn attention_cached(
-        &mut self,
-        q: &[f32],
-        k_new: &[f32],
-        v_new: &[f32],
-        first_new: u32,
-        cache: BufferId,
-        first_key: u32,
-        shape: &AttentionShape,
-    ) -> Result<Vec<f32>, GpuError> {
-        self.live()?;
-        self.inner.attention_cached(q, k_new, v_new, first_new, cache, first_key, shape)
-    }
-    fn run_program(
-        &mut self,
-        p: &program::Program,
-        inputs: &[Vec<f32>],
-        batch: &[program::SequenceRun],
-    ) -> Option<Result<Vec<program::Output>, GpuError>> {
-        if let Err(e) = self.pass() {
-            return Some(Err(e));
-        }
-        // The CPU reference interprets programs: over this backend, so its calls are counted.
-        self.inner.run_program(p, inputs, batch)
-    }
-}
-
 /// The device keeps the keys and values its whole passes make (the guest's cache lacks them):
 /// lost after the prompt and a few tokens, the session runs its history again on the CPU and
 /// the tokens are those of a run without a device.
@@ -468,7 +388,7 @@ fn a_device_lost_after_whole_passes_replays_the_history_with_the_same_tokens() {
     let (mut off, m_off) = open(model(), GpuCtx::none(), GpuMode::Off);
     let want = greedy(&mut off, m_off, &prompt, 10);
     // One call for the prompt, one a generated token: lost at the fifth token's pass.
-    let failing = LosesPasses { inner: CpuBackend::new(), healthy: 5, lost: false };
+    let failing = Losable { inner: Box::new(CpuBackend::new()), healthy: 5, lost: Default::default() };
     let (mut inst, m) = open(model(), GpuCtx::new(Box::new(failing), Budget::default()), GpuMode::On);
     let s = inst.new_session(m, 64).unwrap().unwrap();
     inst.feed(s, &prompt).unwrap().unwrap();

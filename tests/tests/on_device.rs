@@ -8,14 +8,9 @@
 //! numbers; a device lost under a model it alone holds is a typed error for each session, not
 //! a trap and not a replay on a CPU that has no weights.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use wisp::gpu::program::{Output, Program, SequenceRun};
-use wisp::{
-    Activation, Advance, AttentionShape, Backend, BufferId, Budget, Device, EngineError, Format, GpuCtx, GpuError, GpuMode, Instance, Model, NativeBackend, Options,
-    Precision, Sampling, Wisp,
-};
-use wisp_tests::{model, open};
+use std::sync::atomic::Ordering;
+use wisp::{Advance, Budget, EngineError, GpuCtx, GpuMode, Instance, Model, NativeBackend, Options, Sampling, Wisp};
+use wisp_tests::{Losable, model, open};
 
 /// The guest's memory limit: far below the default model's weights (about 250 MiB converted).
 const LIMIT: usize = 96 << 20;
@@ -116,79 +111,9 @@ fn a_model_nothing_can_hold_is_refused_in_one_line_naming_both_numbers() {
     assert!(m.contains("MiB of guest memory") && m.contains("past its budget of 64 MiB"), "{m}");
 }
 
-/// The native device until `lost` is set (as a driver reset would do), then `device-lost` for
-/// every call.
-struct Losable {
-    inner: Box<NativeBackend>,
-    lost: Arc<AtomicBool>,
-}
-
-impl Losable {
-    fn check(&self) -> Result<(), GpuError> {
-        match self.lost.load(Ordering::SeqCst) {
-            true => Err(GpuError::DeviceLost("the driver reset the device".into())),
-            false => Ok(()),
-        }
-    }
-}
-
-impl Backend for Losable {
-    fn device(&self) -> Option<Device> {
-        self.inner.device()
-    }
-    fn create(&mut self, f: Format, n_out: u32, n_in: u32) -> Result<BufferId, GpuError> {
-        self.check()?;
-        self.inner.create(f, n_out, n_in)
-    }
-    fn write_rows(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
-        self.check()?;
-        self.inner.write_rows(id, first_row, data, scales)
-    }
-    fn matmul(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
-        self.check()?;
-        self.inner.matmul(x, t, n_in, jobs)
-    }
-    fn matmul_op(&mut self, id: BufferId, x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<f32>, GpuError> {
-        self.check()?;
-        self.inner.matmul_op(id, x, t, n_in, precision)
-    }
-    fn matmul_ops(&mut self, ids: &[BufferId], x: &[f32], t: u32, n_in: u32, precision: Precision) -> Result<Vec<Vec<f32>>, GpuError> {
-        self.check()?;
-        self.inner.matmul_ops(ids, x, t, n_in, precision)
-    }
-    fn gated(&mut self, act: Activation, gate: &[f32], up: &[f32]) -> Vec<f32> {
-        self.inner.gated(act, gate, up)
-    }
-    fn free(&mut self, id: BufferId) {
-        self.inner.free(id)
-    }
-    fn create_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
-        self.check()?;
-        self.inner.create_cache(slots, width)
-    }
-    fn free_cache(&mut self, id: BufferId) {
-        self.inner.free_cache(id)
-    }
-    fn write_cache(&mut self, id: BufferId, first: u32, k: &[f32], v: &[f32]) -> Result<(), GpuError> {
-        self.check()?;
-        self.inner.write_cache(id, first, k, v)
-    }
-    fn attention_cached(&mut self, q: &[f32], k: &[f32], v: &[f32], first_new: u32, cache: BufferId, first_key: u32, shape: &AttentionShape) -> Result<Vec<f32>, GpuError> {
-        self.check()?;
-        self.inner.attention_cached(q, k, v, first_new, cache, first_key, shape)
-    }
-    fn run_program(&mut self, p: &Program, inputs: &[Vec<f32>], batch: &[SequenceRun]) -> Option<Result<Vec<Output>, GpuError>> {
-        if let Err(e) = self.check() {
-            return Some(Err(e));
-        }
-        self.inner.run_program(p, inputs, batch)
-    }
-}
-
 #[test]
 fn a_device_lost_under_a_model_it_alone_holds_is_an_error_for_each_session() {
-    let lost = Arc::new(AtomicBool::new(false));
-    let device = Losable { inner: native(), lost: lost.clone() };
+    let (device, lost) = Losable::new(native());
     let mut inst = instance(GpuCtx::new(Box::new(device), Budget::default()), LIMIT);
     let m = inst.open_model(model(), GpuMode::Auto).expect("no trap").expect("the model opens on the device");
     let prompt = inst.tokenize(m, "Once upon a time", true, false).unwrap().unwrap();
@@ -198,7 +123,7 @@ fn a_device_lost_under_a_model_it_alone_holds_is_an_error_for_each_session() {
 
     lost.store(true, Ordering::SeqCst);
     let is_lost = |r: Result<(), EngineError>, what: &str| match r {
-        Err(EngineError::Io(m)) if m.contains("was lost") && m.contains("load the model again") => {}
+        Err(EngineError::Io(m)) if m.contains("was lost (simulated loss mid-session)") && m.contains("load the model again") => {}
         other => panic!("{what}: want an i/o error saying the device was lost, got {other:?}"),
     };
     // The pending token's pass meets the loss; every later pass too; no trap.
