@@ -217,7 +217,7 @@ impl Model {
             Streaming::new(file, gpu.device.as_ref(), tied, gpu.limits.max_weight_bytes)
         });
         // What went to the device is freed again where the load fails after it.
-        let loaded = Model::load_weights(config, &g, streaming.as_ref().map_or(file, |s| s as &dyn Source), gpu.clone(), owns);
+        let loaded = Model::load_weights(config, &g, streaming.as_ref().map_or(file, |s| s as &dyn Source), gpu.clone());
         if loaded.is_err() {
             if let Some(s) = &streaming {
                 s.release();
@@ -241,10 +241,11 @@ impl Model {
         Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
     }
 
-    /// Reads the weights of the architecture `config` from `file` (the device's when the
-    /// weights live there alone: `owns`), makes the recipe and places what goes on `gpu`.
+    /// Reads the weights of the architecture `config` from `file` (the device's where the
+    /// weights live there alone, `Gpu::owns`), makes the recipe and places what goes on `gpu`.
     /// Returns the model's architecture, its recipe and how many matrices the device holds.
-    fn load_weights(config: Box<dyn arch::Configured>, g: &Gguf, file: &dyn Source, gpu: Option<Rc<Gpu>>, owns: bool) -> Result<(Box<dyn Architecture>, Recipe, usize), Error> {
+    fn load_weights(config: Box<dyn arch::Configured>, g: &Gguf, file: &dyn Source, gpu: Option<Rc<Gpu>>) -> Result<(Box<dyn Architecture>, Recipe, usize), Error> {
+        let owns = gpu.as_ref().is_some_and(|g| g.owns);
         let mut arch = config.load(g, file)?;
         let mut recipe = Recipe::new(arch.recipe().map_err(LoadError::from)?, arch.freqs());
         let gpu_weights = match &gpu {

@@ -11,7 +11,7 @@ use crate::models::{FileRows, Linear, LoadError, WeightData};
 use crate::quant::{self, Group, QMatrix, Values};
 use crate::source::Source;
 use std::borrow::Cow;
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -135,20 +135,13 @@ pub struct Streaming<'a> {
     tied: bool,
     /// The device's largest weight, in bytes of data.
     max_weight_bytes: u64,
-    /// Bytes uploaded so far.
-    uploaded: Cell<u64>,
     /// The device ids of the weights made, for [`Streaming::release`].
     made: RefCell<Vec<usize>>,
 }
 
 impl<'a> Streaming<'a> {
     pub fn new(file: &'a dyn Source, device: &'a dyn Device, tied: bool, max_weight_bytes: u64) -> Streaming<'a> {
-        Streaming { file, device, tied, max_weight_bytes, uploaded: Cell::new(0), made: RefCell::new(Vec::new()) }
-    }
-
-    /// Bytes uploaded so far.
-    pub fn uploaded(&self) -> u64 {
-        self.uploaded.get()
+        Streaming { file, device, tied, max_weight_bytes, made: RefCell::new(Vec::new()) }
     }
 
     /// Frees every weight this load made on the device (a load that failed part way: nothing
@@ -162,10 +155,10 @@ impl<'a> Streaming<'a> {
     /// Rows `rows` of the tensor `name` (`kind`, its rows of `row` bytes from `offset` in the
     /// file), `n_in` wide, on the device (`Linear::gpu`); the embedding as the type says.
     pub(crate) fn load(&self, name: &str, (kind, offset, row): (TensorType, u64, usize), n_in: usize, rows: Range<usize>) -> Result<Linear, LoadError> {
-        let (n_part, part) = (rows.len(), name.to_string());
+        let n_part = rows.len();
         if name != EMBEDDING {
             let id = self.upload(name, (kind, offset, row), n_in, rows)?;
-            return Ok(Linear { name: part, n_out: n_part, n_in, w: WeightData::Device(format_of(kind)), kind, gpu: Some(id) });
+            return Ok(Linear { name: name.to_string(), n_out: n_part, n_in, w: WeightData::Device(format_of(kind)), kind, gpu: Some(id) });
         }
         let gpu = if self.tied { Some(self.upload(name, (kind, offset, row), n_in, rows.clone())?) } else { None };
         let w = match self.file.reopen() {
@@ -174,7 +167,7 @@ impl<'a> Streaming<'a> {
             // it (the guest holds the whole file anyway).
             None => Linear::read_here(self.file, name, (kind, offset, row), n_in, rows)?.w,
         };
-        Ok(Linear { name: part, n_out: n_part, n_in, w, kind, gpu })
+        Ok(Linear { name: name.to_string(), n_out: n_part, n_in, w, kind, gpu })
     }
 
     /// Uploads rows `rows` of a tensor a piece at a time: each piece read, converted to the
@@ -207,7 +200,6 @@ impl<'a> Streaming<'a> {
                 if kind == TensorType::F32 {
                     // The file's rows are the upload format's already.
                     self.device.write_rows(id, (first - rows.start) as u32, &data, &[]).map_err(device)?;
-                    self.uploaded.set(self.uploaded.get() + data.len() as u64);
                     first += n;
                     continue;
                 }
@@ -215,17 +207,13 @@ impl<'a> Streaming<'a> {
                     Some(rows) => rows,
                     // A float type: widened to f32, the format it goes up in.
                     None => {
-                        let piece = Linear { name: name.to_string(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
-                        drop(data);
-                        if !uploadable(&piece) {
-                            return Err(LoadError::Unsupported(format!("tensor {name}: its {} values have no upload format", kind.name())));
-                        }
-                        encode_rows(&piece, 0, n)
+                        let mut w = vec![0f32; n * n_in];
+                        quant::dequantize(kind, &data, &mut w);
+                        encode_rows(&Linear { name: name.to_string(), n_out: n, n_in, w: WeightData::F32(w), kind, gpu: None }, 0, n)
                     }
                 };
                 debug_assert_eq!(got, format);
                 self.device.write_rows(id, (first - rows.start) as u32, &data, &scales).map_err(device)?;
-                self.uploaded.set(self.uploaded.get() + (data.len() + 4 * scales.len()) as u64);
                 first += n;
             }
             Ok(())
@@ -299,18 +287,6 @@ pub(crate) fn transcode(kind: TensorType, data: &[u8], n: usize, n_in: usize) ->
     Some((format, values, scales))
 }
 
-/// `n` rows of a tensor of type `kind` (`data`, whole blocks) as the upload encoder reads them.
-fn converted(kind: TensorType, data: &[u8], n: usize, n_in: usize) -> WeightData {
-    match QMatrix::from_blocks(kind, data, n, n_in) {
-        Some(q) => WeightData::Q(q),
-        None => {
-            let mut w = vec![0f32; n * n_in];
-            quant::dequantize(kind, data, &mut w);
-            WeightData::F32(w)
-        }
-    }
-}
-
 impl Source for Streaming<'_> {
     fn len(&self) -> u64 {
         self.file.len()
@@ -346,7 +322,8 @@ mod tests {
         for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
             for (n, n_in) in [(1, 256), (3, 512), (5, 768)] {
                 let data = random_blocks(kind, n * n_in, &mut rng);
-                let converted = Linear { name: "w".into(), n_out: n, n_in, w: converted(kind, &data, n, n_in), kind, gpu: None };
+                let q = QMatrix::from_blocks(kind, &data, n, n_in).expect("a block type");
+                let converted = Linear { name: "w".into(), n_out: n, n_in, w: WeightData::Q(q), kind, gpu: None };
                 assert!(uploadable(&converted), "{kind:?}");
                 let want = encode_rows(&converted, 0, n);
                 let got = transcode(kind, &data, n, n_in).expect("a block type");
