@@ -73,6 +73,18 @@ fn a_baked_model_serves_the_openai_api_under_wasmtime_serve() {
         "the baked component exports {exports:?}"
     );
 
+    // Dense: the snapshot holds the converted weights end to end (the GGUF read a piece at a
+    // time, no hole where it was held whole), so runtimes with default settings map it
+    // copy-on-write rather than writing it into every instance.
+    let image = wisp::bake::memory_image(&bytes).unwrap().expect("the baked guest has a memory image");
+    assert!(
+        image.mapped_by_default() && image.span_bytes < image.data_bytes + image.data_bytes / 8,
+        "the memory image holds {} bytes over {}",
+        image.data_bytes,
+        image.span_bytes
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("(dense: runtimes map it"), "{}", String::from_utf8_lossy(&out.stderr));
+
     let wasmtime = wasmtime();
     let env = [
         ("WISP_BIN", env!("CARGO_BIN_EXE_wisp").as_ref()),

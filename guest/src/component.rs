@@ -333,7 +333,16 @@ unsafe extern "C" {
 
 impl crate::bindings::Guest for Component {
     fn preload(path: String) -> Result<(), String> {
-        let mut bytes = read_file(&path).map_err(|e| match e {
+        // A piece at a time, as `open` reads: the snapshot is the converted weights laid end to
+        // end, with no hole where a whole file's copy was freed, so that a runtime maps it
+        // copy-on-write with its default settings (wasmtime wants the data to be at least half
+        // of the range it spans) and copies no zeros into each instance's image.
+        let model = (|| -> Result<Model, wit::Error> {
+            let file = FileSource::open(&path).map_err(Error::from)?;
+            let g = file.header().map_err(Error::from)?;
+            Ok(Model::load_from(g, &file, None)?)
+        })()
+        .map_err(|e| match e {
             wit::Error::InvalidModel(m)
             | wit::Error::Unsupported(m)
             | wit::Error::Io(m)
@@ -342,15 +351,10 @@ impl crate::bindings::Guest for Component {
             | wit::Error::OutOfMemory(m)
             | wit::Error::InvalidConstraint(m) => m,
         })?;
-        let model = Model::load_with(&bytes, None).map_err(|e| e.to_string())?;
         // The constraint compiler's view of the vocabulary (~2 s to build in wasm for 262,144
         // tokens) goes into the snapshot too; a model without an end token has none, and says
         // so when a constraint is asked for.
         let _ = model.grammars();
-        // Freed memory is not cleared: zeroes keep the file's copy out of the snapshot, which
-        // stores the pages that are not zero.
-        bytes.fill(0);
-        drop(bytes);
         // SAFETY: no file or directory of wasi-libc's is in use here (the model file is closed).
         unsafe { __wasilibc_reset_preopens() };
         PRELOADED.with(|p| *p.borrow_mut() = Some((path, Rc::new(model))));
@@ -401,15 +405,6 @@ fn open(file: &dyn Source, options: wit::LoadOptions) -> Result<wit::Model, wit:
     let g = file.header().map_err(Error::from)?;
     let model = Model::load_from(g, file, offer)?;
     Ok(wit::Model::new(ModelRes::new(Rc::new(model), device, options.precision)))
-}
-
-/// Reads a whole file, with a typed error (not an abort) when guest memory cannot hold it.
-fn read_file(path: &str) -> Result<Vec<u8>, wit::Error> {
-    let file = FileSource::open(path).map_err(Error::from)?;
-    let len = usize::try_from(file.len()).map_err(|_| {
-        wit::Error::OutOfMemory(format!("{path}: a file of {} bytes does not fit in guest memory", file.len()))
-    })?;
-    Ok(file.read(0, len).map_err(Error::from)?.into_owned())
 }
 
 impl wit::GuestModel for ModelRes {

@@ -105,3 +105,58 @@ pub fn imports_and_exports(component: &[u8]) -> Result<(Vec<String>, Vec<String>
     let world = &types[package.ty()];
     Ok((world.imports.keys().cloned().collect(), world.exports.keys().cloned().collect()))
 }
+
+/// The memory image a runtime builds for a component's largest initialized memory (the baked
+/// guest's): the bytes its active data segments hold, and the range of addresses they span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryImage {
+    /// Bytes of data.
+    pub data_bytes: u64,
+    /// From the lowest address a segment writes to the end of the highest.
+    pub span_bytes: u64,
+}
+
+impl MemoryImage {
+    /// Whether wasmtime, with its default settings (`wasmtime serve`, wasmCloud, Spin), lays the
+    /// data out as one image that each instance maps copy-on-write: the span under twice the
+    /// data, or under the 16 MiB it always allows (`memory-guaranteed-dense-image-size`).
+    /// Otherwise every instance writes the segments into its own memory.
+    pub fn mapped_by_default(&self) -> bool {
+        self.span_bytes < self.data_bytes.saturating_mul(2) || self.span_bytes < 16 << 20
+    }
+}
+
+/// The largest memory image of `component`'s core modules (by data), if any has data.
+pub fn memory_image(component: &[u8]) -> Result<Option<MemoryImage>> {
+    use wasmparser::{ConstExpr, DataKind, Operator, Parser, Payload};
+    let offset = |e: &ConstExpr| -> Result<u64> {
+        let mut ops = e.get_operators_reader();
+        match ops.read()? {
+            Operator::I32Const { value } => Ok(u64::from(value as u32)),
+            Operator::I64Const { value } => Ok(value as u64),
+            other => bail!("a data segment's offset is {other:?}, not a constant"),
+        }
+    };
+    let mut best: Option<MemoryImage> = None;
+    // Core modules' sections come in order, each module's data section after its others.
+    for payload in Parser::new(0).parse_all(component) {
+        let Payload::DataSection(reader) = payload? else { continue };
+        let (mut data, mut lo, mut hi) = (0u64, u64::MAX, 0u64);
+        for segment in reader {
+            let segment = segment?;
+            if let DataKind::Active { offset_expr, .. } = segment.kind
+                && !segment.data.is_empty()
+            {
+                let start = offset(&offset_expr)?;
+                let len = segment.data.len() as u64;
+                data += len;
+                lo = lo.min(start);
+                hi = hi.max(start + len);
+            }
+        }
+        if data > best.map_or(0, |b| b.data_bytes) {
+            best = Some(MemoryImage { data_bytes: data, span_bytes: hi - lo });
+        }
+    }
+    Ok(best)
+}

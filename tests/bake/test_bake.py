@@ -99,19 +99,12 @@ def baked():
     p.stop()
 
 
-#: Wasmtime maps a memory image copy-on-write into each instance only when the image is in
-#: the compiled artifact's file and "dense" (its data at least half of the span it covers, or
-#: the span under this threshold); a baked guest's image is sparse (the GGUF's pages it freed are
-#: zeros), so docs/deploy.md compiles ahead with the threshold raised.
-DENSE = "memory-guaranteed-dense-image-size=4294967296"
-
-
 @pytest.fixture(scope="module")
 def precompiled(tmp_path_factory):
-    """`wasmtime serve` of the component compiled ahead (`wasmtime compile`), as docs/deploy.md
-    runs it in production: every instance maps the image, none copies it."""
+    """`wasmtime serve` of the component compiled ahead (`wasmtime compile`, default settings),
+    as docs/deploy.md runs it in production: every instance maps the image from the file."""
     cwasm = tmp_path_factory.mktemp("cwasm") / "baked.cwasm"
-    subprocess.run([WASMTIME, "compile", "-O", DENSE, BAKED, "-o", str(cwasm)], check=True)
+    subprocess.run([WASMTIME, "compile", BAKED, "-o", str(cwasm)], check=True)
     port = free_port()
     p = Process([WASMTIME, "serve", "--allow-precompiled", "--addr", f"127.0.0.1:{port}", str(cwasm)], r"Serving HTTP on (http://\S+)")
     yield p

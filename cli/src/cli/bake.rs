@@ -47,6 +47,17 @@ pub fn bake(a: BakeArgs) -> Result<()> {
         bytes.len() as f64 / 1e6,
         started.elapsed().as_secs_f64()
     );
+    // What each instance starts from: mapped copy-on-write (the weights in memory once, however
+    // many instances run), or written into every instance.
+    if let Some(image) = wisp::bake::memory_image(&bytes)? {
+        let mib = |b: u64| b as f64 / f64::from(1 << 20);
+        let how = if image.mapped_by_default() {
+            "dense: runtimes map it copy-on-write into each instance with their default settings"
+        } else {
+            "sparse: runtimes with default settings copy it into each instance"
+        };
+        eprintln!("wisp: memory image {:.0} MiB of data over {:.0} MiB ({how})", mib(image.data_bytes), mib(image.span_bytes));
+    }
     eprintln!(
         "wisp: run it with `wasmtime serve --addr 127.0.0.1:8080 {}`; compiled ahead for production (docs/deploy.md)",
         output.display()

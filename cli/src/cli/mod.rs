@@ -104,8 +104,8 @@ enum Command {
     /// proxy world lacks; no GPU: the guest's CPU path runs every request.
     #[command(after_help = "Examples:\n  wisp bake --model qwen2.5-coder-0.5b -o qwen.http.wasm\n  \
                             wasmtime serve --addr 127.0.0.1:8080 qwen.http.wasm\n\n\
-                            In production, compiled ahead (each instance then maps the weights instead of copying them):\n  \
-                            wasmtime compile -O memory-guaranteed-dense-image-size=4294967296 qwen.http.wasm -o qwen.cwasm\n  \
+                            In production, compiled ahead (no compile at start; instances map the weights from the file):\n  \
+                            wasmtime compile qwen.http.wasm -o qwen.cwasm\n  \
                             wasmtime serve --allow-precompiled --addr 127.0.0.1:8080 qwen.cwasm\n\n\
                             Then, for example:\n  \
                             curl http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
