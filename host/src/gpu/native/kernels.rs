@@ -1,6 +1,7 @@
 //! The native device's products, a weight's rows with rows of x, in each upload format: the
 //! plain reading of each (`scalar`, which also runs where no vector unit below is found) and
-//! x86-64 AVX2 + FMA versions chosen at run time ([`Isa::detect`]).
+//! x86-64 AVX2 + FMA versions chosen at run time ([`Isa::detect`]), whose `fast` products use
+//! AVX-VNNI's `vpdpbusd` where the CPU has it (the same integers summed, the same bits).
 //!
 //! Two ways of summing, as the WIT `precision` names them:
 //! - `exact`: each weight decoded to f32 as the contract reads it (`d * q - m`), then f32
@@ -224,6 +225,11 @@ pub enum Isa {
     Scalar,
     /// x86-64 AVX2 with FMA.
     Avx2,
+    /// AVX2 with FMA, and AVX-VNNI for `fast` products: `vpdpbusd` multiplies a block's bytes
+    /// and sums each four into 32 bits in one instruction where AVX2 takes two (`vpmaddubsw`,
+    /// `vpmaddwd`), or four for a weight of nibbles. The 256-bit (VEX) form, which every CPU
+    /// with AVX-512 VNNI also has, and some without AVX-512.
+    Avx2Vnni,
 }
 
 impl Isa {
@@ -231,9 +237,17 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            if std::arch::is_x86_feature_detected!("avxvnni") {
+                return Isa::Avx2Vnni;
+            }
             return Isa::Avx2;
         }
         Isa::Scalar
+    }
+
+    /// Whether the AVX2 + FMA kernels run (every `Isa` but `Scalar`).
+    pub fn avx2(self) -> bool {
+        matches!(self, Isa::Avx2 | Isa::Avx2Vnni)
     }
 
     /// Its name, as `wisp info` prints it.
@@ -241,6 +255,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma",
+            Isa::Avx2Vnni => "avx2+fma+avx-vnni",
         }
     }
 }
@@ -336,7 +351,7 @@ pub fn quantize(x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized
         body(x, n_in, block, q4)
     }
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect() == Isa::Avx2 {
+    if Isa::detect().avx2() {
         // SAFETY: the CPU has AVX2 and FMA (detected just now).
         return unsafe { wide(x, n_in, block, q4) };
     }
@@ -361,8 +376,8 @@ pub fn reorder_q4(x: &[f32], n_in: usize) -> Vec<f32> {
 pub fn gated(isa: Isa, act: Activation, gate: &[f32], up: &[f32], out: &mut [f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 {
-        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
+    if isa.avx2() {
+        // SAFETY: `Isa::Avx2` and `Avx2Vnni` are only chosen where the CPU has AVX2 and FMA.
         done = unsafe { avx2::gated(act, gate, up, out) };
     }
     let _ = isa;
@@ -541,9 +556,20 @@ pub mod avx2 {
     /// (`B16`: a scale per 16 elements, else per 32): `out[j * R + i]` for weight row `o + j`
     /// and x row `r0 + i`. Bytes past the last whole 32 (a q8x16 row of an odd number of
     /// blocks) go to the scalar kernel's arithmetic.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn q8<const W: usize, const R: usize, const B16: bool>(q: &[i8], d: &[f32], o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA, and AVX-VNNI with `VNNI`: only inlined into the
+    /// `#[target_feature]` entries [`fast_rows`] and [`fast_rows_vnni`], which say so.
+    #[inline(always)]
+    unsafe fn q8<const W: usize, const R: usize, const B16: bool, const VNNI: bool>(
+        q: &[i8],
+        d: &[f32],
+        o: usize,
+        n_in: usize,
+        x: &Quantized,
+        r0: usize,
+        out: &mut [f32],
+    ) {
         let block = if B16 { 16 } else { 32 };
         let nb = n_in / block;
         let chunks = n_in / 32;
@@ -560,8 +586,10 @@ pub mod avx2 {
                 xp[i] = &x.pairs[(r0 + i) * (nb / 2) * 8..][..chunks * 8];
             }
         }
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
-        let ones = _mm256_set1_epi16(1);
+        // SAFETY: the CPU has AVX2 (the caller's promise).
+        let mut acc = unsafe { [[_mm256_setzero_ps(); R]; W] };
+        // SAFETY: as above.
+        let ones = unsafe { _mm256_set1_epi16(1) };
         // SAFETY: chunk `k < n_in / 32` reads bytes `32k..32k + 32` of each `wq[j]` and `xq[i]`
         // (rows of `n_in`), scales `k` (< nb) or `2k, 2k + 1` (< nb with 16-element blocks) of
         // each `wd[j]`, `k` of each `xs[i]`, and `8k..8k + 8` of each `xp[i]` (cut to `8 *
@@ -584,9 +612,12 @@ pub mod avx2 {
                     let wa = _mm256_sign_epi8(w, w);
                     let ws = if B16 { pair(*wd[j].get_unchecked(2 * k), *wd[j].get_unchecked(2 * k + 1)) } else { _mm256_set1_ps(*wd[j].get_unchecked(k)) };
                     for i in 0..R {
-                        // |w| * (x with w's sign): at most 128 * 127 * 2 a pair, inside i16.
-                        let p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(xv[i], w));
-                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+                        // |w| * (x with w's sign), each four summed: with AVX2 in pairs first,
+                        // at most 128 * 127 * 2 a pair, inside i16 (no saturation: the same
+                        // sums as VNNI's 32-bit ones).
+                        let xs = _mm256_sign_epi8(xv[i], w);
+                        let sums = if VNNI { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xs) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones) };
+                        let dot = _mm256_cvtepi32_ps(sums);
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
                     }
                 }
@@ -594,7 +625,8 @@ pub mod avx2 {
         }
         for j in 0..W {
             for i in 0..R {
-                let mut y = hsum(acc[j][i]);
+                // SAFETY: the CPU has AVX2 and FMA (the caller's promise).
+                let mut y = unsafe { hsum(acc[j][i]) };
                 for b in chunks * 32 / block..nb {
                     let dot: i32 = wq[j][b * block..][..block].iter().zip(&xq[i][b * block..][..block]).map(|(&a, &b)| a as i32 * b as i32).sum();
                     y += wd[j][b] * xs[i][b] * dot as f32;
@@ -609,10 +641,11 @@ pub mod avx2 {
     /// empty. A five-bit one (`FIVE`): each nibble's fifth bit from `h` added, `w = d (u -
     /// 16)`, so `m` is `d` and `offset` 16. Either way the offset term, `offset * sum_b m_b
     /// s_b (sum of the block's x values)`, is taken off through x's block sums.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    #[allow(clippy::too_many_arguments)]
-    fn nibbles<const W: usize, const R: usize, const FIVE: bool>(
+    ///
+    /// # Safety
+    /// As [`q8`]'s.
+    #[inline(always)]
+    unsafe fn nibbles<const W: usize, const R: usize, const FIVE: bool, const VNNI: bool>(
         (q, h, d, m, offset): (&[u8], &[u64], &[f32], &[f32], f32),
         o: usize,
         n_in: usize,
@@ -637,9 +670,8 @@ pub mod avx2 {
             xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
             xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
         }
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
+        // SAFETY: the CPU has AVX2 (the caller's promise).
+        let (mut acc, low, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi8(0x0F), _mm256_set1_epi16(1)) };
         // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
         // bytes), with `FIVE` `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]`
         // (n_in), scales `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]`
@@ -667,9 +699,14 @@ pub mod avx2 {
                     }
                     let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
                     for i in 0..R {
-                        // At most 31 * 127 * 2 a pair of bytes, twice: inside i16.
-                        let s16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i]));
-                        let dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
+                        // With AVX2: at most 31 * 127 * 2 a pair of bytes, twice: inside i16
+                        // (no saturation: the same sums as VNNI's 32-bit ones).
+                        let sums = if VNNI {
+                            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xa[i]), hi, xb[i])
+                        } else {
+                            _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
+                        };
+                        let dot = _mm256_cvtepi32_ps(sums);
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
                     }
                 }
@@ -678,7 +715,8 @@ pub mod avx2 {
         for j in 0..W {
             for i in 0..R {
                 let r = r0 + i;
-                let mut y = hsum(acc[j][i]);
+                // SAFETY: the CPU has AVX2 and FMA (the caller's promise).
+                let mut y = unsafe { hsum(acc[j][i]) };
                 let (d, m) = (wd[j], wm[j]);
                 if nb % 2 == 1 {
                     // The lone last block: its even values, then its odd ones, in `u`.
@@ -690,11 +728,14 @@ pub mod avx2 {
                     y += d[b] * x.s[r * nb + b] * dot as f32;
                 }
                 let c = &x.c[r * nb..][..nb];
-                let mut mins = _mm256_setzero_ps();
-                for k in 0..nb / 8 {
-                    mins = _mm256_fmadd_ps(load_f32(&m[k * 8..]), load_f32(&c[k * 8..]), mins);
-                }
-                let mut min = hsum(mins);
+                // SAFETY: the CPU has AVX2 and FMA (the caller's promise); the loads are cut.
+                let mut min = unsafe {
+                    let mut mins = _mm256_setzero_ps();
+                    for k in 0..nb / 8 {
+                        mins = _mm256_fmadd_ps(load_f32(&m[k * 8..]), load_f32(&c[k * 8..]), mins);
+                    }
+                    hsum(mins)
+                };
                 for b in nb / 8 * 8..nb {
                     min += m[b] * c[b];
                 }
@@ -718,73 +759,98 @@ pub mod avx2 {
     }
 
     /// One call of a kernel: `W` weight rows from `o` against `R` rows of x from `r`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn fast_tile<const W: usize, const R: usize>(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize, y: &mut [f32]) {
-        match w {
-            Stored::Q8 { block: 16, q, d } => q8::<W, R, true>(q, d, o, n_in, x, r, y),
-            Stored::Q8 { q, d, .. } => q8::<W, R, false>(q, d, o, n_in, x, r, y),
-            Stored::Q4 { q, d, m } => nibbles::<W, R, false>((q, &[], d, m, 1.0), o, n_in, x, r, y),
-            Stored::Q5 { q, h, d } => nibbles::<W, R, true>((q, h, d, d, 16.0), o, n_in, x, r, y),
-            Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
+    ///
+    /// # Safety
+    /// As [`q8`]'s.
+    #[inline(always)]
+    unsafe fn fast_tile<const W: usize, const R: usize, const VNNI: bool>(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize, y: &mut [f32]) {
+        // SAFETY: the caller's promise, passed on.
+        unsafe {
+            match w {
+                Stored::Q8 { block: 16, q, d } => q8::<W, R, true, VNNI>(q, d, o, n_in, x, r, y),
+                Stored::Q8 { q, d, .. } => q8::<W, R, false, VNNI>(q, d, o, n_in, x, r, y),
+                Stored::Q4 { q, d, m } => nibbles::<W, R, false, VNNI>((q, &[], d, m, 1.0), o, n_in, x, r, y),
+                Stored::Q5 { q, h, d } => nibbles::<W, R, true, VNNI>((q, h, d, d, 16.0), o, n_in, x, r, y),
+                Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
+            }
         }
+    }
+
+    /// `fast` for weight rows `rows` against every row of x ([`fast_rows_with`]).
+    #[target_feature(enable = "avx2,fma")]
+    pub fn fast_rows(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features are the kernels'.
+        unsafe { fast_rows_with::<false>(w, rows, n_in, x, t, out, width) }
+    }
+
+    /// [`fast_rows`] with AVX-VNNI's products: the same integer sums, the same bits.
+    #[target_feature(enable = "avx2,fma,avxvnni")]
+    pub fn fast_rows_vnni(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features are the kernels' with `VNNI`.
+        unsafe { fast_rows_with::<true>(w, rows, n_in, x, t, out, width) }
     }
 
     /// `fast` for weight rows `rows` against every row of x: `out[r * width + o - rows.start]`.
     /// A few rows of x (a decode step): four weight rows at a time against each. More: four
     /// rows of x at a time against each weight row of a block of [`super::FAST_BLOCK`], both
     /// held in the L1 cache while the block sweeps them.
-    #[target_feature(enable = "avx2,fma")]
-    pub fn fast_rows(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
-        let mut y = [0f32; 16];
-        let first = rows.start;
-        if t < 4 {
-            for r in 0..t {
-                let mut o = rows.start;
-                while o < rows.end {
-                    let n = if rows.end - o >= 4 { 4 } else { 1 };
-                    if n == 4 {
-                        fast_tile::<4, 1>(w, o, n_in, x, r, &mut y);
-                    } else {
-                        fast_tile::<1, 1>(w, o, n_in, x, r, &mut y);
-                    }
-                    for j in 0..n {
-                        out[r * width + o + j - first] = y[j];
-                    }
-                    o += n;
-                }
-            }
-            return;
-        }
-        let mut block = rows.start;
-        while block < rows.end {
-            let end = (block + super::FAST_BLOCK).min(rows.end);
-            let mut r = 0;
-            while r < t {
-                let n = if t - r >= 4 { 4 } else { 1 };
-                let mut o = block;
-                while o < end {
-                    // Two q8x32 weight rows a call where there are two (each row of x read once
-                    // for both: 24 -> 28 GMAC/s a core here); a weight of nibbles one (its
-                    // unpacking, or q8x16's pairs of scales, take the registers a second row
-                    // would: 34 -> 28 with two).
-                    let nw = if end - o >= 2 && matches!(w, Stored::Q8 { block: 32, .. }) { 2 } else { 1 };
-                    match (nw, n) {
-                        (2, 4) => fast_tile::<2, 4>(w, o, n_in, x, r, &mut y),
-                        (2, _) => fast_tile::<2, 1>(w, o, n_in, x, r, &mut y),
-                        (_, 4) => fast_tile::<1, 4>(w, o, n_in, x, r, &mut y),
-                        _ => fast_tile::<1, 1>(w, o, n_in, x, r, &mut y),
-                    }
-                    for j in 0..nw {
-                        for i in 0..n {
-                            out[(r + i) * width + o + j - first] = y[j * n + i];
+    ///
+    /// # Safety
+    /// As [`q8`]'s.
+    #[inline(always)]
+    unsafe fn fast_rows_with<const VNNI: bool>(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: the caller's promise, passed on to the kernels.
+        unsafe {
+            let mut y = [0f32; 16];
+            let first = rows.start;
+            if t < 4 {
+                for r in 0..t {
+                    let mut o = rows.start;
+                    while o < rows.end {
+                        let n = if rows.end - o >= 4 { 4 } else { 1 };
+                        if n == 4 {
+                            fast_tile::<4, 1, VNNI>(w, o, n_in, x, r, &mut y);
+                        } else {
+                            fast_tile::<1, 1, VNNI>(w, o, n_in, x, r, &mut y);
                         }
+                        for j in 0..n {
+                            out[r * width + o + j - first] = y[j];
+                        }
+                        o += n;
                     }
-                    o += nw;
                 }
-                r += n;
+                return;
             }
-            block = end;
+            let mut block = rows.start;
+            while block < rows.end {
+                let end = (block + super::FAST_BLOCK).min(rows.end);
+                let mut r = 0;
+                while r < t {
+                    let n = if t - r >= 4 { 4 } else { 1 };
+                    let mut o = block;
+                    while o < end {
+                        // Two q8x32 weight rows a call where there are two (each row of x read once
+                        // for both: 24 -> 28 GMAC/s a core here); a weight of nibbles one (its
+                        // unpacking, or q8x16's pairs of scales, take the registers a second row
+                        // would: 34 -> 28 with two).
+                        let nw = if end - o >= 2 && matches!(w, Stored::Q8 { block: 32, .. }) { 2 } else { 1 };
+                        match (nw, n) {
+                            (2, 4) => fast_tile::<2, 4, VNNI>(w, o, n_in, x, r, &mut y),
+                            (2, _) => fast_tile::<2, 1, VNNI>(w, o, n_in, x, r, &mut y),
+                            (_, 4) => fast_tile::<1, 4, VNNI>(w, o, n_in, x, r, &mut y),
+                            _ => fast_tile::<1, 1, VNNI>(w, o, n_in, x, r, &mut y),
+                        }
+                        for j in 0..nw {
+                            for i in 0..n {
+                                out[(r + i) * width + o + j - first] = y[j * n + i];
+                            }
+                        }
+                        o += nw;
+                    }
+                    r += n;
+                }
+                block = end;
+            }
         }
     }
 

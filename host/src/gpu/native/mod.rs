@@ -294,6 +294,9 @@ fn fast_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &Quantized, 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
         Isa::Avx2 => unsafe { kernels::avx2::fast_rows(&m.stored, rows, n_in, x, t, out, width) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx2Vnni` is only chosen where the CPU has AVX2, FMA and AVX-VNNI.
+        Isa::Avx2Vnni => unsafe { kernels::avx2::fast_rows_vnni(&m.stored, rows, n_in, x, t, out, width) },
         _ => {
             for o in rows {
                 for r in 0..t {
@@ -314,7 +317,7 @@ const FUSED_MAX_T: usize = 4;
 fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. }) {
+    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {
@@ -358,8 +361,9 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                     let dst = &mut w[j * n_in..][..n_in];
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
-                        Isa::Avx2 => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
+                        // SAFETY: `Isa::Avx2` and `Avx2Vnni` are only chosen where the CPU has
+                        // AVX2 and FMA.
+                        Isa::Avx2 | Isa::Avx2Vnni => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
                         _ => kernels::scalar::decode(&m.stored, o + j, n_in, dst),
                     }
                 }
@@ -376,7 +380,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Isa::Avx2 => unsafe {
+                    Isa::Avx2 | Isa::Avx2Vnni => unsafe {
                         use kernels::avx2::exact;
                         match (nw, nr) {
                             (4, 2) => exact::<4, 2>([wr(0), wr(1), wr(2), wr(3)], [xr(0), xr(1)], &mut y),
@@ -460,8 +464,8 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` is only chosen where the CPU has AVX2 and FMA.
-        Isa::Avx2 => unsafe { wide(a, b) },
+        // SAFETY: `Isa::Avx2` and `Avx2Vnni` are only chosen where the CPU has AVX2 and FMA.
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { wide(a, b) },
         _ => plain(a, b),
     }
 }
@@ -496,7 +500,7 @@ fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
-        Isa::Avx2 => unsafe { wide(a, x, y) },
+        Isa::Avx2 | Isa::Avx2Vnni => unsafe { wide(a, x, y) },
         _ => plain(a, x, y),
     }
 }

@@ -75,10 +75,15 @@ fn cases() -> Vec<(Format, usize)> {
     ]
 }
 
+/// Every kernel set this CPU runs: the plain one, AVX2 + FMA, and AVX2 with AVX-VNNI's
+/// products where it has them.
 fn isas() -> Vec<Isa> {
     let mut v = vec![Isa::Scalar];
-    if Isa::detect() != Isa::Scalar {
-        v.push(Isa::detect());
+    if Isa::detect().avx2() {
+        v.push(Isa::Avx2);
+        if Isa::detect() == Isa::Avx2Vnni {
+            v.push(Isa::Avx2Vnni);
+        }
     } else if std::env::var("CI").is_ok_and(|v| v == "true") && cfg!(target_arch = "x86_64") {
         panic!("CI=true: this x86-64 CPU offers no AVX2 + FMA, so the vector kernels are not tested");
     }
@@ -186,6 +191,32 @@ fn fast_products_are_within_the_int8_rounding_of_exact_ones() {
 }
 
 #[test]
+fn fast_products_with_avx_vnni_are_the_avx2_bits() {
+    // The same integer sums (AVX2 sums pairs in 16 bits first, within range), the same f32
+    // arithmetic after them: the same bits, for every format, batch size and thread count.
+    if Isa::detect() != Isa::Avx2Vnni {
+        eprintln!("this CPU has no AVX-VNNI ({:?}): nothing to compare", Isa::detect());
+        return;
+    }
+    let mut rng = Rng(13);
+    for (format, marked) in cases().into_iter().filter(|c| !matches!(c.0, Format::F32 | Format::Bf16)) {
+        let (n_out, n_in) = (23, marked % FIVE_BITS);
+        let (data, scales) = weight(&mut rng, format, n_out, marked);
+        for t in [1, 3, 4, 9, 40] {
+            let x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 4.0).collect();
+            let mut results = Vec::new();
+            for (isa, threads) in [(Isa::Avx2, 1), (Isa::Avx2Vnni, 1), (Isa::Avx2Vnni, 3)] {
+                let mut b = NativeBackend::with_isa(threads, isa).unwrap();
+                let id = upload(&mut b, format, n_out, n_in, &data, &scales);
+                let y = b.matmul_op(id, &x, t as u32, n_in as u32, Precision::Fast).unwrap();
+                results.push(y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+            }
+            assert!(results.iter().all(|r| *r == results[0]), "{} {marked} t {t}", format.name());
+        }
+    }
+}
+
+#[test]
 fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
     let mut rng = Rng(5);
     let (n_head, n_head_kv, hd) = (4u32, 2u32, 16u32);
@@ -232,7 +263,13 @@ fn native_speed() {
             continue;
         }
         let (data, scales) = weight(&mut rng, format, n_out, n_in);
-        let mut b = NativeBackend::new(threads).unwrap();
+        // ISA=avx2 or scalar: those kernels on a CPU that has more.
+        let isa = match std::env::var("ISA").as_deref() {
+            Ok("avx2") => Isa::Avx2,
+            Ok("scalar") => Isa::Scalar,
+            _ => Isa::detect(),
+        };
+        let mut b = NativeBackend::with_isa(threads, isa).unwrap();
         let id = upload(&mut b, format, n_out, n_in, &data, &scales);
         if let Ok(m) = std::fs::read_to_string("/proc/self/smaps_rollup") {
             println!("  {}", m.lines().filter(|l| l.contains("AnonHuge") || l.starts_with("Rss")).collect::<Vec<_>>().join("; "));
