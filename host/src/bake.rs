@@ -138,7 +138,8 @@ pub fn memory_image(component: &[u8]) -> Result<Option<MemoryImage>> {
         }
     };
     let mut best: Option<MemoryImage> = None;
-    // Core modules' sections come in order, each module's data section after its others.
+    // `parse_all` walks nested components and core modules alike: each data section is one
+    // core module's.
     for payload in Parser::new(0).parse_all(component) {
         let Payload::DataSection(reader) = payload? else { continue };
         let (mut data, mut lo, mut hi) = (0u64, u64::MAX, 0u64);

@@ -48,8 +48,9 @@ pub fn bake(a: BakeArgs) -> Result<()> {
         started.elapsed().as_secs_f64()
     );
     // What each instance starts from: mapped copy-on-write (the weights in memory once, however
-    // many instances run), or written into every instance.
-    if let Some(image) = wisp::bake::memory_image(&bytes)? {
+    // many instances run), or written into every instance. A note: a component it cannot
+    // measure is still written.
+    if let Ok(Some(image)) = wisp::bake::memory_image(&bytes) {
         let mib = |b: u64| b as f64 / f64::from(1 << 20);
         let how = if image.mapped_by_default() {
             "dense: runtimes map it copy-on-write into each instance with their default settings"
