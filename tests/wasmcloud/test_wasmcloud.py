@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,7 +22,6 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import nats
 import pytest
 from openai import OpenAI
