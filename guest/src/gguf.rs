@@ -66,6 +66,8 @@ pub enum TensorType {
     I64,
     F64,
     BF16,
+    IQ4NL,
+    IQ4XS,
 }
 
 impl TensorType {
@@ -90,6 +92,8 @@ impl TensorType {
             25 => I16,
             26 => I32,
             27 => I64,
+            20 => IQ4NL,
+            23 => IQ4XS,
             28 => F64,
             30 => BF16,
             _ => return None,
@@ -114,6 +118,8 @@ impl TensorType {
             Q5K => (256, 176),
             Q6K => (256, 210),
             Q8K => (256, 292),
+            IQ4NL => (32, 18),
+            IQ4XS => (256, 136),
             I8 => (1, 1),
             I16 => (1, 2),
             I32 => (1, 4),
@@ -138,6 +144,8 @@ impl TensorType {
             Q5K => "Q5_K",
             Q6K => "Q6_K",
             Q8K => "Q8_K",
+            IQ4NL => "IQ4_NL",
+            IQ4XS => "IQ4_XS",
             I8 => "I8",
             I16 => "I16",
             I32 => "I32",

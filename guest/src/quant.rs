@@ -34,6 +34,23 @@ pub const Q4_K_BYTES: usize = 144;
 /// Q6_K: `ql: [u8; 128], qh: [u8; 64], scales: [i8; 16], d: f16`, `w = d * scale * (q - 32)`
 /// with one scale per 16 elements.
 pub const Q6_K_BYTES: usize = 210;
+/// Q5_1: `d: f16, m: f16, qh: u32 (the fifth bits), qs: [u8; 16]` (as Q5_0), `w = d * q + m`.
+pub const Q5_1_BYTES: usize = 24;
+/// Q2_K: `scales: [u8; 16]` (a 4-bit scale low, a 4-bit min high, per 16 elements),
+/// `qs: [u8; 64]` (2-bit values), `d: f16, dmin: f16`; `w = d * sc * q - dmin * m`.
+pub const Q2_K_BYTES: usize = 84;
+/// Q3_K: `hmask: [u8; 32]` (the third bits), `qs: [u8; 64]` (the low two), `scales: [u8; 12]`
+/// (sixteen 6-bit scales), `d: f16`; `w = d * (sc - 32) * q`, `q` in -4..=3.
+pub const Q3_K_BYTES: usize = 110;
+/// Q5_K: Q4_K's `d, dmin, scales` then `qh: [u8; 32]` (the fifth bits) and `qs: [u8; 128]`.
+pub const Q5_K_BYTES: usize = 176;
+/// IQ4_NL: `d: f16, qs: [u8; 16]` (as Q4_0), `w = d * IQ4_VALUES[nibble]`.
+pub const IQ4_NL_BYTES: usize = 18;
+/// IQ4_XS: `d: f16, scales_h: u16, scales_l: [u8; 4]` (eight 6-bit scales), `qs: [u8; 128]`
+/// (IQ4_NL's nibbles, a block of 32 after another); `w = d * (sc - 32) * IQ4_VALUES[nibble]`.
+pub const IQ4_XS_BYTES: usize = 136;
+/// The sixteen values IQ4_NL's and IQ4_XS's nibbles index (ggml's `kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 const _: () = assert!(Q8_0_BYTES == 2 + QK);
 const _: () = assert!(Q5_0_BYTES == 2 + 4 + QK / 2);
@@ -41,6 +58,12 @@ const _: () = assert!(Q4_0_BYTES == 2 + QK / 2);
 const _: () = assert!(Q4_1_BYTES == 2 + 2 + QK / 2);
 const _: () = assert!(Q4_K_BYTES == 2 + 2 + 12 + QK_K / 2);
 const _: () = assert!(Q6_K_BYTES == QK_K / 2 + QK_K / 4 + QK_K / 16 + 2);
+const _: () = assert!(Q5_1_BYTES == 2 + 2 + 4 + QK / 2);
+const _: () = assert!(Q2_K_BYTES == QK_K / 16 + QK_K / 4 + 2 + 2);
+const _: () = assert!(Q3_K_BYTES == QK_K / 8 + QK_K / 4 + 12 + 2);
+const _: () = assert!(Q5_K_BYTES == 2 + 2 + 12 + QK_K / 8 + QK_K / 2);
+const _: () = assert!(IQ4_NL_BYTES == 2 + QK / 2);
+const _: () = assert!(IQ4_XS_BYTES == 2 + 2 + QK_K / 64 + QK_K / 2);
 
 /// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K block.
 pub(crate) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
@@ -128,14 +151,109 @@ pub(crate) fn for_each_in_block(kind: TensorType, b: &[u8], mut f: impl FnMut(us
                 }
             }
         }
+        TensorType::Q5_1 => {
+            // `w = d * q + m`, as `d * q - (-m)` (Q4_1's reading, with Q5_0's fifth bits).
+            let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+            let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+            let qs = &b[8..];
+            for i in 0..QK / 2 {
+                let lo = (qs[i] & 0xF) | ((((qh >> i) & 1) as u8) << 4);
+                let hi = (qs[i] >> 4) | ((((qh >> (i + 16)) & 1) as u8) << 4);
+                f(i, lo as i8, d, -m);
+                f(i + 16, hi as i8, d, -m);
+            }
+        }
+        TensorType::Q2K => {
+            let (sc, qs) = (&b[0..16], &b[16..80]);
+            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+            // Each half of 128 elements reads 32 bytes of `qs` four times, two bits further
+            // each time: 16 elements from the first 16 bytes, then 16 from the next.
+            for half in 0..2 {
+                let q = &qs[32 * half..][..32];
+                for shift in 0..4 {
+                    for part in 0..2 {
+                        let sub = 8 * half + 2 * shift + part;
+                        let (s, m) = (d * (sc[sub] & 0xF) as f32, dmin * (sc[sub] >> 4) as f32);
+                        for l in 0..16 {
+                            f(16 * sub + l, ((q[16 * part + l] >> (2 * shift)) & 3) as i8, s, m);
+                        }
+                    }
+                }
+            }
+        }
+        TensorType::Q3K => {
+            let (hmask, qs, d) = (&b[0..32], &b[32..96], f16_at(b, 108));
+            let scales = q3_k_scales(&b[96..108]);
+            for half in 0..2 {
+                let q = &qs[32 * half..][..32];
+                for shift in 0..4 {
+                    // The third bit of element `l` of this part lies in bit `4 * half + shift`
+                    // of `hmask[l]`: set, the value is the low two bits; clear, four less.
+                    let bit = 4 * half + shift;
+                    for part in 0..2 {
+                        let sub = 8 * half + 2 * shift + part;
+                        let s = d * (scales[sub] as i32 - 32) as f32;
+                        for l in 0..16 {
+                            let k = 16 * part + l;
+                            let low = ((q[k] >> (2 * shift)) & 3) as i8;
+                            f(16 * sub + l, low - if (hmask[k] >> bit) & 1 == 1 { 0 } else { 4 }, s, 0.0);
+                        }
+                    }
+                }
+            }
+        }
+        TensorType::Q5K => {
+            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+            let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..]);
+            for chunk in 0..4 {
+                let (s0, m0) = scale_min_k4(2 * chunk, scales);
+                let (s1, m1) = scale_min_k4(2 * chunk + 1, scales);
+                let q = &qs[32 * chunk..32 * chunk + 32];
+                for l in 0..32 {
+                    let lo = (q[l] & 0xF) | (((qh[l] >> (2 * chunk)) & 1) << 4);
+                    let hi = (q[l] >> 4) | (((qh[l] >> (2 * chunk + 1)) & 1) << 4);
+                    f(64 * chunk + l, lo as i8, d * s0 as f32, dmin * m0 as f32);
+                    f(64 * chunk + 32 + l, hi as i8, d * s1 as f32, dmin * m1 as f32);
+                }
+            }
+        }
+        TensorType::IQ4NL => {
+            let d = f16_at(b, 0);
+            let qs = &b[2..];
+            for i in 0..QK / 2 {
+                f(i, IQ4_VALUES[(qs[i] & 0xF) as usize], d, 0.0);
+                f(i + 16, IQ4_VALUES[(qs[i] >> 4) as usize], d, 0.0);
+            }
+        }
+        TensorType::IQ4XS => {
+            let d = f16_at(b, 0);
+            let high = u16::from_le_bytes([b[2], b[3]]);
+            let (low, qs) = (&b[4..8], &b[8..]);
+            for sub in 0..8 {
+                let sc = ((low[sub / 2] >> (4 * (sub % 2))) & 0xF) | ((((high >> (2 * sub)) & 3) as u8) << 4);
+                let s = d * (sc as i32 - 32) as f32;
+                let q = &qs[16 * sub..][..16];
+                for i in 0..QK / 2 {
+                    f(32 * sub + i, IQ4_VALUES[(q[i] & 0xF) as usize], s, 0.0);
+                    f(32 * sub + i + 16, IQ4_VALUES[(q[i] >> 4) as usize], s, 0.0);
+                }
+            }
+        }
         _ => unreachable!("for_each_in_block called for {kind:?}"),
     }
+}
+
+/// Q3_K's sixteen 6-bit scales (0..64; the value is `sc - 32`): the low four bits of scale `j`
+/// in byte `j % 8` (low nibble for `j < 8`), the high two in byte `8 + j % 4`, bits
+/// `2 * (j / 4)`.
+fn q3_k_scales(s: &[u8]) -> [u8; 16] {
+    core::array::from_fn(|j| ((s[j % 8] >> (4 * (j / 8))) & 0xF) | (((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4))
 }
 
 /// Whether the engine can compute with tensors of this type.
 pub fn supported(kind: TensorType) -> bool {
     use TensorType::*;
-    matches!(kind, F32 | F16 | BF16 | Q8_0 | Q5_0 | Q4_0 | Q4_1 | Q4K | Q6K)
+    matches!(kind, F32 | F16 | BF16 | Q8_0 | Q5_0 | Q5_1 | Q4_0 | Q4_1 | Q2K | Q3K | Q4K | Q5K | Q6K | IQ4NL | IQ4XS)
 }
 
 /// Scalar reference: the f32 values of `n` elements of a tensor of type `kind` in `data`.
@@ -223,12 +341,15 @@ pub struct QMatrix {
     pub i8_min: bool,
 }
 
-/// The group of scales a block format converts to, and whether it carries mins.
+/// The group of scales a block format converts to, and whether it carries mins. `None` for the
+/// float types and for Q2_K, whose mins come one per 16 elements (a `QMatrix` has one per 32):
+/// the guest widens those to f32, exactly.
 pub fn qmatrix_layout(kind: TensorType) -> Option<(Group, bool)> {
+    use TensorType::*;
     match kind {
-        TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => Some((Group::G32, false)),
-        TensorType::Q6K => Some((Group::G16, false)),
-        TensorType::Q4K | TensorType::Q4_1 => Some((Group::G32, true)),
+        Q8_0 | Q5_0 | Q4_0 | IQ4NL | IQ4XS => Some((Group::G32, false)),
+        Q6K | Q3K => Some((Group::G16, false)),
+        Q4K | Q4_1 | Q5K | Q5_1 => Some((Group::G32, true)),
         _ => None,
     }
 }
@@ -303,6 +424,28 @@ impl QMatrix {
                     nib.extend_from_slice(&b[4..]);
                 }
                 (Values::Nibbles { nib, fifth: Vec::new(), offset: 0 }, Scales::F32(d), m)
+            }
+            // Five-bit values 0..32 with mins: nibbles and Q5_0's plane of fifth bits, f32
+            // scales and mins as the reading gives them.
+            TensorType::Q5_1 | TensorType::Q5K => {
+                let (nb, fifth_row) = (n_in / QK, fifth_bytes_per_row(n_in));
+                let mut nib = vec![0u8; n / 2];
+                let mut fifth = vec![0u8; n_out * fifth_row];
+                let mut d = vec![0f32; n / QK];
+                let mut m = vec![0f32; n / QK];
+                for (bi, b) in blocks.enumerate() {
+                    let base = bi * block;
+                    for_each_in_block(kind, b, |i, q, s, mv| {
+                        let e = base + i;
+                        let (k, j) = (e / QK, e % QK);
+                        nib[k * 16 + j % 16] |= (q as u8 & 0xF) << (4 * (j / 16));
+                        let (r, kr) = (k / nb, k % nb);
+                        fifth[r * fifth_row + kr / 4 * 16 + j % 16] |= ((q as u8 >> 4) & 1) << (2 * (kr % 4) + j / 16);
+                        d[k] = s;
+                        m[k] = mv;
+                    });
+                }
+                (Values::Nibbles { nib, fifth, offset: 0 }, Scales::F32(d), m)
             }
             TensorType::Q4K => {
                 let mut nib = Vec::with_capacity(n / 2);
@@ -441,6 +584,7 @@ impl QMatrix {
             TensorType::Q8_0 => (n, 2 * groups),
             TensorType::Q4_0 => (n / 2, 2 * groups),
             TensorType::Q5_0 => (n / 2 + n_out as u64 * fifth_bytes_per_row(n_in) as u64, 2 * groups),
+            TensorType::Q5_1 | TensorType::Q5K => (n / 2 + n_out as u64 * fifth_bytes_per_row(n_in) as u64, 4 * groups),
             TensorType::Q4K | TensorType::Q4_1 => (n / 2, 4 * groups),
             _ => (n, 4 * groups),
         };
@@ -527,6 +671,12 @@ pub(crate) mod tests {
         }
     }
 
+    /// Every block type the engine reads.
+    pub const BLOCK_KINDS: [TensorType; 12] = {
+        use TensorType::*;
+        [Q8_0, Q5_0, Q5_1, Q4_0, Q4_1, Q2K, Q3K, Q4K, Q5K, Q6K, IQ4NL, IQ4XS]
+    };
+
     /// Random but valid blocks of `kind` for `n` elements (finite f16 scales).
     pub fn random_blocks(kind: TensorType, n: usize, rng: &mut Rng) -> Vec<u8> {
         let (block, bytes) = kind.block();
@@ -539,13 +689,19 @@ pub(crate) mod tests {
             }
             let b = &mut out[start..];
             match kind {
-                TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 => {
+                TensorType::Q8_0 | TensorType::Q5_0 | TensorType::Q4_0 | TensorType::IQ4NL => {
                     b[0..2].copy_from_slice(&rng.f16_bytes(0.05))
                 }
-                TensorType::Q4K | TensorType::Q4_1 => {
+                TensorType::IQ4XS => b[0..2].copy_from_slice(&rng.f16_bytes(0.001)),
+                TensorType::Q4K | TensorType::Q4_1 | TensorType::Q5K | TensorType::Q5_1 => {
                     b[0..2].copy_from_slice(&rng.f16_bytes(0.01));
                     b[2..4].copy_from_slice(&rng.f16_bytes(0.01));
                 }
+                TensorType::Q2K => {
+                    b[80..82].copy_from_slice(&rng.f16_bytes(0.01));
+                    b[82..84].copy_from_slice(&rng.f16_bytes(0.01));
+                }
+                TensorType::Q3K => b[108..110].copy_from_slice(&rng.f16_bytes(0.005)),
                 TensorType::Q6K => b[208..210].copy_from_slice(&rng.f16_bytes(0.005)),
                 TensorType::F16 => {
                     for c in b.chunks_exact_mut(2) {
@@ -567,7 +723,7 @@ pub(crate) mod tests {
     #[test]
     fn qmatrix_is_lossless() {
         let mut rng = Rng(0x9E3779B97F4A7C15);
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
+        for kind in BLOCK_KINDS.into_iter().filter(|&k| qmatrix_layout(k).is_some()) {
             let (n_out, n_in) = (3, 512);
             let data = random_blocks(kind, n_out * n_in, &mut rng);
             let mut want = vec![0f32; n_out * n_in];
@@ -578,6 +734,44 @@ pub(crate) mod tests {
                 qm.row_f32(r, &mut row);
                 assert_eq!(&row[..], &want[r * n_in..(r + 1) * n_in], "{kind:?} row {r}");
             }
+        }
+    }
+
+    /// Every tensor type the engine reads, against the `gguf` package's own dequantization of
+    /// the same blocks (tests/formats/make.py wrote both: moderate scales, then a block of raw
+    /// bytes whose scales may be infinite or NaN), bit for bit; a NaN where gguf has a NaN.
+    /// And the `QMatrix` of each block type, row by row, the same values.
+    #[test]
+    fn dequantize_is_ggufs_bit_for_bit() {
+        let file = include_bytes!("../../tests/formats/formats.gguf");
+        let g = crate::gguf::Gguf::parse(file).unwrap();
+        let data = |t: &crate::gguf::TensorInfo| &file[t.offset as usize..][..t.n_bytes as usize];
+        let mut seen = Vec::new();
+        for t in g.tensors.iter().filter(|t| !t.name.ends_with(".f32")) {
+            assert!(supported(t.kind), "{}", t.name);
+            let want = g.tensor(&format!("{}.f32", t.name)).unwrap();
+            let want: Vec<f32> = data(want).chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let n = t.n_elements as usize;
+            let mut got = vec![0f32; n];
+            dequantize(t.kind, data(t), &mut got);
+            let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(same(*a, *b), "{} element {i}: {a:e} ({:#x}), gguf {b:e} ({:#x})", t.name, a.to_bits(), b.to_bits());
+            }
+            if let Some(q) = QMatrix::from_blocks(t.kind, data(t), n / 256, 256) {
+                let mut row = vec![0f32; 256];
+                for r in 0..n / 256 {
+                    q.row_f32(r, &mut row);
+                    for (c, (a, b)) in row.iter().zip(&want[256 * r..]).enumerate() {
+                        assert!(same(*a, *b), "{} as a QMatrix ({r}, {c}): {a:e}, gguf {b:e}", t.name);
+                    }
+                }
+            }
+            seen.push(t.kind);
+        }
+        use TensorType::*;
+        for kind in [F32, F16, BF16].into_iter().chain(BLOCK_KINDS) {
+            assert!(seen.contains(&kind), "tests/formats/formats.gguf has no {kind:?}");
         }
     }
 
@@ -601,6 +795,11 @@ pub(crate) mod tests {
         assert_eq!(storage(TensorType::Q4_1), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
         assert_eq!(storage(TensorType::Q4K), ("nibbles -0".into(), false, n / 2 + 8 * blocks));
         assert_eq!(storage(TensorType::Q6K), ("i8".into(), false, n + 8 * blocks));
+        assert_eq!(storage(TensorType::Q5_1), ("nibbles+fifth -0".into(), false, n / 2 + n_out * 96 + 8 * blocks));
+        assert_eq!(storage(TensorType::Q5K), ("nibbles+fifth -0".into(), false, n / 2 + n_out * 96 + 8 * blocks));
+        assert_eq!(storage(TensorType::Q3K), ("i8".into(), false, n + 8 * blocks));
+        assert_eq!(storage(TensorType::IQ4NL), ("i8".into(), false, n + 4 * blocks));
+        assert_eq!(storage(TensorType::IQ4XS), ("i8".into(), false, n + 4 * blocks));
     }
 
     /// Every value, scale and min of `a` and `b`, which must be the same matrix.
@@ -621,7 +820,7 @@ pub(crate) mod tests {
     fn a_matrix_converted_in_pieces_of_rows_is_the_whole_one() {
         let mut rng = Rng(0xA11CE);
         let (n_out, n_in) = (7, 768);
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
+        for kind in BLOCK_KINDS.into_iter().filter(|&k| qmatrix_layout(k).is_some()) {
             let data = random_blocks(kind, n_out * n_in, &mut rng);
             let whole = QMatrix::from_blocks(kind, &data, n_out, n_in).unwrap();
             assert_eq!(QMatrix::converted_bytes(kind, n_out, n_in), Some(whole.bytes() as u64), "{kind:?}");

@@ -52,6 +52,15 @@ fn encode_q(q: &QMatrix, first: usize, rows: usize) -> (Format, Vec<u8>, Vec<f32
     if q.m.is_empty() {
         let format = if q.group == Group::G16 { Format::Q8x16 } else { Format::Q8x32 };
         (format, values.iter().map(|&v| v as u8).collect(), scales)
+    } else if matches!(&q.values, Values::Nibbles { fifth, .. } if !fifth.is_empty()) {
+        // Five-bit values with mins (Q5_K, Q5_1): no upload format holds them; f32 does, exactly.
+        let mut data = Vec::with_capacity(4 * rows * n);
+        let mut row = vec![0f32; n];
+        for r in first..first + rows {
+            q.row_f32(r, &mut row);
+            data.extend(row.iter().flat_map(|v| v.to_le_bytes()));
+        }
+        (Format::F32, data, Vec::new())
     } else {
         // Formats with mins have 4-bit values 0..=15 (Q4_K): pack two a byte, low nibble first.
         let data = values.chunks_exact(2).map(|p| (p[0] as u8 & 0xF) | ((p[1] as u8 & 0xF) << 4)).collect();
@@ -67,8 +76,9 @@ pub(crate) fn uploadable(w: &Linear) -> bool {
         WeightData::Device(_) | WeightData::File(_) => false,
         WeightData::Q(q) => match &q.values {
             _ if q.m.is_empty() => true,
-            // Q4_K: 4-bit values with no offset, 0..=15 by construction.
-            Values::Nibbles { fifth, offset: 0, .. } => q.group == Group::G32 && fifth.is_empty(),
+            // Q4_K: 4-bit values with no offset, 0..=15 by construction; with fifth bits (Q5_K,
+            // Q5_1), as f32.
+            Values::Nibbles { offset: 0, .. } => q.group == Group::G32,
             _ => q.group == Group::G32 && (0..q.n_out).all(|r| (0..q.n_in).all(|c| (0..16).contains(&q.value(r, c)))),
         },
     }
@@ -102,8 +112,12 @@ pub fn upload_vector(dev: &dyn Device, v: &[f32]) -> Result<usize, DeviceError> 
 }
 
 /// The upload format a tensor of GGUF type `kind` goes to the device in (as `encode_rows` makes
-/// it: the block formats' own, f32 for the float types, which the guest widens at load).
+/// it: the block formats' own; f32 for the float types and Q2_K, which the guest widens at load,
+/// and for the five-bit formats with mins, Q5_K and Q5_1, which no other upload format holds).
 pub fn format_of(kind: TensorType) -> Format {
+    if matches!(kind, TensorType::Q5K | TensorType::Q5_1) {
+        return Format::F32;
+    }
     match quant::qmatrix_layout(kind) {
         Some((Group::G16, _)) => Format::Q8x16,
         Some((Group::G32, true)) => Format::Q4x32,
@@ -230,10 +244,14 @@ impl<'a> Streaming<'a> {
 /// `n` rows of GGUF blocks of type `kind` (`data`, whole blocks), `n_in` values a row, in their
 /// upload format: the very bytes and scales [`encode_rows`] gives from the weights converted
 /// for the CPU kernels (the same values, scales and mins, read by `quant`'s one reading of each
-/// block), without converting them first: a load to the device. `None` for the float types.
+/// block), without converting them first: a load to the device. `None` for the types that go
+/// up as f32 (the caller widens them).
 pub(crate) fn transcode(kind: TensorType, data: &[u8], n: usize, n_in: usize) -> Option<(Format, Vec<u8>, Vec<f32>)> {
     quant::qmatrix_layout(kind)?;
     let format = format_of(kind);
+    if format == Format::F32 {
+        return None;
+    }
     let (block, bytes) = kind.block();
     let (block, total) = (block as usize, n * n_in);
     let mut values = vec![0u8; format.data_bytes(total as u64)? as usize];
@@ -319,13 +337,27 @@ mod tests {
     #[test]
     fn blocks_transcode_to_what_the_encoder_makes_of_the_converted_weights() {
         let mut rng = Rng(7);
-        for kind in [TensorType::Q8_0, TensorType::Q5_0, TensorType::Q4_0, TensorType::Q4_1, TensorType::Q4K, TensorType::Q6K] {
+        for kind in crate::quant::tests::BLOCK_KINDS {
             for (n, n_in) in [(1, 256), (3, 512), (5, 768)] {
                 let data = random_blocks(kind, n * n_in, &mut rng);
-                let q = QMatrix::from_blocks(kind, &data, n, n_in).expect("a block type");
+                let Some(q) = QMatrix::from_blocks(kind, &data, n, n_in) else {
+                    // Q2_K: widened to f32 at load, and so uploaded.
+                    assert!(quant::qmatrix_layout(kind).is_none() && format_of(kind) == Format::F32, "{kind:?}");
+                    continue;
+                };
                 let converted = Linear { name: "w".into(), n_out: n, n_in, w: WeightData::Q(q), kind, gpu: None };
                 assert!(uploadable(&converted), "{kind:?}");
                 let want = encode_rows(&converted, 0, n);
+                assert_eq!(want.0, format_of(kind), "{kind:?}");
+                if want.0 == Format::F32 {
+                    // Five bits with mins: f32, the values `dequantize` gives.
+                    let mut values = vec![0f32; n * n_in];
+                    quant::dequantize(kind, &data, &mut values);
+                    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    assert_eq!(want.1, bytes, "{kind:?} {n}x{n_in}");
+                    assert!(transcode(kind, &data, n, n_in).is_none(), "{kind:?}");
+                    continue;
+                }
                 let got = transcode(kind, &data, n, n_in).expect("a block type");
                 assert_eq!((got.0, &got.1), (want.0, &want.1), "{kind:?} {n}x{n_in}: data");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();

@@ -89,7 +89,8 @@ const SLACK: usize = 64 << 10;
 const GGUF_F32: u32 = 0;
 const GGUF_F16: u32 = 1;
 const GGUF_Q8_0: u32 = 8;
-const GGUF_Q2_K: u32 = 10;
+/// Q8_K: ggml's intermediate type for the activations of K-quant products, never a weight's.
+const GGUF_Q8_K: u32 = 15;
 const GGUF_Q4_K: u32 = 12;
 const GGUF_I32: u32 = 26;
 
@@ -110,7 +111,7 @@ fn block(ty: u32) -> (u64, u64) {
         GGUF_F16 => (1, 2),
         GGUF_I32 => (1, 4),
         GGUF_Q8_0 => (32, 34),
-        GGUF_Q2_K => (256, 84),
+        GGUF_Q8_K => (256, 292),
         GGUF_Q4_K => (256, 144),
         _ => (1, 0),
     }
@@ -1049,7 +1050,7 @@ fn huge_but_representable_tensor_lies_past_the_end() {
 
 #[test]
 fn unknown_tensor_type() {
-    for ty in [4u32, 5, 16, 23, 29, 31, 39, 1000, u32::MAX] {
+    for ty in [4u32, 5, 16, 22, 29, 31, 39, 1000, u32::MAX] {
         parse_err(
             &with_tensor_info(b"t", &[256], ty, 0),
             &format!("tensor \"t\": unknown tensor type {ty}"),
@@ -1724,10 +1725,10 @@ fn tensor_shape_disagrees_with_the_metadata() {
 fn tensor_type_the_engine_cannot_compute_with() {
     let mut b = tiny_gemma();
     b.remove_tensor("blk.1.ffn_down.weight");
-    b.tensor("blk.1.ffn_down.weight", &[N_FF, N_EMBD], GGUF_Q2_K);
+    b.tensor("blk.1.ffn_down.weight", &[N_FF, N_EMBD], GGUF_Q8_K);
     assert_unsupported(
         load_err(&b.build()),
-        "tensor blk.1.ffn_down.weight has type Q2_K, which this engine does not compute with",
+        "tensor blk.1.ffn_down.weight has type Q8_K, which this engine does not compute with",
     );
     // I32 is a known type, but not for weights.
     let mut b = tiny_gemma();

@@ -23,10 +23,13 @@ def random_weights(seed):
     return mat, norm
 
 
-def write_gguf(path, arch, weights, q8, hparams):
+def write_gguf(path, arch, weights, q8, hparams, blocks=None):
     """The GGUF of `weights` (a tensor whose name holds `.{q}.` for a `q` of `q8` stored as
     Q8_0, the rest as f32), with a SentencePiece-style vocabulary; `hparams(writer)` adds the
-    architecture's keys. Returns the exact values of every tensor, float64."""
+    architecture's keys. `blocks` (name -> (kind, bytes of its rows)) stores those tensors as
+    the given blocks instead. Returns the exact values of every tensor (`gguf`'s dequantization
+    of what the file holds), float64."""
+    blocks = blocks or {}
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny random {arch}")
     w.add_context_length(256)
@@ -43,7 +46,11 @@ def write_gguf(path, arch, weights, q8, hparams):
     w.add_unk_token_id(0)
     exact = {}
     for name, values in weights.items():
-        if any(f".{q}." in name for q in q8):
+        if name in blocks:
+            kind, data = blocks[name]
+            exact[name] = gguf.quants.dequantize(data, kind)
+            w.add_tensor(name, data, raw_shape=data.shape, raw_dtype=kind)
+        elif any(f".{q}." in name for q in q8):
             kind = gguf.GGMLQuantizationType.Q8_0
             data = gguf.quants.quantize(values, kind)
             exact[name] = gguf.quants.dequantize(data, kind)
@@ -61,6 +68,16 @@ def write_gguf(path, arch, weights, q8, hparams):
 def rms_norm(x, g, eps):
     """RMS norm of each row of `x` (its last axis), times `g`."""
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+
+def rope_pairs(x, positions, head_dim, base):
+    """Llama's GGUF rotation of each head of each row: adjacent pairs (2j, 2j + 1)."""
+    freq = base ** (-2.0 * np.arange(head_dim // 2) / head_dim)
+    ang = positions[:, None] * freq[None, :]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    h = x.reshape(len(positions), -1, head_dim // 2, 2)
+    a, b = h[..., 0], h[..., 1]
+    return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)
 
 
 def rope(x, positions, head_dim, base):

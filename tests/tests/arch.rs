@@ -1,5 +1,6 @@
 //! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
-//! products, a sliding window on every layer) and Qwen3 (per-head q/k norms). `tests/arch/<arch>.py` writes a tiny GGUF with
+//! products, a sliding window on every layer) and Qwen3 (per-head q/k norms); and every GGUF
+//! tensor type, each in a tiny Llama whose every product uses it. `tests/arch/<arch>.py` writes a tiny GGUF with
 //! random weights (the `gguf` package) and its golden file from a float64 numpy forward
 //! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
 //! the host's CPU reference device and on wgpu (lavapipe here). Without python3 and those
@@ -14,27 +15,37 @@ use wisp_tests::{open, python, wgpu_backend};
 /// rounded to 16 bits.
 const DEVICE_BOUNDS: (f32, f64) = (1e-4, 1e-5);
 const CPU_BOUNDS: (f32, f64) = (2e-3, 5e-4);
+/// The same for the tiny Llamas of each format, wider (256) and with larger logits (up to ~6).
+const CPU_BOUNDS_FORMATS: (f32, f64) = (3e-3, 1e-3);
 
-/// The model and golden file `tests/arch/{arch}.py` writes, and the one number `effect` it
-/// reports, or `None` (after saying why) without Python's packages.
-fn generated(arch: &str, effect: &str) -> Option<(PathBuf, PathBuf, f64)> {
-    let out = std::env::temp_dir().join(format!("wisp-arch-{arch}-{}", std::process::id()));
-    if !python(&format!("arch/{arch}.py"), &[out.as_os_str()], "gguf and numpy") {
+/// The model `tiny-{stem}.gguf` and golden file that `tests/arch/{script}.py OUT args..`
+/// writes, and the one number `effect` it reports, or `None` (after saying why) without
+/// Python's packages.
+fn generated(script: &str, stem: &str, args: &[&str], effect: &str) -> Option<(PathBuf, PathBuf, f64)> {
+    let out = std::env::temp_dir().join(format!("wisp-arch-{stem}-{}", std::process::id()));
+    let mut all = vec![out.as_os_str()];
+    all.extend(args.iter().map(std::ffi::OsStr::new));
+    if !python(&format!("arch/{script}.py"), &all, "gguf and numpy") {
         return None;
     }
-    let golden = out.join(format!("tiny-{arch}.json"));
+    let golden = out.join(format!("tiny-{stem}.json"));
     let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&golden).unwrap()).unwrap();
-    Some((out.join(format!("tiny-{arch}.gguf")), golden, meta[effect].as_f64().unwrap()))
+    Some((out.join(format!("tiny-{stem}.gguf")), golden, meta[effect].as_f64().unwrap()))
 }
 
 /// Holds the tiny model of `arch` to its float64 forward on the guest's CPU, the CPU reference
 /// device, the native device and wgpu, with `products` matrices on a device; `effect` is how far the logits move
 /// without the architecture's quirk (which the reference reports), far past wisp's error.
 fn matches_its_float64_forward(arch: &str, effect_name: &str, products: u32) {
-    let Some((model, golden, effect)) = generated(arch, effect_name) else { return };
+    holds_to_its_float64_forward(generated(arch, arch, &[], effect_name), arch, effect_name, products, CPU_BOUNDS)
+}
+
+/// As `matches_its_float64_forward`, for the model `generated` made (`None`: skipped).
+fn holds_to_its_float64_forward(made: Option<(PathBuf, PathBuf, f64)>, arch: &str, effect_name: &str, products: u32, cpu: (f32, f64)) {
+    let Some((model, golden, effect)) = made else { return };
     let cases = wisp::golden::load(&golden).unwrap();
     let mut paths: Vec<(&str, GpuCtx, GpuMode, (f32, f64))> = vec![
-        ("the guest's CPU", GpuCtx::none(), GpuMode::Off, CPU_BOUNDS),
+        ("the guest's CPU", GpuCtx::none(), GpuMode::Off, cpu),
         ("the CPU reference device", GpuCtx::new(Box::new(CpuBackend::new()), Default::default()), GpuMode::On, DEVICE_BOUNDS),
         ("the native device", GpuCtx::new(Box::new(NativeBackend::new(2).expect("two worker threads")), Default::default()), GpuMode::On, DEVICE_BOUNDS),
     ];
@@ -70,4 +81,42 @@ fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
 #[test]
 fn a_tiny_qwen3_matches_its_float64_forward_on_every_path() {
     matches_its_float64_forward("qwen3", "head_norm_effect_rmse", 22);
+}
+
+/// A tiny Llama whose every product (7 a layer, 2 layers, and the output) is stored in GGUF type
+/// `kind`, held to the float64 forward of `gguf`'s dequantization of its blocks on every path
+/// (tests/arch/formats.py). A reading of each block's elements in the wrong order would move
+/// the logits far past wisp's error.
+fn a_tiny_llama_in(kind: &str) {
+    let made = generated("formats", kind, &[kind], "misread_effect_rmse");
+    holds_to_its_float64_forward(made, &format!("llama in {kind}"), "misread_effect_rmse", 15, CPU_BOUNDS_FORMATS);
+}
+
+macro_rules! every_format {
+    ($($test:ident: $kind:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                a_tiny_llama_in($kind);
+            }
+        )*
+    };
+}
+
+every_format! {
+    a_tiny_llama_in_f32_matches_its_float64_forward: "F32",
+    a_tiny_llama_in_f16_matches_its_float64_forward: "F16",
+    a_tiny_llama_in_bf16_matches_its_float64_forward: "BF16",
+    a_tiny_llama_in_q4_0_matches_its_float64_forward: "Q4_0",
+    a_tiny_llama_in_q4_1_matches_its_float64_forward: "Q4_1",
+    a_tiny_llama_in_q5_0_matches_its_float64_forward: "Q5_0",
+    a_tiny_llama_in_q5_1_matches_its_float64_forward: "Q5_1",
+    a_tiny_llama_in_q8_0_matches_its_float64_forward: "Q8_0",
+    a_tiny_llama_in_q2_k_matches_its_float64_forward: "Q2_K",
+    a_tiny_llama_in_q3_k_matches_its_float64_forward: "Q3_K",
+    a_tiny_llama_in_q4_k_matches_its_float64_forward: "Q4_K",
+    a_tiny_llama_in_q5_k_matches_its_float64_forward: "Q5_K",
+    a_tiny_llama_in_q6_k_matches_its_float64_forward: "Q6_K",
+    a_tiny_llama_in_iq4_nl_matches_its_float64_forward: "IQ4_NL",
+    a_tiny_llama_in_iq4_xs_matches_its_float64_forward: "IQ4_XS",
 }
