@@ -1,6 +1,7 @@
 //! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
-//! products, a sliding window on every layer) and Qwen3 (per-head q/k norms); and every GGUF
-//! tensor type, each in a tiny Llama whose every product uses it. `tests/arch/<arch>.py` writes a tiny GGUF with
+//! products, a sliding window on every layer), Qwen3 (per-head q/k norms), Granite (multipliers),
+//! SmolLM3 (no rotation in every fourth layer) and OLMo 2 (post-norms, q/k norms across heads);
+//! and every GGUF tensor type, each in a tiny Llama whose every product uses it. `tests/arch/<arch>.py` writes a tiny GGUF with
 //! random weights (the `gguf` package) and its golden file from a float64 numpy forward
 //! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
 //! the host's CPU reference device and on wgpu (lavapipe here). Without python3 and those
@@ -81,6 +82,32 @@ fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
 #[test]
 fn a_tiny_qwen3_matches_its_float64_forward_on_every_path() {
     matches_its_float64_forward("qwen3", "head_norm_effect_rmse", 22);
+}
+
+/// Granite: Llama's block with its four multipliers (the embedding, each block's output, the
+/// attention scores, the logits), far from 1. Every product on the device where one is offered:
+/// 7 a layer (4 layers) and the output. Without the multipliers the logits are far off.
+#[test]
+fn a_tiny_granite_matches_its_float64_forward_on_every_path() {
+    let made = generated("llama_family", "granite", &["granite"], "quirk_effect_rmse");
+    holds_to_its_float64_forward(made, "granite", "quirk_effect_rmse", 29, CPU_BOUNDS);
+}
+
+/// SmolLM3: Llama's block, its fourth layer's queries and keys not turned. Every product on the
+/// device where one is offered: 7 a layer (4 layers) and the output. Turned, the logits are far
+/// off.
+#[test]
+fn a_tiny_smollm3_matches_its_float64_forward_on_every_path() {
+    let made = generated("llama_family", "smollm3", &["smollm3"], "quirk_effect_rmse");
+    holds_to_its_float64_forward(made, "smollm3", "quirk_effect_rmse", 29, CPU_BOUNDS);
+}
+
+/// OLMo 2: norms after each block, the queries' and keys' norms across all their heads. Every
+/// product on the device where one is offered: 7 a layer (3 layers) and the output. Normed head
+/// by head (Qwen3's reading), the logits are far off.
+#[test]
+fn a_tiny_olmo2_matches_its_float64_forward_on_every_path() {
+    matches_its_float64_forward("olmo2", "head_norm_effect_rmse", 22);
 }
 
 /// A tiny Llama whose every product (7 a layer, 2 layers, and the output) is stored in GGUF type

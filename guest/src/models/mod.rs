@@ -17,7 +17,7 @@ macro_rules! architectures {
     };
 }
 
-architectures!(gemma3, qwen2, phi3, qwen3);
+architectures!(gemma3, qwen2, phi3, qwen3, olmo2);
 
 pub use arch::{ArchConfig, Architecture, Configured, Registered, State, forward};
 pub use attention::LayerCache;

@@ -1,5 +1,6 @@
 //! Qwen2 (Qwen2 technical report; Hugging Face's `Qwen2ForCausalLM`) and Llama (Llama 2 and 3,
-//! `LlamaForCausalLM`): the same pre-norm decoder block, told apart by the GGUF architecture.
+//! `LlamaForCausalLM`), with Granite (`GraniteForCausalLM`) and SmolLM3 (`SmolLM3ForCausalLM`):
+//! the same pre-norm decoder block, told apart by the GGUF architecture.
 //!
 //! `x = x + wo(attn(rope(wq h + bq), rope(wk h + bk), wv h + bv))`, `h = rms_norm(x)`, then
 //! `x = x + down(silu(gate(h)) * up(h))`, `h = rms_norm(x)`; logits `= output(rms_norm(x))`.
@@ -11,7 +12,13 @@
 //!   linear `rope.scaling.factor`, and Llama 3's per-frequency divisors `rope_freqs.weight`;
 //! - grouped-query attention, queries scaled by `1/sqrt(head_dim)`, no sliding window;
 //! - the output projection is `output.weight`, or tied to `token_embd.weight` when absent;
-//!   the embedding is not scaled.
+//!   the embedding is not scaled;
+//! - Granite (llama.cpp's `granite`) scales by four numbers of its file: the embedding by
+//!   `embedding_scale`, each block's output (attention's, the FFN's) by `residual_scale` before
+//!   it is added, the logits by `1 / logit_scale`, and the attention scores by
+//!   `attention.scale` in place of `1/sqrt(head_dim)`; `rope.scaling.finetuned = false` turns
+//!   the rotation off;
+//! - SmolLM3 (llama.cpp's `smollm3`) turns no queries or keys in every fourth layer (3, 7, ..).
 
 use super::attention::Heads;
 use super::rope::{self, Style};
@@ -19,13 +26,15 @@ use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector,
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
-use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
+use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, Value, WeightId};
 
 /// The architectures this file runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Family {
     Qwen2,
     Llama,
+    Granite,
+    SmolLM3,
 }
 
 impl Family {
@@ -33,6 +42,8 @@ impl Family {
         match arch {
             "qwen2" => Some(Family::Qwen2),
             "llama" => Some(Family::Llama),
+            "granite" => Some(Family::Granite),
+            "smollm3" => Some(Family::SmolLM3),
             _ => None,
         }
     }
@@ -41,7 +52,48 @@ impl Family {
         match self {
             Family::Qwen2 => "qwen2",
             Family::Llama => "llama",
+            Family::Granite => "granite",
+            Family::SmolLM3 => "smollm3",
         }
+    }
+}
+
+/// Granite's multipliers (1 where a model has none).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Multipliers {
+    /// The embedding's rows are scaled by it.
+    pub embedding: f32,
+    /// Attention's and the FFN's outputs are scaled by it before they are added.
+    pub residual: f32,
+    /// The logits are divided by it.
+    pub logits: f32,
+    /// The attention scores' scale, `1/sqrt(head_dim)` where `None`.
+    pub attention: Option<f32>,
+}
+
+impl Multipliers {
+    const NONE: Multipliers = Multipliers { embedding: 1.0, residual: 1.0, logits: 1.0, attention: None };
+
+    /// Granite's, from `granite.*_scale`: `logit_scale` required (as llama.cpp requires it), the
+    /// others 1 (or the usual attention scale) when missing or 0.
+    fn granite(g: &Gguf) -> Result<Multipliers, LoadError> {
+        let read = |key: &str| -> Result<Option<f32>, LoadError> {
+            match g.get_f64(&format!("granite.{key}"))? {
+                None => Ok(None),
+                Some(v) if v == 0.0 => Ok(None),
+                Some(v) if v.is_finite() && v > 0.0 && v < 1e6 => Ok(Some(v as f32)),
+                Some(v) => super::invalid(format!("granite.{key} = {v} is not a usable scale")),
+            }
+        };
+        let Some(logits) = read("logit_scale")? else {
+            return super::invalid("granite.logit_scale is missing");
+        };
+        Ok(Multipliers {
+            embedding: read("embedding_scale")?.unwrap_or(1.0),
+            residual: read("residual_scale")?.unwrap_or(1.0),
+            logits,
+            attention: read("attention.scale")?,
+        })
     }
 }
 
@@ -51,6 +103,11 @@ pub struct Config {
     pub family: Family,
     pub hp: Hparams,
     pub rope_style: Style,
+    pub scales: Multipliers,
+    /// Layers whose queries and keys are not turned: `l + 1` a multiple of it (SmolLM3: 4).
+    pub no_rope_every: Option<usize>,
+    /// Whether any layer turns its queries and keys (Granite's `rope.scaling.finetuned`).
+    pub rope: bool,
 }
 
 impl Config {
@@ -58,9 +115,19 @@ impl Config {
         let hp = Hparams::from_gguf(g, family.name(), 10_000.0)?;
         let rope_style = match family {
             Family::Qwen2 => Style::Neox,
-            Family::Llama => Style::Norm,
+            Family::Llama | Family::Granite | Family::SmolLM3 => Style::Norm,
         };
-        Ok(Config { family, hp, rope_style })
+        let (scales, rope) = match family {
+            Family::Granite => (Multipliers::granite(g)?, g.get_bool("granite.rope.scaling.finetuned")?.unwrap_or(true)),
+            _ => (Multipliers::NONE, true),
+        };
+        let no_rope_every = (family == Family::SmolLM3).then_some(4);
+        Ok(Config { family, hp, rope_style, scales, no_rope_every, rope })
+    }
+
+    /// Whether layer `l` turns its queries and keys.
+    fn turns(&self, l: usize) -> bool {
+        self.rope && self.no_rope_every.is_none_or(|n| !(l + 1).is_multiple_of(n))
     }
 }
 
@@ -155,6 +222,11 @@ impl Tensors for Weights {
     }
 }
 
+/// `x` scaled by one of Granite's multipliers, or `x` itself where it is 1.
+fn times(p: &mut Builder<'_>, x: Value, by: f32) -> Value {
+    if by == 1.0 { x } else { p.scale(x, by) }
+}
+
 /// A bias the recipe names (it names only those the file has).
 fn bias(b: &Option<Vec<f32>>) -> Tensor<'_> {
     Tensor::Vector(b.as_deref().unwrap_or_default())
@@ -210,20 +282,22 @@ impl ArchConfig for Config {
         Ok(w)
     }
 
-    /// Qwen2 and Llama as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
-    /// table `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l`
-    /// writes cache `l`.
+    /// Qwen2, Llama, Granite and SmolLM3 as a program. Inputs: the tokens' embeddings
+    /// `[t, n_embd]`, the rotation table `[t, head_dim]`; output: the logits of each sequence's
+    /// last token. Each layer `l` writes cache `l`.
     fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
         let c = self;
         let h = &c.hp;
-        let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let (e, hd, eps, s) = (h.n_embd, h.head_dim, h.eps, c.scales);
+        let scale = s.attention.unwrap_or(1.0 / (hd as f32).sqrt());
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale };
         let rotation = match c.rope_style {
             Style::Neox => Rotation::Halves,
             Style::Norm => Rotation::Pairs,
         };
         let mut p = Builder::new(w);
-        let mut x = p.input(e);
+        let x = p.input(e);
+        let mut x = times(&mut p, x, s.embedding);
         let table = p.input(hd);
         for (l, layer) in w.layers.iter().enumerate() {
             let id = |part| weight(l, part);
@@ -236,12 +310,15 @@ impl ArchConfig for Config {
             let q = p.bias_if(q, has(&layer.bq, BQ));
             let k = p.bias_if(k, has(&layer.bk, BK));
             let v = p.bias_if(v, has(&layer.bv, BV));
-            let q = p.rotate(q, table, hd, rotation);
-            let k = p.rotate(k, table, hd, rotation);
+            let (q, k) = match c.turns(l) {
+                true => (p.rotate(q, table, hd, rotation), p.rotate(k, table, hd, rotation)),
+                false => (q, k),
+            };
             p.cache_write(k, v, l);
             let a = p.attention(q, l, heads, 0);
             let o = p.matmul(a, id(WO));
             let o = p.bias_if(o, has(&layer.bo, BO));
+            let o = times(&mut p, o, s.residual);
             x = p.add(x, o);
 
             // FFN: x = x + down(silu(gate(h)) * up(h)), h = ffn_norm(x)
@@ -249,12 +326,14 @@ impl ArchConfig for Config {
             let (g, u) = (p.matmul(hn, id(GATE)), p.matmul(hn, id(UP)));
             let f = p.gated(g, u, Act::Silu);
             let f = p.matmul(f, id(DOWN));
+            let f = times(&mut p, f, s.residual);
             x = p.add(x, f);
         }
         // logits = output(output_norm(x)) of the last token
         let last = p.last_rows(x);
         let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
         let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        let logits = times(&mut p, logits, 1.0 / s.logits);
         p.output(logits);
         p.finish()
     }
@@ -277,9 +356,9 @@ impl ArchConfig for Config {
     }
 }
 
-/// The registry's line (`models::REGISTRY`): Qwen2 and Llama.
+/// The registry's line (`models::REGISTRY`): Qwen2, Llama, Granite and SmolLM3.
 pub const ARCH: Registered = Registered {
-    names: &["qwen2", "llama"],
+    names: &["qwen2", "llama", "granite", "smollm3"],
     config: |g, name| match Family::from_name(name) {
         Some(family) => Ok(Box::new(Config::from_gguf(g, family)?)),
         None => Err(LoadError::Unsupported(format!("architecture {name:?}"))),
