@@ -769,3 +769,73 @@ fn chat_without_a_model_uses_an_instruction_model_and_names_a_built_in_template(
     assert!(stderr(&o).contains("cannot read the chat template /no/such/template.jinja"), "{}", stderr(&o));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A reply to `message` from `wisp serve --model name` (greedy, `max_tokens`), through
+/// `/v1/chat/completions` on loopback, read with a plain HTTP/1.1 exchange.
+fn served_reply(name: &str, message: &str, max_tokens: u32) -> String {
+    use std::io::{Read, Write};
+    use std::net::{TcpListener, TcpStream};
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_wisp"))
+        .args(["serve", "--model", name, "--gpu", "off", "--port", &port.to_string()])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let exchange = |request: &str| -> Option<String> {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.write_all(request.as_bytes()).ok()?;
+        let mut response = String::new();
+        s.read_to_string(&mut response).ok()?;
+        Some(response)
+    };
+    let ready = (0..600).any(|_| {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        exchange("GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").is_some_and(|r| r.starts_with("HTTP/1.1 200"))
+    });
+    // The name the server serves the model by (as a client reads it from /v1/models).
+    let models = ready.then(|| exchange("GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")).flatten().unwrap_or_default();
+    let models: Value = models.split_once("\r\n\r\n").and_then(|(_, j)| serde_json::from_str(j).ok()).unwrap_or_default();
+    let served = models["data"][0]["id"].as_str().unwrap_or(name).to_string();
+    let body = serde_json::json!({
+        "model": served,
+        "messages": [{"role": "user", "content": message}],
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    })
+    .to_string();
+    let request = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let response = ready.then(|| exchange(&request)).flatten();
+    let _ = server.kill();
+    let _ = server.wait();
+    let response = response.unwrap_or_else(|| panic!("wisp serve --model {name} did not answer"));
+    let (head, json) = response.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200"), "{response}");
+    let v: Value = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}: {json}"));
+    v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+}
+
+/// The real Llama-architecture file and the real 1.5B chat with their files' own templates, in
+/// `wisp chat` and in `wisp serve` alike: the rendered prompt is the template's (SmolLM2's
+/// supplies its own system message; Qwen's its own), and the server's greedy reply is the
+/// command's, word for word.
+#[test]
+fn real_models_chat_with_their_own_templates_in_chat_and_serve() {
+    let cases = [
+        ("smollm2-135m", "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"),
+        ("qwen2.5-coder-1.5b", "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"),
+    ];
+    let message = "What is the capital of France? Answer in one sentence.";
+    for (name, system) in cases {
+        let o = wisp(&["chat", "--temp", "0", "--model", name, "--gpu", "off", "-n", "24", "--show-prompt", message]);
+        assert!(o.status.success(), "{name}: {}", stderr(&o));
+        let prompt = format!("{system}<|im_start|>user\n{message}<|im_end|>\n<|im_start|>assistant\n");
+        assert!(stderr(&o).contains(&prompt), "{name}: the prompt is not its template's: {}", stderr(&o));
+        let reply = stdout(&o);
+        assert!(reply.contains("Paris"), "{name}: {reply}");
+        assert_eq!(served_reply(name, message, 24).trim(), reply.trim(), "{name}: wisp serve and wisp chat differ");
+    }
+}

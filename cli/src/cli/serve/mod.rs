@@ -119,10 +119,26 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // with the model loaded, its memory image mapped into every instance. They are offered no
     // device (a CPU adapter such as lavapipe would only take the CPU's own time); `--gpu on`
     // keeps each instance's device and its own copy.
-    let shared = instances > 1 && (mode == GpuMode::Off || (mode == GpuMode::Auto && !gpu_found));
+    let mut shared = instances > 1 && (mode == GpuMode::Off || (mode == GpuMode::Auto && !gpu_found));
+    let mut instances = instances;
     let wisp = if shared {
         spinner.set_message(format!("pre-initializing the guest with {} (once per model and build)", path.display()));
-        Wisp::preloaded(&path, a.model.options())?
+        match Wisp::preloaded(&path, a.model.options()) {
+            Ok(w) => w,
+            // A model whose snapshot cannot be made (past 1 GiB of weights, the most a
+            // WebAssembly module section holds) is served by one instance of its own copy,
+            // every request in its batched step, rather than by none.
+            Err(e) => {
+                spinner.suspend(|| {
+                    eprintln!(
+                        "wisp: {model_id} cannot be shared by {instances} instances ({e:#}): serving it with one instance, \
+                         every request in its batched step (`--device native` runs it on every core)"
+                    )
+                });
+                (shared, instances) = (false, 1);
+                Wisp::new(a.model.options())?
+            }
+        }
     } else {
         Wisp::new(a.model.options())?
     };
