@@ -31,7 +31,11 @@ struct Vocab {
     parse_special: bool,
 }
 
-const PRES: [&str; 5] = ["qwen2", "llama-bpe", "default", "deepseek-r1-qwen", "gpt-4o"];
+/// One name of each kind of splitter (tests/pretok holds every name to llama.cpp's).
+const PRES: [&str; 16] = [
+    "qwen2", "llama-bpe", "default", "deepseek-r1-qwen", "gpt-4o", "smollm", "deepseek-llm", "deepseek-coder", "tekken",
+    "jais-2", "superbpe", "chameleon", "afmoe", "bloom", "kimi-k2", "tiny_aya",
+];
 
 fuzz_target!(|v: Vocab| {
     let mut tokens: Vec<String> = v.tokens.iter().take(4096).map(|t| t.0.clone()).collect();

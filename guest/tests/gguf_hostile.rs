@@ -1608,8 +1608,8 @@ fn qwen2_problems() {
     assert_unsupported(load_err(&b.build()), "rope scaling \"yarn\"");
 
     let mut b = tiny_qwen2("qwen2");
-    b.set("tokenizer.ggml.pre", s("tekken"));
-    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"tekken\"");
+    b.set("tokenizer.ggml.pre", s("no-such-pre"));
+    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"no-such-pre\"");
 }
 
 #[test]
@@ -1621,7 +1621,9 @@ fn tokenizer_problems() {
     // Byte-level BPE needs a pre-tokenizer this engine has, and its merges.
     let mut b = tiny_gemma();
     b.set("tokenizer.ggml.model", s("gpt2"));
-    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"default\"");
+    // `gemma4`: a name llama.cpp knows, whose vocabulary is not byte-level.
+    b.set("tokenizer.ggml.pre", s("gemma4"));
+    assert_unsupported(load_err(&b.build()), "tokenizer.ggml.pre = \"gemma4\"");
     b.set("tokenizer.ggml.pre", s("qwen2"));
     assert_invalid(load_err(&b.build()), "tokenizer.ggml.merges is missing");
     b.set("tokenizer.ggml.merges", Val::ArrI32(vec![1, 2]));

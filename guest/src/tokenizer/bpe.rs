@@ -32,21 +32,22 @@ pub struct Bpe {
     /// `"left right"` (the GGUF merge text) -> rank; the first of duplicates wins.
     ranks: HashMap<String, u32>,
     pre: pretok::Splitter,
-    /// Take a word that is itself a token whole, before merging (Llama 3).
+    /// Take a word that is itself a token whole, before merging (Llama 3 and the others
+    /// `pretok::ignores_merges` names).
     ignore_merges: bool,
     byte_char: [char; 256],
     char_byte: HashMap<char, u8>,
 }
 
 impl Bpe {
-    pub fn new(merges: &[String], pre: Pre) -> Result<Bpe, String> {
+    pub fn new(merges: &[String], pre: Pre, ignore_merges: bool) -> Result<Bpe, String> {
         let mut ranks = HashMap::with_capacity(merges.len());
         for (i, m) in merges.iter().enumerate() {
             ranks.entry(m.clone()).or_insert(i as u32);
         }
         let byte_char = byte_chars();
         let char_byte = byte_char.iter().enumerate().map(|(b, &c)| (c, b as u8)).collect();
-        Ok(Bpe { ranks, pre: pre.splitter()?, ignore_merges: pre == Pre::Llama3, byte_char, char_byte })
+        Ok(Bpe { ranks, pre: pre.splitter()?, ignore_merges, byte_char, char_byte })
     }
 
     /// The bytes a token's text stands for; characters outside the table stand for themselves.

@@ -143,13 +143,14 @@ impl Tokenizer {
         let bpe = match kind {
             Kind::Spm => None,
             Kind::Bpe => {
+                let ignore_merges = pretok::ignores_merges(pre);
                 let pre = pretok::Pre::from_name(pre)
                     .ok_or_else(|| format!("unsupported BPE pre-tokenizer tokenizer.ggml.pre = {pre:?}"))?;
                 let merges = match g.get_array("tokenizer.ggml.merges")? {
                     Some(Array::String(v)) => v,
                     _ => return Err("tokenizer.ggml.merges is missing or not a list of strings".into()),
                 };
-                Some(bpe::Bpe::new(merges, pre)?)
+                Some(bpe::Bpe::new(merges, pre, ignore_merges)?)
             }
         };
         // As llama.cpp: SentencePiece and Llama 3 vocabularies add BOS unless the file says not.
