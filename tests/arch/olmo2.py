@@ -43,13 +43,7 @@ def rng_weights(seed=23):
 
 
 def hparams(w):
-    w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
-    w.add_block_count(N_LAYER)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_layer_norm_rms_eps(EPS)
-    w.add_rope_freq_base(ROPE_BASE)
+    tiny.add_decoder(w, N_EMBD, N_FF, N_LAYER, N_HEAD, N_HEAD_KV, EPS, ROPE_BASE)
 
 
 def forward(w, tokens, per_head=False):

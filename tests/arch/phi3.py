@@ -37,14 +37,8 @@ def rng_weights(seed=7):
 
 
 def hparams(w):
-    w.add_embedding_length(N_EMBD)
-    w.add_feed_forward_length(N_FF)
-    w.add_block_count(N_LAYER)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD_KV)
-    w.add_layer_norm_rms_eps(EPS)
+    tiny.add_decoder(w, N_EMBD, N_FF, N_LAYER, N_HEAD, N_HEAD_KV, EPS, ROPE_BASE)
     w.add_rope_dimension_count(HEAD_DIM)
-    w.add_rope_freq_base(ROPE_BASE)
     w.add_sliding_window(WINDOW)
 
 

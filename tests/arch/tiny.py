@@ -65,6 +65,17 @@ def write_gguf(path, arch, weights, q8, hparams, blocks=None):
     return {k: v.astype(np.float64) for k, v in exact.items()}
 
 
+def add_decoder(w, n_embd, n_ff, n_layer, n_head, n_head_kv, eps, base):
+    """The hyperparameters every decoder here has, to the GGUF writer `w`."""
+    w.add_embedding_length(n_embd)
+    w.add_feed_forward_length(n_ff)
+    w.add_block_count(n_layer)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(base)
+
+
 def rms_norm(x, g, eps):
     """RMS norm of each row of `x` (its last axis), times `g`."""
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
