@@ -1590,6 +1590,28 @@ fn qwen2_and_llama_positive_controls_load_and_run() {
 }
 
 #[test]
+fn granite_smollm3_and_phi3_scales_are_checked() {
+    // Granite needs its logit scale (llama.cpp requires it) and a usable number in each.
+    assert_invalid(load_err(&tiny_qwen2("granite").build()), "granite.logit_scale is missing");
+    let mut b = tiny_qwen2("granite");
+    b.set("granite.logit_scale", Val::F32(8.0)).set("granite.residual_scale", Val::F32(f32::NAN));
+    assert_invalid(load_err(&b.build()), "granite.residual_scale = NaN is not a usable scale");
+    b.set("granite.residual_scale", Val::F32(0.22)).set("granite.attention.scale", Val::F32(-1.0));
+    assert_invalid(load_err(&b.build()), "granite.attention.scale = -1 is not a usable scale");
+    b.set("granite.attention.scale", Val::F32(0.0078125));
+    for arch in [b, tiny_qwen2("smollm3")] {
+        let model = Rc::new(load_ok(&arch.build()));
+        let mut s = Session::new(Rc::clone(&model), 16).expect("a session");
+        s.feed(&[5, 6, 7]).expect("feed");
+        assert!(s.logits().expect("logits").iter().all(|v| v.is_finite()), "{}", model.summary.architecture);
+    }
+    // Phi-3.5's attention factor scales the rotation's cosines and sines: a usable number.
+    let mut b = tiny_qwen2("phi3");
+    b.set("phi3.rope.scaling.attn_factor", Val::F32(f32::INFINITY));
+    assert_invalid(load_err(&b.build()), "phi3.rope.scaling.attn_factor = inf is not a usable factor");
+}
+
+#[test]
 fn qwen2_problems() {
     let mut b = tiny_qwen2("qwen2");
     b.tensor_mut("blk.0.attn_q.bias").dims = vec![HEAD_DIM];

@@ -5,6 +5,10 @@ full logits, every step's top 5 of the greedy continuation). tests/tests/arch.rs
 them on its CPU path, on wgpu and on the host's CPU reference device.
 
     python3 tests/arch/phi3.py OUT_DIR   # OUT_DIR/tiny-phi3.gguf, OUT_DIR/tiny-phi3.json
+
+With `longrope` after OUT_DIR it writes Phi-3.5's long-rope instead (`tiny-phi3-longrope.*`):
+`rope_factors_long` and `_short`, an original context (64) below the model's (256), so that the
+long factors apply, and `rope.scaling.attn_factor` on the cosines and sines.
 """
 
 import pathlib
@@ -16,6 +20,12 @@ import tiny
 
 N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM, N_FF, N_LAYER = 64, 4, 2, 16, 96, 3
 WINDOW, EPS, ROPE_BASE = 7, 1e-5, 10000.0
+# Phi-3.5's long-rope, for a model of context 256 first trained at 64 (attn_factor as its
+# converter computes it: sqrt(1 + ln(256 / 64) / ln(64))).
+ORIGINAL_CONTEXT = 64
+ATTN_FACTOR = float(np.sqrt(1 + np.log(256 / ORIGINAL_CONTEXT) / np.log(ORIGINAL_CONTEXT)))
+LONG = np.linspace(1.0, 12.0, HEAD_DIM // 2).astype(np.float32)
+SHORT = np.linspace(1.0, 1.5, HEAD_DIM // 2).astype(np.float32)
 
 
 def rng_weights(seed=7):
@@ -36,13 +46,19 @@ def rng_weights(seed=7):
     return w
 
 
+def hparams_longrope(w):
+    hparams(w)
+    w.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
+    w.add_rope_scaling_attn_factors(ATTN_FACTOR)
+
+
 def hparams(w):
     tiny.add_decoder(w, N_EMBD, N_FF, N_LAYER, N_HEAD, N_HEAD_KV, EPS, ROPE_BASE)
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_sliding_window(WINDOW)
 
 
-def forward(w, tokens, window=WINDOW):
+def forward(w, tokens, window=WINDOW, rope=(None, 1.0)):
     """Logits after every token, float64: the model card's Phi-3 with a window on every layer."""
     t = len(tokens)
     nq, nkv = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
@@ -53,7 +69,7 @@ def forward(w, tokens, window=WINDOW):
         h = tiny.rms_norm(x, w[f"blk.{l}.attn_norm.weight"], EPS)
         qkv = h @ w[f"blk.{l}.attn_qkv.weight"].T
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        q, k = tiny.rope(q, pos, HEAD_DIM, ROPE_BASE), tiny.rope(k, pos, HEAD_DIM, ROPE_BASE)
+        q, k = tiny.rope(q, pos, HEAD_DIM, ROPE_BASE, *rope), tiny.rope(k, pos, HEAD_DIM, ROPE_BASE, *rope)
         x = x + tiny.attention(q, k, v, N_HEAD, N_HEAD_KV, HEAD_DIM, see) @ w[f"blk.{l}.attn_output.weight"].T
         h = tiny.rms_norm(x, w[f"blk.{l}.ffn_norm.weight"], EPS)
         gu = h @ w[f"blk.{l}.ffn_up.weight"].T
@@ -75,5 +91,23 @@ def main(out):
     tiny.golden(out, "tiny-phi3", "phi3", model, lambda t: forward(exact, t), {"window_effect_rmse": tiny.rmse(unwindowed, windowed)})
 
 
+def main_longrope(out):
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "tiny-phi3-longrope.gguf"
+    weights = rng_weights()
+    weights["rope_factors_long.weight"] = LONG
+    weights["rope_factors_short.weight"] = SHORT
+    exact = tiny.write_gguf(model, "phi3", weights, ("attn_qkv",), hparams_longrope)
+    long = (LONG.astype(np.float64), ATTN_FACTOR)
+    want = forward(exact, tiny.PROMPT, rope=long)[-1]
+    # The short factors, or none, are far from the long ones.
+    effect = min(tiny.rmse(want, forward(exact, tiny.PROMPT, rope=(SHORT.astype(np.float64), ATTN_FACTOR))[-1]),
+                 tiny.rmse(want, forward(exact, tiny.PROMPT)[-1]))
+    tiny.golden(out, "tiny-phi3-longrope", "phi3", model, lambda t: forward(exact, t, rope=long), {"long_rope_effect_rmse": effect})
+
+
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    if sys.argv[2:] == ["longrope"]:
+        main_longrope(pathlib.Path(sys.argv[1]))
+    else:
+        main(pathlib.Path(sys.argv[1]))

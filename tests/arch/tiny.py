@@ -91,12 +91,15 @@ def rope_pairs(x, positions, head_dim, base):
     return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)
 
 
-def rope(x, positions, head_dim, base):
-    """NEOX rotation of each head of each row: pairs (j, j + head_dim / 2)."""
+def rope(x, positions, head_dim, base, factors=None, mscale=1.0):
+    """NEOX rotation of each head of each row: pairs (j, j + head_dim / 2); frequency `j`
+    divided by `factors[j]` where given, the cosines and sines times `mscale`."""
     half = head_dim // 2
     freq = base ** (-2.0 * np.arange(half) / head_dim)
+    if factors is not None:
+        freq = freq / factors
     ang = positions[:, None] * freq[None, :]
-    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+    cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
     h = x.reshape(len(positions), -1, head_dim)
     a, b = h[..., :half], h[..., half:]
     return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)

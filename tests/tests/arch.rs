@@ -75,6 +75,15 @@ fn a_tiny_phi3_matches_its_float64_forward_on_every_path() {
     matches_its_float64_forward("phi3", "window_effect_rmse", 22);
 }
 
+/// Phi-3.5's long-rope: the frequencies divided by `rope_factors_long` (the model's context is
+/// past its original one), the cosines and sines times `rope.scaling.attn_factor`. With the
+/// short factors, or none, the logits are far off.
+#[test]
+fn a_tiny_phi3_with_long_rope_matches_its_float64_forward_on_every_path() {
+    let made = generated("phi3", "phi3-longrope", &["longrope"], "long_rope_effect_rmse");
+    holds_to_its_float64_forward(made, "phi3 with long-rope", "long_rope_effect_rmse", 22, CPU_BOUNDS);
+}
+
 /// Qwen3, added as its file and its name in the guest's list of architectures: per-head q/k
 /// norms, grouped-query attention, a head size past `n_embd / n_head`. Every product on the
 /// device where one is offered: 7 a layer (3 layers) and the output. Without the head norms the

@@ -56,7 +56,7 @@ pub trait ArchConfig: Sized + 'static {
     /// See [`Architecture::freqs`]: by default one table, of the file's base and scale.
     fn freqs(&self, _w: &Self::Weights) -> Vec<rope::Freqs> {
         let h = self.hparams();
-        vec![rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None }]
+        vec![rope::Freqs::new(h.rope_base, h.rope_scale)]
     }
     /// See [`Architecture::window`]: by default none.
     fn window(&self, _layer: usize) -> Option<usize> {

@@ -144,8 +144,8 @@ impl Tensors for Weights {
 
 /// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
 pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
-    let local = rope::Freqs { base: SWA_ROPE_BASE, scale: 1.0, factors: None };
-    let global = rope::Freqs { base: c.hp.rope_base, scale: c.hp.rope_scale, factors: None };
+    let local = rope::Freqs::new(SWA_ROPE_BASE, 1.0);
+    let global = rope::Freqs::new(c.hp.rope_base, c.hp.rope_scale);
     [local, global]
 }
 

@@ -9,13 +9,18 @@
 //!   `x = x + down(silu(gate(h)) * up(h))`; logits `= output(rms_norm(x))`;
 //! - RoPE rotates the two halves of each head (NEOX), base `rope.freq_base` (10000 when
 //!   missing); queries scaled by `1/sqrt(head_dim)`; grouped-query attention;
+//! - Phi-3.5 and Phi-3 128k (long-rope): the frequencies divided by `rope_factors_long` where
+//!   the model's context (`context_length`) is past the one it was trained at first
+//!   (`rope.scaling.original_context_length`), else by `rope_factors_short`, the cosines and
+//!   sines times `rope.scaling.attn_factor`: llama.cpp's choice at its default context (the
+//!   model's), made here once for every session;
 //! - every layer attends over a sliding window of `attention.sliding_window` keys where the
 //!   file has one (Phi-3 mini 4k: 2047), as llama.cpp's `phi3` does;
 //! - no biases; the output projection is `output.weight`, or tied to the embedding.
 
 use super::attention::Heads;
 use super::rope;
-use super::{ArchConfig, Hparams, Linear, LoadError, Registered, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -27,6 +32,11 @@ pub struct Config {
     pub hp: Hparams,
     /// Keys a query sees (its own among them) on every layer; `None`: all of them.
     pub window: Option<usize>,
+    /// The long-rope factors to read: `rope_factors_long` (past the original context) or
+    /// `rope_factors_short`.
+    pub long: bool,
+    /// `rope.scaling.attn_factor` (1 where missing).
+    pub attn_factor: f64,
 }
 
 impl Config {
@@ -36,7 +46,17 @@ impl Config {
             None | Some(0) => None,
             Some(w) => Some(w.min(super::MAX_CONTEXT) as usize),
         };
-        Ok(Config { hp, window })
+        let context = g.get_u64("phi3.context_length")?;
+        let long = match (context, g.get_u64("phi3.rope.scaling.original_context_length")?) {
+            (Some(c), Some(original)) => c > original,
+            _ => false,
+        };
+        let attn_factor = match g.get_f64("phi3.rope.scaling.attn_factor")? {
+            None => 1.0,
+            Some(f) if f.is_finite() && f > 0.0 && f < 16.0 => f,
+            Some(f) => return super::invalid(format!("phi3.rope.scaling.attn_factor = {f} is not a usable factor")),
+        };
+        Ok(Config { hp, window, long, attn_factor })
     }
 }
 
@@ -166,12 +186,17 @@ impl ArchConfig for Config {
             Some(_) => Some(Linear::load(g, file, "output.weight", h.n_vocab, e)?),
             None => None,
         };
+        let name = if self.long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
+        let factors = optional_vector(g, file, name, hd / 2)?;
+        if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
+            return super::invalid(format!("{name} holds the factor {bad}"));
+        }
         let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors: None },
+            rope: rope::Freqs { factors, mscale: self.attn_factor, ..rope::Freqs::new(h.rope_base, h.rope_scale) },
         };
         Ok(w)
     }

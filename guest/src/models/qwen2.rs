@@ -277,7 +277,7 @@ impl ArchConfig for Config {
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            rope: rope::Freqs { base: h.rope_base, scale: h.rope_scale, factors },
+            rope: rope::Freqs { factors, ..rope::Freqs::new(h.rope_base, h.rope_scale) },
         };
         Ok(w)
     }

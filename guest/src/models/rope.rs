@@ -12,14 +12,26 @@ pub enum Style {
     Norm,
 }
 
-/// The frequencies of one kind of layer: `theta(p, j) = p / scale * base^(-2j / dim) / factor[j]`.
+/// The frequencies of one kind of layer: `theta(p, j) = p / scale * base^(-2j / dim) / factor[j]`,
+/// the table holding `mscale * cos(theta)` and `mscale * sin(theta)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Freqs {
     pub base: f64,
     /// Linear position scaling (`rope.scaling.factor`); 1 is none.
     pub scale: f64,
-    /// Per-frequency divisors (`rope_freqs.weight`, Llama 3's long-context scaling), `[dim / 2]`.
+    /// Per-frequency divisors (`rope_freqs.weight`, Llama 3's long-context scaling; Phi-3.5's
+    /// `rope_factors_long` / `_short`), `[dim / 2]`.
     pub factors: Option<Vec<f32>>,
+    /// The cosines' and sines' factor (Phi-3.5's `rope.scaling.attn_factor`, ggml's `mscale`);
+    /// 1 is none.
+    pub mscale: f64,
+}
+
+impl Freqs {
+    /// Base `base` and linear scale `scale`, with no factors.
+    pub fn new(base: f64, scale: f64) -> Freqs {
+        Freqs { base, scale, factors: None, mscale: 1.0 }
+    }
 }
 
 /// Positions between angles computed afresh with `cos` and `sin` (the multiples of `ANCHOR`);
@@ -110,7 +122,7 @@ impl Table {
             }
             let row = i * half..(i + 1) * half;
             for ((c, s), &(ac, as_)) in self.cos[row.clone()].iter_mut().zip(&mut self.sin[row]).zip(&self.at) {
-                (*c, *s) = (ac as f32, as_ as f32);
+                (*c, *s) = ((ac * f.mscale) as f32, (as_ * f.mscale) as f32);
             }
         }
         self.next = (t > 0).then_some(pos + t).or(self.next);
@@ -169,8 +181,8 @@ mod tests {
         let (dim, t) = (256, 300);
         let factors: Vec<f32> = (0..dim / 2).map(|j| 1.0 + (j % 7) as f32 * 0.5).collect();
         for (f, pos) in [
-            (Freqs { base: 1e6, scale: 1.0, factors: None }, 30_000),
-            (Freqs { base: 1e4, scale: 8.0, factors: Some(factors) }, 7),
+            (Freqs::new(1e6, 1.0), 30_000),
+            (Freqs { factors: Some(factors), ..Freqs::new(1e4, 8.0) }, 7),
         ] {
             let mut table = Table::new(t, dim);
             table.fill(&f, pos, t);
@@ -193,7 +205,7 @@ mod tests {
     #[test]
     fn a_position_reads_the_same_in_any_batch() {
         let factors: Vec<f32> = (0..32).map(|j| 1.0 + (j % 5) as f32 * 0.25).collect();
-        for f in [Freqs { base: 1e4, scale: 1.0, factors: None }, Freqs { base: 1e6, scale: 4.0, factors: Some(factors) }] {
+        for f in [Freqs::new(1e4, 1.0), Freqs { factors: Some(factors), mscale: 1.25, ..Freqs::new(1e6, 4.0) }] {
             let mut one = Table::new(1, 64);
             for (start, t) in [(1000usize, 128usize), (0, 200), (63, 2), (64, 65), (5, 130), (1023, 1)] {
                 let mut batch = Table::new(t, 64);
@@ -217,8 +229,8 @@ mod tests {
     /// truncated session), with other frequencies, and across anchors, in batches of any length.
     #[test]
     fn a_table_that_goes_on_reads_as_a_fresh_one() {
-        let a = Freqs { base: 1e4, scale: 1.0, factors: None };
-        let b = Freqs { base: 1e6, scale: 2.0, factors: Some((0..32).map(|j| 1.0 + j as f32 * 0.125).collect()) };
+        let a = Freqs::new(1e4, 1.0);
+        let b = Freqs { factors: Some((0..32).map(|j| 1.0 + j as f32 * 0.125).collect()), ..Freqs::new(1e6, 2.0) };
         let mut kept = Table::new(70, 64);
         let fills: [(&Freqs, usize, usize); 12] =
             [(&a, 0, 5), (&a, 5, 1), (&a, 6, 60), (&a, 66, 1), (&a, 67, 1), (&b, 68, 1), (&b, 69, 3), (&a, 72, 1), (&a, 10, 1), (&a, 11, 70), (&a, 81, 0), (&a, 81, 1)];
@@ -240,7 +252,7 @@ mod tests {
     #[test]
     #[ignore]
     fn rope_bench() {
-        let freqs = [Freqs { base: 1e4, scale: 1.0, factors: None }, Freqs { base: 1e6, scale: 1.0, factors: None }];
+        let freqs = [Freqs::new(1e4, 1.0), Freqs::new(1e6, 1.0)];
         // Tables made afresh for each row (as batched passes made them), and kept by each
         // session (as they are now): the next position's row turns the last one's angles.
         let mut kept: Vec<Table> = (0..128).map(|_| Table::new(1, 256)).collect();
