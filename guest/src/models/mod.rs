@@ -278,6 +278,17 @@ pub fn optional_vector(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Res
     }
 }
 
+/// The rotation's per-frequency divisors in tensor `name` (`[n]`, n = head_dim / 2), where the
+/// file has it: Llama 3's `rope_freqs`, Phi-3.5's `rope_factors_long` / `_short`. Each must be
+/// finite and positive.
+pub fn rope_factors(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>, LoadError> {
+    let factors = optional_vector(g, file, name, n)?;
+    match factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
+        Some(bad) => invalid(format!("{name} holds the factor {bad}")),
+        None => Ok(factors),
+    }
+}
+
 /// The hyperparameters every decoder-only transformer here has, read from the keys
 /// `{arch}.*` of the GGUF metadata and checked against the caps above.
 #[derive(Debug, Clone)]

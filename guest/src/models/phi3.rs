@@ -20,7 +20,7 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, rope_factors, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -187,10 +187,7 @@ impl ArchConfig for Config {
             None => None,
         };
         let name = if self.long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
-        let factors = optional_vector(g, file, name, hd / 2)?;
-        if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
-            return super::invalid(format!("{name} holds the factor {bad}"));
-        }
+        let factors = rope_factors(g, file, name, hd / 2)?;
         let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,

@@ -22,7 +22,7 @@
 
 use super::attention::Heads;
 use super::rope::{self, Style};
-use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector, vector};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, optional_vector, rope_factors, vector};
 use crate::gguf::Gguf;
 use crate::source::Source;
 use crate::kernels::Act;
@@ -268,10 +268,7 @@ impl ArchConfig for Config {
             Some(_) => Some(Linear::load(g, file, "output.weight", h.n_vocab, e)?),
             None => None,
         };
-        let factors = optional_vector(g, file, "rope_freqs.weight", hd / 2)?;
-        if let Some(bad) = factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
-            return super::invalid(format!("rope_freqs.weight holds the factor {bad}"));
-        }
+        let factors = rope_factors(g, file, "rope_freqs.weight", hd / 2)?;
         let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
