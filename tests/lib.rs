@@ -92,6 +92,23 @@ pub fn open(path: &Path, gpu: wisp::GpuCtx, mode: impl Into<wisp::LoadOptions>) 
     (inst, m)
 }
 
+/// Runs golden case `case` by teacher forcing, prints its figures after `label`, and asserts it
+/// has references and passes the golden thresholds (`tests/golden/README.md`).
+pub fn golden_passes(inst: &mut wisp::Instance, m: wisp::Model, case: &wisp::golden::Case, label: &str) -> wisp::golden::Outcome {
+    let r = wisp::golden::run_case(inst, m, case, 5).unwrap();
+    eprintln!(
+        "{label}{}: argmax {}/{}, max top5 diff {:.4}, rmse {:.4}",
+        r.name,
+        r.argmax_checked - r.argmax_mismatches.len(),
+        r.argmax_checked,
+        r.max_top5_diff,
+        r.rmse.unwrap_or(f64::NAN)
+    );
+    assert!(r.judged && r.rmse.is_some(), "{label}{}: the case has references", r.name);
+    assert!(r.pass(), "{label}{} fails the golden thresholds: {r:?}", r.name);
+    r
+}
+
 /// A device that works until it is lost, as a driver reset loses one: `inner` until the
 /// `healthy`-th whole pass (a program's run) or until `lost` is set, then `device-lost` for
 /// every call.

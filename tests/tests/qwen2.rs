@@ -2,23 +2,13 @@
 //! through the component: llama.cpp's token ids, the golden thresholds on the CPU path and on
 //! the devices, and the model's chat template.
 
-use wisp::golden::{self, Case};
+use wisp::golden::Case;
 use wisp::{Budget, CpuBackend, GpuCtx, GpuMode, Instance, LoadOptions, Model, NativeBackend, Precision, Sampling};
-use wisp_tests::{open, qwen_golden_cases, qwen_model, wgpu_backend};
+use wisp_tests::{golden_passes, open, qwen_golden_cases, qwen_model, wgpu_backend};
 
 fn check(inst: &mut Instance, m: Model, cases: &[Case]) {
     for case in cases {
-        let r = golden::run_case(inst, m, case, 5).unwrap();
-        eprintln!(
-            "{}: argmax {}/{}, max top5 diff {:.4}, rmse {:.4}",
-            r.name,
-            r.argmax_checked - r.argmax_mismatches.len(),
-            r.argmax_checked,
-            r.max_top5_diff,
-            r.rmse.unwrap_or(f64::NAN)
-        );
-        assert!(r.judged && r.rmse.is_some(), "{}: the case has references", r.name);
-        assert!(r.pass(), "{} fails the golden thresholds: {r:?}", r.name);
+        golden_passes(inst, m, case, "");
     }
 }
 
