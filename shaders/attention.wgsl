@@ -36,6 +36,12 @@ struct Shape {
     // Splits give a decode step (one query, a few heads) more than a few workgroups.
     splits: u32,
     split_len: u32,
+    // Where not 0, each score s becomes softcap * tanh(s / softcap) (`softcap` in matmul.wgsl's
+    // reading, ops/src/op.rs's).
+    softcap: f32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> s: Shape;
@@ -61,6 +67,22 @@ var<workgroup> qs: array<f32, MAX_HEAD_DIM>;
 var<workgroup> parts: array<f32, WG * (G + 1u)>;
 var<workgroup> probs: array<f32, WG>;
 var<workgroup> red: array<f32, WG>;
+
+// cap * tanh(x / cap), as ops/src/op.rs's `softcap` reads it: tanh(y) = (1 - e) / (1 + e) with
+// e = e^(-2|y|) (no overflow for any input), and its series to y^7 below |y| = 1/8, where 1 - e
+// would cancel. (matmul.wgsl and attention.wgsl each hold this function, word for word.)
+fn softcap(x: f32, cap: f32) -> f32 {
+    let y = x / cap;
+    var t: f32;
+    if abs(y) < 0.125 {
+        let y2 = y * y;
+        t = y * (1.0 - y2 * (1.0 / 3.0 - y2 * (2.0 / 15.0 - y2 * (17.0 / 315.0))));
+    } else {
+        let e = exp(-2.0 * abs(y));
+        t = sign(y) * ((1.0 - e) / (1.0 + e));
+    }
+    return cap * t;
+}
 
 // The maximum of `x` over the workgroup (every invocation gets it).
 fn workgroup_max(lid: u32, x: f32) -> f32 {
@@ -211,6 +233,9 @@ fn attend_row(h: u32, i: u32, e: u32, split: u32, ring: Ring, lid: u32) {
                 dot += parts[lid * (G + 1u) + e];
             }
             score = dot * s.scale;
+            if s.softcap > 0.0 {
+                score = softcap(score, s.softcap);
+            }
         }
         let new_m = max(m, workgroup_max(lid, score));
         var p = 0.0;

@@ -849,6 +849,23 @@ const OP_SCALE: u32 = 2u;
 const OP_BIAS: u32 = 3u;
 const OP_GELU_TANH: u32 = 4u;
 const OP_SILU: u32 = 5u;
+const OP_SOFTCAP: u32 = 6u;
+
+// cap * tanh(x / cap), as ops/src/op.rs's `softcap` reads it: tanh(y) = (1 - e) / (1 + e) with
+// e = e^(-2|y|) (no overflow for any input), and its series to y^7 below |y| = 1/8, where 1 - e
+// would cancel. (matmul.wgsl and attention.wgsl each hold this function, word for word.)
+fn softcap(x: f32, cap: f32) -> f32 {
+    let y = x / cap;
+    var t: f32;
+    if abs(y) < 0.125 {
+        let y2 = y * y;
+        t = y * (1.0 - y2 * (1.0 / 3.0 - y2 * (2.0 / 15.0 - y2 * (17.0 / 315.0))));
+    } else {
+        let e = exp(-2.0 * abs(y));
+        t = sign(y) * ((1.0 - e) / (1.0 + e));
+    }
+    return cap * t;
+}
 
 // x's element i (bound as quads).
 fn x_at(i: u32) -> f32 {
@@ -860,7 +877,8 @@ fn weight_at(i: u32) -> f32 {
     return bitcast<f32>(weights[i / 4u][i % 4u]);
 }
 
-// add, mul: y = a op b; scale: y = a * bitcast<f32>(x_stride); bias: y = a + w[column]; the
+// add, mul: y = a op b; scale: y = a * bitcast<f32>(x_stride); softcap: y = softcap(a, the cap
+// bitcast<f32>(x_stride)); bias: y = a + w[column]; the
 // gated ops: y = act(a) * b, act(g) = g / (1 + e^-a), with a = 2 sqrt(2 / pi) (g + 0.044715 g^3)
 // for the tanh GELU (0.5 g (1 + tanh(a / 2)) rewritten: no overflow, no tanh) and a = g for
 // SiLU, as the guest's own kernel computes it. One invocation an element.
@@ -887,6 +905,9 @@ fn elementwise_rows(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(work
         }
         case OP_BIAS: {
             v = a + weight_at(j);
+        }
+        case OP_SOFTCAP: {
+            v = softcap(a, bitcast<f32>(params.x_stride));
         }
         case OP_GELU_TANH: {
             let g = 1.5957691216 * (a + 0.044715 * a * a * a);

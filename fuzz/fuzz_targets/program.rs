@@ -43,10 +43,11 @@ enum FuzzOp {
     Mul(u8, u8),
     Bias(u8, u8),
     Scale(u8, f32),
+    Softcap(u8, f32),
     Gated(u8, u8, bool),
     Rotate { x: u8, table: u8, head_dim: u16, pairs: bool },
     CacheWrite(u8, u8, u8),
-    Attention { q: u8, cache: u8, n_head: u8, n_head_kv: u8, head_dim: u16, window: u16, scale: f32, fast: bool },
+    Attention { q: u8, cache: u8, n_head: u8, n_head_kv: u8, head_dim: u16, window: u16, scale: f32, softcap: f32, fast: bool },
     LastRows(u8),
     Output(u8),
     TopK(u8, u16),
@@ -72,6 +73,7 @@ fn op(i: usize, f: &FuzzOp) -> Op {
         FuzzOp::Mul(a, b) => Op::Mul(back(i, a), back(i, b)),
         FuzzOp::Bias(x, w) => Op::Bias { x: back(i, x), weight: w as usize },
         FuzzOp::Scale(x, by) => Op::Scale { x: back(i, x), by },
+        FuzzOp::Softcap(x, cap) => Op::Softcap { x: back(i, x), cap },
         FuzzOp::Gated(g, u, silu) => {
             Op::Gated { gate: back(i, g), up: back(i, u), act: if silu { Activation::Silu } else { Activation::GeluTanh } }
         }
@@ -82,7 +84,7 @@ fn op(i: usize, f: &FuzzOp) -> Op {
             rotation: if pairs { Rotation::Pairs } else { Rotation::Halves },
         },
         FuzzOp::CacheWrite(k, v, cache) => Op::CacheWrite { k: back(i, k), v: back(i, v), cache: cache as u32 },
-        FuzzOp::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, fast } => Op::Attention {
+        FuzzOp::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, softcap, fast } => Op::Attention {
             q: back(i, q),
             cache: cache as u32,
             n_head: n_head as u32,
@@ -90,6 +92,7 @@ fn op(i: usize, f: &FuzzOp) -> Op {
             head_dim: head_dim as u32,
             window: window as u32,
             scale,
+            softcap,
             precision: precision(fast),
         },
         FuzzOp::LastRows(x) => Op::LastRows(back(i, x)),

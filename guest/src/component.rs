@@ -77,8 +77,8 @@ enum Small {
     /// Keys and values of this width written to a cache.
     Write(u32),
     /// Keys and values written to a cache, then attention over it: heads, key/value heads,
-    /// head width, window and the bits of the scale.
-    Attend([u32; 5]),
+    /// head width, window and the bits of the scale and of the soft cap.
+    Attend([u32; 6]),
 }
 
 impl From<gpu::Error> for DeviceError {
@@ -212,7 +212,7 @@ impl dispatch::Device for HostGpu {
             let lack = [k_new[..at(rows - t)].to_vec(), v_new[..at(rows - t)].to_vec()];
             self.run_small(Small::Write(width), &[], 1, ops, &lack, &seq(rows - t, first_new)?)?;
         }
-        let key = Small::Attend([s.n_head, s.n_head_kv, s.head_dim, s.window, s.scale.to_bits()]);
+        let key = Small::Attend([s.n_head, s.n_head_kv, s.head_dim, s.window, s.scale.to_bits(), s.softcap.to_bits()]);
         let ops = || {
             let attention = gpu::AttentionOp {
                 q: 0,
@@ -222,6 +222,7 @@ impl dispatch::Device for HostGpu {
                 head_dim: s.head_dim,
                 window: s.window,
                 scale: s.scale,
+                softcap: s.softcap,
                 precision: self.precision,
             };
             vec![
@@ -282,6 +283,7 @@ fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
         Op::Mul(a, b) => gpu::Op::Mul((v(a), v(b))),
         Op::Bias { x, weight } => gpu::Op::Bias(gpu::BiasOp { x: v(x), weight: v(weight) }),
         Op::Scale { x, by } => gpu::Op::Scale(gpu::ScaleOp { x: v(x), by }),
+        Op::Softcap { x, cap } => gpu::Op::Softcap(gpu::SoftcapOp { x: v(x), cap }),
         Op::Gated { gate, up, act } => gpu::Op::Gated(gpu::GatedOp {
             gate: v(gate),
             up: v(up),
@@ -300,8 +302,8 @@ fn wit_op(op: &Op, precision: gpu::Precision) -> gpu::Op {
             },
         }),
         Op::CacheWrite { k, v: vv, cache } => gpu::Op::CacheWrite(gpu::CacheWriteOp { k: v(k), v: v(vv), cache }),
-        Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, .. } => {
-            gpu::Op::Attention(gpu::AttentionOp { q: v(q), cache, n_head, n_head_kv, head_dim, window, scale, precision })
+        Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, softcap, .. } => {
+            gpu::Op::Attention(gpu::AttentionOp { q: v(q), cache, n_head, n_head_kv, head_dim, window, scale, softcap, precision })
         }
         Op::LastRows(x) => gpu::Op::LastRows(v(x)),
         Op::Output(x) => gpu::Op::Output(v(x)),

@@ -165,6 +165,10 @@ impl<'a> Builder<'a> {
         self.push(Op::Scale { x, by }, self.widths[x])
     }
 
+    pub fn softcap(&mut self, x: Value, cap: f32) -> Value {
+        self.push(Op::Softcap { x, cap }, self.widths[x])
+    }
+
     pub fn gated(&mut self, gate: Value, up: Value, act: Act) -> Value {
         self.push(Op::Gated { gate, up, act }, self.widths[gate])
     }
@@ -188,6 +192,7 @@ impl<'a> Builder<'a> {
             head_dim: n(heads.head_dim),
             window: n(window),
             scale: heads.scale,
+            softcap: heads.softcap,
             precision: Precision::Exact,
         };
         self.push(op, self.widths[q])
@@ -210,6 +215,6 @@ impl<'a> Builder<'a> {
 }
 
 /// The attention heads of an `attention` op.
-pub fn heads_of(n_head: u32, n_head_kv: u32, head_dim: u32, scale: f32) -> Heads {
-    Heads { n_head: n_head as usize, n_head_kv: n_head_kv as usize, head_dim: head_dim as usize, scale }
+pub fn heads_of(n_head: u32, n_head_kv: u32, head_dim: u32, scale: f32, softcap: f32) -> Heads {
+    Heads { n_head: n_head as usize, n_head_kv: n_head_kv as usize, head_dim: head_dim as usize, scale, softcap }
 }

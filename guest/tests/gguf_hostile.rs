@@ -1621,13 +1621,42 @@ fn qwen2_problems() {
     b.tensor_data("rope_freqs.weight", &[HEAD_DIM / 2], GGUF_F32, f32_bytes((0..HEAD_DIM / 2).map(|_| 0.0)));
     assert_invalid(load_err(&b.build()), "rope_freqs.weight holds the factor 0");
 
+    // A partial rotation turns an even count of at most a head's values; half a head loads.
+    for (dims, error) in [(HEAD_DIM as u32 + 2, "rope.dimension_count 34 is not"), (15, "rope.dimension_count 15 is not"), (0, "rope.dimension_count 0 is not")] {
+        let mut b = tiny_qwen2("qwen2");
+        b.set("qwen2.rope.dimension_count", Val::U32(dims));
+        assert_invalid(load_err(&b.build()), error);
+    }
     let mut b = tiny_qwen2("qwen2");
     b.set("qwen2.rope.dimension_count", Val::U32(HEAD_DIM as u32 / 2));
-    assert_unsupported(load_err(&b.build()), "rope.dimension_count 16 differs from the head size 32");
+    let mut half = Session::new(Rc::new(load_ok(&b.build())), 16).expect("a session");
+    half.feed(&[5, 6, 7]).expect("feed");
+    assert!(half.logits().expect("logits").iter().all(|v| v.is_finite()));
 
     let mut b = tiny_qwen2("qwen2");
-    b.set("qwen2.rope.scaling.type", s("yarn"));
-    assert_unsupported(load_err(&b.build()), "rope scaling \"yarn\"");
+    b.set("qwen2.rope.scaling.type", s("longrope"));
+    assert_unsupported(load_err(&b.build()), "rope scaling \"longrope\"");
+
+    // YaRN's parameters are usable numbers, its factor at least 1.
+    for (key, value, error) in [
+        ("rope.scaling.factor", 0.5, "implausible YaRN scaling"),
+        ("rope.scaling.yarn_beta_fast", f32::NAN, "qwen2.rope.scaling.yarn_beta_fast = NaN is not a usable YaRN parameter"),
+        ("rope.scaling.yarn_beta_slow", -1.0, "qwen2.rope.scaling.yarn_beta_slow = -1 is not a usable YaRN parameter"),
+    ] {
+        let mut b = tiny_qwen2("qwen2");
+        b.set("qwen2.rope.scaling.type", s("yarn"));
+        b.set("qwen2.rope.scaling.factor", Val::F32(4.0));
+        b.set(&format!("qwen2.{key}"), Val::F32(value));
+        assert_invalid(load_err(&b.build()), error);
+    }
+    // A mixture of experts (Mixtral's `llama` files) is refused as such.
+    let mut b = tiny_qwen2("llama");
+    b.set("llama.expert_count", Val::U32(8));
+    assert_unsupported(load_err(&b.build()), "a mixture of experts (llama.expert_count = 8)");
+    // Mistral 3's attention temperature is a usable number.
+    let mut b = tiny_qwen2("mistral3");
+    b.set("mistral3.attention.temperature_scale", Val::F32(f32::INFINITY));
+    assert_invalid(load_err(&b.build()), "mistral3.attention.temperature_scale = inf is not a usable scale");
 
     let mut b = tiny_qwen2("qwen2");
     b.set("tokenizer.ggml.pre", s("no-such-pre"));

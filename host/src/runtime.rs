@@ -33,7 +33,7 @@ pub fn native_guest() -> &'static [u8] {
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.8.0";
+const WIT_VERSION: &str = "0.9.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";

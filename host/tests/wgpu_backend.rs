@@ -331,7 +331,7 @@ fn spinning_and_blocking_readbacks_agree() {
     let w = Weight::random(&mut rng, Format::Q4x32, 70, 128);
     let id = upload(&mut gpu, &w);
     let x = random_x(&mut rng, 5, 128);
-    let s = AttentionShape { t: 3, n_keys: 9, n_head: 4, n_head_kv: 2, head_dim: 32, window: 0, scale: 0.2 };
+    let s = AttentionShape { t: 3, n_keys: 9, n_head: 4, n_head_kv: 2, head_dim: 32, window: 0, scale: 0.2, softcap: 0.0 };
     let q: Vec<f32> = (0..3 * 4 * 32).map(|_| rng.unit()).collect();
     let k: Vec<f32> = (0..9 * 2 * 32).map(|_| rng.unit()).collect();
     let mut seen = Vec::new();
@@ -388,12 +388,14 @@ fn attention_matches_the_cpu() {
     let mut shapes = vec![
         // A 270M model's prefill batch and decode step (one key/value head of 256), a sliding
         // layer.
-        AttentionShape { t: 64, n_keys: 200, n_head: 4, n_head_kv: 1, head_dim: 256, window: 150, scale: 0.0625 },
-        AttentionShape { t: 1, n_keys: 130, n_head: 4, n_head_kv: 1, head_dim: 256, window: 0, scale: 0.0625 },
+        AttentionShape { t: 64, n_keys: 200, n_head: 4, n_head_kv: 1, head_dim: 256, window: 150, scale: 0.0625, softcap: 0.0 },
+        AttentionShape { t: 1, n_keys: 130, n_head: 4, n_head_kv: 1, head_dim: 256, window: 0, scale: 0.0625, softcap: 0.0 },
         // 14 heads of 64 sharing 2.
-        AttentionShape { t: 7, n_keys: 70, n_head: 14, n_head_kv: 2, head_dim: 64, window: 0, scale: 0.125 },
-        AttentionShape { t: 3, n_keys: 3, n_head: 2, n_head_kv: 2, head_dim: 512, window: 1, scale: 0.04 },
-        AttentionShape { t: 2, n_keys: 5, n_head: 3, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0 },
+        AttentionShape { t: 7, n_keys: 70, n_head: 14, n_head_kv: 2, head_dim: 64, window: 0, scale: 0.125, softcap: 0.0 },
+        AttentionShape { t: 3, n_keys: 3, n_head: 2, n_head_kv: 2, head_dim: 512, window: 1, scale: 0.04, softcap: 0.0 },
+        AttentionShape { t: 2, n_keys: 5, n_head: 3, n_head_kv: 1, head_dim: 1, window: 0, scale: 1.0, softcap: 0.0 },
+        // Gemma 2's soft-capped scores (here a cap tight enough to bite), a window.
+        AttentionShape { t: 9, n_keys: 90, n_head: 8, n_head_kv: 4, head_dim: 256, window: 40, scale: 0.0625, softcap: 0.5 },
     ];
     for _ in 0..6 {
         let t = rng.range(1, 40);
@@ -406,6 +408,8 @@ fn attention_matches_the_cpu() {
             head_dim: rng.range(1, 300),
             window: if rng.range(0, 1) == 0 { 0 } else { rng.range(1, 100) },
             scale: 0.05 + rng.unit().abs(),
+            // Half of them capped (Gemma 2's soft-capping), tight enough to bite.
+            softcap: if rng.range(0, 1) == 0 { 0.0 } else { 0.3 + rng.unit().abs() },
         });
     }
     for s in &shapes {
@@ -438,7 +442,7 @@ fn cached_attention_matches_the_cpu() {
     let (g, c) = (gpu.create_cache(slots, width).expect("a cache"), cpu.create_cache(slots, width).expect("a cache"));
     for (pos, t, window) in [(0u32, 70u32, 0u32), (70, 1, 0), (71, 1, 0), (72, 64, 100), (136, 1, 100), (137, 40, 100)] {
         let first = if window == 0 { 0 } else { (pos + 1).saturating_sub(window) };
-        let s = AttentionShape { t, n_keys: pos + t - first, n_head, n_head_kv, head_dim, window, scale: 0.125 };
+        let s = AttentionShape { t, n_keys: pos + t - first, n_head, n_head_kv, head_dim, window, scale: 0.125, softcap: 0.0 };
         let what = format!("{s:?} at position {pos}");
         let q: Vec<f32> = (0..t * n_head * head_dim).map(|_| 2.0 * rng.unit()).collect();
         let k: Vec<f32> = (0..t * width).map(|_| 2.0 * rng.unit()).collect();
@@ -448,7 +452,7 @@ fn cached_attention_matches_the_cpu() {
         check_attention(&what, &got, &want, &v);
     }
     gpu.free_cache(g);
-    match gpu.attention_cached(&[0.0; 512], &[], &[], 0, g, 0, &AttentionShape { t: 1, n_keys: 1, n_head, n_head_kv, head_dim, window: 0, scale: 1.0 }) {
+    match gpu.attention_cached(&[0.0; 512], &[], &[], 0, g, 0, &AttentionShape { t: 1, n_keys: 1, n_head, n_head_kv, head_dim, window: 0, scale: 1.0, softcap: 0.0 }) {
         Err(GpuError::InvalidArgument(_)) => {}
         other => panic!("attention over a freed cache: {other:?}"),
     }
@@ -707,7 +711,7 @@ fn programs_split_over_k_match_the_cpu() {
             Op::Rotate { x: 6, table: 1, head_dim: hd, rotation },
             Op::Rotate { x: 7, table: 1, head_dim: hd, rotation },
             Op::CacheWrite { k: 9, v: 5, cache: 0 },
-            Op::Attention { q: 8, cache: 0, n_head, n_head_kv, head_dim: hd, window: 0, scale: 0.01, precision },
+            Op::Attention { q: 8, cache: 0, n_head, n_head_kv, head_dim: hd, window: 0, scale: 0.01, softcap: 0.0, precision },
             mm(11, wo),
             after_o,
             Op::Add(0, 13),
@@ -882,7 +886,7 @@ fn round_trip_sweep() {
     let mut rng = Rng::new("round_trip_sweep");
     let (n_head, n_head_kv, head_dim) = (4u32, 1u32, 256u32);
     let width = n_head_kv * head_dim;
-    let shape = |t, n_keys| AttentionShape { t, n_keys, n_head, n_head_kv, head_dim, window: 0, scale: 0.0625 };
+    let shape = |t, n_keys| AttentionShape { t, n_keys, n_head, n_head_kv, head_dim, window: 0, scale: 0.0625, softcap: 0.0 };
     let rows = |rng: &mut Rng, n: u32| -> Vec<f32> { (0..n).map(|_| rng.unit()).collect() };
     let median_us = |call: &mut dyn FnMut()| {
         let mut times: Vec<f64> = (0..20)
@@ -952,7 +956,7 @@ fn a_batch_over_shared_kv_cache_arenas_matches_the_cpu() {
         weights.push((w, ids.0, ids.1));
     }
     let precision = Precision::Exact;
-    let attention = |cache, window| Op::Attention { q: 1, cache, n_head, n_head_kv, head_dim: hd, window, scale: 0.1, precision };
+    let attention = |cache, window| Op::Attention { q: 1, cache, n_head, n_head_kv, head_dim: hd, window, scale: 0.1, softcap: 0.0, precision };
     let ops = vec![
         Op::Input { width: e },
         Op::Matmul { x: 0, weight: 0, precision },

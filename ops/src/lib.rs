@@ -23,7 +23,7 @@ mod program;
 pub mod reference;
 
 pub use format::Format;
-pub use op::{Activation, Op, Operands, Precision, Rotation};
+pub use op::{Activation, Op, Operands, Precision, Rotation, softcap};
 pub use program::{
     BatchError, CacheUse, CheckError, MAX_CACHES, MAX_HEAD_DIM, MAX_OPS, MAX_SEQUENCES, MAX_TOP_K, MAX_WIDTH, Program,
     Rows, Rule, SequenceRun, Shape, Weight, WeightShape, check, compact, first_key,

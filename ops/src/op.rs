@@ -34,6 +34,22 @@ impl Activation {
     }
 }
 
+/// `cap * tanh(x / cap)`, in f32, as every executor computes it (the WGSL `softcap` and the
+/// browser's reading are this one): `tanh(y)` as `(1 - e) / (1 + e)`, `e = e^(-2|y|)` (an `exp`
+/// of a number never positive: no input overflows), and below `|y| = 1/8`, where `1 - e` would
+/// cancel, its series to `y^7` (within 2e-9 of `tanh` there).
+pub fn softcap(x: f32, cap: f32) -> f32 {
+    let y = x / cap;
+    let t = if y.abs() < 0.125 {
+        let y2 = y * y;
+        y * (1.0 - y2 * (1.0 / 3.0 - y2 * (2.0 / 15.0 - y2 * (17.0 / 315.0))))
+    } else {
+        let e = libm::expf(-2.0 * y.abs());
+        ((1.0 - e) / (1.0 + e)).copysign(y)
+    };
+    cap * t
+}
+
 /// How a rotary embedding pairs a head's values (the WIT `rotation`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Rotation {
@@ -94,6 +110,14 @@ pub enum Op {
         /// The factor.
         by: f32,
     },
+    /// `cap * tanh(x / cap)` (Gemma 2's final logit soft-capping): `x` squeezed into
+    /// `(-cap, cap)`, nearly unchanged where small.
+    Softcap {
+        /// The rows.
+        x: usize,
+        /// The bound, positive.
+        cap: f32,
+    },
     /// `act(gate) * up`.
     Gated {
         /// Rows the activation takes.
@@ -141,6 +165,9 @@ pub enum Op {
         window: u32,
         /// Multiplies each query-key product before the softmax.
         scale: f32,
+        /// Caps each scaled product `s` as `softcap * tanh(s / softcap)` before the softmax
+        /// (Gemma 2's attention soft-capping); 0 for none.
+        softcap: f32,
         /// How exactly the products are summed.
         precision: Precision,
     },
@@ -192,7 +219,7 @@ impl Op {
     pub fn operands(&self) -> Operands {
         match *self {
             Op::Input { .. } => Operands::of(&[]),
-            Op::Matmul { x, .. } | Op::RmsNorm { x, .. } | Op::Bias { x, .. } | Op::Scale { x, .. } => Operands::of(&[x]),
+            Op::Matmul { x, .. } | Op::RmsNorm { x, .. } | Op::Bias { x, .. } | Op::Scale { x, .. } | Op::Softcap { x, .. } => Operands::of(&[x]),
             Op::LastRows(x) | Op::Output(x) | Op::TopK { x, .. } | Op::Attention { q: x, .. } => Operands::of(&[x]),
             Op::Add(a, b) | Op::Mul(a, b) | Op::Gated { gate: a, up: b, .. } => Operands::of(&[a, b]),
             Op::Rotate { x, table, .. } => Operands::of(&[x, table]),
@@ -205,7 +232,7 @@ impl Op {
         let mut op = *self;
         match &mut op {
             Op::Input { .. } => {}
-            Op::Matmul { x, .. } | Op::RmsNorm { x, .. } | Op::Bias { x, .. } | Op::Scale { x, .. } => *x = f(*x),
+            Op::Matmul { x, .. } | Op::RmsNorm { x, .. } | Op::Bias { x, .. } | Op::Scale { x, .. } | Op::Softcap { x, .. } => *x = f(*x),
             Op::LastRows(x) | Op::Output(x) | Op::TopK { x, .. } | Op::Attention { q: x, .. } => *x = f(*x),
             Op::Add(a, b) | Op::Mul(a, b) | Op::Gated { gate: a, up: b, .. } => (*a, *b) = (f(*a), f(*b)),
             Op::Rotate { x, table, .. } => (*x, *table) = (f(*x), f(*table)),
@@ -247,6 +274,7 @@ impl Op {
             Op::Mul(..) => "mul",
             Op::Bias { .. } => "bias",
             Op::Scale { .. } => "scale",
+            Op::Softcap { .. } => "softcap",
             Op::Gated { .. } => "gated",
             Op::Rotate { .. } => "rotate",
             Op::CacheWrite { .. } => "cache-write",
@@ -262,6 +290,23 @@ impl Op {
 mod tests {
     use super::*;
 
+    /// The f32 reading is tanh's within a few f32 roundings everywhere, on both sides of the
+    /// switch to the series, odd, bounded by the cap, and NaN for NaN.
+    #[test]
+    fn softcap_is_cap_tanh() {
+        for i in -4000..=4000 {
+            let x = i as f32 * 0.0371;
+            let (cap, want) = (30.0f32, 30.0 * libm::tanh(x as f64 / 30.0));
+            let got = softcap(x, cap);
+            assert!((got as f64 - want).abs() <= 4e-7 * want.abs().max(1e-3), "{x}: {got} against {want}");
+            assert_eq!(softcap(-x, cap), -got);
+        }
+        assert_eq!(softcap(f32::INFINITY, 50.0), 50.0);
+        assert_eq!(softcap(f32::MAX, 50.0), 50.0);
+        assert_eq!(softcap(-1e30, 50.0), -50.0);
+        assert!(softcap(f32::NAN, 50.0).is_nan());
+    }
+
     extern crate std;
 
     #[test]
@@ -270,7 +315,7 @@ mod tests {
             Op::Input { width: 4 },
             Op::Add(3, 5),
             Op::Rotate { x: 1, table: 2, head_dim: 4, rotation: Rotation::Pairs },
-            Op::Attention { q: 7, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, precision: Precision::Exact },
+            Op::Attention { q: 7, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact },
         ];
         for op in ops {
             let mapped = op.map_values(|v| v + 10);

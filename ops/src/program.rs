@@ -252,6 +252,8 @@ pub enum Rule {
     },
     /// The key width overflows u32.
     KeyWidth,
+    /// A soft cap is a finite positive number (an attention's may be 0, for none).
+    Softcap(f32),
     /// `k` is 1 to [`MAX_TOP_K`] and at most the width.
     TopK {
         /// The `k`.
@@ -297,6 +299,7 @@ impl fmt::Display for Rule {
                 write!(f, "q has width {width}, {n_head} heads of {head_dim} need {}", n_head as u64 * head_dim as u64)
             }
             Rule::KeyWidth => write!(f, "the key width overflows"),
+            Rule::Softcap(cap) => write!(f, "soft cap {cap} is not a finite positive number"),
             Rule::TopK { k, width } => write!(f, "k {k} is outside 1..={} for rows of {width}", MAX_TOP_K.min(width)),
         }
     }
@@ -448,6 +451,13 @@ impl<W: Weight> Checker<'_, W> {
                 Some(s)
             }
             Op::Scale { x, .. } => Some(self.value(i, x)?),
+            Op::Softcap { x, cap } => {
+                let s = self.value(i, x)?;
+                if !(cap.is_finite() && cap > 0.0) {
+                    return Err(Rule::Softcap(cap));
+                }
+                Some(s)
+            }
             Op::Gated { gate, up, .. } => same(self.value(i, gate)?, self.value(i, up)?)?,
             Op::Rotate { x, table, head_dim, .. } => {
                 let s = self.tokens(i, x)?;
@@ -468,8 +478,11 @@ impl<W: Weight> Checker<'_, W> {
                 self.use_cache(cache, ks.width)?.written = true;
                 None
             }
-            Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, .. } => {
+            Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, softcap, .. } => {
                 let s = self.tokens(i, q)?;
+                if !(softcap.is_finite() && softcap >= 0.0) {
+                    return Err(Rule::Softcap(softcap));
+                }
                 if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
                     return Err(Rule::Heads { n_head, n_head_kv });
                 }
@@ -670,16 +683,36 @@ mod tests {
             Op::Input { width: 8 },
             Op::Scale { x: 0, by: 2.0 },
             Op::CacheWrite { k: 1, v: 1, cache: 0 },
-            Op::Attention { q: 0, cache: 0, n_head: 2, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, precision: Precision::Exact },
+            Op::Attention { q: 0, cache: 0, n_head: 2, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact },
             Op::Output(3),
         ];
         let e = err(ops.clone(), vec![], 1);
         assert!(e.contains("cache 0 holds rows of 8, this op's are 4"), "{e}");
         let mut fits = ops;
-        fits[3] = Op::Attention { q: 0, cache: 0, n_head: 2, n_head_kv: 2, head_dim: 4, window: 3, scale: 1.0, precision: Precision::Exact };
+        fits[3] = Op::Attention { q: 0, cache: 0, n_head: 2, n_head_kv: 2, head_dim: 4, window: 3, scale: 1.0, softcap: 0.0, precision: Precision::Exact };
         let p = check::<WeightShape>(fits, vec![], 1).unwrap();
         assert_eq!(p.caches[0], CacheUse { width: Some(8), written: true, windows: vec![3] });
         assert_eq!(p.feeds_caches, vec![true, true, true, false, false]);
+    }
+
+    #[test]
+    fn soft_caps_are_finite_and_positive() {
+        let capped = |cap| vec![Op::Input { width: 4 }, Op::Softcap { x: 0, cap }, Op::Output(1)];
+        assert!(check::<WeightShape>(capped(30.0), vec![], 0).is_ok());
+        for cap in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let e = check::<WeightShape>(capped(cap), vec![], 0).unwrap_err();
+            assert_eq!((e.op, e.rule.to_string()), (Some((1, "softcap")), format!("soft cap {cap} is not a finite positive number")));
+        }
+        let attention = |softcap| {
+            let a = Op::Attention { q: 0, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, softcap, precision: Precision::Exact };
+            vec![Op::Input { width: 4 }, Op::CacheWrite { k: 0, v: 0, cache: 0 }, a, Op::Output(2)]
+        };
+        assert!(check::<WeightShape>(attention(0.0), vec![], 1).is_ok());
+        assert!(check::<WeightShape>(attention(50.0), vec![], 1).is_ok());
+        for cap in [-1.0, f32::NAN, f32::INFINITY] {
+            let e = check::<WeightShape>(attention(cap), vec![], 1).unwrap_err();
+            assert!(matches!(e.rule, Rule::Softcap(c) if c.to_bits() == cap.to_bits()), "{e}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! here in f32, each value freed after its last reader. It is the reading of the contract that
 //! every executor shares; one that records whole programs on its device takes over from it.
 
-use crate::op::{Activation, Op, Precision, Rotation};
+use crate::op::{Activation, Op, Precision, Rotation, softcap};
 use crate::program::{Program, Rows, SequenceRun, Weight, first_key};
 use alloc::vec;
 use alloc::vec::Vec;
@@ -39,6 +39,8 @@ pub struct AttentionShape {
     pub window: u32,
     /// Multiplies each query-key product before the softmax.
     pub scale: f32,
+    /// Caps each scaled product as [`crate::op::softcap`] does; 0 for none.
+    pub softcap: f32,
 }
 
 impl AttentionShape {
@@ -48,6 +50,12 @@ impl AttentionShape {
         let last = (self.n_keys - self.t + i) as usize;
         let first = if self.window == 0 { 0 } else { (last + 1).saturating_sub(self.window as usize) };
         first..last + 1
+    }
+
+    /// The score of a query-key product `dot`: scaled, then capped where the op caps.
+    pub fn score(&self, dot: f32) -> f32 {
+        let s = dot * self.scale;
+        if self.softcap > 0.0 { softcap(s, self.softcap) } else { s }
     }
 
     /// Values in `q` (and in the output), and in `k` (and `v`), or `None` if they overflow.
@@ -153,6 +161,7 @@ pub fn run<W: Weight, P: Primitives<W>>(
                 Some(y)
             }
             Op::Scale { x, by } => Some(values[x].iter().map(|a| a * by).collect()),
+            Op::Softcap { x, cap } => Some(values[x].iter().map(|&a| softcap(a, cap)).collect()),
             Op::Gated { gate, up, act } => Some(prims.gated(act, &values[gate], &values[up])),
             Op::Rotate { x, table, head_dim, rotation } => {
                 let mut y = values[x].clone();
@@ -170,14 +179,14 @@ pub fn run<W: Weight, P: Primitives<W>>(
                 }
                 None
             }
-            Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, .. } => {
+            Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, softcap, .. } => {
                 let w = p.width(qv);
                 let mut out = Vec::with_capacity(values[qv].len());
                 let mut at = 0;
                 for q in batch {
                     let (id, _, _) = q.caches[cache as usize];
                     let first = first_key(q.start, window);
-                    let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
+                    let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale, softcap };
                     let n = q.rows as usize * w;
                     out.extend(prims.attention(id, first, &values[qv][at..at + n], &shape)?);
                     at += n;
@@ -345,7 +354,7 @@ mod tests {
             Op::RmsNorm { x: 0, weight: None, offset: 0.0, group: 2, eps: 0.0 },
             Op::Matmul { x: 1, weight: 0, precision: Precision::Exact },
             Op::CacheWrite { k: 2, v: 2, cache: 0 },
-            Op::Attention { q: 1, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 2, window: 0, scale: 1.0, precision: Precision::Exact },
+            Op::Attention { q: 1, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 2, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact },
             Op::Gated { gate: 4, up: 0, act: Activation::Silu },
             Op::LastRows(5),
             Op::Output(6),

@@ -8,7 +8,10 @@ them on its CPU path, on wgpu and on the host's CPU reference device.
 
 With `longrope` after OUT_DIR it writes Phi-3.5's long-rope instead (`tiny-phi3-longrope.*`):
 `rope_factors_long` and `_short`, an original context (64) below the model's (256), so that the
-long factors apply, and `rope.scaling.attn_factor` on the cosines and sines.
+long factors apply, and `rope.scaling.attn_factor` on the cosines and sines. With `phi4mini`
+Phi-4-mini's shape (`tiny-phi4mini.*`): a partial rotation (`rope.dimension_count` 12 of a head
+of 16, as its 96 of 128), long-rope factors of that many frequencies, the output tied to the
+embedding and no window.
 """
 
 import pathlib
@@ -26,6 +29,8 @@ ORIGINAL_CONTEXT = 64
 ATTN_FACTOR = float(np.sqrt(1 + np.log(256 / ORIGINAL_CONTEXT) / np.log(ORIGINAL_CONTEXT)))
 LONG = np.linspace(1.0, 12.0, HEAD_DIM // 2).astype(np.float32)
 SHORT = np.linspace(1.0, 1.5, HEAD_DIM // 2).astype(np.float32)
+# Phi-4-mini: the first three quarters of each head turn.
+ROPE_DIM = HEAD_DIM * 3 // 4
 
 
 def rng_weights(seed=7):
@@ -58,8 +63,16 @@ def hparams(w):
     w.add_sliding_window(WINDOW)
 
 
-def forward(w, tokens, window=WINDOW, rope=(None, 1.0)):
-    """Logits after every token, float64: the model card's Phi-3 with a window on every layer."""
+def hparams_phi4mini(w):
+    tiny.add_decoder(w, N_EMBD, N_FF, N_LAYER, N_HEAD, N_HEAD_KV, EPS, ROPE_BASE)
+    w.add_rope_dimension_count(ROPE_DIM)
+    w.add_rope_scaling_orig_ctx_len(ORIGINAL_CONTEXT)
+    w.add_rope_scaling_attn_factors(ATTN_FACTOR)
+
+
+def forward(w, tokens, window=WINDOW, rope=(None, 1.0), rope_dim=HEAD_DIM):
+    """Logits after every token, float64: the model card's Phi-3 with a window on every layer
+    (`window` None: none), the output tied to the embedding where the file has no `output`."""
     t = len(tokens)
     nq, nkv = N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM
     pos = np.arange(t, dtype=np.float64)
@@ -69,13 +82,13 @@ def forward(w, tokens, window=WINDOW, rope=(None, 1.0)):
         h = tiny.rms_norm(x, w[f"blk.{l}.attn_norm.weight"], EPS)
         qkv = h @ w[f"blk.{l}.attn_qkv.weight"].T
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        q, k = tiny.rope(q, pos, HEAD_DIM, ROPE_BASE, *rope), tiny.rope(k, pos, HEAD_DIM, ROPE_BASE, *rope)
+        q, k = (tiny.rope(y, pos, HEAD_DIM, ROPE_BASE, *rope, rope_dim=rope_dim) for y in (q, k))
         x = x + tiny.attention(q, k, v, N_HEAD, N_HEAD_KV, HEAD_DIM, see) @ w[f"blk.{l}.attn_output.weight"].T
         h = tiny.rms_norm(x, w[f"blk.{l}.ffn_norm.weight"], EPS)
         gu = h @ w[f"blk.{l}.ffn_up.weight"].T
         gate, up = gu[:, :N_FF], gu[:, N_FF:]
         x = x + (gate / (1.0 + np.exp(-gate)) * up) @ w[f"blk.{l}.ffn_down.weight"].T
-    return tiny.rms_norm(x, w["output_norm.weight"], EPS) @ w["output.weight"].T
+    return tiny.rms_norm(x, w["output_norm.weight"], EPS) @ w.get("output.weight", w["token_embd.weight"]).T
 
 
 def main(out):
@@ -106,8 +119,27 @@ def main_longrope(out):
     tiny.golden(out, "tiny-phi3-longrope", "phi3", model, lambda t: forward(exact, t, rope=long), {"long_rope_effect_rmse": effect})
 
 
+def main_phi4mini(out):
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "tiny-phi4mini.gguf"
+    weights = rng_weights()
+    del weights["output.weight"]
+    weights["rope_factors_long.weight"] = LONG[: ROPE_DIM // 2]
+    weights["rope_factors_short.weight"] = SHORT[: ROPE_DIM // 2]
+    exact = tiny.write_gguf(model, "phi3", weights, ("attn_qkv",), hparams_phi4mini)
+    long = (LONG[: ROPE_DIM // 2].astype(np.float64), ATTN_FACTOR)
+    run = lambda t, rope_dim=ROPE_DIM: forward(exact, t, window=None, rope=long, rope_dim=rope_dim)
+    want = run(tiny.PROMPT)[-1]
+    # Turning whole heads (with the factors padded by ones) is far from turning three quarters.
+    padded = (np.concatenate([long[0], np.ones(HEAD_DIM // 2 - ROPE_DIM // 2)]), ATTN_FACTOR)
+    effect = tiny.rmse(want, forward(exact, tiny.PROMPT, window=None, rope=padded)[-1])
+    tiny.golden(out, "tiny-phi4mini", "phi3", model, run, {"partial_rotation_effect_rmse": effect})
+
+
 if __name__ == "__main__":
     if sys.argv[2:] == ["longrope"]:
         main_longrope(pathlib.Path(sys.argv[1]))
+    elif sys.argv[2:] == ["phi4mini"]:
+        main_phi4mini(pathlib.Path(sys.argv[1]))
     else:
         main(pathlib.Path(sys.argv[1]))

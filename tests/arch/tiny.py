@@ -91,31 +91,37 @@ def rope_pairs(x, positions, head_dim, base):
     return np.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)
 
 
-def rope(x, positions, head_dim, base, factors=None, mscale=1.0):
-    """NEOX rotation of each head of each row: pairs (j, j + head_dim / 2); frequency `j`
-    divided by `factors[j]` where given, the cosines and sines times `mscale`."""
-    half = head_dim // 2
-    freq = base ** (-2.0 * np.arange(half) / head_dim)
+def rope(x, positions, head_dim, base, factors=None, mscale=1.0, rope_dim=None):
+    """NEOX rotation of the first `rope_dim` values (all where None) of each head of each row:
+    pairs (j, j + rope_dim / 2), frequency `j` base^(-2j / rope_dim) divided by `factors[j]`
+    where given, the cosines and sines times `mscale`; the rest of each head as it is."""
+    rope_dim = rope_dim or head_dim
+    half = rope_dim // 2
+    freq = base ** (-2.0 * np.arange(half) / rope_dim)
     if factors is not None:
         freq = freq / factors
     ang = positions[:, None] * freq[None, :]
     cos, sin = mscale * np.cos(ang)[:, None, :], mscale * np.sin(ang)[:, None, :]
     h = x.reshape(len(positions), -1, head_dim)
-    a, b = h[..., :half], h[..., half:]
-    return np.concatenate([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)
+    a, b, rest = h[..., :half], h[..., half:rope_dim], h[..., rope_dim:]
+    return np.concatenate([a * cos - b * sin, a * sin + b * cos, rest], -1).reshape(x.shape)
 
 
-def attention(q, k, v, n_head, n_head_kv, head_dim, see):
+def attention(q, k, v, n_head, n_head_kv, head_dim, see, scale=None, softcap=None):
     """Grouped-query attention of rows `q` over `k`, `v` where `see[i, j]`; queries scaled by
-    `1/sqrt(head_dim)`."""
+    `scale` (`1/sqrt(head_dim)` where None), each score `s` then soft-capped as
+    `softcap * tanh(s / softcap)` where given."""
     t = q.shape[0]
     q = q.reshape(t, n_head, head_dim)
     k = k.reshape(-1, n_head_kv, head_dim)
     v = v.reshape(-1, n_head_kv, head_dim)
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     out = np.zeros_like(q)
     for hh in range(n_head):
         g = hh // (n_head // n_head_kv)
-        s = q[:, hh, :] @ k[:, g, :].T / np.sqrt(head_dim)
+        s = q[:, hh, :] @ k[:, g, :].T * scale
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
         s = np.where(see, s, -np.inf)
         p = np.exp(s - s.max(-1, keepdims=True))
         out[:, hh, :] = (p / p.sum(-1, keepdims=True)) @ v[:, g, :]

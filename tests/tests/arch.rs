@@ -1,6 +1,7 @@
 //! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
-//! products, a sliding window on every layer), Qwen3 (per-head q/k norms), Granite (multipliers),
-//! SmolLM3 (no rotation in every fourth layer) and OLMo 2 (post-norms, q/k norms across heads);
+//! products, a sliding window on every layer; Phi-3.5's long-rope, Phi-4-mini's partial
+//! rotation), Gemma 2 (soft-capping), Qwen3 (per-head q/k norms), Granite (multipliers),
+//! SmolLM3 (no rotation in every fourth layer), Mistral 3 (YaRN, attention temperature) and OLMo 2 (post-norms, q/k norms across heads);
 //! and every GGUF tensor type, each in a tiny Llama whose every product uses it. `tests/arch/<arch>.py` writes a tiny GGUF with
 //! random weights (the `gguf` package) and its golden file from a float64 numpy forward
 //! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
@@ -84,6 +85,25 @@ fn a_tiny_phi3_with_long_rope_matches_its_float64_forward_on_every_path() {
     holds_to_its_float64_forward(made, "phi3 with long-rope", "long_rope_effect_rmse", 22, CPU_BOUNDS);
 }
 
+/// Gemma 2: soft-capped attention scores and logits (a new op and an attention parameter of the
+/// op core, on every host), no q/k norms, a sliding window on every other layer, the output
+/// tied to the embedding. Every product on the device where one is offered: 7 a layer (4 layers)
+/// and the output. Without either cap the logits are far off.
+#[test]
+fn a_tiny_gemma2_matches_its_float64_forward_on_every_path() {
+    matches_its_float64_forward("gemma2", "softcap_effect_rmse", 29);
+}
+
+/// Phi-4-mini's shape: a partial rotation (the first three quarters of each head turn, as its
+/// `rope.dimension_count` 96 of 128), long-rope factors of that many frequencies, the output tied
+/// to the embedding (the output product is the embedding's: 22 on the device). Turning whole
+/// heads, the logits are far off.
+#[test]
+fn a_tiny_phi4_mini_with_a_partial_rotation_matches_its_float64_forward_on_every_path() {
+    let made = generated("phi3", "phi4mini", &["phi4mini"], "partial_rotation_effect_rmse");
+    holds_to_its_float64_forward(made, "phi4-mini", "partial_rotation_effect_rmse", 22, CPU_BOUNDS);
+}
+
 /// Qwen3, added as its file and its name in the guest's list of architectures: per-head q/k
 /// norms, grouped-query attention, a head size past `n_embd / n_head`. Every product on the
 /// device where one is offered: 7 a layer (3 layers) and the output. Without the head norms the
@@ -109,6 +129,17 @@ fn a_tiny_granite_matches_its_float64_forward_on_every_path() {
 fn a_tiny_smollm3_matches_its_float64_forward_on_every_path() {
     let made = generated("llama_family", "smollm3", &["smollm3"], "quirk_effect_rmse");
     holds_to_its_float64_forward(made, "smollm3", "quirk_effect_rmse", 29, CPU_BOUNDS);
+}
+
+/// Mistral 3: Llama's block with YaRN's rotation scaling (a blend of interpolated and kept
+/// frequencies, the cosines and sines scaled) and Llama 4's attention temperature (the queries
+/// of positions past the original context scaled, through a table of their own). Every product
+/// on the device where one is offered: 7 a layer (4 layers) and the output. Without YaRN, or
+/// without the temperature, the logits are far off.
+#[test]
+fn a_tiny_mistral3_matches_its_float64_forward_on_every_path() {
+    let made = generated("llama_family", "mistral3", &["mistral3"], "quirk_effect_rmse");
+    holds_to_its_float64_forward(made, "mistral3", "quirk_effect_rmse", 29, CPU_BOUNDS);
 }
 
 /// OLMo 2: norms after each block, the queries' and keys' norms across all their heads. Every

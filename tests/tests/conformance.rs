@@ -385,6 +385,7 @@ fn op(o: wit::Op) -> program::Op {
         wit::Op::Mul((a, b)) => Op::Mul(ix(a), ix(b)),
         wit::Op::Bias(b) => Op::Bias { x: ix(b.x), weight: ix(b.weight) },
         wit::Op::Scale(s) => Op::Scale { x: ix(s.x), by: s.by },
+        wit::Op::Softcap(s) => Op::Softcap { x: ix(s.x), cap: s.cap },
         wit::Op::Gated(g) => {
             let act = match g.act {
                 wit::Activation::GeluTanh => Activation::GeluTanh,
@@ -408,6 +409,7 @@ fn op(o: wit::Op) -> program::Op {
             head_dim: a.head_dim,
             window: a.window,
             scale: a.scale,
+            softcap: a.softcap,
             precision: precision(a.precision),
         },
         wit::Op::LastRows(x) => Op::LastRows(ix(x)),

@@ -48,7 +48,7 @@ export const hasNormWeight = (v) => v.weight !== undefined && v.weight !== null;
  *  the queries see to the last. */
 export function attentionOver(q, v) {
   const first = firstKey(q.start, v.window);
-  const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale };
+  const shape = { t: q.rows, nKeys: q.start + q.rows - first, nHead: v.nHead, nHeadKv: v.nHeadKv, headDim: v.headDim, window: v.window, scale: v.scale, softcap: v.softcap };
   return { first, shape };
 }
 
@@ -151,6 +151,11 @@ function shapeOf(p, i, op) {
     }
     case 'scale':
       return value(p, i, v.x);
+    case 'softcap': {
+      const s = value(p, i, v.x);
+      if (!(Number.isFinite(v.cap) && v.cap > 0)) throw `soft cap ${v.cap} is not a finite positive number`;
+      return s;
+    }
     case 'gated':
       return same(value(p, i, v.gate), value(p, i, v.up));
     case 'rotate': {
@@ -172,6 +177,7 @@ function shapeOf(p, i, op) {
     }
     case 'attention': {
       const s = tokens(p, i, v.q);
+      if (!(Number.isFinite(v.softcap) && v.softcap >= 0)) throw `soft cap ${v.softcap} is not a finite positive number`;
       if (v.nHead === 0 || v.nHeadKv === 0 || v.nHead % v.nHeadKv !== 0) throw `${v.nHead} query heads cannot share ${v.nHeadKv} key/value heads`;
       if (v.headDim === 0 || v.headDim > MAX_HEAD_DIM) throw `head-dim ${v.headDim} is outside 1..=${MAX_HEAD_DIM}`;
       if (s.width !== v.nHead * v.headDim) throw `q has width ${s.width}, ${v.nHead} heads of ${v.headDim} need ${v.nHead * v.headDim}`;
@@ -248,6 +254,22 @@ function activate(act, g) {
   return g / (1 + Math.exp(-a));
 }
 
+/** `cap * tanh(x / cap)` as ops/src/op.rs's `softcap` reads it (and the shaders' `softcap`):
+ *  (1 - e) / (1 + e), e = e^(-2|y|), and the series to y^7 below |y| = 1/8. */
+export function softcap(x, cap) {
+  const f = Math.fround;
+  const y = f(x / f(cap));
+  let t;
+  if (Math.abs(y) < 0.125) {
+    const y2 = f(y * y);
+    t = f(y * f(1 - f(y2 * f(f(1 / 3) - f(y2 * f(f(2 / 15) - f(y2 * f(17 / 315))))))));
+  } else {
+    const e = f(Math.exp(-2 * Math.abs(y)));
+    t = Math.sign(y) * f(f(1 - e) / f(1 + e));
+  }
+  return f(f(cap) * t);
+}
+
 /**
  * Runs a checked program over a checked batch op by op: products, cache writes and attention on
  * `device` (`matmul(x, t, w)`, `writeCache(cache, start, k, v)`, `attend(q, cache, firstKey,
@@ -307,6 +329,9 @@ export async function interpret(p, device, vectors, inputs, batch) {
         made = values[v.x].map((a) => a * by);
         break;
       }
+      case 'softcap':
+        made = values[v.x].map((a) => softcap(a, v.cap));
+        break;
       case 'gated':
         made = map2(values[v.gate], values[v.up], (g, u) => Math.fround(activate(v.act, g)) * u);
         break;

@@ -34,7 +34,7 @@ const T_FIELD = PARAMS_FIELDS.indexOf('t');
 const T_BASE_FIELD = PARAMS_FIELDS.indexOf('tBase');
 /** A dispatch's parameters from their names (a field not named is 0). */
 const paramsOf = (named) => PARAMS_FIELDS.map((f) => named[f] ?? 0);
-const SHAPE_BYTES = 48;
+const SHAPE_BYTES = 64;
 // matmul.wgsl's X_ACT (how a product reads x: 0 as it is; 1, 2 act(gate) * up, GELU or SiLU).
 // This host's programs use `none` alone; layout_checks holds the spellings to the native
 // host's all the same.
@@ -46,6 +46,7 @@ const OP_SCALE = 2;
 const OP_BIAS = 3;
 const OP_GELU_TANH = 4;
 const OP_SILU = 5;
+const OP_SOFTCAP = 6;
 /** rms_norm_runs's flags (NORM_OP_* in the shader). */
 const NORM_OP_WEIGHT = 1;
 const NORM_OP_ADD = 2;
@@ -611,6 +612,7 @@ export class WebGpuBackend {
       const u = new Uint32Array(shapes, d * stride, SHAPE_BYTES / 4);
       u.set([s.t, s.nKeys, s.nHead, s.nHeadKv, s.headDim, s.window, 0, d * perDispatch, firstSlot, slots, splits, splitLen]);
       new Float32Array(shapes, d * stride + 24, 1)[0] = s.scale;
+      new Float32Array(shapes, d * stride + 48, 1)[0] = s.softcap ?? 0;
     }
     return { shapes, stride, perDispatch, dispatches, splits, t: s.t, nHead: s.nHead, qBytes, outBytes };
   }
@@ -889,6 +891,9 @@ export class WebGpuBackend {
           break;
         case 'scale':
           small(i, 'elementwise_rows', v.x, null, null, elementwise(OP_SCALE, v.by), groups);
+          break;
+        case 'softcap':
+          small(i, 'elementwise_rows', v.x, null, null, elementwise(OP_SOFTCAP, v.cap), groups);
           break;
         case 'bias':
           small(i, 'elementwise_rows', v.x, null, weights[v.weight].data, elementwise(OP_BIAS), groups);

@@ -80,6 +80,8 @@ test('each op interpreted matches its formula in float64', async () => {
     close(y.val, each((r, j, i) => a[i] + wRow[j]), 1e-7, 'bias');
     [y] = await run([input(width), { tag: 'scale', val: { x: 0, by: -3.5 } }, output(1)], weights, vectors, [a], batch);
     close(y.val, each((r, j, i) => a[i] * -3.5), 1e-7, 'scale');
+    [y] = await run([input(width), { tag: 'softcap', val: { x: 0, cap: 0.75 } }, output(1)], weights, vectors, [a], batch);
+    close(y.val, each((r, j, i) => 0.75 * Math.tanh(a[i] / 0.75)), 1e-6, 'softcap');
     const gelu = (g) => 0.5 * g * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (g + 0.044715 * g ** 3)));
     const silu = (g) => g / (1 + Math.exp(-g));
     for (const [act, f] of [['gelu-tanh', gelu], ['silu', silu]]) {
@@ -156,6 +158,8 @@ test('a program that breaks the contract is refused with the op and the rule', (
     [[input(4), { tag: 'cache-write', val: { k: 0, v: 0, cache: 1 } }, output(0)], 1, /cache 1 of 1/],
     [[input(4), { tag: 'top-k', val: { x: 0, k: 5 } }], 0, /k 5 is outside 1..=4/],
     [[input(4), { tag: 'scale', val: { x: 0, by: 2 } }], 0, /outputs nothing/],
+    [[input(4), { tag: 'softcap', val: { x: 0, cap: 0 } }, output(1)], 0, /^op 1 \(softcap\): soft cap 0 is not a finite positive number/],
+    [[input(4), { tag: 'attention', val: { q: 0, cache: 0, nHead: 2, nHeadKv: 1, headDim: 2, window: 0, scale: 1, softcap: -1, precision: 'exact' } }, output(1)], 1, /soft cap -1 is not/],
     [[input(4), { tag: 'no-such-op', val: 0 }, output(1)], 0, /an op this host does not know/],
     [[], 0, /0 ops/],
     [[input(4), output(0)], 1025, /1025 cache indices/],
@@ -164,7 +168,7 @@ test('a program that breaks the contract is refused with the op and the rule', (
   const huge = [input(4), ...Array.from({ length: MAX_OPS }, (_, i) => ({ tag: 'scale', val: { x: i, by: 1 } })), output(MAX_OPS)];
   assert.throws(() => checkProgram(huge, w, 0), /ops: a program has 1 to 65536/);
   // A batch that does not fit: the error's kind and what it names.
-  const p = checkProgram([input(4), { tag: 'attention', val: { q: 0, cache: 0, nHead: 2, nHeadKv: 1, headDim: 2, window: 0, scale: 1, precision: 'exact' } }, output(1)], w, 1);
+  const p = checkProgram([input(4), { tag: 'attention', val: { q: 0, cache: 0, nHead: 2, nHeadKv: 1, headDim: 2, window: 0, scale: 1, softcap: 0, precision: 'exact' } }, output(1)], w, 1);
   const c = { slots: 4, width: 2 };
   assert.deepEqual(checkBatch(p, [new Float32Array(8)], [{ rows: 2, start: 3, caches: [c] }], 1e9), ['invalid-argument', 'sequence 0: 5 positions of cache 0 do not fit its 4 slots']);
   assert.deepEqual(checkBatch(p, [new Float32Array(8)], [{ rows: 1, start: 0, caches: [c] }, { rows: 1, start: 0, caches: [c] }], 1e9)?.[1], 'sequence 1: cache 0 appears twice in the batch');

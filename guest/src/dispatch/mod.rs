@@ -255,6 +255,7 @@ impl Dispatch {
             head_dim: h.head_dim as u32,
             window: cache.window.unwrap_or(0) as u32,
             scale: h.scale,
+            softcap: h.softcap,
         };
         let answer = gpu.device.attention_cached(q, keys, values, from as u32, device.id, first as u32, &shape);
         // The device's copy now ends at the batch, back to `first` or further (a continuation),

@@ -56,7 +56,7 @@ pub trait ArchConfig: Sized + 'static {
     /// See [`Architecture::freqs`]: by default one table, of the file's base and scale.
     fn freqs(&self, _w: &Self::Weights) -> Vec<rope::Freqs> {
         let h = self.hparams();
-        vec![rope::Freqs::new(h.rope_base, h.rope_scale)]
+        vec![h.freqs(None)]
     }
     /// See [`Architecture::window`]: by default none.
     fn window(&self, _layer: usize) -> Option<usize> {
@@ -160,7 +160,7 @@ impl State {
             cache: (0..h.n_layer).map(|l| LayerCache::new(n_ctx, a.window(l), batch, kv)).collect(),
             buf: Scratch::new(h, n_ctx),
             values: None,
-            tables: r.freqs.iter().map(|_| rope::Table::new(batch, h.head_dim)).collect(),
+            tables: r.freqs.iter().map(|_| rope::Table::new(batch, h.rope_dim)).collect(),
         }
     }
 

@@ -44,9 +44,11 @@ pub struct Heads {
     pub head_dim: usize,
     /// Applied to each query-key product (usually `1 / sqrt(head_dim)`).
     pub scale: f32,
+    /// Caps each scaled product as `softcap * tanh(s / softcap)` (Gemma 2); 0 for none.
+    pub softcap: f32,
 }
 
-/// `out[i] = softmax(q[i] . K^T * scale) @ V` for the `t` queries `q: [t, n_head * head_dim]` at
+/// `out[i] = softmax(cap(q[i] . K^T * scale)) @ V` (`cap` the soft cap, where there is one) for the `t` queries `q: [t, n_head * head_dim]` at
 /// positions `pos..pos + t`, each over the keys at positions `..=its own` in `cache` (the last
 /// `window` of them on sliding layers). The cache holds every one of those positions already.
 /// `scores` is scratch of at least `pos + t` elements.
@@ -72,6 +74,9 @@ pub fn attend(cache: &LayerCache, h: Heads, q: &[f32], pos: usize, t: usize, sco
             let qh = &q[i * nq + head * hd..i * nq + (head + 1) * hd];
             for &(slot, j, n) in runs.iter().filter(|r| r.2 > 0) {
                 dot_rows(qh, &cache.k[slot * nkv + kv..], nkv, h.scale, &mut scores[j..j + n]);
+            }
+            if h.softcap > 0.0 {
+                scores.iter_mut().for_each(|s| *s = wisp_ops::softcap(*s, h.softcap));
             }
             softmax(scores);
             let o = &mut out[i * nq + head * hd..i * nq + (head + 1) * hd];

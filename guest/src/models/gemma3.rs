@@ -1,4 +1,5 @@
-//! Gemma 3 (text), as in the Gemma 3 technical report and Hugging Face's `Gemma3ForCausalLM`.
+//! Gemma 3 (text), as in the Gemma 3 technical report and Hugging Face's `Gemma3ForCausalLM`,
+//! and Gemma 2 (`Gemma2ForCausalLM`), the same block with the differences listed last.
 //!
 //! Quirks, all read from the GGUF metadata where the file has them:
 //! - the token embedding is scaled by `sqrt(n_embd)` and tied to the output projection
@@ -11,6 +12,13 @@
 //!   linear `rope.scaling.factor`, if any);
 //! - RoPE rotates the two halves of each head (NEOX); queries are scaled by `1/sqrt(head_dim)`;
 //! - grouped-query attention: `head_count_kv` key/value heads shared by `head_count` queries.
+//!
+//! Gemma 2 (`gemma2`), as llama.cpp's `gemma2`: no q/k norms; every other layer (the even ones)
+//! slides over `attention.sliding_window` (4096) keys, all with the file's `rope.freq_base`
+//! (10000); each attention score `s` (queries already scaled) is soft-capped as
+//! `c tanh(s / c)`, `c` = `attn_logit_softcapping` (50), and the logits likewise with
+//! `final_logit_softcapping` (30); queries are scaled by `1/sqrt(n_embd / n_head)` in the 27B
+//! (46 layers; its `query_pre_attn_scalar`), else `1/sqrt(head_dim)`.
 
 use super::attention::Heads;
 use super::rope;
@@ -20,34 +28,71 @@ use crate::source::Source;
 use crate::kernels::Act;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
-/// Layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
+/// Gemma 3's layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
 const SWA_PATTERN: usize = 6;
 const SWA_ROPE_BASE: f64 = 10_000.0;
+
+/// The two generations this file runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Gemma2,
+    Gemma3,
+}
 
 /// Hyperparameters from the GGUF metadata.
 #[derive(Debug, Clone)]
 pub struct Config {
+    pub family: Family,
     pub hp: Hparams,
     /// Keys seen by sliding-window layers.
     pub window: usize,
+    /// Gemma 2's soft caps of the attention scores and of the logits (0: none).
+    pub attn_softcap: f32,
+    pub final_softcap: f32,
+    /// Multiplies the queries' products with the keys.
+    pub query_scale: f32,
 }
 
 impl Config {
-    pub fn from_gguf(g: &Gguf) -> Result<Config, LoadError> {
-        let hp = Hparams::from_gguf(g, "gemma3", 1e6)?;
+    pub fn from_gguf(g: &Gguf, family: Family) -> Result<Config, LoadError> {
+        let arch = match family {
+            Family::Gemma2 => "gemma2",
+            Family::Gemma3 => "gemma3",
+        };
+        let hp = Hparams::from_gguf(g, arch, if family == Family::Gemma2 { 10_000.0 } else { 1e6 })?;
         // A window as long as the longest context is no window: larger ones are clamped.
         let window = g
-            .get_u64("gemma3.attention.sliding_window")?
-            .unwrap_or(512)
+            .get_u64(&format!("{arch}.attention.sliding_window"))?
+            .unwrap_or(if family == Family::Gemma2 { 4096 } else { 512 })
             .min(super::MAX_CONTEXT) as usize;
         if window == 0 {
             return invalid(format!("implausible hyperparameters: window {window}"));
         }
-        Ok(Config { hp, window })
+        let cap = |key: &str, default: f64| -> Result<f32, LoadError> {
+            let key = format!("{arch}.{key}");
+            match g.get_f64(&key)?.unwrap_or(default) {
+                c if c.is_finite() && c > 0.0 && c < 1e6 => Ok(c as f32),
+                c => invalid(format!("{key} = {c} is not a usable soft cap")),
+            }
+        };
+        let (attn_softcap, final_softcap) = match family {
+            Family::Gemma2 => (cap("attn_logit_softcapping", 50.0)?, cap("final_logit_softcapping", 30.0)?),
+            Family::Gemma3 => (0.0, 0.0),
+        };
+        // Gemma 2 27B's queries are scaled by its `query_pre_attn_scalar`, n_embd / n_head, not
+        // by its head size; the file does not say so (llama.cpp tells the 27B by its 46 layers).
+        let query_scale = match family {
+            Family::Gemma2 if hp.n_layer == 46 => 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
+            _ => 1.0 / (hp.head_dim as f32).sqrt(),
+        };
+        Ok(Config { family, hp, window, attn_softcap, final_softcap, query_scale })
     }
 
     pub fn is_sliding(&self, layer: usize) -> bool {
-        layer % SWA_PATTERN != SWA_PATTERN - 1
+        match self.family {
+            Family::Gemma2 => layer % 2 == 0,
+            Family::Gemma3 => layer % SWA_PATTERN != SWA_PATTERN - 1,
+        }
     }
 }
 
@@ -60,9 +105,9 @@ pub struct Layer {
     pub wk: Linear,
     /// `[n_head_kv * head_dim, n_embd]`
     pub wv: Linear,
-    /// `[head_dim]`
+    /// `[head_dim]` (Gemma 2: empty, no norm)
     pub q_norm: Vec<f32>,
-    /// `[head_dim]`
+    /// `[head_dim]` (Gemma 2: empty, no norm)
     pub k_norm: Vec<f32>,
     /// `[n_embd, n_head * head_dim]`
     pub wo: Linear,
@@ -142,11 +187,14 @@ impl Tensors for Weights {
     }
 }
 
-/// The rotations of the recipe's two tables: the sliding layers', then the global ones'.
-pub fn freqs(c: &Config) -> [rope::Freqs; 2] {
-    let local = rope::Freqs::new(SWA_ROPE_BASE, 1.0);
-    let global = rope::Freqs::new(c.hp.rope_base, c.hp.rope_scale);
-    [local, global]
+/// The rotations of the recipe's tables: Gemma 3's sliding layers', then its global ones';
+/// Gemma 2's one for all.
+pub fn freqs(c: &Config) -> Vec<rope::Freqs> {
+    let global = c.hp.freqs(None);
+    match c.family {
+        Family::Gemma2 => vec![global],
+        Family::Gemma3 => vec![rope::Freqs::new(SWA_ROPE_BASE, 1.0), global],
+    }
 }
 
 impl ArchConfig for Config {
@@ -161,6 +209,10 @@ impl ArchConfig for Config {
         let (e, hd) = (c.n_embd, c.head_dim);
         let (nq, nkv) = (c.n_head * hd, c.n_head_kv * hd);
         let mut layers = Vec::with_capacity(c.n_layer);
+        let head_norm = |name: &str| match self.family {
+            Family::Gemma2 => Ok(Vec::new()),
+            Family::Gemma3 => vector(g, file, name, hd),
+        };
         for l in 0..c.n_layer {
             let name = |s: &str| format!("blk.{l}.{s}.weight");
             layers.push(Layer {
@@ -168,8 +220,8 @@ impl ArchConfig for Config {
                 wq: Linear::load(g, file, &name("attn_q"), nq, e)?,
                 wk: Linear::load(g, file, &name("attn_k"), nkv, e)?,
                 wv: Linear::load(g, file, &name("attn_v"), nkv, e)?,
-                q_norm: vector(g, file, &name("attn_q_norm"), hd)?,
-                k_norm: vector(g, file, &name("attn_k_norm"), hd)?,
+                q_norm: head_norm(&name("attn_q_norm"))?,
+                k_norm: head_norm(&name("attn_k_norm"))?,
                 wo: Linear::load(g, file, &name("attn_output"), e, nq)?,
                 post_attn_norm: vector(g, file, &name("post_attention_norm"), e)?,
                 ffn_norm: vector(g, file, &name("ffn_norm"), e)?,
@@ -192,17 +244,19 @@ impl ArchConfig for Config {
         Ok(w)
     }
 
-    /// Gemma 3 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation tables of
-    /// the sliding and of the global layers `[t, head_dim]`; output: the logits of each sequence's
-    /// last token. Each layer `l` writes cache `l`.
+    /// Gemma 3 (or 2) as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
+    /// tables of the sliding and of the global layers `[t, rope_dim]` (Gemma 2: one for both);
+    /// output: the logits of each sequence's last token. Each layer `l` writes cache `l`.
     fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
         let c = self;
         let h = &c.hp;
         let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: c.query_scale, softcap: c.attn_softcap };
+        let gemma3 = c.family == Family::Gemma3;
         let mut p = Builder::new(w);
         let x = p.input(e);
-        let (local, global) = (p.input(hd), p.input(hd));
+        let local = p.input(h.rope_dim);
+        let global = if gemma3 { p.input(h.rope_dim) } else { local };
         // x = embd[token] * sqrt(n_embd)
         let mut x = p.scale(x, (e as f32).sqrt());
         for l in 0..h.n_layer {
@@ -213,9 +267,8 @@ impl ArchConfig for Config {
             // and turned, (q, k, v) = W attn_norm(x)
             let hn = p.norm(x, id(ATTN_NORM), eps);
             let (q, k, v) = (p.matmul(hn, id(WQ)), p.matmul(hn, id(WK)), p.matmul(hn, id(WV)));
-            let q = p.rms_norm(q, Some(id(Q_NORM)), hd, eps);
+            let (q, k) = if gemma3 { (p.rms_norm(q, Some(id(Q_NORM)), hd, eps), p.rms_norm(k, Some(id(K_NORM)), hd, eps)) } else { (q, k) };
             let q = p.rotate(q, table, hd, Rotation::Halves);
-            let k = p.rms_norm(k, Some(id(K_NORM)), hd, eps);
             let k = p.rotate(k, table, hd, Rotation::Halves);
             p.cache_write(k, v, l);
             let a = p.attention(q, l, heads, window);
@@ -234,7 +287,10 @@ impl ArchConfig for Config {
         // logits = output(output_norm(x)) of the last token
         let last = p.last_rows(x);
         let last = p.norm(last, weight(h.n_layer, OUTPUT_NORM), eps);
-        let logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        let mut logits = p.matmul(last, weight(h.n_layer, OUTPUT));
+        if c.final_softcap > 0.0 {
+            logits = p.softcap(logits, c.final_softcap);
+        }
         p.output(logits);
         p.finish()
     }
@@ -253,7 +309,7 @@ impl ArchConfig for Config {
     }
 
     fn freqs(&self, _w: &Weights) -> Vec<rope::Freqs> {
-        freqs(self).into()
+        freqs(self)
     }
 
     fn window(&self, layer: usize) -> Option<usize> {
@@ -262,4 +318,10 @@ impl ArchConfig for Config {
 }
 
 /// The registry's line (`models::REGISTRY`).
-pub const ARCH: Registered = Registered { names: &["gemma3"], config: |g, _| Ok(Box::new(Config::from_gguf(g)?)) };
+pub const ARCH: Registered = Registered {
+    names: &["gemma3", "gemma2"],
+    config: |g, name| {
+        let family = if name == "gemma2" { Family::Gemma2 } else { Family::Gemma3 };
+        Ok(Box::new(Config::from_gguf(g, family)?))
+    },
+};

@@ -278,14 +278,58 @@ pub fn optional_vector(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Res
     }
 }
 
-/// The rotation's per-frequency divisors in tensor `name` (`[n]`, n = head_dim / 2), where the
+/// The rotation's per-frequency divisors in tensor `name` (`[n]`, n = rope_dim / 2), where the
 /// file has it: Llama 3's `rope_freqs`, Phi-3.5's `rope_factors_long` / `_short`. Each must be
 /// finite and positive.
-pub fn rope_factors(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f32>>, LoadError> {
+pub fn rope_factors(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result<Option<Vec<f64>>, LoadError> {
     let factors = optional_vector(g, file, name, n)?;
     match factors.iter().flatten().find(|v| !(v.is_finite() && **v > 0.0)) {
         Some(bad) => invalid(format!("{name} holds the factor {bad}")),
-        None => Ok(factors),
+        None => Ok(factors.map(|f| f.into_iter().map(f64::from).collect())),
+    }
+}
+
+/// YaRN's rotation scaling (Peng et al. 2023; `rope.scaling.type = "yarn"`), as ggml's
+/// `rope_yarn` and llama.cpp's context read it: frequency `j` interpolated (divided by `factor`)
+/// below the band `[low, high]` of frequencies, extrapolated (kept) above it, blended linearly
+/// within; the cosines and sines times `1 + 0.1 ln(factor)` (over the same with
+/// `yarn_log_multiplier`, where the file has one).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Yarn {
+    /// `rope.scaling.factor`, at least 1.
+    pub factor: f64,
+    /// `rope.scaling.original_context_length` (the training context where missing).
+    pub original_context: usize,
+    /// `rope.scaling.yarn_beta_fast` (32) and `_slow` (1): the band's ends, in turns over the
+    /// original context.
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// `rope.scaling.yarn_ext_factor` (1): how much of the blend is extrapolation.
+    pub ext_factor: f64,
+    /// `rope.scaling.yarn_log_multiplier` (0: none).
+    pub log_mul: f64,
+}
+
+impl Yarn {
+    /// YaRN on frequencies `f` of `dim` rotated values (their factors, if any, divide first).
+    pub fn apply(&self, f: &mut rope::Freqs, dim: usize) {
+        let (n, interp) = (dim as f64, 1.0 / self.factor);
+        // The frequency that turns `beta` times over the original context.
+        let corr = |beta: f64| n * (self.original_context as f64 / (beta * 2.0 * core::f64::consts::PI)).ln() / (2.0 * f.base.ln());
+        let low = corr(self.beta_fast).floor().max(0.0);
+        let high = corr(self.beta_slow).ceil().min(n - 1.0);
+        let divisors = (0..dim / 2)
+            .map(|j| {
+                let y = (j as f64 - low) / (high - low).max(0.001);
+                let ramp = (1.0 - y.clamp(0.0, 1.0)) * self.ext_factor;
+                f.factors.as_ref().map_or(1.0, |v| v[j]) / (interp * (1.0 - ramp) + ramp)
+            })
+            .collect();
+        f.factors = Some(divisors);
+        if self.ext_factor != 0.0 {
+            let mscale = |m: f64| if self.factor <= 1.0 { 1.0 } else { 0.1 * m * self.factor.ln() + 1.0 };
+            f.mscale *= if self.log_mul != 0.0 { mscale(1.0) / mscale(self.log_mul) } else { mscale(1.0) };
+        }
     }
 }
 
@@ -300,16 +344,27 @@ pub struct Hparams {
     pub n_head: usize,
     pub n_head_kv: usize,
     pub head_dim: usize,
+    /// Values of each query and key head that the rotation turns, the first ones: the head
+    /// size, or fewer (`rope.dimension_count`).
+    pub rope_dim: usize,
     pub n_ctx_train: usize,
     pub eps: f32,
     pub rope_base: f64,
+    /// Linear position scaling (`rope.scaling.factor` of `linear`); 1 is none.
     pub rope_scale: f64,
+    /// YaRN's scaling, where the file asks for it.
+    pub yarn: Option<Yarn>,
 }
 
 impl Hparams {
     /// `rope_base` is the architecture's default for a missing `rope.freq_base`.
     pub fn from_gguf(g: &Gguf, arch: &str, rope_base: f64) -> Result<Hparams, LoadError> {
         let key = |k: &str| format!("{arch}.{k}");
+        // Mixtral-style files name the `llama` architecture (Mistral 3's MoE ones `mistral3`):
+        // their experts say so here, before a missing `ffn_gate` would.
+        if let Some(n) = g.get_u64(&key("expert_count"))?.filter(|&n| n > 0) {
+            return Err(LoadError::Unsupported(format!("a mixture of experts ({arch}.expert_count = {n})")));
+        }
         let n_embd = required_u64(g, &key("embedding_length"), MAX_WIDTH)? as usize;
         let n_layer = required_u64(g, &key("block_count"), MAX_LAYERS)? as usize;
         let n_ff = required_u64(g, &key("feed_forward_length"), MAX_WIDTH * 8)? as usize;
@@ -347,22 +402,50 @@ impl Hparams {
                 )));
             }
         }
-        if let Some(v) = g.get_u64(&key("rope.dimension_count"))? {
-            if v != head_dim as u64 {
-                return Err(LoadError::Unsupported(format!(
-                    "rope.dimension_count {v} differs from the head size {head_dim}"
-                )));
+        // Partial rotation (Phi-4-mini: 96 of 128): the first `rope_dim` values of each head turn.
+        let rope_dim = match g.get_u64(&key("rope.dimension_count"))? {
+            None => head_dim,
+            Some(v) if v >= 2 && v % 2 == 0 && v <= head_dim as u64 => v as usize,
+            Some(v) => {
+                return invalid(format!(
+                    "rope.dimension_count {v} is not an even count of at most the head size {head_dim}"
+                ));
             }
-        }
+        };
         let n_ctx_train = match g.get_u64(&key("context_length"))? {
             Some(v) if v > 0 => v.min(MAX_CONTEXT) as usize,
             _ => 8192,
         };
         let eps = g.get_f64(&key("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-6) as f32;
         let rope_base = g.get_f64(&key("rope.freq_base"))?.unwrap_or(rope_base);
-        let rope_scale = match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => 1.0,
-            Some("linear") => g.get_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+        let factor = g.get_f64(&key("rope.scaling.factor"))?.unwrap_or(1.0);
+        let (rope_scale, yarn) = match g.get_str(&key("rope.scaling.type"))? {
+            None | Some("none") => (1.0, None),
+            Some("linear") => (factor, None),
+            Some("yarn") => {
+                let read = |k: &str, default: f64| -> Result<f64, LoadError> {
+                    match g.get_f64(&key(k))?.unwrap_or(default) {
+                        v if v.is_finite() && (0.0..1e6).contains(&v) => Ok(v),
+                        v => invalid(format!("{arch}.{k} = {v} is not a usable YaRN parameter")),
+                    }
+                };
+                let original_context = match g.get_u64(&key("rope.scaling.original_context_length"))? {
+                    Some(v) if v > 0 => v.min(MAX_CONTEXT) as usize,
+                    _ => n_ctx_train,
+                };
+                let yarn = Yarn {
+                    factor: read("rope.scaling.factor", 1.0)?,
+                    original_context,
+                    beta_fast: read("rope.scaling.yarn_beta_fast", 32.0)?,
+                    beta_slow: read("rope.scaling.yarn_beta_slow", 1.0)?,
+                    ext_factor: read("rope.scaling.yarn_ext_factor", 1.0)?,
+                    log_mul: read("rope.scaling.yarn_log_multiplier", 0.0)?,
+                };
+                if !(yarn.factor >= 1.0 && yarn.beta_fast > 0.0 && yarn.beta_slow > 0.0) {
+                    return invalid(format!("implausible YaRN scaling: {yarn:?}"));
+                }
+                (1.0, Some(yarn))
+            }
             Some(other) => {
                 return Err(LoadError::Unsupported(format!("rope scaling {other:?}")));
             }
@@ -392,11 +475,23 @@ impl Hparams {
             n_head,
             n_head_kv,
             head_dim,
+            rope_dim,
             n_ctx_train,
             eps,
             rope_base,
             rope_scale,
+            yarn,
         })
+    }
+
+    /// The rotation's frequencies: the file's base, its linear or YaRN scaling, the
+    /// per-frequency divisors `factors` (`[rope_dim / 2]`) where the file has them.
+    pub fn freqs(&self, factors: Option<Vec<f64>>) -> rope::Freqs {
+        let mut f = rope::Freqs { factors, ..rope::Freqs::new(self.rope_base, self.rope_scale) };
+        if let Some(y) = &self.yarn {
+            y.apply(&mut f, self.rope_dim);
+        }
+        f
     }
 
     /// Bytes of KV cache per token of context (f32 keys and values, every layer).

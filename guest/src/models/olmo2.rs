@@ -158,10 +158,10 @@ impl ArchConfig for Config {
         let h = &self.hp;
         let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
         let (nq, nkv) = (h.n_head * hd, h.n_head_kv * hd);
-        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0 };
         let mut p = Builder::new(w);
         let mut x = p.input(e);
-        let table = p.input(hd);
+        let table = p.input(h.rope_dim);
         for l in 0..h.n_layer {
             let id = |part| weight(l, part);
 

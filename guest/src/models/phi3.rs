@@ -187,13 +187,13 @@ impl ArchConfig for Config {
             None => None,
         };
         let name = if self.long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
-        let factors = rope_factors(g, file, name, hd / 2)?;
+        let rope = h.freqs(rope_factors(g, file, name, h.rope_dim / 2)?);
         let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            rope: rope::Freqs { factors, mscale: self.attn_factor, ..rope::Freqs::new(h.rope_base, h.rope_scale) },
+            rope: rope::Freqs { mscale: self.attn_factor * rope.mscale, ..rope },
         };
         Ok(w)
     }
@@ -205,11 +205,11 @@ impl ArchConfig for Config {
         let c = self;
         let h = &c.hp;
         let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
-        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt() };
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0 };
         let window = c.window.unwrap_or(0);
         let mut p = Builder::new(w);
         let mut x = p.input(e);
-        let table = p.input(hd);
+        let table = p.input(h.rope_dim);
         for l in 0..h.n_layer {
             let id = |part| weight(l, part);
             // Attention: x = x + wo(attn(rope(q), rope(k), v)), (q, k, v) = W attn_norm(x)

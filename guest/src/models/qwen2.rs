@@ -1,6 +1,7 @@
 //! Qwen2 (Qwen2 technical report; Hugging Face's `Qwen2ForCausalLM`) and Llama (Llama 2 and 3,
-//! `LlamaForCausalLM`), with Granite (`GraniteForCausalLM`) and SmolLM3 (`SmolLM3ForCausalLM`):
-//! the same pre-norm decoder block, told apart by the GGUF architecture.
+//! `LlamaForCausalLM`), with Granite (`GraniteForCausalLM`), SmolLM3 (`SmolLM3ForCausalLM`) and
+//! Mistral 3 (Ministral 3's text model): the same pre-norm decoder block, told apart by the GGUF
+//! architecture.
 //!
 //! `x = x + wo(attn(rope(wq h + bq), rope(wk h + bk), wv h + bv))`, `h = rms_norm(x)`, then
 //! `x = x + down(silu(gate(h)) * up(h))`, `h = rms_norm(x)`; logits `= output(rms_norm(x))`.
@@ -18,7 +19,12 @@
 //!   it is added, the logits by `1 / logit_scale`, and the attention scores by
 //!   `attention.scale` in place of `1/sqrt(head_dim)`; `rope.scaling.finetuned = false` turns
 //!   the rotation off;
-//! - SmolLM3 (llama.cpp's `smollm3`) turns no queries or keys in every fourth layer (3, 7, ..).
+//! - SmolLM3 (llama.cpp's `smollm3`) turns no queries or keys in every fourth layer (3, 7, ..);
+//! - Mistral 3 (llama.cpp's `mistral3`): Llama with YaRN's rotation scaling (any of these files
+//!   may have it: `Hparams::freqs`) and Llama 4's attention temperature: with
+//!   `attention.temperature_scale` = `b`, the queries of position `p` are also scaled by
+//!   `1 + b ln(floor(p / n) + 1)`, `n` the original context (`rope.scaling.original_context_length`),
+//!   through a rotation table of their own.
 
 use super::attention::Heads;
 use super::rope::{self, Style};
@@ -35,6 +41,7 @@ pub enum Family {
     Llama,
     Granite,
     SmolLM3,
+    Mistral3,
 }
 
 impl Family {
@@ -44,6 +51,7 @@ impl Family {
             "llama" => Some(Family::Llama),
             "granite" => Some(Family::Granite),
             "smollm3" => Some(Family::SmolLM3),
+            "mistral3" => Some(Family::Mistral3),
             _ => None,
         }
     }
@@ -54,6 +62,7 @@ impl Family {
             Family::Llama => "llama",
             Family::Granite => "granite",
             Family::SmolLM3 => "smollm3",
+            Family::Mistral3 => "mistral3",
         }
     }
 }
@@ -108,6 +117,8 @@ pub struct Config {
     pub no_rope_every: Option<usize>,
     /// Whether any layer turns its queries and keys (Granite's `rope.scaling.finetuned`).
     pub rope: bool,
+    /// Mistral 3's attention temperature: the queries turn by a table of their own, scaled.
+    pub temperature: Option<rope::Temperature>,
 }
 
 impl Config {
@@ -115,14 +126,30 @@ impl Config {
         let hp = Hparams::from_gguf(g, family.name(), 10_000.0)?;
         let rope_style = match family {
             Family::Qwen2 => Style::Neox,
-            Family::Llama | Family::Granite | Family::SmolLM3 => Style::Norm,
+            Family::Llama | Family::Granite | Family::SmolLM3 | Family::Mistral3 => Style::Norm,
         };
         let (scales, rope) = match family {
             Family::Granite => (Multipliers::granite(g)?, g.get_bool("granite.rope.scaling.finetuned")?.unwrap_or(true)),
             _ => (Multipliers::NONE, true),
         };
         let no_rope_every = (family == Family::SmolLM3).then_some(4);
-        Ok(Config { family, hp, rope_style, scales, no_rope_every, rope })
+        let temperature = match (family, g.get_f64("mistral3.attention.temperature_scale")?) {
+            (Family::Mistral3, Some(beta)) if beta != 0.0 => {
+                if !(beta.is_finite() && beta.abs() < 1e3) {
+                    return super::invalid(format!("mistral3.attention.temperature_scale = {beta} is not a usable scale"));
+                }
+                if hp.rope_dim != hp.head_dim {
+                    return Err(LoadError::Unsupported("an attention temperature with a partial rotation".into()));
+                }
+                let floor = match g.get_u64("mistral3.rope.scaling.original_context_length")? {
+                    Some(n) if n > 0 => n.min(super::MAX_CONTEXT) as usize,
+                    _ => hp.n_ctx_train,
+                };
+                Some(rope::Temperature { beta, floor })
+            }
+            _ => None,
+        };
+        Ok(Config { family, hp, rope_style, scales, no_rope_every, rope, temperature })
     }
 
     /// Whether layer `l` turns its queries and keys.
@@ -268,26 +295,27 @@ impl ArchConfig for Config {
             Some(_) => Some(Linear::load(g, file, "output.weight", h.n_vocab, e)?),
             None => None,
         };
-        let factors = rope_factors(g, file, "rope_freqs.weight", hd / 2)?;
+        let factors = rope_factors(g, file, "rope_freqs.weight", h.rope_dim / 2)?;
         let w = Weights {
             embd: Linear::load(g, file, "token_embd.weight", h.n_vocab, e)?,
             output,
             output_norm: vector(g, file, "output_norm.weight", e)?,
             layers,
-            rope: rope::Freqs { factors, ..rope::Freqs::new(h.rope_base, h.rope_scale) },
+            rope: h.freqs(factors),
         };
         Ok(w)
     }
 
-    /// Qwen2, Llama, Granite and SmolLM3 as a program. Inputs: the tokens' embeddings
-    /// `[t, n_embd]`, the rotation table `[t, head_dim]`; output: the logits of each sequence's
+    /// Qwen2, Llama, Granite, SmolLM3 and Mistral 3 as a program. Inputs: the tokens' embeddings
+    /// `[t, n_embd]`, the rotation table `[t, rope_dim]` (and the queries' own, with Mistral 3's
+    /// temperature); output: the logits of each sequence's
     /// last token. Each layer `l` writes cache `l`.
     fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
         let c = self;
         let h = &c.hp;
         let (e, hd, eps, s) = (h.n_embd, h.head_dim, h.eps, c.scales);
         let scale = s.attention.unwrap_or(1.0 / (hd as f32).sqrt());
-        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale };
+        let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale, softcap: 0.0 };
         let rotation = match c.rope_style {
             Style::Neox => Rotation::Halves,
             Style::Norm => Rotation::Pairs,
@@ -295,7 +323,8 @@ impl ArchConfig for Config {
         let mut p = Builder::new(w);
         let x = p.input(e);
         let mut x = times(&mut p, x, s.embedding);
-        let table = p.input(hd);
+        let table = p.input(h.rope_dim);
+        let q_table = if c.temperature.is_some() { p.input(h.rope_dim) } else { table };
         for (l, layer) in w.layers.iter().enumerate() {
             let id = |part| weight(l, part);
             let has = |b: &Option<Vec<f32>>, part| b.as_ref().map(|_| id(part));
@@ -308,7 +337,7 @@ impl ArchConfig for Config {
             let k = p.bias_if(k, has(&layer.bk, BK));
             let v = p.bias_if(v, has(&layer.bv, BV));
             let (q, k) = match c.turns(l) {
-                true => (p.rotate(q, table, hd, rotation), p.rotate(k, table, hd, rotation)),
+                true => (p.rotate(q, q_table, hd, rotation), p.rotate(k, table, hd, rotation)),
                 false => (q, k),
             };
             p.cache_write(k, v, l);
@@ -349,13 +378,14 @@ impl ArchConfig for Config {
     }
 
     fn freqs(&self, w: &Weights) -> Vec<rope::Freqs> {
-        vec![w.rope.clone()]
+        let queries = self.temperature.as_ref().map(|t| rope::Freqs { temperature: Some(t.clone()), ..w.rope.clone() });
+        [Some(w.rope.clone()), queries].into_iter().flatten().collect()
     }
 }
 
-/// The registry's line (`models::REGISTRY`): Qwen2, Llama, Granite and SmolLM3.
+/// The registry's line (`models::REGISTRY`): Qwen2, Llama, Granite, SmolLM3 and Mistral 3.
 pub const ARCH: Registered = Registered {
-    names: &["qwen2", "llama", "granite", "smollm3"],
+    names: &["qwen2", "llama", "granite", "smollm3", "mistral3"],
     config: |g, name| match Family::from_name(name) {
         Some(family) => Ok(Box::new(Config::from_gguf(g, family)?)),
         None => Err(LoadError::Unsupported(format!("architecture {name:?}"))),

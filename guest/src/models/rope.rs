@@ -13,24 +13,43 @@ pub enum Style {
 }
 
 /// The frequencies of one kind of layer: `theta(p, j) = p / scale * base^(-2j / dim) / factor[j]`,
-/// the table holding `mscale * cos(theta)` and `mscale * sin(theta)`.
+/// the table holding `m(p) * cos(theta)` and `m(p) * sin(theta)`, `m(p)` = `mscale` (times the
+/// temperature of position `p` where there is one).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Freqs {
     pub base: f64,
     /// Linear position scaling (`rope.scaling.factor`); 1 is none.
     pub scale: f64,
     /// Per-frequency divisors (`rope_freqs.weight`, Llama 3's long-context scaling; Phi-3.5's
-    /// `rope_factors_long` / `_short`), `[dim / 2]`.
-    pub factors: Option<Vec<f32>>,
-    /// The cosines' and sines' factor (Phi-3.5's `rope.scaling.attn_factor`, ggml's `mscale`);
-    /// 1 is none.
+    /// `rope_factors_long` / `_short`; YaRN's blend of interpolation and extrapolation), `[dim / 2]`.
+    pub factors: Option<Vec<f64>>,
+    /// The cosines' and sines' factor (Phi-3.5's `rope.scaling.attn_factor`, YaRN's magnitude
+    /// correction, ggml's `mscale`); 1 is none.
     pub mscale: f64,
+    /// Llama 4's attention temperature (Mistral 3's queries), where there is one.
+    pub temperature: Option<Temperature>,
+}
+
+/// Position `p`'s rows also times `1 + beta ln(floor(p / floor) + 1)`: 1 below `floor`, then
+/// slowly more (llama.cpp's `attn_temp`, with no offset), for a table that turns queries alone.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Temperature {
+    pub beta: f64,
+    /// Positive.
+    pub floor: usize,
+}
+
+impl Temperature {
+    /// The factor of position `p`.
+    pub fn at(&self, p: usize) -> f64 {
+        1.0 + self.beta * ((p / self.floor) as f64 + 1.0).ln()
+    }
 }
 
 impl Freqs {
     /// Base `base` and linear scale `scale`, with no factors.
     pub fn new(base: f64, scale: f64) -> Freqs {
-        Freqs { base, scale, factors: None, mscale: 1.0 }
+        Freqs { base, scale, factors: None, mscale: 1.0, temperature: None }
     }
 }
 
@@ -85,7 +104,7 @@ impl Table {
     /// Fills the rows of positions `pos..pos + t`.
     pub fn fill(&mut self, f: &Freqs, pos: usize, t: usize) {
         let (dim, half) = (self.dim, self.dim / 2);
-        let factor = |j: usize| f.factors.as_ref().map_or(1.0, |factors| factors[j] as f64);
+        let factor = |j: usize| f.factors.as_ref().map_or(1.0, |factors| factors[j]);
         if self.of.as_ref() != Some(f) {
             for (j, freq) in self.freq.iter_mut().enumerate() {
                 *freq = f.base.powf(-2.0 * j as f64 / dim as f64);
@@ -121,8 +140,9 @@ impl Table {
                 turn(&mut self.at, &self.step);
             }
             let row = i * half..(i + 1) * half;
+            let m = f.mscale * f.temperature.as_ref().map_or(1.0, |t| t.at(p));
             for ((c, s), &(ac, as_)) in self.cos[row.clone()].iter_mut().zip(&mut self.sin[row]).zip(&self.at) {
-                (*c, *s) = ((ac * f.mscale) as f32, (as_ * f.mscale) as f32);
+                (*c, *s) = ((ac * m) as f32, (as_ * m) as f32);
             }
         }
         self.next = (t > 0).then_some(pos + t).or(self.next);
@@ -175,24 +195,27 @@ mod tests {
 
     /// Every row of a long batch, anchored or turned from the row before, holds the cosines and
     /// sines of its angles computed afresh, to within an f32's rounding; with linear scaling
-    /// and per-frequency factors too.
+    /// and per-frequency factors too, and times a magnitude and a temperature that grows past
+    /// its floor (100: rows 7..307 cross it thrice).
     #[test]
     fn turned_rows_match_fresh_angles() {
         let (dim, t) = (256, 300);
-        let factors: Vec<f32> = (0..dim / 2).map(|j| 1.0 + (j % 7) as f32 * 0.5).collect();
+        let factors: Vec<f64> = (0..dim / 2).map(|j| 1.0 + (j % 7) as f64 * 0.5).collect();
         for (f, pos) in [
             (Freqs::new(1e6, 1.0), 30_000),
-            (Freqs { factors: Some(factors), ..Freqs::new(1e4, 8.0) }, 7),
+            (Freqs { factors: Some(factors.clone()), ..Freqs::new(1e4, 8.0) }, 7),
+            (Freqs { factors: Some(factors), mscale: 1.1, temperature: Some(Temperature { beta: 0.1, floor: 100 }), ..Freqs::new(1e4, 1.0) }, 7),
         ] {
             let mut table = Table::new(t, dim);
             table.fill(&f, pos, t);
             for i in 0..t {
                 for j in 0..dim / 2 {
-                    let factor = f.factors.as_ref().map_or(1.0, |x| x[j] as f64);
+                    let factor = f.factors.as_ref().map_or(1.0, |x| x[j]);
                     let theta = (pos + i) as f64 / f.scale * f.base.powf(-2.0 * j as f64 / dim as f64) / factor;
+                    let m = f.mscale * f.temperature.as_ref().map_or(1.0, |t| 1.0 + t.beta * (((pos + i) / t.floor) as f64 + 1.0).ln());
                     let (c, s) = (table.cos[i * dim / 2 + j], table.sin[i * dim / 2 + j]);
-                    assert!((c as f64 - theta.cos()).abs() < 1e-7, "cos row {i} freq {j}: {c} vs {}", theta.cos());
-                    assert!((s as f64 - theta.sin()).abs() < 1e-7, "sin row {i} freq {j}: {s} vs {}", theta.sin());
+                    assert!((c as f64 - m * theta.cos()).abs() < 2e-7, "cos row {i} freq {j}: {c} vs {}", m * theta.cos());
+                    assert!((s as f64 - m * theta.sin()).abs() < 2e-7, "sin row {i} freq {j}: {s} vs {}", m * theta.sin());
                 }
             }
         }
@@ -204,7 +227,7 @@ mod tests {
     /// tokens were batched).
     #[test]
     fn a_position_reads_the_same_in_any_batch() {
-        let factors: Vec<f32> = (0..32).map(|j| 1.0 + (j % 5) as f32 * 0.25).collect();
+        let factors: Vec<f64> = (0..32).map(|j| 1.0 + (j % 5) as f64 * 0.25).collect();
         for f in [Freqs::new(1e4, 1.0), Freqs { factors: Some(factors), mscale: 1.25, ..Freqs::new(1e6, 4.0) }] {
             let mut one = Table::new(1, 64);
             for (start, t) in [(1000usize, 128usize), (0, 200), (63, 2), (64, 65), (5, 130), (1023, 1)] {
@@ -230,7 +253,7 @@ mod tests {
     #[test]
     fn a_table_that_goes_on_reads_as_a_fresh_one() {
         let a = Freqs::new(1e4, 1.0);
-        let b = Freqs { factors: Some((0..32).map(|j| 1.0 + j as f32 * 0.125).collect()), ..Freqs::new(1e6, 2.0) };
+        let b = Freqs { factors: Some((0..32).map(|j| 1.0 + j as f64 * 0.125).collect()), ..Freqs::new(1e6, 2.0) };
         let mut kept = Table::new(70, 64);
         let fills: [(&Freqs, usize, usize); 12] =
             [(&a, 0, 5), (&a, 5, 1), (&a, 6, 60), (&a, 66, 1), (&a, 67, 1), (&b, 68, 1), (&b, 69, 3), (&a, 72, 1), (&a, 10, 1), (&a, 11, 70), (&a, 81, 0), (&a, 81, 1)];

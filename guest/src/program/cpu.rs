@@ -204,6 +204,11 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                     *o = v * by;
                 }
             }
+            Op::Softcap { x, cap } => {
+                for (o, &v) in y.iter_mut().zip(src(x)) {
+                    *o = wisp_ops::softcap(v, cap);
+                }
+            }
             Op::Gated { gate, up, act } => {
                 let y = &mut y[..n(gate)];
                 y.copy_from_slice(src(gate));
@@ -227,8 +232,8 @@ pub fn run(p: &Program, plan: &Plan, w: &dyn Tensors, ds: &mut [&mut Dispatch], 
                     first += s.t;
                 }
             }
-            Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, .. } => {
-                let (heads, cache, window) = (heads_of(n_head, n_head_kv, head_dim, scale), cache as usize, window as usize);
+            Op::Attention { q, cache, n_head, n_head_kv, head_dim, window, scale, softcap, .. } => {
+                let (heads, cache, window) = (heads_of(n_head, n_head_kv, head_dim, scale, softcap), cache as usize, window as usize);
                 let width = p.width(q);
                 let (qs, mut first) = (src(q), 0);
                 for s in seqs.iter() {
@@ -340,7 +345,7 @@ mod tests {
             let (q, k, v) = (p.matmul(h, WeightId(0)), p.matmul(h, WeightId(1)), p.matmul(h, WeightId(2)));
             let q = p.rotate(q, table, n / 2, Rotation::Halves);
             p.cache_write(k, v, l);
-            let a = p.attention(q, l, Heads { n_head: 2, n_head_kv: 2, head_dim: n / 2, scale: 0.5 }, 0);
+            let a = p.attention(q, l, Heads { n_head: 2, n_head_kv: 2, head_dim: n / 2, scale: 0.5, softcap: 0.0 }, 0);
             let g = p.gated(a, h, Act::Silu);
             x = p.add(x, g);
         }

@@ -107,8 +107,8 @@ pub fn decode_rows(format: Format, n_in: usize, data: &[u8], scales: &[f32], out
 }
 
 /// Attention as the contract reads (see `wit/gpu.wit`), with sums in f64: for each query and
-/// head, the softmax of the scaled products with the keys it sees, then their weighted sum of
-/// the values. `q`, `k` and `v` have the lengths `s` implies.
+/// head, the softmax of the scaled (and soft-capped, in f64) products with the keys it sees,
+/// then their weighted sum of the values. `q`, `k` and `v` have the lengths `s` implies.
 pub fn attention_reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) -> Vec<f32> {
     let hd = s.head_dim as usize;
     let (nq, nkv) = (s.n_head as usize * hd, s.n_head_kv as usize * hd);
@@ -122,6 +122,7 @@ pub fn attention_reference(q: &[f32], k: &[f32], v: &[f32], s: &AttentionShape) 
             let scores: Vec<f64> = keys
                 .clone()
                 .map(|j| s.scale as f64 * qh.iter().zip(&k[j * nkv + g..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>())
+                .map(|e| if s.softcap > 0.0 { s.softcap as f64 * (e / s.softcap as f64).tanh() } else { e })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();

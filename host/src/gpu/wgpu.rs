@@ -1512,7 +1512,7 @@ mod tests {
     #[test]
     fn attention_split_over_dispatches_equals_one() {
         let Some(mut b) = backend("attention_split_over_dispatches_equals_one") else { return };
-        let s = AttentionShape { t: 9, n_keys: 80, n_head: 4, n_head_kv: 2, head_dim: 40, window: 30, scale: 0.3 };
+        let s = AttentionShape { t: 9, n_keys: 80, n_head: 4, n_head_kv: 2, head_dim: 40, window: 30, scale: 0.3, softcap: 0.0 };
         let (q_len, k_len) = s.lens().unwrap();
         let wave = |n: u64, f: f32| (0..n).map(|i| (i as f32 * f).sin()).collect::<Vec<f32>>();
         let (q, k, v) = (wave(q_len, 0.37), wave(k_len, 0.11), wave(k_len, 0.23));

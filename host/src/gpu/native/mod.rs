@@ -257,7 +257,7 @@ impl NativeBackend {
                 let keys = s.keys_of(i as u32);
                 let row = |j: usize| c.row(first_key as u64 + j as u64) + g;
                 scores.clear();
-                scores.extend(keys.clone().map(|j| s.scale * dot(isa, qh, &c.k[row(j)..][..hd])));
+                scores.extend(keys.clone().map(|j| s.score(dot(isa, qh, &c.k[row(j)..][..hd]))));
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut total = 0f32;
                 for e in scores.iter_mut() {

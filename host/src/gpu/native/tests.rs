@@ -221,12 +221,13 @@ fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
     let mut rng = Rng(5);
     let (n_head, n_head_kv, hd) = (4u32, 2u32, 16u32);
     let width = (n_head_kv * hd) as usize;
-    for (t, start, window, slots) in [(1u32, 9u32, 0u32, 16u32), (5, 3, 0, 16), (3, 20, 6, 8), (7, 0, 0, 7)] {
+    // The last two soft-capped (Gemma 2), the cap tight enough to bite.
+    for (t, start, window, slots, softcap) in [(1u32, 9u32, 0u32, 16u32, 0.0f32), (5, 3, 0, 16, 0.0), (3, 20, 6, 8, 0.3), (7, 0, 0, 7, 0.5)] {
         let (first, n_keys) = {
             let f = wisp_ops::first_key(start, window);
             (f, start + t - f)
         };
-        let shape = AttentionShape { t, n_keys, n_head, n_head_kv, head_dim: hd, window, scale: 0.25 };
+        let shape = AttentionShape { t, n_keys, n_head, n_head_kv, head_dim: hd, window, scale: 0.25, softcap };
         let k: Vec<f32> = (0..(start + t) as usize * width).map(|_| rng.f()).collect();
         let v: Vec<f32> = (0..(start + t) as usize * width).map(|_| rng.f()).collect();
         let q: Vec<f32> = (0..(t * n_head * hd) as usize).map(|_| rng.f()).collect();

@@ -50,6 +50,11 @@ pub(super) struct Params {
     slots: u32,
     splits: u32,
     split_len: u32,
+    softcap: f32,
+    // To 64 bytes, a uniform struct's size in WGSL (a multiple of 16).
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 pub(super) const PARAMS_BYTES: u64 = size_of::<Params>() as u64;
 
@@ -425,6 +430,10 @@ impl WgpuBackend {
                     slots,
                     splits,
                     split_len,
+                    softcap: s.softcap,
+                    pad0: 0,
+                    pad1: 0,
+                    pad2: 0,
                 };
                 let mut bytes = bytemuck::bytes_of(&p).to_vec();
                 bytes.resize(stride as usize, 0);
@@ -565,7 +574,7 @@ mod tests {
     use super::*;
 
     fn shape(t: u32, n_keys: u32, n_head: u32) -> AttentionShape {
-        AttentionShape { t, n_keys, n_head, n_head_kv: 1, head_dim: 256, window: 0, scale: 1.0 }
+        AttentionShape { t, n_keys, n_head, n_head_kv: 1, head_dim: 256, window: 0, scale: 1.0, softcap: 0.0 }
     }
 
     /// Prefill batches run whole; a decode step's keys split into runs of whole units, at

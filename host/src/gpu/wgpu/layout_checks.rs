@@ -110,6 +110,16 @@ fn the_shaders_constants_are_rusts() {
     assert_eq!(a.get("MAX_HEAD_DIM"), Some(&(crate::gpu::MAX_HEAD_DIM as u64)), "MAX_HEAD_DIM in attention.wgsl");
 }
 
+/// `softcap` is one function, spelled in each shader that caps: the same text in both.
+#[test]
+fn the_shaders_soft_caps_are_one() {
+    let of = |src: &'static str| {
+        let from = src.find("\nfn softcap(").expect("fn softcap");
+        &src[from..from + src[from..].find("\n}\n").expect("its end")]
+    };
+    assert_eq!(of(MATMUL), of(ATTENTION));
+}
+
 #[test]
 fn the_browser_hosts_constants_are_rusts() {
     let js = js_consts(WEBGPU);

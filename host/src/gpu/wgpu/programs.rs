@@ -46,6 +46,7 @@ const OP_SCALE: u32 = 2;
 const OP_BIAS: u32 = 3;
 const OP_GELU_TANH: u32 = 4;
 const OP_SILU: u32 = 5;
+const OP_SOFTCAP: u32 = 6;
 
 /// `rms_norm_runs`'s flags (NORM_OP_* in the shader).
 const NORM_OP_WEIGHT: u32 = 1;
@@ -63,6 +64,7 @@ pub(super) const SHADER_CONSTANTS: &[(&str, u64)] = &[
     ("OP_BIAS", OP_BIAS as u64),
     ("OP_GELU_TANH", OP_GELU_TANH as u64),
     ("OP_SILU", OP_SILU as u64),
+    ("OP_SOFTCAP", OP_SOFTCAP as u64),
     ("NORM_OP_WEIGHT", NORM_OP_WEIGHT as u64),
     ("NORM_OP_ADD", NORM_OP_ADD as u64),
     ("NORM_OP_ROTATE", NORM_OP_ROTATE as u64),
@@ -510,17 +512,17 @@ impl WgpuBackend {
         let mut plans: Vec<Vec<Planned>> = Vec::new();
         let mut extra = vec![0u64; p.ops.len()];
         for (i, op) in p.ops.iter().enumerate() {
-            let Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, .. } = *op else { continue };
+            let Op::Attention { q: qv, cache, n_head, n_head_kv, head_dim, window, scale, softcap, .. } = *op else { continue };
             let w = width(qv) as u64;
             let (mut end, mut list) = (0u64, Vec::with_capacity(batch.len()));
             match grouped.get(&cache) {
                 Some(groups) => {
                     for g in groups {
                         let entries = g.iter().map(|&s| batch[s].rows).sum();
-                        let alone = |s: usize| alone_shape(&batch[s], window, AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale });
+                        let alone = |s: usize| alone_shape(&batch[s], window, AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale, softcap });
                         let n_keys = g.iter().map(|&s| alone(s).n_keys).max().unwrap_or(1);
                         let splits = g.iter().map(|&s| super::attention::splits_for(&alone(s)).0).max().unwrap_or(1);
-                        let shape = AttentionShape { t: entries, n_keys, n_head, n_head_kv, head_dim, window, scale };
+                        let shape = AttentionShape { t: entries, n_keys, n_head, n_head_kv, head_dim, window, scale, softcap };
                         let plan = self.attention_plan(total as u64 * w, &shape, 0, 1, total, Some(splits))?;
                         end = end.max(plan.out_bytes);
                         list.push(Planned { plan, seqs: g.clone() });
@@ -530,7 +532,7 @@ impl WgpuBackend {
                     for (s, q) in batch.iter().enumerate() {
                         let (_, slots, _) = q.caches[cache as usize];
                         let first = program::first_key(q.start, window);
-                        let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale };
+                        let shape = AttentionShape { t: q.rows, n_keys: q.start + q.rows - first, n_head, n_head_kv, head_dim, window, scale, softcap };
                         let plan = self.attention_plan(q.rows as u64 * w, &shape, first % slots, slots, q.rows, None)?;
                         end = end.max(4 * first_row[s] as u64 * w + plan.out_bytes);
                         list.push(Planned { plan, seqs: vec![s] });
@@ -672,7 +674,7 @@ impl WgpuBackend {
             let (Op::CacheWrite { k: row_of, cache, .. } | Op::Attention { q: row_of, cache, .. }) = *op else { continue };
             let Some(groups) = grouped.get(&cache) else { continue };
             let shape = match *op {
-                Op::Attention { n_head, n_head_kv, head_dim, window, scale, .. } => Some(AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale }),
+                Op::Attention { n_head, n_head_kv, head_dim, window, scale, softcap, .. } => Some(AttentionShape { t: 0, n_keys: 0, n_head, n_head_kv, head_dim, window, scale, softcap }),
                 _ => None,
             };
             for g in groups {
@@ -800,6 +802,7 @@ impl WgpuBackend {
                 Op::Add(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_ADD, 0.0), groups),
                 Op::Mul(a, b) => small(&mut rec, Kernel::ElementwiseRows, (a, Some(b), None), elementwise(OP_MUL, 0.0), groups),
                 Op::Scale { x, by } => small(&mut rec, Kernel::ElementwiseRows, (x, None, None), elementwise(OP_SCALE, by), groups),
+                Op::Softcap { x, cap } => small(&mut rec, Kernel::ElementwiseRows, (x, None, None), elementwise(OP_SOFTCAP, cap), groups),
                 Op::Bias { x, weight } => small(&mut rec, Kernel::ElementwiseRows, (x, None, Some(vector(weight)?)), elementwise(OP_BIAS, 0.0), groups),
                 // Read by the next product as it reads its x.
                 Op::Gated { .. } if gated_into.get(i + 1).is_some_and(|g| g.is_some()) => {}

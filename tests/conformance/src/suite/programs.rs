@@ -12,7 +12,7 @@
 use super::{Check, Ctx, Kind, describe, fail, refused, skip, upload};
 use crate::bindings::wisp::llm::gpu::{
     self, Activation, Error, AttentionOp, BiasOp, CacheWriteOp, GatedOp, KvCache, MatmulOp, NormOp, Op, Output, Precision,
-    Program, RotateOp, Rotation, ScaleOp, Sequence, TopKOp, Weight as Handle,
+    Program, RotateOp, Rotation, ScaleOp, Sequence, SoftcapOp, TopKOp, Weight as Handle,
 };
 use crate::reference::{Act, Decoded, Format, Weight};
 use crate::rng::Rng;
@@ -94,6 +94,7 @@ fn reference(ops: &[Op], weights: &[Decoded], inputs: &[Vec<f32>], batch: &[Seq]
                 (xv.iter().enumerate().map(|(i, a)| a + b[i % width]).collect(), *width, *seq)
             }
             Op::Scale(ScaleOp { x, by }) => (v(x).0.iter().map(|a| a * by as f64).collect(), v(x).1, v(x).2),
+            Op::Softcap(SoftcapOp { x, cap }) => (v(x).0.iter().map(|a| cap as f64 * (a / cap as f64).tanh()).collect(), v(x).1, v(x).2),
             Op::Gated(GatedOp { gate, up, act: a }) => {
                 let y = v(gate).0.iter().zip(&v(up).0).map(|(g, u)| act(a).apply(*g) * u).collect();
                 (y, v(gate).1, v(gate).2)
@@ -134,7 +135,7 @@ fn reference(ops: &[Op], weights: &[Decoded], inputs: &[Vec<f32>], batch: &[Seq]
                 }
                 (Vec::new(), 0, false)
             }
-            Op::Attention(AttentionOp { q, cache, n_head, n_head_kv, head_dim, window, scale, .. }) => {
+            Op::Attention(AttentionOp { q, cache, n_head, n_head_kv, head_dim, window, scale, softcap, .. }) => {
                 let (qv, width, _) = v(q);
                 let (hd, group) = (head_dim as usize, (n_head / n_head_kv) as usize);
                 let mut y = vec![0.0; qv.len()];
@@ -150,7 +151,8 @@ fn reference(ops: &[Op], weights: &[Decoded], inputs: &[Vec<f32>], batch: &[Seq]
                         for h in 0..n_head as usize {
                             let qh = &qv[(at + r) * width + h * hd..][..hd];
                             let g = h / group * hd;
-                            let scores: Vec<f64> = keys.iter().map(|(k, _)| scale as f64 * (0..hd).map(|d| qh[d] * k[g + d]).sum::<f64>()).collect();
+                            let capped = |s: f64| if softcap > 0.0 { softcap as f64 * (s / softcap as f64).tanh() } else { s };
+                            let scores: Vec<f64> = keys.iter().map(|(k, _)| capped(scale as f64 * (0..hd).map(|d| qh[d] * k[g + d]).sum::<f64>())).collect();
                             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                             let e: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
                             let sum: f64 = e.iter().sum();
@@ -384,6 +386,7 @@ pub fn ops(ctx: &mut Ctx) -> Check<String> {
             ("mul".into(), vec![], vec![Op::Input(width), Op::Input(width), Op::Mul((0, 1)), Op::Output(2)], vec![width, width]),
             ("bias".into(), vec![wg.clone()], vec![Op::Input(width), Op::Bias(BiasOp { x: 0, weight: 0 }), Op::Output(1)], vec![width]),
             ("scale".into(), vec![], vec![Op::Input(width), Op::Scale(ScaleOp { x: 0, by: r.uniform(-30.0, 30.0) }), Op::Output(1)], vec![width]),
+            ("softcap".into(), vec![], vec![Op::Input(width), Op::Softcap(SoftcapOp { x: 0, cap: r.uniform(0.25, 2.0) }), Op::Output(1)], vec![width]),
             ("gated gelu-tanh".into(), vec![], vec![Op::Input(width), Op::Input(width), Op::Gated(GatedOp { gate: 0, up: 1, act: Activation::GeluTanh }), Op::Output(2)], vec![width, width]),
             ("gated silu".into(), vec![], vec![Op::Input(width), Op::Input(width), Op::Gated(GatedOp { gate: 0, up: 1, act: Activation::Silu }), Op::Output(2)], vec![width, width]),
             ("last-rows".into(), vec![], vec![Op::Input(width), Op::LastRows(0), Op::Output(1)], vec![width]),
@@ -470,13 +473,15 @@ pub fn attention(ctx: &mut Ctx) -> Check<String> {
             let hd = r.range(1, 80);
             let window = if r.range(0, 1) == 0 { 0 } else { r.range(1, 20) };
             let scale = 1.0 / (hd as f32).sqrt();
+            // Half the time capped (Gemma 2's attention soft-capping), tight enough to bite.
+            let softcap = if r.range(0, 1) == 0 { 0.0 } else { r.uniform(0.1, 1.0) };
             let (nq, nkv) = (n_head * hd, n_head_kv * hd);
             let ops = [
                 Op::Input(nq),
                 Op::Input(nkv),
                 Op::Input(nkv),
                 Op::CacheWrite(CacheWriteOp { k: 1, v: 2, cache: 0 }),
-                Op::Attention(AttentionOp { q: 0, cache: 0, n_head, n_head_kv, head_dim: hd, window, scale, precision }),
+                Op::Attention(AttentionOp { q: 0, cache: 0, n_head, n_head_kv, head_dim: hd, window, scale, softcap, precision }),
                 Op::Output(4),
             ];
             let p = create("attention", &[], 1, &ops)?;
@@ -488,7 +493,7 @@ pub fn attention(ctx: &mut Ctx) -> Check<String> {
             for step in 0..3 {
                 let t = rows(&batch);
                 let inputs = vec![r.vector(t * nq as usize), r.vector(t * nkv as usize), r.vector(t * nkv as usize)];
-                let what = format!("attention {n_head}/{n_head_kv} heads of {hd}, window {window}, {precision:?}, step {step} over {batch:?}");
+                let what = format!("attention {n_head}/{n_head_kv} heads of {hd}, window {window}, soft cap {softcap}, {precision:?}, step {step} over {batch:?}");
                 let got = run(&what, &p, &inputs, &seqs(&batch, &caches))?;
                 let want = reference(&ops, &[], &inputs, &batch, &mut refc);
                 ctx.max_error = ctx.max_error.max(compare(&what, &got, &want, bound)?);
@@ -542,7 +547,7 @@ pub fn decoder(ctx: &mut Ctx) -> Check<String> {
         let v = push(&mut ops, mm(h, wv, Precision::Exact));
         push(&mut ops, Op::CacheWrite(CacheWriteOp { k, v, cache: layer }));
         let window = if layer == 0 { 5 } else { 0 };
-        let a = push(&mut ops, Op::Attention(AttentionOp { q, cache: layer, n_head, n_head_kv, head_dim: hd, window, scale: 0.25, precision: Precision::Exact }));
+        let a = push(&mut ops, Op::Attention(AttentionOp { q, cache: layer, n_head, n_head_kv, head_dim: hd, window, scale: 0.25, softcap: 0.0, precision: Precision::Exact }));
         let o = push(&mut ops, mm(a, wo, Precision::Exact));
         // The second layer norms the product before the residual add (as Gemma 3 does).
         let o = match layer {
@@ -644,13 +649,17 @@ pub fn hostile_programs(ctx: &mut Ctx) -> Check<String> {
         ("a rotation table wider than a head", 0, vec![Op::Input(4), Op::Input(6), Op::Rotate(RotateOp { x: 0, table: 1, head_dim: 4, rotation: Rotation::Pairs }), Op::Output(2)]),
         ("an odd head", 0, vec![Op::Input(6), Op::Input(2), Op::Rotate(RotateOp { x: 0, table: 1, head_dim: 3, rotation: Rotation::Pairs }), Op::Output(2)]),
         ("a cache index out of range", 1, vec![Op::Input(4), Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 1 }), Op::Output(0)]),
-        ("a cache read with another width than it is written", 1, vec![Op::Input(4), Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 0 }), Op::Input(8), Op::Attention(AttentionOp { q: 2, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 8, window: 0, scale: 1.0, precision: Precision::Exact }), Op::Output(3)]),
-        ("heads that do not group", 1, vec![Op::Input(12), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 3, n_head_kv: 2, head_dim: 4, window: 0, scale: 1.0, precision: Precision::Exact }), Op::Output(1)]),
-        ("a head past 512", 1, vec![Op::Input(1026), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 1026, window: 0, scale: 1.0, precision: Precision::Exact }), Op::Output(1)]),
+        ("a cache read with another width than it is written", 1, vec![Op::Input(4), Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 0 }), Op::Input(8), Op::Attention(AttentionOp { q: 2, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 8, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact }), Op::Output(3)]),
+        ("heads that do not group", 1, vec![Op::Input(12), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 3, n_head_kv: 2, head_dim: 4, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact }), Op::Output(1)]),
+        ("a head past 512", 1, vec![Op::Input(1026), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 1026, window: 0, scale: 1.0, softcap: 0.0, precision: Precision::Exact }), Op::Output(1)]),
         ("a k of 0", 0, vec![Op::Input(4), Op::TopK(TopKOp { x: 0, k: 0 })]),
         ("a k past the row", 0, vec![Op::Input(4), Op::TopK(TopKOp { x: 0, k: 5 })]),
         ("an input of width 0", 0, vec![Op::Input(0), Op::Output(0)]),
         ("no output", 0, vec![Op::Input(4), Op::Scale(ScaleOp { x: 0, by: 2.0 })]),
+        ("a soft cap of 0", 0, vec![Op::Input(4), Op::Softcap(SoftcapOp { x: 0, cap: 0.0 }), Op::Output(1)]),
+        ("a soft cap of NaN", 0, vec![Op::Input(4), Op::Softcap(SoftcapOp { x: 0, cap: f32::NAN }), Op::Output(1)]),
+        ("an attention soft cap below 0", 1, vec![Op::Input(4), Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 0 }), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, softcap: -1.0, precision: Precision::Exact }), Op::Output(2)]),
+        ("an infinite attention soft cap", 1, vec![Op::Input(4), Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 0 }), Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 1, n_head_kv: 1, head_dim: 4, window: 0, scale: 1.0, softcap: f32::INFINITY, precision: Precision::Exact }), Op::Output(2)]),
         ("no ops", 0, vec![]),
         ("more caches than 1024", 1025, vec![Op::Input(4), Op::Output(0)]),
     ];
@@ -681,7 +690,7 @@ pub fn hostile_runs(ctx: &mut Ctx) -> Check<String> {
     let ops = [
         Op::Input(width),
         Op::CacheWrite(CacheWriteOp { k: 0, v: 0, cache: 0 }),
-        Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 2, n_head_kv: 2, head_dim: hd, window: 0, scale: 0.5, precision: Precision::Exact }),
+        Op::Attention(AttentionOp { q: 0, cache: 0, n_head: 2, n_head_kv: 2, head_dim: hd, window: 0, scale: 0.5, softcap: 0.0, precision: Precision::Exact }),
         mm(2, 0, Precision::Exact),
         Op::Output(3),
     ];
