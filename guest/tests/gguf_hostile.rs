@@ -1649,6 +1649,12 @@ fn qwen2_problems() {
         b.set(&format!("qwen2.{key}"), Val::F32(value));
         assert_invalid(load_err(&b.build()), error);
     }
+    // OLMo 3's pattern holds a flag for each layer.
+    let mut b = tiny_qwen2("olmo2");
+    b.set("olmo2.attention.sliding_window", Val::U32(16));
+    let flags = [&7u32.to_le_bytes()[..], &5u64.to_le_bytes(), &[1, 1, 0, 1, 1]].concat();
+    b.set("olmo2.attention.sliding_window_pattern", Val::Raw(9, flags));
+    assert_invalid(load_err(&b.build()), "olmo2.attention.sliding_window_pattern has 5 flags for");
     // A mixture of experts (Mixtral's `llama` files) is refused as such.
     let mut b = tiny_qwen2("llama");
     b.set("llama.expert_count", Val::U32(8));

@@ -70,18 +70,6 @@ def hparams(arch):
     return add
 
 
-def yarn(head_dim, base, y):
-    """YaRN's frequencies and magnitude (ggml's `rope_yarn`, in float64): frequency j
-    interpolated (divided by the factor) below the band of frequencies [low, high], kept above
-    it, blended linearly within."""
-    n, j = head_dim, np.arange(head_dim // 2)
-    corr = lambda beta: n * np.log(y["original"] / (beta * 2 * np.pi)) / (2 * np.log(base))
-    low, high = max(0.0, np.floor(corr(y["beta_fast"]))), min(n - 1.0, np.ceil(corr(y["beta_slow"])))
-    ramp = 1 - np.clip((j - low) / max(0.001, high - low), 0, 1)
-    freq = base ** (-2.0 * j / n) * (ramp + (1 - ramp) / y["factor"])
-    return freq, 1 + 0.1 * np.log(y["factor"])
-
-
 def rope_pairs_at(x, positions, head_dim, freq, mscale):
     """GGUF Llama's pair rotation with frequencies `freq` and the cosines and sines times `mscale`."""
     ang = positions[:, None] * freq[None, :]
@@ -107,7 +95,7 @@ def forward(w, tokens, arch, quirk=True, scaled=True, tempered=True):
         h = tiny.rms_norm(x, w[f"blk.{l}.attn_norm.weight"], EPS)
         q, k, v = h @ w[f"blk.{l}.attn_q.weight"].T, h @ w[f"blk.{l}.attn_k.weight"].T, h @ w[f"blk.{l}.attn_v.weight"].T
         if mistral3 and scaled:
-            freq, mscale = yarn(HEAD_DIM, ROPE_BASE, YARN)
+            freq, mscale = tiny.yarn(HEAD_DIM, ROPE_BASE, YARN)
             q, k = rope_pairs_at(q, pos, HEAD_DIM, freq, mscale), rope_pairs_at(k, pos, HEAD_DIM, freq, mscale)
         elif turns:
             q, k = tiny.rope_pairs(q, pos, HEAD_DIM, ROPE_BASE), tiny.rope_pairs(k, pos, HEAD_DIM, ROPE_BASE)

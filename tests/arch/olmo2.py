@@ -4,11 +4,16 @@ and its golden file from the float64 numpy forward below; tests/tests/arch.rs ho
 on every path.
 
     python3 tests/arch/olmo2.py OUT_DIR   # OUT_DIR/tiny-olmo2.gguf, OUT_DIR/tiny-olmo2.json
+
+With `olmo3` after OUT_DIR it writes OLMo 3's shape instead (`tiny-olmo3.*`, still `olmo2`): a
+sliding window on the layers its pattern marks (here as flags: the first and the last), YaRN's
+scaling on the others' rotation alone (llama.cpp turns sliding layers unscaled).
 """
 
 import pathlib
 import sys
 
+import gguf
 import numpy as np
 
 import tiny
@@ -16,6 +21,10 @@ import tiny
 N_EMBD, N_HEAD, N_HEAD_KV, N_FF, N_LAYER = 64, 4, 2, 96, 3
 HEAD_DIM = N_EMBD // N_HEAD
 EPS, ROPE_BASE = 1e-6, 500000.0
+# OLMo 3: the layers that slide, their window, and the global layers' YaRN (the released 7B:
+# window 4096, three of four layers sliding, YaRN factor 8 over 8192 positions).
+SLIDING, WINDOW = [True, False, True], 5
+YARN = {"factor": 4.0, "original": 8, "beta_fast": 0.375, "beta_slow": 2.0**-10}
 
 
 def rng_weights(seed=23):
@@ -46,12 +55,23 @@ def hparams(w):
     tiny.add_decoder(w, N_EMBD, N_FF, N_LAYER, N_HEAD, N_HEAD_KV, EPS, ROPE_BASE)
 
 
-def forward(w, tokens, per_head=False):
+def hparams_olmo3(w):
+    hparams(w)
+    w.add_sliding_window(WINDOW)
+    w.add_sliding_window_pattern(SLIDING)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(YARN["factor"])
+    w.add_rope_scaling_orig_ctx_len(YARN["original"])
+    w.add_rope_scaling_yarn_beta_fast(YARN["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(YARN["beta_slow"])
+
+
+def forward(w, tokens, per_head=False, olmo3=False, yarn=True):
     """Logits after every token, float64: Hugging Face's Olmo2 (the q/k norms per head instead,
-    where `per_head`: Qwen3's reading, which OLMo 2's files must not get)."""
+    where `per_head`: Qwen3's reading, which OLMo 2's files must not get); with `olmo3`, Olmo3's
+    sliding layers and YaRN on the others (without it where not `yarn`)."""
     t = len(tokens)
     pos = np.arange(t, dtype=np.float64)
-    see = tiny.causal(t)
 
     def qk_norm(x, g):
         if not per_head:
@@ -61,10 +81,17 @@ def forward(w, tokens, per_head=False):
 
     x = w["token_embd.weight"][tokens]
     for l in range(N_LAYER):
+        slides = olmo3 and SLIDING[l]
+        see = tiny.causal(t, WINDOW if slides else None)
         q = qk_norm(x @ w[f"blk.{l}.attn_q.weight"].T, w[f"blk.{l}.attn_q_norm.weight"])
         k = qk_norm(x @ w[f"blk.{l}.attn_k.weight"].T, w[f"blk.{l}.attn_k_norm.weight"])
         v = x @ w[f"blk.{l}.attn_v.weight"].T
-        q, k = tiny.rope(q, pos, HEAD_DIM, ROPE_BASE), tiny.rope(k, pos, HEAD_DIM, ROPE_BASE)
+        if olmo3 and yarn and not slides:
+            freq, mscale = tiny.yarn(HEAD_DIM, ROPE_BASE, YARN)
+            factors = ROPE_BASE ** (-2.0 * np.arange(HEAD_DIM // 2) / HEAD_DIM) / freq
+            q, k = (tiny.rope(y, pos, HEAD_DIM, ROPE_BASE, factors, mscale) for y in (q, k))
+        else:
+            q, k = tiny.rope(q, pos, HEAD_DIM, ROPE_BASE), tiny.rope(k, pos, HEAD_DIM, ROPE_BASE)
         a = tiny.attention(q, k, v, N_HEAD, N_HEAD_KV, HEAD_DIM, see) @ w[f"blk.{l}.attn_output.weight"].T
         x = x + tiny.rms_norm(a, w[f"blk.{l}.post_attention_norm.weight"], EPS)
         gate, up = x @ w[f"blk.{l}.ffn_gate.weight"].T, x @ w[f"blk.{l}.ffn_up.weight"].T
@@ -82,5 +109,18 @@ def main(out):
     tiny.golden(out, "tiny-olmo2", "olmo2", model, lambda t: forward(exact, t), {"head_norm_effect_rmse": tiny.rmse(whole, per_head)})
 
 
+def main_olmo3(out):
+    out.mkdir(parents=True, exist_ok=True)
+    model = out / "tiny-olmo3.gguf"
+    exact = tiny.write_gguf(model, "olmo2", rng_weights(), ("attn_v", "ffn_up"), hparams_olmo3)
+    want = forward(exact, tiny.PROMPT, olmo3=True)[-1]
+    # Without the window (OLMo 2's reading), or with the global layers turned plainly, far off.
+    effect = min(tiny.rmse(want, forward(exact, tiny.PROMPT)[-1]), tiny.rmse(want, forward(exact, tiny.PROMPT, olmo3=True, yarn=False)[-1]))
+    tiny.golden(out, "tiny-olmo3", "olmo2", model, lambda t: forward(exact, t, olmo3=True), {"olmo3_effect_rmse": effect})
+
+
 if __name__ == "__main__":
-    main(pathlib.Path(sys.argv[1]))
+    if sys.argv[2:] == ["olmo3"]:
+        main_olmo3(pathlib.Path(sys.argv[1]))
+    else:
+        main(pathlib.Path(sys.argv[1]))

@@ -107,6 +107,18 @@ def rope(x, positions, head_dim, base, factors=None, mscale=1.0, rope_dim=None):
     return np.concatenate([a * cos - b * sin, a * sin + b * cos, rest], -1).reshape(x.shape)
 
 
+def yarn(head_dim, base, y):
+    """YaRN's frequencies and magnitude (ggml's `rope_yarn`, in float64) for `y` (factor,
+    original context, beta_fast, beta_slow): frequency j interpolated (divided by the factor)
+    below the band of frequencies [low, high], kept above it, blended linearly within."""
+    n, j = head_dim, np.arange(head_dim // 2)
+    corr = lambda beta: n * np.log(y["original"] / (beta * 2 * np.pi)) / (2 * np.log(base))
+    low, high = max(0.0, np.floor(corr(y["beta_fast"]))), min(n - 1.0, np.ceil(corr(y["beta_slow"])))
+    ramp = 1 - np.clip((j - low) / max(0.001, high - low), 0, 1)
+    freq = base ** (-2.0 * j / n) * (ramp + (1 - ramp) / y["factor"])
+    return freq, 1 + 0.1 * np.log(y["factor"])
+
+
 def attention(q, k, v, n_head, n_head_kv, head_dim, see, scale=None, softcap=None):
     """Grouped-query attention of rows `q` over `k`, `v` where `see[i, j]`; queries scaled by
     `scale` (`1/sqrt(head_dim)` where None), each score `s` then soft-capped as

@@ -1,7 +1,8 @@
 //! Architectures added in the guest alone, each held to its own float64 forward: Phi-3 (fused
 //! products, a sliding window on every layer; Phi-3.5's long-rope, Phi-4-mini's partial
 //! rotation), Gemma 2 (soft-capping), Qwen3 (per-head q/k norms), Granite (multipliers),
-//! SmolLM3 (no rotation in every fourth layer), Mistral 3 (YaRN, attention temperature) and OLMo 2 (post-norms, q/k norms across heads);
+//! SmolLM3 (no rotation in every fourth layer), Mistral 3 (YaRN, attention temperature) and OLMo 2
+//! (post-norms, q/k norms across heads) and 3 (sliding layers);
 //! and every GGUF tensor type, each in a tiny Llama whose every product uses it. `tests/arch/<arch>.py` writes a tiny GGUF with
 //! random weights (the `gguf` package) and its golden file from a float64 numpy forward
 //! (`tests/arch/tiny.py` holds what they share); wisp must match it on the guest's CPU path, on
@@ -148,6 +149,16 @@ fn a_tiny_mistral3_matches_its_float64_forward_on_every_path() {
 #[test]
 fn a_tiny_olmo2_matches_its_float64_forward_on_every_path() {
     matches_its_float64_forward("olmo2", "head_norm_effect_rmse", 22);
+}
+
+/// OLMo 3 (`olmo2` files with a window): the layers its pattern marks (as a flag a layer) slide
+/// and turn plainly, the others attend over everything with YaRN's rotation. Every product on
+/// the device where one is offered: 7 a layer (3 layers) and the output. Without the window, or
+/// without YaRN on the global layer, the logits are far off.
+#[test]
+fn a_tiny_olmo3_matches_its_float64_forward_on_every_path() {
+    let made = generated("olmo2", "olmo3", &["olmo3"], "olmo3_effect_rmse");
+    holds_to_its_float64_forward(made, "olmo3", "olmo3_effect_rmse", 22, CPU_BOUNDS);
 }
 
 /// A tiny Llama whose every product (7 a layer, 2 layers, and the output) is stored in GGUF type

@@ -7,12 +7,16 @@
 //! - `x = x + post_ffn_norm(down(silu(gate(x)) * up(x)))`; logits `= output(rms_norm(x))`;
 //! - RoPE rotates the two halves of each head (NEOX), base `rope.freq_base` (10000 when
 //!   missing); grouped-query attention, queries scaled by `1/sqrt(head_dim)`;
-//! - `output.weight` is its own tensor. OLMo 3's files (also `olmo2`, with
-//!   `attention.sliding_window`) are refused: their sliding layers are not implemented.
+//! - `output.weight` is its own tensor;
+//! - OLMo 3 (also `olmo2`, with `attention.sliding_window`): the layers that
+//!   `attention.sliding_window_pattern` marks (a flag a layer, or a number `n`: those with
+//!   `l % n < n - 1`; 4 where missing) attend over the window, turned without the file's
+//!   rotation scaling (llama.cpp: no YaRN there); the others over everything, with it.
 
 use super::attention::Heads;
-use super::{ArchConfig, Hparams, Linear, LoadError, Registered, vector};
-use crate::gguf::Gguf;
+use super::rope;
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, invalid, vector};
+use crate::gguf::{Array, Gguf};
 use crate::kernels::Act;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 use crate::source::Source;
@@ -21,15 +25,35 @@ use crate::source::Source;
 #[derive(Debug, Clone)]
 pub struct Config {
     pub hp: Hparams,
+    /// OLMo 3's window, and whether each layer slides (none without a window).
+    pub window: Option<usize>,
+    pub sliding: Vec<bool>,
 }
 
 impl Config {
     pub fn from_gguf(g: &Gguf) -> Result<Config, LoadError> {
-        if g.get_u64("olmo2.attention.sliding_window")?.is_some_and(|w| w > 0) {
-            return Err(LoadError::Unsupported("olmo2 with a sliding window (OLMo 3)".into()));
-        }
-        Ok(Config { hp: Hparams::from_gguf(g, "olmo2", 10_000.0)? })
+        let hp = Hparams::from_gguf(g, "olmo2", 10_000.0)?;
+        let window = g.get_u64("olmo2.attention.sliding_window")?.filter(|&w| w > 0).map(|w| w.min(super::MAX_CONTEXT) as usize);
+        let sliding = match window {
+            None => vec![false; hp.n_layer],
+            Some(_) => sliding_layers(g, hp.n_layer)?,
+        };
+        Ok(Config { hp, window, sliding })
     }
+}
+
+/// Which of `n_layer` layers slide: `olmo2.attention.sliding_window_pattern` as a flag a layer,
+/// or as a number `n` (`l % n < n - 1`; 0: all), 4 where missing.
+fn sliding_layers(g: &Gguf, n_layer: usize) -> Result<Vec<bool>, LoadError> {
+    const KEY: &str = "olmo2.attention.sliding_window_pattern";
+    if let Ok(Some(Array::Bool(flags))) = g.get_array(KEY) {
+        if flags.len() != n_layer {
+            return invalid(format!("{KEY} has {} flags for {n_layer} layers", flags.len()));
+        }
+        return Ok(flags.clone());
+    }
+    let n = g.get_u64(KEY)?.unwrap_or(4) as usize;
+    Ok((0..n_layer).map(|l| n == 0 || l % n < n - 1).collect())
 }
 
 pub struct Layer {
@@ -151,9 +175,9 @@ impl ArchConfig for Config {
         })
     }
 
-    /// OLMo 2 as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation table
-    /// `[t, head_dim]`; output: the logits of each sequence's last token. Each layer `l` writes
-    /// cache `l`.
+    /// OLMo 2 (and 3) as a program. Inputs: the tokens' embeddings `[t, n_embd]`, the rotation
+    /// table `[t, rope_dim]` (OLMo 3: the global layers', then the sliding ones'); output: the
+    /// logits of each sequence's last token. Each layer `l` writes cache `l`.
     fn recipe(&self, w: &Weights) -> Result<Program, CheckError> {
         let h = &self.hp;
         let (e, hd, eps) = (h.n_embd, h.head_dim, h.eps);
@@ -161,9 +185,11 @@ impl ArchConfig for Config {
         let heads = Heads { n_head: h.n_head, n_head_kv: h.n_head_kv, head_dim: hd, scale: 1.0 / (hd as f32).sqrt(), softcap: 0.0 };
         let mut p = Builder::new(w);
         let mut x = p.input(e);
-        let table = p.input(h.rope_dim);
+        let global = p.input(h.rope_dim);
+        let local = if self.window.is_some() { p.input(h.rope_dim) } else { global };
         for l in 0..h.n_layer {
             let id = |part| weight(l, part);
+            let (table, window) = if self.sliding[l] { (local, self.window.unwrap_or(0)) } else { (global, 0) };
 
             // Attention: x = x + post_attn_norm(wo(attn(q, k, v))), the queries and keys normed
             // across their heads, then turned; (q, k, v) = W x
@@ -173,7 +199,7 @@ impl ArchConfig for Config {
             let k = p.rms_norm(k, Some(id(K_NORM)), nkv, eps);
             let k = p.rotate(k, table, hd, Rotation::Halves);
             p.cache_write(k, v, l);
-            let a = p.attention(q, l, heads, 0);
+            let a = p.attention(q, l, heads, window);
             let o = p.matmul(a, id(WO));
             let o = p.norm(o, id(POST_ATTN_NORM), eps);
             x = p.add(x, o);
@@ -204,6 +230,19 @@ impl ArchConfig for Config {
         }
         v.push(&mut w.output);
         v
+    }
+
+    /// The global layers' rotation (the file's scaling), then OLMo 3's sliding layers' (none).
+    fn freqs(&self, _w: &Weights) -> Vec<rope::Freqs> {
+        let global = self.hp.freqs(None);
+        match self.window {
+            None => vec![global],
+            Some(_) => vec![global, rope::Freqs::new(self.hp.rope_base, 1.0)],
+        }
+    }
+
+    fn window(&self, layer: usize) -> Option<usize> {
+        self.window.filter(|_| self.sliding[layer])
     }
 }
 
