@@ -123,7 +123,9 @@ def main_phi4mini(out):
     out.mkdir(parents=True, exist_ok=True)
     model = out / "tiny-phi4mini.gguf"
     weights = rng_weights()
+    # Tied: the embedding is the output projection, at the scale of the untied one's logits.
     del weights["output.weight"]
+    weights["token_embd.weight"] *= 0.25
     weights["rope_factors_long.weight"] = LONG[: ROPE_DIM // 2]
     weights["rope_factors_short.weight"] = SHORT[: ROPE_DIM // 2]
     exact = tiny.write_gguf(model, "phi3", weights, ("attn_qkv",), hparams_phi4mini)
