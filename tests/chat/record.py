@@ -37,7 +37,8 @@ HERE = pathlib.Path(__file__).resolve().parent
 # Family, where its template comes from, BOS text, EOS text (the released GGUFs'). A source is
 # a file of llama.cpp's models/templates; `test-chat-template.cpp:NAME`, a template of llama.cpp's
 # tests/test-chat-template.cpp; or `gguf:FILE`, the `tokenizer.chat_template` of a GGUF that
-# wisp::fetch caches (~/.cache/wisp).
+# wisp::fetch caches (~/.cache/wisp); where that GGUF is not cached, the copy in templates/, if
+# it is the text rendered.json recorded (its sha256).
 FAMILIES = [
     ("llama3.1", "meta-llama-Llama-3.1-8B-Instruct.jinja", "<|begin_of_text|>", "<|eot_id|>"),
     ("llama3.2", "meta-llama-Llama-3.2-3B-Instruct.jinja", "<|begin_of_text|>", "<|eot_id|>"),
@@ -61,6 +62,10 @@ FAMILIES = [
     ("granite3.0", "test-chat-template.cpp:ibm-granite/granite-3.0-8b-instruct", "<|end_of_text|>", "<|end_of_text|>"),
     ("granite3.3", "ibm-granite-granite-3.3-2B-Instruct.jinja", "<|end_of_text|>", "<|end_of_text|>"),
     ("granite4.0", "ibm-granite-granite-4.0.jinja", "<|end_of_text|>", "<|end_of_text|>"),
+    # A Llama 2 70B chat fine-tune: Meta's `[INST] <<SYS>>` template with one BOS up front and a
+    # default system prompt (Meta's own Llama-2-chat template is not in llama.cpp's tree).
+    ("vigogne-2", "test-chat-template.cpp:bofenghuang/vigogne-2-70b-chat", "<s>", "</s>"),
+    ("ministral3-reasoning", "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "<s>", "</s>"),
 ]
 
 TRICKY = ("Gr\u00fc\u00dfe, \u4e16\u754c \U0001f30d\n{{ not jinja }} {% raw %} {# nor this #}\n"
@@ -97,9 +102,26 @@ def template_of(llama_cpp, cache, family, source):
         return f"{family}.jinja", text, f"llama.cpp tests/test-chat-template.cpp, the case {name!r}"
     if source.startswith("gguf:"):
         name = source.split(":", 1)[1]
+        origin = f"tokenizer.chat_template of {name} (wisp::fetch)"
+        if not (cache / name).exists():
+            return f"{family}.jinja", recorded_copy(family, origin), origin
         field = gguf.GGUFReader(str(cache / name)).fields["tokenizer.chat_template"]
-        return f"{family}.jinja", bytes(field.parts[field.data[0]]).decode(), f"tokenizer.chat_template of {name} (wisp::fetch)"
+        return f"{family}.jinja", bytes(field.parts[field.data[0]]).decode(), origin
     return source, (llama_cpp / "models" / "templates" / source).read_text(), f"llama.cpp models/templates/{source}"
+
+
+def recorded_copy(family, origin):
+    """The template of `family` in templates/, checked against the sha256 rendered.json recorded."""
+    recorded = json.loads((HERE / "rendered.json").read_text())["families"]
+    entry = next((f for f in recorded if f["family"] == family and f["origin"] == origin), None)
+    copy = HERE / "templates" / f"{family}.jinja"
+    if entry is None or not copy.exists():
+        raise RuntimeError(f"{family}: {origin} is not cached and has no recorded copy")
+    text = copy.read_text()
+    if hashlib.sha256(text.encode()).hexdigest() != entry["template_sha256"]:
+        raise RuntimeError(f"{family}: {copy} is not the template rendered.json recorded")
+    print(f"{family}: the GGUF is not cached; using the recorded copy {copy.name}", file=sys.stderr)
+    return text
 
 
 def free_port():
