@@ -1655,6 +1655,13 @@ fn qwen2_problems() {
     let flags = [&7u32.to_le_bytes()[..], &5u64.to_le_bytes(), &[1, 1, 0, 1, 1]].concat();
     b.set("olmo2.attention.sliding_window_pattern", Val::Raw(9, flags));
     assert_invalid(load_err(&b.build()), "olmo2.attention.sliding_window_pattern has 5 flags for");
+    // Gemma's sliding layers' base and pattern are usable.
+    let mut b = tiny_gemma();
+    b.set("gemma3.rope.freq_base_swa", Val::F32(f32::NAN));
+    assert_invalid(load_err(&b.build()), "gemma3.rope.freq_base_swa = NaN is not a usable base");
+    let mut b = tiny_gemma();
+    b.set("gemma3.attention.sliding_window_pattern", Val::Raw(9, [&7u32.to_le_bytes()[..], &1u64.to_le_bytes(), &[1]].concat()));
+    assert_invalid(load_err(&b.build()), "gemma3.attention.sliding_window_pattern has 1 flags for");
     // A mixture of experts (Mixtral's `llama` files) is refused as such.
     let mut b = tiny_qwen2("llama");
     b.set("llama.expert_count", Val::U32(8));

@@ -7,15 +7,18 @@
 //! - RMSNorm everywhere (the GGUF norm weights already include Gemma's `1 +`), with extra norms
 //!   after attention and after the FFN, and per-head RMSNorm of queries and keys;
 //! - the FFN is `down(gelu_tanh(gate(x)) * up(x))`;
-//! - layers with `l % 6 != 5` attend over a sliding window of `attention.sliding_window` (512)
-//!   keys with RoPE base 10000; the others are global with the file's `rope.freq_base` (and its
-//!   linear `rope.scaling.factor`, if any);
-//! - RoPE rotates the two halves of each head (NEOX); queries are scaled by `1/sqrt(head_dim)`;
+//! - layers with `l % 6 != 5` (or as `attention.sliding_window_pattern` says) attend over a
+//!   sliding window of `attention.sliding_window` (512) keys with RoPE base
+//!   `rope.freq_base_swa` (10000); the others are global with the file's `rope.freq_base` (and
+//!   its rotation scaling, if any);
+//! - RoPE rotates the two halves of each head (NEOX); queries are scaled by `1/sqrt(head_dim)`,
+//!   in the 27B (62 layers) by `1/sqrt(n_embd / n_head)` (its `query_pre_attn_scalar`, by
+//!   llama.cpp's rule); the logits soft-capped where the file has `final_logit_softcapping`;
 //! - grouped-query attention: `head_count_kv` key/value heads shared by `head_count` queries.
 //!
-//! Gemma 2 (`gemma2`), as llama.cpp's `gemma2`: no q/k norms; every other layer (the even ones)
-//! slides over `attention.sliding_window` (4096) keys, all with the file's `rope.freq_base`
-//! (10000); each attention score `s` (queries already scaled) is soft-capped as
+//! Gemma 2 (`gemma2`), as llama.cpp's `gemma2`: no q/k norms; every other layer (the even ones,
+//! or as the pattern says) slides over `attention.sliding_window` (4096) keys, with the file's
+//! `rope.freq_base` (10000; `rope.freq_base_swa` where it has one); each attention score `s` (queries already scaled) is soft-capped as
 //! `c tanh(s / c)`, `c` = `attn_logit_softcapping` (50), and the logits likewise with
 //! `final_logit_softcapping` (30); queries are scaled by `1/sqrt(n_embd / n_head)` in the 27B
 //! (46 layers; its `query_pre_attn_scalar`), else `1/sqrt(head_dim)`.
@@ -28,8 +31,7 @@ use crate::source::Source;
 use crate::kernels::Act;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 
-/// Gemma 3's layers with `l % SWA_PATTERN == SWA_PATTERN - 1` are global; the others slide.
-const SWA_PATTERN: usize = 6;
+/// Gemma 3's rotation base of its sliding layers where the file does not say.
 const SWA_ROPE_BASE: f64 = 10_000.0;
 
 /// The two generations this file runs.
@@ -44,8 +46,11 @@ pub enum Family {
 pub struct Config {
     pub family: Family,
     pub hp: Hparams,
-    /// Keys seen by sliding-window layers.
+    /// Keys seen by sliding-window layers, and which layers slide.
     pub window: usize,
+    pub sliding: Vec<bool>,
+    /// The sliding layers' rotation base.
+    pub swa_base: f64,
     /// Gemma 2's soft caps of the attention scores and of the logits (0: none).
     pub attn_softcap: f32,
     pub final_softcap: f32,
@@ -77,22 +82,31 @@ impl Config {
         };
         let (attn_softcap, final_softcap) = match family {
             Family::Gemma2 => (cap("attn_logit_softcapping", 50.0)?, cap("final_logit_softcapping", 30.0)?),
-            Family::Gemma3 => (0.0, 0.0),
+            // Gemma 3 caps its logits only where its file says so (none of Google's do).
+            Family::Gemma3 => match g.get_f64("gemma3.final_logit_softcapping")? {
+                None => (0.0, 0.0),
+                Some(c) if c == 0.0 => (0.0, 0.0),
+                Some(_) => (0.0, cap("final_logit_softcapping", 0.0)?),
+            },
         };
-        // Gemma 2 27B's queries are scaled by its `query_pre_attn_scalar`, n_embd / n_head, not
-        // by its head size; the file does not say so (llama.cpp tells the 27B by its 46 layers).
-        let query_scale = match family {
-            Family::Gemma2 if hp.n_layer == 46 => 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
+        // The 27B's queries are scaled by its `query_pre_attn_scalar`, n_embd / n_head, not by
+        // its head size; the file does not say so (llama.cpp tells the 27B by its layers).
+        let query_scale = match (family, hp.n_layer) {
+            (Family::Gemma2, 46) | (Family::Gemma3, 62) => 1.0 / ((hp.n_embd / hp.n_head) as f32).sqrt(),
             _ => 1.0 / (hp.head_dim as f32).sqrt(),
         };
-        Ok(Config { family, hp, window, attn_softcap, final_softcap, query_scale })
+        let sliding = super::sliding_layers(g, arch, hp.n_layer, if family == Family::Gemma2 { 2 } else { 6 })?;
+        let swa_base = match g.get_f64(&format!("{arch}.rope.freq_base_swa"))? {
+            Some(b) if b.is_finite() && b > 1.0 => b,
+            Some(b) => return invalid(format!("{arch}.rope.freq_base_swa = {b} is not a usable base")),
+            None if family == Family::Gemma2 => hp.rope_base,
+            None => SWA_ROPE_BASE,
+        };
+        Ok(Config { family, hp, window, sliding, swa_base, attn_softcap, final_softcap, query_scale })
     }
 
     pub fn is_sliding(&self, layer: usize) -> bool {
-        match self.family {
-            Family::Gemma2 => layer % 2 == 0,
-            Family::Gemma3 => layer % SWA_PATTERN != SWA_PATTERN - 1,
-        }
+        self.sliding[layer]
     }
 }
 
@@ -187,14 +201,16 @@ impl Tensors for Weights {
     }
 }
 
-/// The rotations of the recipe's tables: Gemma 3's sliding layers', then its global ones';
-/// Gemma 2's one for all.
+/// The rotations of the recipe's tables: the sliding layers' (Gemma 3's without the file's
+/// scaling, Gemma 2's with its linear one), then the global ones' (the file's base and scaling),
+/// where they differ; one table where they do not.
 pub fn freqs(c: &Config) -> Vec<rope::Freqs> {
     let global = c.hp.freqs(None);
-    match c.family {
-        Family::Gemma2 => vec![global],
-        Family::Gemma3 => vec![rope::Freqs::new(SWA_ROPE_BASE, 1.0), global],
-    }
+    let local = match c.family {
+        Family::Gemma2 => rope::Freqs::new(c.swa_base, c.hp.rope_scale),
+        Family::Gemma3 => rope::Freqs::new(c.swa_base, 1.0),
+    };
+    if local == global { vec![global] } else { vec![local, global] }
 }
 
 impl ArchConfig for Config {
@@ -256,7 +272,7 @@ impl ArchConfig for Config {
         let mut p = Builder::new(w);
         let x = p.input(e);
         let local = p.input(h.rope_dim);
-        let global = if gemma3 { p.input(h.rope_dim) } else { local };
+        let global = if freqs(c).len() == 2 { p.input(h.rope_dim) } else { local };
         // x = embd[token] * sqrt(n_embd)
         let mut x = p.scale(x, (e as f32).sqrt());
         for l in 0..h.n_layer {

@@ -289,6 +289,21 @@ pub fn rope_factors(g: &Gguf, file: &dyn Source, name: &str, n: usize) -> Result
     }
 }
 
+/// Which of `n_layer` layers attend over a sliding window, as llama.cpp's `load_swa_pattern`
+/// reads `{arch}.attention.sliding_window_pattern`: a flag a layer, or a number `n` (the layers
+/// with `l % n < n - 1`; 0: all of them), `default` where missing.
+pub fn sliding_layers(g: &Gguf, arch: &str, n_layer: usize, default: u64) -> Result<Vec<bool>, LoadError> {
+    let key = format!("{arch}.attention.sliding_window_pattern");
+    if let Ok(Some(crate::gguf::Array::Bool(flags))) = g.get_array(&key) {
+        if flags.len() != n_layer {
+            return invalid(format!("{key} has {} flags for {n_layer} layers", flags.len()));
+        }
+        return Ok(flags.clone());
+    }
+    let n = g.get_u64(&key)?.unwrap_or(default) as usize;
+    Ok((0..n_layer).map(|l| n == 0 || l % n < n - 1).collect())
+}
+
 /// YaRN's rotation scaling (Peng et al. 2023; `rope.scaling.type = "yarn"`), as ggml's
 /// `rope_yarn` and llama.cpp's context read it: frequency `j` interpolated (divided by `factor`)
 /// below the band `[low, high]` of frequencies, extrapolated (kept) above it, blended linearly

@@ -15,8 +15,8 @@
 
 use super::attention::Heads;
 use super::rope;
-use super::{ArchConfig, Hparams, Linear, LoadError, Registered, invalid, vector};
-use crate::gguf::{Array, Gguf};
+use super::{ArchConfig, Hparams, Linear, LoadError, Registered, sliding_layers, vector};
+use crate::gguf::Gguf;
 use crate::kernels::Act;
 use crate::program::{Builder, CheckError, Program, Rotation, Tensor, Tensors, WeightId};
 use crate::source::Source;
@@ -36,24 +36,10 @@ impl Config {
         let window = g.get_u64("olmo2.attention.sliding_window")?.filter(|&w| w > 0).map(|w| w.min(super::MAX_CONTEXT) as usize);
         let sliding = match window {
             None => vec![false; hp.n_layer],
-            Some(_) => sliding_layers(g, hp.n_layer)?,
+            Some(_) => sliding_layers(g, "olmo2", hp.n_layer, 4)?,
         };
         Ok(Config { hp, window, sliding })
     }
-}
-
-/// Which of `n_layer` layers slide: `olmo2.attention.sliding_window_pattern` as a flag a layer,
-/// or as a number `n` (`l % n < n - 1`; 0: all), 4 where missing.
-fn sliding_layers(g: &Gguf, n_layer: usize) -> Result<Vec<bool>, LoadError> {
-    const KEY: &str = "olmo2.attention.sliding_window_pattern";
-    if let Ok(Some(Array::Bool(flags))) = g.get_array(KEY) {
-        if flags.len() != n_layer {
-            return invalid(format!("{KEY} has {} flags for {n_layer} layers", flags.len()));
-        }
-        return Ok(flags.clone());
-    }
-    let n = g.get_u64(KEY)?.unwrap_or(4) as usize;
-    Ok((0..n_layer).map(|l| n == 0 || l % n < n - 1).collect())
 }
 
 pub struct Layer {
