@@ -6,8 +6,12 @@
 //! types to the plain ones here.
 
 mod text;
+pub mod anthropic;
+pub mod responses;
+pub mod tools;
 
 pub use text::{Released, StopMatcher, Utf8Stream};
+pub use tools::{Call, Choice, ToolSyntax, Tools};
 
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -180,11 +184,27 @@ pub enum Constraint {
     Lark(String),
 }
 
+/// A chat's messages (JSON objects in OpenAI's shape: `role`, `content`, an assistant's
+/// `tool_calls`, a tool result's `tool_call_id`) and the tools its reply may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Chat {
+    pub messages: Vec<Value>,
+    pub tools: Option<Tools>,
+}
+
+impl Chat {
+    /// The conversation as the engine's `render-chat` takes it.
+    pub fn conversation(&self) -> String {
+        let tools = self.tools.as_ref().map_or(Value::Null, |t| Value::Array(t.list.clone()));
+        json!({"messages": self.messages, "tools": tools}).to_string()
+    }
+}
+
 /// What the prompt is.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    /// `(role, content)` messages, rendered with the model's chat template.
-    Chat(Vec<(String, String)>),
+    /// A conversation, rendered with the model's chat template.
+    Chat(Chat),
     /// Text, tokenized with the model's BOS.
     Text(String),
     /// Token ids, fed as they are.
@@ -207,6 +227,11 @@ pub struct Generation {
     /// What the output must spell, and the field that asked for it (`response_format`,
     /// `json_schema`, `grammar`, `regex`), which an error names.
     pub constraint: Option<(&'static str, Constraint)>,
+    /// Report each token's log-probability and those of this many most likely tokens
+    /// (`logprobs` and `top_logprobs`; a text completion's `logprobs` count).
+    pub logprobs: Option<u32>,
+    /// Choices to generate (`n`), each its own sample of the same prompt.
+    pub n: u32,
 }
 
 /// `stop`: one string or a list.
@@ -268,6 +293,10 @@ struct Common {
     suffix: Option<String>,
     #[serde(default)]
     tools: Option<Vec<Value>>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    parallel_tool_calls: Option<bool>,
     /// OpenAI's fields that change what is generated and that wisp does not offer: refused
     /// when set (ignoring them would answer another question than the one asked).
     #[serde(default)]
@@ -303,6 +332,29 @@ struct Message {
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    /// An assistant's calls.
+    #[serde(default)]
+    tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool result's call.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ToolCallIn {
+    #[serde(default)]
+    id: Option<String>,
+    function: FunctionIn,
+}
+
+#[derive(Deserialize)]
+struct FunctionIn {
+    name: String,
+    /// JSON text, as OpenAI sends it (an object is taken too).
+    #[serde(default)]
+    arguments: Option<Value>,
 }
 
 #[derive(Deserialize)]
@@ -345,18 +397,18 @@ pub fn chat_request(bytes: &[u8]) -> Result<Generation, ApiError> {
     let mut messages = Vec::with_capacity(body.messages.len());
     for (i, m) in body.messages.into_iter().enumerate() {
         let role = match m.role.as_str() {
-            "system" | "user" | "assistant" => m.role,
+            "system" | "user" | "assistant" | "tool" => m.role,
             "developer" => "system".to_string(),
             other => {
                 return Err(ApiError::invalid_param(
                     &format!("messages[{i}].role"),
-                    format!("role {other:?} is not supported (system, developer, user, assistant)"),
+                    format!("role {other:?} is not supported (system, developer, user, assistant, tool)"),
                 ));
             }
         };
         let content = match m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t,
+            None => None,
+            Some(Content::Text(t)) => Some(t),
             Some(Content::Parts(parts)) => {
                 let mut text = String::new();
                 for p in parts {
@@ -370,12 +422,75 @@ pub fn chat_request(bytes: &[u8]) -> Result<Generation, ApiError> {
                         }
                     }
                 }
-                text
+                Some(text)
             }
         };
-        messages.push((role, content));
+        let mut message = json!({"role": role, "content": content.clone().unwrap_or_default()});
+        if let Some(calls) = m.tool_calls.filter(|c| !c.is_empty()) {
+            if role != "assistant" {
+                return Err(ApiError::invalid_param(&format!("messages[{i}].tool_calls"), "only an assistant's message has tool_calls"));
+            }
+            let calls: Vec<Value> = calls
+                .into_iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    let arguments = match c.function.arguments {
+                        None | Some(Value::Null) => "{}".to_string(),
+                        Some(Value::String(s)) => s,
+                        Some(v) => v.to_string(),
+                    };
+                    let id = c.id.unwrap_or_else(|| format!("call_{i}_{k}"));
+                    json!({"id": id, "type": "function", "function": {"name": c.function.name, "arguments": arguments}})
+                })
+                .collect();
+            message["content"] = content.map_or(Value::Null, Value::String);
+            message["tool_calls"] = Value::Array(calls);
+        } else if content.is_none() && role != "assistant" {
+            return Err(ApiError::invalid_param(&format!("messages[{i}].content"), format!("a {role} message needs content")));
+        }
+        if role == "tool" {
+            if let Some(id) = m.tool_call_id {
+                message["tool_call_id"] = json!(id);
+            }
+            if let Some(name) = m.name {
+                message["name"] = json!(name);
+            }
+        }
+        messages.push(message);
     }
-    generation(parse(bytes)?, Prompt::Chat(messages))
+    let common: Common = parse(bytes)?;
+    let tools = Tools::read(common.tools.as_ref(), common.tool_choice.as_ref(), common.parallel_tool_calls)?;
+    if tools.is_some() && constraint(&common)?.is_some() {
+        return Err(ApiError::invalid_param("tools", "tools and a response_format, json_schema, grammar or regex cannot be asked together"));
+    }
+    // Chat's logprobs is a flag, with top_logprobs alternatives.
+    let logprobs = match (&common.logprobs, &common.top_logprobs) {
+        (None | Some(Value::Null | Value::Bool(false)), None | Some(Value::Null)) => None,
+        (None | Some(Value::Null | Value::Bool(false)), Some(_)) => {
+            return Err(ApiError::invalid_param("top_logprobs", "top_logprobs needs logprobs: true"));
+        }
+        (Some(Value::Bool(true)), top) => Some(count("top_logprobs", top.as_ref(), MAX_TOP_LOGPROBS)?),
+        (Some(_), _) => return Err(ApiError::invalid_param("logprobs", "logprobs is true or false")),
+    };
+    generation(common, Prompt::Chat(Chat { messages, tools }), logprobs)
+}
+
+/// The most alternatives a token's log-probabilities list: chat's `top_logprobs` and a text
+/// completion's `logprobs` (OpenAI allows 20 and 5).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+pub const MAX_COMPLETION_LOGPROBS: u32 = 5;
+/// The most choices a request may ask for (`n`).
+pub const MAX_CHOICES: u32 = 8;
+
+/// An integer field in `0..=max` (null: 0).
+fn count(name: &str, v: Option<&Value>, max: u32) -> Result<u32, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(0),
+        Some(v) => match v.as_f64() {
+            Some(x) if x.fract() == 0.0 && (0.0..=max as f64).contains(&x) => Ok(x as u32),
+            _ => Err(ApiError::invalid_param(name, format!("{name} is an integer from 0 to {max}"))),
+        },
+    }
 }
 
 /// A text completion request (`POST /v1/completions`).
@@ -396,7 +511,18 @@ pub fn completion_request(bytes: &[u8]) -> Result<Generation, ApiError> {
     if common.best_of.is_some_and(|b| b.0 != 1) {
         return Err(ApiError::invalid_param("best_of", "best_of must be 1"));
     }
-    generation(common, prompt)
+    if common.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::invalid_param("tools", "tools are for chat completions"));
+    }
+    if common.top_logprobs.as_ref().is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::invalid_param("top_logprobs", "a text completion's alternatives are its logprobs count"));
+    }
+    // A text completion's logprobs is a count (null: none).
+    let logprobs = match &common.logprobs {
+        None | Some(Value::Null) => None,
+        Some(v) => Some(count("logprobs", Some(v), MAX_COMPLETION_LOGPROBS)?),
+    };
+    generation(common, prompt, logprobs)
 }
 
 /// A 400 naming the first of `fields` (name, whether the request set it) that is set: fields
@@ -416,21 +542,12 @@ fn range(name: &str, v: Option<f64>, lo: f64, hi: f64, default: f32) -> Result<f
     }
 }
 
-fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
-    if c.n.is_some_and(|n| n.0 != 1) {
-        return Err(ApiError::invalid_param("n", "n must be 1: one choice per request"));
-    }
-    // Chat's logprobs is a flag, the text completion's a count: off is false, 0 or null.
-    let zero = |v: &Value| v.as_f64() == Some(0.0);
-    if c.logprobs.as_ref().is_some_and(|v| !(v.is_null() || *v == Value::Bool(false) || zero(v))) {
-        return Err(ApiError::invalid_param("logprobs", "logprobs are not supported"));
-    }
-    if c.top_logprobs.as_ref().is_some_and(|v| !(v.is_null() || zero(v))) {
-        return Err(ApiError::invalid_param("top_logprobs", "logprobs are not supported"));
-    }
-    if c.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::invalid_param("tools", "tools are not supported"));
-    }
+fn generation(c: Common, prompt: Prompt, logprobs: Option<u32>) -> Result<Generation, ApiError> {
+    let n = match c.n.map(|n| n.0) {
+        None => 1,
+        Some(n) if (1..=MAX_CHOICES as i64).contains(&n) => n as u32,
+        Some(n) => return Err(ApiError::invalid_param("n", format!("n is from 1 to {MAX_CHOICES}, not {n}"))),
+    };
     let none = |v: &Value| v.is_null() || v.as_object().is_some_and(|o| o.is_empty());
     refuse(&[
         ("logit_bias", c.logit_bias.as_ref().is_some_and(|v| !none(v))),
@@ -495,6 +612,8 @@ fn generation(c: Common, prompt: Prompt) -> Result<Generation, ApiError> {
         stream,
         include_usage,
         constraint,
+        logprobs,
+        n,
     })
 }
 
@@ -569,7 +688,7 @@ fn constraint(c: &Common) -> Result<Option<(&'static str, Constraint)>, ApiError
     Ok(Some((param, constraint)))
 }
 
-fn fresh_seed() -> u64 {
+pub(crate) fn fresh_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
@@ -579,21 +698,26 @@ fn fresh_seed() -> u64 {
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
-    /// The model's end of generation, or a stop sequence.
+    /// The model's end of generation.
     Stop,
+    /// The request's stop sequence of this index (OpenAI's `stop` too).
+    StopSequence(usize),
     /// `max_tokens`, or the end of the context.
     Length,
     /// The request's constraint admitted no further token, not even an end (a dead end of its
     /// grammar): the output ends where it stood and may not parse. wisp's own value.
     Constraint,
+    /// The reply is calls of tools (`message.tool_calls`).
+    ToolCalls,
 }
 
 impl Finish {
     pub fn as_str(self) -> &'static str {
         match self {
-            Finish::Stop => "stop",
+            Finish::Stop | Finish::StopSequence(_) => "stop",
             Finish::Length => "length",
             Finish::Constraint => "constraint",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
@@ -617,6 +741,27 @@ impl Usage {
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         })
     }
+}
+
+/// One choice of a response, whole.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Answer {
+    pub text: String,
+    pub finish: Finish,
+    pub calls: Vec<Call>,
+    /// Its tokens' log-probabilities, where the request asked for them.
+    pub logprobs: Option<Vec<TokenLogprob>>,
+}
+
+/// One generated token's log-probability and its most likely alternatives'.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    /// The token's text (lossy where its bytes are not UTF-8 alone).
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// `(text, bytes, logprob)`, most likely first.
+    pub top: Vec<(String, Vec<u8>, f32)>,
 }
 
 /// Chat or text completion: the two response shapes.
@@ -645,19 +790,69 @@ impl Head {
         Head { kind, id: format!("{prefix}-{:x}{:08x}", now.as_nanos(), fresh_seed() as u32), created: now.as_secs(), model: model.to_string() }
     }
 
-    /// The whole response of a request that was not streamed.
+    /// The whole response of a request that was not streamed, of one choice.
     pub fn response(&self, text: &str, finish: Finish, usage: Usage) -> Value {
-        let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0, "message": {"role": "assistant", "content": text},
-                "finish_reason": finish.as_str(), "logprobs": null,
-            }),
-            Kind::Text => json!({"index": 0, "text": text, "finish_reason": finish.as_str(), "logprobs": null}),
-        };
+        self.response_of(&[Answer { text: text.to_string(), finish, calls: Vec::new(), logprobs: None }], usage)
+    }
+
+    /// The whole response of a request that was not streamed: its choices, in order.
+    pub fn response_of(&self, answers: &[Answer], usage: Usage) -> Value {
+        let choices: Vec<Value> = answers
+            .iter()
+            .enumerate()
+            .map(|(index, a)| {
+                let logprobs = a.logprobs.as_deref().map_or(Value::Null, |l| self.logprobs_json(l, 0));
+                match self.kind {
+                    Kind::Chat => {
+                        let mut message = json!({"role": "assistant", "content": a.text});
+                        if !a.calls.is_empty() {
+                            message["content"] = if a.text.is_empty() { Value::Null } else { json!(a.text) };
+                            message["tool_calls"] = a.calls.iter().map(|c| c.json(None)).collect();
+                        }
+                        json!({"index": index, "message": message, "finish_reason": a.finish.as_str(), "logprobs": logprobs})
+                    }
+                    Kind::Text => json!({"index": index, "text": a.text, "finish_reason": a.finish.as_str(), "logprobs": logprobs}),
+                }
+            })
+            .collect();
         json!({
             "id": self.id, "object": self.object(false), "created": self.created, "model": self.model,
-            "choices": [choice], "usage": usage.json(),
+            "choices": choices, "usage": usage.json(),
         })
+    }
+
+    /// Tokens' log-probabilities as the response's kind reports them: chat's `{"content": [...]}`,
+    /// the text completion's `tokens`, `token_logprobs`, `top_logprobs` and `text_offset` (from
+    /// `offset`, the bytes of the choice's text before them).
+    pub fn logprobs_json(&self, tokens: &[TokenLogprob], offset: usize) -> Value {
+        match self.kind {
+            Kind::Chat => {
+                let entry = |text: &str, bytes: &[u8], logprob: f32| json!({"token": text, "logprob": logprob, "bytes": bytes});
+                let content: Vec<Value> = tokens
+                    .iter()
+                    .map(|t| {
+                        let mut e = entry(&t.token, &t.bytes, t.logprob);
+                        e["top_logprobs"] = t.top.iter().map(|(text, bytes, lp)| entry(text, bytes, *lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
+            }
+            Kind::Text => {
+                let mut at = offset;
+                let mut offsets = Vec::with_capacity(tokens.len());
+                for t in tokens {
+                    offsets.push(at);
+                    at += t.token.len();
+                }
+                json!({
+                    "tokens": tokens.iter().map(|t| &t.token).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": tokens.iter().map(|t| t.top.iter().map(|(text, _, lp)| (text.clone(), json!(lp))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+                    "text_offset": offsets,
+                })
+            }
+        }
     }
 
     fn object(&self, chunk: bool) -> &'static str {
@@ -678,25 +873,48 @@ impl Head {
 
     /// The first chunk of a streamed chat (the role), or `None` for text completions.
     pub fn opening_chunk(&self) -> Option<Value> {
+        self.opening_chunk_of(0)
+    }
+
+    /// The first chunk of choice `index` of a streamed chat.
+    pub fn opening_chunk_of(&self, index: usize) -> Option<Value> {
         (self.kind == Kind::Chat).then(|| {
-            self.chunk_with(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]), None)
+            self.chunk_with(json!([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": null, "logprobs": null}]), None)
         })
     }
 
     /// A chunk carrying text.
     pub fn text_chunk(&self, text: &str) -> Value {
+        self.text_chunk_of(0, text, None)
+    }
+
+    /// A chunk carrying text of choice `index`, with its tokens' log-probabilities (already in
+    /// the response's shape: [`Head::logprobs_json`]) where asked for.
+    pub fn text_chunk_of(&self, index: usize, text: &str, logprobs: Option<Value>) -> Value {
+        let logprobs = logprobs.unwrap_or(Value::Null);
         let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": null, "logprobs": null}),
-            Kind::Text => json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null}),
+            Kind::Chat => json!({"index": index, "delta": {"content": text}, "finish_reason": null, "logprobs": logprobs}),
+            Kind::Text => json!({"index": index, "text": text, "finish_reason": null, "logprobs": logprobs}),
         };
         self.chunk_with(json!([choice]), None)
     }
 
+    /// A chunk carrying the calls of choice `index` (each whole, as one delta).
+    pub fn calls_chunk_of(&self, index: usize, calls: &[Call]) -> Value {
+        let calls: Vec<Value> = calls.iter().enumerate().map(|(i, c)| c.json(Some(i))).collect();
+        self.chunk_with(json!([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": null, "logprobs": null}]), None)
+    }
+
     /// The chunk that says why the generation ended.
     pub fn finish_chunk(&self, finish: Finish) -> Value {
+        self.finish_chunk_of(0, finish)
+    }
+
+    /// The chunk that says why choice `index` ended.
+    pub fn finish_chunk_of(&self, index: usize, finish: Finish) -> Value {
         let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": finish.as_str(), "logprobs": null}),
-            Kind::Text => json!({"index": 0, "text": "", "finish_reason": finish.as_str(), "logprobs": null}),
+            Kind::Chat => json!({"index": index, "delta": {}, "finish_reason": finish.as_str(), "logprobs": null}),
+            Kind::Text => json!({"index": index, "text": "", "finish_reason": finish.as_str(), "logprobs": null}),
         };
         self.chunk_with(json!([choice]), None)
     }
@@ -735,7 +953,8 @@ pub fn session_size(prompt_len: usize, max_tokens: Option<u32>, ctx: u32) -> Res
 }
 
 /// A generation after its prompt: each step's token turned into the text a client may be sent
-/// (whole characters, nothing of a stop sequence), until the end and why.
+/// (whole characters, nothing of a stop sequence), until the end and why. With tools, the
+/// calls the reply makes are kept out of its text and read at the end ([`Reply::calling`]).
 pub struct Reply {
     prompt_tokens: u32,
     cached_tokens: u32,
@@ -743,6 +962,23 @@ pub struct Reply {
     generated: u32,
     utf8: Utf8Stream,
     stops: StopMatcher,
+    /// Bytes of text released so far.
+    released: usize,
+    /// Where each generated token's text ends, in bytes of the reply's text.
+    ends: Vec<usize>,
+    calls: Option<Calls>,
+}
+
+/// A reply's calls: how they are written, and their text once one is open.
+struct Calls {
+    syntax: ToolSyntax,
+    /// The tools a call may name.
+    names: Vec<String>,
+    /// The reply's text while it is not known whether it opens with a call
+    /// ([`tools::opens_with_call`]); `None` once it is.
+    lead: Option<String>,
+    /// The calls' text since the first opened; `None` while the model may still write text.
+    text: Option<String>,
 }
 
 /// What one step added to a [`Reply`].
@@ -752,18 +988,52 @@ pub struct Advance {
     pub text: String,
     /// The generation ended, why, and its counts.
     pub end: Option<(Finish, Usage)>,
+    /// The model opened a call of a tool (under `tool_choice: "auto"`): the session keeps this
+    /// many of its generated tokens, the rest are taken back, and the call is written again
+    /// under the grammar of calls ([`Tools::grammar`]).
+    pub call_opened: Option<u32>,
+    /// The calls the reply made (at its end, with [`Finish::ToolCalls`]).
+    pub calls: Vec<Call>,
+}
+
+impl Advance {
+    fn text(text: String, end: Option<(Finish, Usage)>) -> Advance {
+        Advance { text, end, call_opened: None, calls: Vec::new() }
+    }
 }
 
 impl Reply {
     /// A reply to a prompt of `prompt_tokens` tokens that may generate `budget` tokens and ends
     /// before the first of `stop`.
     pub fn new(prompt_tokens: u32, budget: u32, stop: Vec<String>) -> Reply {
-        Reply { prompt_tokens, cached_tokens: 0, budget, generated: 0, utf8: Utf8Stream::default(), stops: StopMatcher::new(stop) }
+        Reply {
+            prompt_tokens,
+            cached_tokens: 0,
+            budget,
+            generated: 0,
+            utf8: Utf8Stream::default(),
+            stops: StopMatcher::new(stop),
+            released: 0,
+            ends: Vec::new(),
+            calls: None,
+        }
     }
 
     /// The same reply, `cached` of whose prompt tokens came from an earlier request's session.
     pub fn cached(self, cached: u32) -> Reply {
         Reply { cached_tokens: cached, ..self }
+    }
+
+    /// The same reply, whose calls of `tools` are written in `syntax`: from the first token
+    /// when the tools force a call (the session is constrained to calls from the start), else
+    /// from where the model opens one ([`Advance::call_opened`]).
+    pub fn calling(mut self, syntax: ToolSyntax, tools: &Tools) -> Reply {
+        let forced = tools.forced();
+        if !forced && let Some(trigger) = tools::trigger(syntax) {
+            self.stops.watch(trigger);
+        }
+        self.calls = Some(Calls { syntax, names: tools.names(), lead: (!forced).then(String::new), text: forced.then(String::new) });
+        self
     }
 
     /// The counts so far.
@@ -781,30 +1051,98 @@ impl Reply {
         if end_of_generation {
             return self.finish(String::new(), Finish::Stop);
         }
-        let text = self.utf8.push(piece);
+        let mut text = self.utf8.push(piece);
+        let before = self.ends.last().copied().unwrap_or(0);
+        self.ends.push(before + text.len());
+        if let Some(Calls { text: Some(calls), .. }) = &mut self.calls {
+            calls.push_str(&text);
+            return match self.generated >= self.budget {
+                true => self.finish(String::new(), Finish::Length),
+                false => Advance::text(String::new(), None),
+            };
+        }
+        if let Some(c) = self.calls.as_mut()
+            && let Some(lead) = &mut c.lead
+        {
+            // Whether the reply opens with a call: its start held until that is known.
+            lead.push_str(&text);
+            match tools::opens_with_call(c.syntax, &c.names, lead) {
+                None => {
+                    return match self.generated >= self.budget {
+                        true => self.finish(String::new(), Finish::Length),
+                        false => Advance::text(String::new(), None),
+                    };
+                }
+                Some(true) => {
+                    let at = self.released + (lead.len() - lead.trim_start().len());
+                    return self.open_call(String::new(), at);
+                }
+                Some(false) => {
+                    text = std::mem::take(lead);
+                    c.lead = None;
+                    if c.syntax == ToolSyntax::Llama3Json {
+                        self.calls = None;
+                    }
+                }
+            }
+        }
         let released = self.stops.push(&text);
+        self.released += released.text.len();
+        if released.stopped && released.watched {
+            let at = self.released;
+            return self.open_call(released.text, at);
+        }
         if released.stopped {
-            return Advance { text: released.text, end: Some((Finish::Stop, self.usage())) };
+            return Advance::text(released.text, Some((Finish::StopSequence(released.index), self.usage())));
         }
         if self.generated >= self.budget {
             return self.finish(released.text, Finish::Length);
         }
-        Advance { text: released.text, end: None }
+        Advance::text(released.text, None)
     }
 
-    /// The end: `text`, then what was held back.
+    /// A call opens at byte `at` of the reply's text: the tokens whose text ends by then are
+    /// kept, and what follows is the calls' text.
+    fn open_call(&mut self, text: String, at: usize) -> Advance {
+        let keep = self.ends.iter().take_while(|&&end| end <= at).count();
+        self.ends.truncate(keep);
+        self.generated = keep as u32;
+        if let Some(c) = &mut self.calls {
+            c.text = Some(String::new());
+        }
+        self.stops.clear();
+        Advance { text, end: None, call_opened: Some(keep as u32), calls: Vec::new() }
+    }
+
+    /// The end: `text`, then what was held back; the calls read where the reply made some.
     fn finish(&mut self, mut text: String, why: Finish) -> Advance {
         let tail = self.utf8.finish();
+        if let Some(Calls { text: Some(calls), syntax, .. }) = self.calls.take() {
+            let all = calls + &tail;
+            let mut n = 0;
+            let mut ids = || {
+                n += 1;
+                format!("call_{:08x}{n}", fresh_seed() as u32)
+            };
+            return match (why, tools::parse_calls(&all, syntax, &mut ids)) {
+                (Finish::Stop, Some(calls)) => Advance { text, end: Some((Finish::ToolCalls, self.usage())), call_opened: None, calls },
+                // Cut short (or no call at all): the text as the model wrote it.
+                _ => Advance::text(text + &all, Some((why, self.usage()))),
+            };
+        }
+        if let Some(lead) = self.calls.take().and_then(|c| c.lead) {
+            text.push_str(&lead);
+        }
         let released = self.stops.push(&tail);
         text.push_str(&released.text);
-        let why = match released.stopped {
-            true => Finish::Stop,
+        let why = match released.stopped && !released.watched {
+            true => Finish::StopSequence(released.index),
             false => {
                 text.push_str(&self.stops.finish());
                 why
             }
         };
-        Advance { text, end: Some((why, self.usage())) }
+        Advance::text(text, Some((why, self.usage())))
     }
 }
 
@@ -909,7 +1247,7 @@ mod tests {
     fn a_reply_ends_at_its_stop_its_budget_or_the_models_end() {
         let usage = |n| Usage { prompt_tokens: 7, completion_tokens: n, cached_tokens: 0 };
         // A stop sequence split over pieces: nothing of it is sent.
-        assert_eq!(reply(10, &["END"], &[b"ab", b"cE", b"N", b"Dzz"], false), ("abc".into(), Some((Finish::Stop, usage(4)))));
+        assert_eq!(reply(10, &["X", "END"], &[b"ab", b"cE", b"N", b"Dzz"], false), ("abc".into(), Some((Finish::StopSequence(1), usage(4)))));
         // The budget: what was held back in case it began a stop sequence is sent at the end.
         assert_eq!(reply(3, &["xyz"], &[b"a", b"b", b"x"], false), ("abx".into(), Some((Finish::Length, usage(3)))));
         // A character split over pieces waits for its end; the end of generation counts as a token.
@@ -917,7 +1255,7 @@ mod tests {
         // A dead end of a constraint adds no token.
         let mut r = Reply::new(7, 10, Vec::new());
         assert_eq!(r.step(b"a", false, false).text, "a");
-        assert_eq!(r.step(b"", true, true), Advance { text: String::new(), end: Some((Finish::Constraint, usage(1))) });
+        assert_eq!(r.step(b"", true, true), Advance::text(String::new(), Some((Finish::Constraint, usage(1)))));
     }
 
     #[test]
@@ -938,7 +1276,9 @@ mod tests {
             "presence_penalty": 0, "user": "ignored", "logit_bias": {}, "functions": [], "function_call": "none",
             "modalities": ["text"], "audio": null, "service_tier": "auto"}"#;
         let g = chat_request(body).unwrap();
-        assert_eq!(g.prompt, Prompt::Chat(vec![("system".into(), "Be brief.".into()), ("user".into(), "Hi!".into())]));
+        let messages = vec![json!({"role": "system", "content": "Be brief."}), json!({"role": "user", "content": "Hi!"})];
+        assert_eq!(g.prompt, Prompt::Chat(Chat { messages, tools: None }));
+        assert_eq!((g.n, g.logprobs), (1, None));
         assert_eq!((g.max_tokens, g.sampling.top_k, g.sampling.seed, g.stream, g.include_usage), (Some(5), 10, 3, true, true));
         assert_eq!((g.sampling.temperature, g.sampling.top_p, g.sampling.min_p), (0.5, 0.9, 0.1));
         assert_eq!(g.stop, vec!["\n".to_string(), "END".to_string()]);
@@ -960,7 +1300,14 @@ mod tests {
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}"#, "max_tokens"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5}"#, "temperature"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": -1}"#, "top_p"),
-            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}"#, "n"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}"#, "n"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}"#, "n"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 21}"#, "top_logprobs"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}"#, "top_logprobs"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 3}"#, "logprobs"),
+            (br#"{"model": "m", "messages": [{"role": "user"}]}"#, "messages[0].content"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]}"#, "messages[0].tool_calls"),
+            (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}], "response_format": {"type": "json_object"}}"#, "tools"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1}"#, "presence_penalty"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}"#, "stop"),
             (br#"{"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ""}"#, "stop"),
@@ -1050,6 +1397,89 @@ mod tests {
     }
 
     #[test]
+    fn tool_calls_and_results_and_logprobs_read_into_a_chat() {
+        let body = br#"{"model": "m", "messages": [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\":\"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "cold"}],
+            "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}], "tool_choice": "required",
+            "parallel_tool_calls": false, "logprobs": true, "top_logprobs": 3, "n": 2}"#;
+        let g = chat_request(body).unwrap();
+        let Prompt::Chat(chat) = &g.prompt else { panic!() };
+        assert_eq!(chat.messages[1]["content"], Value::Null);
+        assert_eq!(chat.messages[1]["tool_calls"][0]["function"]["arguments"], "{\"city\":\"Oslo\"}");
+        assert_eq!(chat.messages[2], json!({"role": "tool", "content": "cold", "tool_call_id": "c1"}));
+        let tools = chat.tools.as_ref().unwrap();
+        assert_eq!((&tools.choice, tools.parallel), (&Choice::Required, false));
+        assert_eq!((g.logprobs, g.n), (Some(3), 2));
+        let conv: Value = serde_json::from_str(&chat.conversation()).unwrap();
+        assert_eq!(conv["tools"][0]["function"]["name"], "w");
+        let text = completion_request(br#"{"model": "m", "prompt": "x", "logprobs": 2}"#).unwrap();
+        assert_eq!(text.logprobs, Some(2));
+        for bad in [&br#"{"model": "m", "prompt": "x", "logprobs": 6}"#[..], br#"{"model": "m", "prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}"#] {
+            assert_eq!(completion_request(bad).unwrap_err().status, 400);
+        }
+    }
+
+    /// A reply under tools, fed `pieces` (the last ends generation when `eog`).
+    /// Tools `w` and `now`, a call forced or not.
+    fn tools(forced: bool) -> Tools {
+        let list = vec![json!({"type": "function", "function": {"name": "w"}}), json!({"type": "function", "function": {"name": "now"}})];
+        Tools::read(Some(&list), Some(&json!(if forced { "required" } else { "auto" })), None).unwrap().unwrap()
+    }
+
+    fn calling(syntax: ToolSyntax, forced: bool, budget: u32, pieces: &[&str], eog: bool) -> Vec<Advance> {
+        let mut r = Reply::new(5, budget, vec!["STOP".into()]).calling(syntax, &tools(forced));
+        let mut out = Vec::new();
+        for (i, p) in pieces.iter().enumerate() {
+            let a = r.step(p.as_bytes(), eog && i + 1 == pieces.len(), false);
+            let end = a.end.is_some();
+            out.push(a);
+            if end {
+                break;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_reply_that_opens_a_call_is_rewound_to_it_and_read_as_calls() {
+        // Auto: text, then the call's opening (split over tokens): the tokens before it are
+        // kept, the call's text is never sent, and the end reads the call.
+        let steps = calling(ToolSyntax::Hermes, false, 100, &["Let me", " check.", "<tool", "_call>"], false);
+        // A reply that opens with a bare call (in a code fence) is a call too.
+        let fenced = calling(ToolSyntax::Hermes, false, 100, &["\n", "```", "json\n", "{\"", "name", "\": \"", "w\""], false);
+        assert_eq!(fenced.iter().map(|a| a.text.as_str()).collect::<String>(), "");
+        assert_eq!(fenced[6].call_opened, Some(1));
+        // Another name is text.
+        let other = calling(ToolSyntax::Hermes, false, 100, &["{\"name\": \"hi\"", "}"], false);
+        assert_eq!(other.iter().map(|a| a.text.as_str()).collect::<String>(), "{\"name\": \"hi\"}");
+        assert_eq!(steps.iter().map(|a| a.text.as_str()).collect::<String>(), "Let me check.");
+        assert_eq!(steps[3].call_opened, Some(2));
+        let mut r = Reply::new(5, 100, vec![]).calling(ToolSyntax::Hermes, &tools(false));
+        r.step(b"Hi", false, false);
+        assert_eq!(r.step(b"<tool_call>", false, false).call_opened, Some(1));
+        for p in ["<tool_call>", "\n{\"name\": \"w\", \"arguments\": {}}", "\n</tool_call>"] {
+            assert_eq!(r.step(p.as_bytes(), false, false).text, "");
+        }
+        let end = r.step(b"", true, false);
+        assert_eq!(end.end.unwrap().0, Finish::ToolCalls);
+        assert_eq!((end.calls[0].name.as_str(), end.calls[0].arguments.as_str()), ("w", "{}"));
+        assert_eq!(end.end.unwrap().1.completion_tokens, 5);
+        // Forced: calls from the first token; cut short by the budget, the text as written.
+        let cut = calling(ToolSyntax::Hermes, true, 2, &["<tool_call>", "\n{"], false);
+        assert_eq!((cut[1].text.as_str(), cut[1].end.unwrap().0), ("<tool_call>\n{", Finish::Length));
+        // A stop sequence still ends a reply that opened no call.
+        let stopped = calling(ToolSyntax::Hermes, false, 100, &["a STOP b"], false);
+        assert_eq!((stopped[0].text.as_str(), stopped[0].end.unwrap().0), ("a ", Finish::StopSequence(0)));
+        // Llama 3: a reply that opens with `{` is a call; one that does not is text.
+        let json = calling(ToolSyntax::Llama3Json, false, 100, &[" ", "{\"name\": \"w\"", ", \"parameters\": {}}"], false);
+        assert_eq!(json[1].call_opened, Some(1));
+        let text = calling(ToolSyntax::Llama3Json, false, 100, &[" ", "Hello", "!"], true);
+        assert_eq!(text.iter().map(|a| a.text.as_str()).collect::<String>(), " Hello");
+        assert_eq!(text[2].end.unwrap().0, Finish::Stop);
+    }
+
+    #[test]
     fn responses_and_chunks_have_openai_shapes() {
         let h = Head::new(Kind::Chat, "m");
         let r = h.response("hi", Finish::Length, Usage { prompt_tokens: 3, completion_tokens: 2, cached_tokens: 1 });
@@ -1064,5 +1494,20 @@ mod tests {
         assert!(t.opening_chunk().is_none());
         assert_eq!(t.finish_chunk(Finish::Stop)["choices"][0]["finish_reason"], "stop");
         assert!(t.id.starts_with("cmpl-") && h.id.starts_with("chatcmpl-"));
+        let call = Call { id: "call_1".into(), name: "w".into(), arguments: "{}".into() };
+        let lp = TokenLogprob { token: "hi".into(), bytes: b"hi".to_vec(), logprob: -0.5, top: vec![("hi".into(), b"hi".to_vec(), -0.5), ("yo".into(), b"yo".to_vec(), -1.5)] };
+        let answers = [
+            Answer { text: String::new(), finish: Finish::ToolCalls, calls: vec![call.clone()], logprobs: None },
+            Answer { text: "hi".into(), finish: Finish::Stop, calls: vec![], logprobs: Some(vec![lp.clone()]) },
+        ];
+        let r = h.response_of(&answers, Usage::default());
+        assert_eq!(r["choices"][0]["message"], json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]}));
+        assert_eq!(r["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(r["choices"][1]["index"], 1);
+        assert_eq!(r["choices"][1]["logprobs"]["content"][0]["top_logprobs"][1], json!({"token": "yo", "logprob": -1.5, "bytes": [121, 111]}));
+        assert_eq!(h.calls_chunk_of(0, &[call])["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        let text = t.logprobs_json(&[lp.clone(), lp], 3);
+        assert_eq!(text["text_offset"], json!([3, 5]));
+        assert_eq!(text["top_logprobs"][0], json!({"hi": -0.5, "yo": -1.5}));
     }
 }

@@ -37,6 +37,9 @@ pub struct StopMatcher {
     stops: Vec<String>,
     /// Text received and not yet released.
     held: String,
+    /// How many of `stops` (the last ones) are watched for, not stops: text that opens
+    /// something (a call of a tool), found as a stop is, whose finding is told apart.
+    watched: usize,
 }
 
 /// What one push released.
@@ -46,20 +49,40 @@ pub struct Released {
     pub text: String,
     /// A stop sequence was found: generation ends, and the text before it is all there is.
     pub stopped: bool,
+    /// What was found is a watched text ([`StopMatcher::watch`]), not a stop.
+    pub watched: bool,
+    /// Which stop sequence (or watched text) was found, by its index among the stops (the
+    /// watched texts after them).
+    pub index: usize,
 }
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> StopMatcher {
-        StopMatcher { stops, held: String::new() }
+        StopMatcher { stops, held: String::new(), watched: 0 }
+    }
+
+    /// Also looks for `text`, found as a stop sequence is but told apart
+    /// ([`Released::watched`]), and held back alike.
+    pub fn watch(&mut self, text: &str) {
+        self.stops.push(text.to_string());
+        self.watched += 1;
+    }
+
+    /// Forgets every stop sequence and watched text, and the held text.
+    pub fn clear(&mut self) {
+        *self = StopMatcher::new(Vec::new());
     }
 
     pub fn push(&mut self, text: &str) -> Released {
         self.held.push_str(text);
-        // The earliest stop sequence in the held text ends it.
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        // The earliest stop sequence in the held text ends it (a stop before a watched text
+        // that starts there).
+        let first_watched = self.stops.len() - self.watched;
+        let found = self.stops.iter().enumerate().filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at, i))).min();
+        if let Some((at, i)) = found {
             let text = self.held[..at].to_string();
             self.held.clear();
-            return Released { text, stopped: true };
+            return Released { text, stopped: true, watched: i >= first_watched, index: i - if i >= first_watched { first_watched } else { 0 } };
         }
         // Hold back the longest tail that is the start of some stop sequence.
         let keep = self
@@ -70,7 +93,7 @@ impl StopMatcher {
             .unwrap_or(self.held.len());
         let text = self.held[..keep].to_string();
         self.held.drain(..keep);
-        Released { text, stopped: false }
+        Released { text, stopped: false, watched: false, index: 0 }
     }
 
     /// The held text, released at the end of generation.
@@ -111,17 +134,21 @@ mod tests {
     #[test]
     fn held_text_is_released_when_it_cannot_start_a_stop_or_at_the_end() {
         let mut m = StopMatcher::new(vec!["abc".into()]);
-        assert_eq!(m.push("xab"), Released { text: "x".into(), stopped: false });
-        assert_eq!(m.push("x"), Released { text: "abx".into(), stopped: false });
-        assert_eq!(m.push("a"), Released { text: "".into(), stopped: false });
+        assert_eq!(m.push("xab"), Released { text: "x".into(), stopped: false, watched: false, index: 0 });
+        assert_eq!(m.push("x"), Released { text: "abx".into(), stopped: false, watched: false, index: 0 });
+        assert_eq!(m.push("a"), Released { text: "".into(), stopped: false, watched: false, index: 0 });
         assert_eq!(m.finish(), "a");
         let mut none = StopMatcher::new(vec![]);
-        assert_eq!(none.push("abc"), Released { text: "abc".into(), stopped: false });
+        assert_eq!(none.push("abc"), Released { text: "abc".into(), stopped: false, watched: false, index: 0 });
     }
 
     #[test]
     fn the_earliest_of_several_stops_wins() {
         let mut m = StopMatcher::new(vec!["cd".into(), "b".into()]);
-        assert_eq!(m.push("abcd"), Released { text: "a".into(), stopped: true });
+        assert_eq!(m.push("abcd"), Released { text: "a".into(), stopped: true, watched: false, index: 1 });
+        let mut w = StopMatcher::new(vec!["cd".into()]);
+        w.watch("<x>");
+        assert_eq!(w.push("ab<"), Released { text: "ab".into(), stopped: false, watched: false, index: 0 });
+        assert_eq!(w.push("x>cd"), Released { text: "".into(), stopped: true, watched: true, index: 0 });
     }
 }

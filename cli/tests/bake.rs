@@ -50,7 +50,7 @@ fn wasmtime() -> PathBuf {
 #[test]
 fn a_baked_model_serves_the_openai_api_under_wasmtime_serve() {
     let suite = "the bake suite";
-    if !pytest::python_has("openai, httpx, pytest", suite) {
+    if !pytest::python_has("openai, httpx, pytest, anthropic", suite) {
         return;
     }
     let model = wisp::fetch::ensure(&wisp::fetch::QWEN25_CODER_05B, false).expect("fetching Qwen2.5-Coder-0.5B-Instruct");

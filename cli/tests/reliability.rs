@@ -503,15 +503,15 @@ fn a_component_of_another_world_is_refused_clearly() {
     still_serves(&Wisp::new(Options::default()).unwrap(), &model());
 }
 
-/// The real guest with every `wisp:llm/<interface>@0.9.0` renamed to `@{version}` (five
+/// The real guest with every `wisp:llm/<interface>@0.10.0` renamed to `@{version}` (six
 /// characters, so that the binary stays valid): a component built for another version of the
 /// WIT package.
-fn guest_of_version(version: &[u8; 5]) -> Vec<u8> {
+fn guest_of_version(version: &[u8; 6]) -> Vec<u8> {
     let mut bytes = wisp::GUEST_WASM.to_vec();
     let mut n = 0;
-    for iface in [&b"wisp:llm/gpu@0.9.0"[..], b"wisp:llm/engine@0.9.0"] {
+    for iface in [&b"wisp:llm/gpu@0.10.0"[..], b"wisp:llm/engine@0.10.0"] {
         let mut to = iface.to_vec();
-        let at = to.len() - 5;
+        let at = to.len() - 6;
         to[at..].copy_from_slice(version);
         let mut i = 0;
         while let Some(p) = bytes[i..].windows(iface.len()).position(|w| w == iface) {
@@ -527,18 +527,18 @@ fn guest_of_version(version: &[u8; 5]) -> Vec<u8> {
 #[test]
 fn a_component_built_for_another_wit_version_is_refused_clearly() {
     // A guest of an earlier version (0.5: the calls programs replaced) names it.
-    let wisp = Wisp::with_component(&guest_of_version(b"0.5.0"), Options { cache_dir: None, ..Options::default() }).unwrap();
+    let wisp = Wisp::with_component(&guest_of_version(b"0.8.10"), Options { cache_dir: None, ..Options::default() }).unwrap();
     let err = match wisp.instantiate(GpuCtx::none(), None) {
-        Ok(_) => panic!("a component of wisp:llm@0.5.0 instantiated"),
+        Ok(_) => panic!("a component of wisp:llm@0.8.10 instantiated"),
         Err(e) => format!("{e:#}"),
     };
-    assert!(err.contains("built for wisp:llm@0.5.0"), "{err}");
-    assert!(err.contains("this host implements wisp:llm@0.9.0"), "{err}");
+    assert!(err.contains("built for wisp:llm@0.8.10"), "{err}");
+    assert!(err.contains("this host implements wisp:llm@0.10.0"), "{err}");
     // The CLI says so in one line.
     let dir = std::env::temp_dir().join(format!("wisp-version-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let component = dir.join("guest-1.0.wasm");
-    std::fs::write(&component, guest_of_version(b"1.0.0")).unwrap();
+    std::fs::write(&component, guest_of_version(b"1.10.0")).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_wisp"))
         .env("WISP_COMPONENT", &component)
         .args(["run", "--gpu", "off", "--model"])
@@ -550,7 +550,7 @@ fn a_component_built_for_another_wit_version_is_refused_clearly() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "one line: {stderr}");
-    assert!(lines[0].starts_with("wisp: error:") && lines[0].contains("built for wisp:llm@1.0.0"), "{stderr}");
+    assert!(lines[0].starts_with("wisp: error:") && lines[0].contains("built for wisp:llm@1.10.0"), "{stderr}");
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     // The right version still serves, on the same host.
     still_serves(&Wisp::new(Options::default()).unwrap(), &model());

@@ -18,7 +18,7 @@ use crate::engine::Error;
 use crate::gguf::Gguf;
 use crate::tokenizer::Tokenizer;
 use minijinja::syntax::SyntaxConfig;
-use minijinja::value::{Enumerator, Object};
+use minijinja::value::{Enumerator, Object, Serde};
 use minijinja::{Environment, ErrorKind, Template as Compiled, Value, context};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -140,29 +140,74 @@ impl Template {
     /// Renders `(role, content)` messages; with `add_generation_prompt`, ends with the opening
     /// of the assistant's turn.
     pub fn render(&self, messages: &[(String, String)], add_generation_prompt: bool) -> Result<String, Error> {
+        let messages: Vec<Json> = messages.iter().map(|(role, content)| serde_json::json!({"role": role, "content": content})).collect();
+        self.with_compiled(|template| self.render_with(template, messages, None, add_generation_prompt))
+    }
+
+    /// Renders a conversation given as JSON in OpenAI's chat shape, `{"messages": [...],
+    /// "tools": [...]}` (the WIT `render-chat`), and says how the model will write its calls.
+    /// Where the template renders no tools or writes its calls in a syntax this engine does not
+    /// read, the tools, calls and results are written as text in the [`ToolSyntax::Hermes`]
+    /// syntax ([`hermes_text`]).
+    pub fn render_conversation(&self, conversation: &str, add_generation_prompt: bool) -> Result<(String, ToolSyntax), Error> {
+        let (messages, tools) = conversation_from_json(conversation)?;
+        let syntax = tool_syntax(&self.source);
+        self.with_compiled(|template| {
+            if tools.is_empty() {
+                let text = self.render_with(template, messages, None, add_generation_prompt)?;
+                return Ok((text, syntax.unwrap_or(ToolSyntax::Hermes)));
+            }
+            if let Some(syntax) = syntax.filter(|_| self.renders_tools(template)) {
+                let text = self.render_with(template, messages, Some(tools), add_generation_prompt)?;
+                return Ok((text, syntax));
+            }
+            let text = self.render_with(template, hermes_text(messages, &tools), None, add_generation_prompt)?;
+            Ok((text, ToolSyntax::Hermes))
+        })
+    }
+
+    /// `f` of the compiled template.
+    fn with_compiled<R>(&self, f: impl FnOnce(&Compiled<'_, '_>) -> Result<R, Error>) -> Result<R, Error> {
         let env = environment();
         let template = env
             .template_from_str(&self.source)
             .map_err(|e| Error::InvalidModel(format!("the chat template does not compile: {e}")))?;
-        let mut messages: Vec<(String, String)> = messages.to_vec();
-        let first_is_system = messages.first().is_some_and(|(role, _)| role == "system");
-        if first_is_system && self.origin != Origin::Custom && !self.reads_system_content(&template) {
+        f(&template)
+    }
+
+    /// The rendering of `messages` (JSON objects) and `tools` (given to the template as `tools`
+    /// where some), with a model's leading system message folded into the next message where
+    /// the template never reads it.
+    fn render_with(&self, template: &Compiled, mut messages: Vec<Json>, tools: Option<Vec<Json>>, add_generation_prompt: bool) -> Result<String, Error> {
+        let first_is_system = messages.first().is_some_and(|m| m["role"] == "system");
+        if first_is_system && self.origin != Origin::Custom && !self.reads_system_content(template) {
             // llama.cpp's `system_message_not_supported`: the system text opens the next message.
-            let (_, system) = messages.remove(0);
-            if let Some((_, next)) = messages.first_mut() {
-                *next = format!("{system}\n{next}");
+            let system = messages.remove(0);
+            let system = system["content"].as_str().unwrap_or_default().to_string();
+            if let Some(next) = messages.first_mut() {
+                let content = next["content"].as_str().unwrap_or_default();
+                next["content"] = Json::String(format!("{system}\n{content}"));
             }
         }
-        let messages: Vec<Value> =
-            messages.iter().map(|(role, content)| context! { role => role, content => content }).collect();
+        let mut vars = self.variables(Value::from(Serde(&messages)), add_generation_prompt);
+        if let Some(tools) = tools {
+            vars = context! { tools => Value::from(Serde(&tools)), ..vars };
+        }
         let mut out = Capped { text: Vec::new(), over: false };
-        template
-            .render_captured_to(self.variables(Value::from(messages), add_generation_prompt), &mut out)
-            .map_err(|e| match out.over {
-                true => Error::InvalidArgument(format!("the chat template's text is over the limit of {MAX_RENDERED_BYTES} bytes")),
-                false => Error::InvalidArgument(format!("the chat template failed: {e}")),
-            })?;
+        template.render_captured_to(vars, &mut out).map_err(|e| match out.over {
+            true => Error::InvalidArgument(format!("the chat template's text is over the limit of {MAX_RENDERED_BYTES} bytes")),
+            false => Error::InvalidArgument(format!("the chat template failed: {e}")),
+        })?;
         String::from_utf8(out.text).map_err(|_| Error::InvalidArgument("the chat template's text is not UTF-8".into()))
+    }
+
+    /// Whether the template writes the tools it is given (llama.cpp's capability probe asks the
+    /// same: a tool's name in the text).
+    fn renders_tools(&self, template: &Compiled) -> bool {
+        const NAME: &str = "wisp_probe_tool_name";
+        let tool = serde_json::json!({"type": "function", "function": {"name": NAME, "description": "probe", "parameters": {"type": "object", "properties": {}}}});
+        let messages = vec![serde_json::json!({"role": "user", "content": "Hi"})];
+        self.render_with(template, messages, Some(vec![tool]), true).is_ok_and(|t| t.contains(NAME))
     }
 
     /// The variables of a rendering, as llama.cpp's `common_chat_template_direct_apply` sets
@@ -194,6 +239,167 @@ impl Template {
         let _ = template.render_captured_to(self.variables(Value::from(vec![system, user]), false), &mut sink);
         read.load(Ordering::Relaxed)
     }
+}
+
+/// JSON as serde reads it.
+type Json = serde_json::Value;
+
+/// How a model writes its calls of tools (the WIT `tool-syntax`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call.
+    Hermes,
+    /// The whole reply is `{"name": ..., "parameters": {...}}`.
+    Llama3Json,
+}
+
+/// The syntax a template writes its calls in, where it is one this engine reads: Hermes'
+/// `<tool_call>` blocks (Qwen2.5), or Llama 3.x's `"parameters"` object.
+fn tool_syntax(source: &str) -> Option<ToolSyntax> {
+    if source.contains("<tool_call>") {
+        Some(ToolSyntax::Hermes)
+    } else if source.contains("\"parameters\"") && source.contains("<|start_header_id|>") {
+        Some(ToolSyntax::Llama3Json)
+    } else {
+        None
+    }
+}
+
+/// The most messages and tools a conversation given as JSON may hold.
+pub const MAX_MESSAGES: usize = 4096;
+pub const MAX_TOOLS: usize = 1024;
+
+/// A conversation's messages and tools from its JSON (`render-chat`), checked: each message an
+/// object with a string `role` and a `content` that is text (null or absent: empty; a list of
+/// text parts is joined); a call's `arguments` given as JSON text become the value it spells.
+fn conversation_from_json(conversation: &str) -> Result<(Vec<Json>, Vec<Json>), Error> {
+    let bad = |why: String| Error::InvalidArgument(format!("the conversation: {why}"));
+    let mut v: Json = serde_json::from_str(conversation).map_err(|e| bad(format!("not JSON: {e}")))?;
+    let Some(obj) = v.as_object_mut() else { return Err(bad("not a JSON object".into())) };
+    let mut messages = match obj.remove("messages") {
+        Some(Json::Array(m)) => m,
+        _ => return Err(bad("no \"messages\" list".into())),
+    };
+    let tools = match obj.remove("tools") {
+        None | Some(Json::Null) => Vec::new(),
+        Some(Json::Array(t)) => t,
+        Some(_) => return Err(bad("\"tools\" is not a list".into())),
+    };
+    if messages.len() > MAX_MESSAGES || tools.len() > MAX_TOOLS {
+        return Err(bad(format!("more than {MAX_MESSAGES} messages or {MAX_TOOLS} tools")));
+    }
+    for (i, t) in tools.iter().enumerate() {
+        if !t["function"]["name"].is_string() {
+            return Err(bad(format!("tools[{i}] has no function.name")));
+        }
+    }
+    for (i, m) in messages.iter_mut().enumerate() {
+        let Some(m) = m.as_object_mut() else { return Err(bad(format!("messages[{i}] is not an object"))) };
+        if !m.get("role").is_some_and(Json::is_string) {
+            return Err(bad(format!("messages[{i}] has no role")));
+        }
+        match m.get("content") {
+            // No content (an assistant's calls alone) is empty text, as llama.cpp gives it: a
+            // template may look inside it (Qwen3's `'</think>' in message.content`).
+            None | Some(Json::Null) => {
+                m.insert("content".into(), Json::String(String::new()));
+            }
+            Some(Json::String(_)) => {}
+            Some(Json::Array(parts)) => {
+                let text: Option<String> = parts.iter().map(|p| p["text"].as_str()).collect();
+                let text = text.ok_or_else(|| bad(format!("messages[{i}].content has a part without text")))?;
+                m.insert("content".into(), Json::String(text));
+            }
+            Some(_) => return Err(bad(format!("messages[{i}].content is not text"))),
+        }
+        if let Some(calls) = m.get_mut("tool_calls") {
+            let Some(calls) = calls.as_array_mut() else { return Err(bad(format!("messages[{i}].tool_calls is not a list"))) };
+            for call in calls {
+                let f = &mut call["function"];
+                if !f["name"].is_string() {
+                    return Err(bad(format!("messages[{i}].tool_calls has a call without function.name")));
+                }
+                if let Some(args) = f["arguments"].as_str()
+                    && let Ok(value) = serde_json::from_str::<Json>(args)
+                {
+                    f["arguments"] = value;
+                }
+            }
+        }
+    }
+    Ok((messages, tools))
+}
+
+/// The conversation with its tools written as text, for a template that renders none: the
+/// tools described in the system message (one is opened where there is none), each call of an
+/// assistant's as a `<tool_call>` block after its text, and the results of tools (one after
+/// another) as one user message of `<tool_response>` blocks.
+pub fn hermes_text(messages: Vec<Json>, tools: &[Json]) -> Vec<Json> {
+    let mut described = String::from(
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n\
+         You are provided with function signatures within <tools></tools> XML tags:\n<tools>",
+    );
+    for t in tools {
+        described.push('\n');
+        described.push_str(&t.to_string());
+    }
+    described.push_str(
+        "\n</tools>\n\nFor each function call, return a json object with function name and arguments \
+         within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \
+         \"arguments\": <args-json-object>}\n</tool_call>",
+    );
+    let mut out: Vec<Json> = Vec::with_capacity(messages.len() + 1);
+    match messages.first() {
+        Some(m) if m["role"] == "system" => {}
+        _ => out.push(serde_json::json!({"role": "system", "content": ""})),
+    }
+    for mut m in messages {
+        let role = m["role"].as_str().unwrap_or_default().to_string();
+        let content = m["content"].as_str().unwrap_or_default().to_string();
+        match role.as_str() {
+            "system" if out.is_empty() => {
+                let text = if content.is_empty() { described.clone() } else { format!("{content}\n\n{described}") };
+                out.push(serde_json::json!({"role": "system", "content": text}));
+            }
+            "assistant" if m.get("tool_calls").is_some() => {
+                let mut text = content;
+                for call in m["tool_calls"].as_array().into_iter().flatten() {
+                    let f = &call["function"];
+                    let call = serde_json::json!({"name": f["name"], "arguments": f["arguments"]});
+                    if !text.is_empty() {
+                        text.push('\n');
+                    }
+                    text.push_str(&format!("<tool_call>\n{call}\n</tool_call>"));
+                }
+                out.push(serde_json::json!({"role": "assistant", "content": text}));
+            }
+            "tool" => {
+                let block = format!("<tool_response>\n{content}\n</tool_response>");
+                match out.last_mut() {
+                    Some(last) if last["role"] == "user" && last.get("wisp_tool_results").is_some() => {
+                        let joined = format!("{}\n{block}", last["content"].as_str().unwrap_or_default());
+                        last["content"] = Json::String(joined);
+                    }
+                    _ => out.push(serde_json::json!({"role": "user", "content": block, "wisp_tool_results": true})),
+                }
+            }
+            _ => {
+                if let Some(obj) = m.as_object_mut() {
+                    obj.remove("tool_calls");
+                }
+                out.push(m);
+            }
+        }
+    }
+    if out[0]["content"] == "" {
+        out[0]["content"] = Json::String(described);
+    }
+    for m in &mut out {
+        if let Some(obj) = m.as_object_mut() {
+            obj.remove("wisp_tool_results");
+        }
+    }
+    out
 }
 
 /// A message of the capability probe: says (`read`) when its content is looked at.
@@ -346,7 +552,122 @@ fn environment() -> Environment<'static> {
         Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
     });
     env.add_function("strftime_now", |format: String| strftime(&format, unix_now()));
+    env.add_filter("tojson", tojson);
     env
+}
+
+/// Hugging Face's `tojson` (Python's `json.dumps` with `ensure_ascii=False`): `", "` between
+/// items and `": "` after keys, or with `indent`, each item on its own line; no HTML escaping
+/// (minijinja's own `tojson` writes compact, HTML-safe JSON, which no model was trained on).
+fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let failed = |e: serde_json::Error| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string());
+    let mut json = serde_json::to_value(&value).map_err(failed)?;
+    if sort_keys == Some(true) {
+        sort(&mut json);
+    }
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::with_formatter(&mut out, PyFormatter { indent, level: 0, has_value: false });
+    serde::Serialize::serialize(&json, &mut ser).map_err(failed)?;
+    Ok(Value::from_safe_string(String::from_utf8_lossy(&out).into_owned()))
+}
+
+/// Every object's keys in order, at every depth (`sort_keys=True`).
+fn sort(v: &mut Json) {
+    match v {
+        Json::Object(map) => {
+            let mut entries: Vec<(String, Json)> = std::mem::take(map).into_iter().collect();
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            for (k, mut v) in entries {
+                sort(&mut v);
+                map.insert(k, v);
+            }
+        }
+        Json::Array(items) => items.iter_mut().for_each(sort),
+        _ => {}
+    }
+}
+
+/// Python's `json.dumps` layout (see [`tojson`]).
+struct PyFormatter {
+    indent: Option<usize>,
+    level: usize,
+    has_value: bool,
+}
+
+impl PyFormatter {
+    fn item<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        if !first {
+            w.write_all(if self.indent.is_some() { b"," } else { b", " })?;
+        }
+        self.newline(w)
+    }
+
+    fn newline<W: ?Sized + std::io::Write>(&self, w: &mut W) -> std::io::Result<()> {
+        if let Some(n) = self.indent {
+            w.write_all(b"\n")?;
+            for _ in 0..n * self.level {
+                w.write_all(b" ")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn close<W: ?Sized + std::io::Write>(&mut self, w: &mut W, c: &[u8]) -> std::io::Result<()> {
+        self.level -= 1;
+        if self.has_value {
+            self.newline(w)?;
+        }
+        self.has_value = true;
+        w.write_all(c)
+    }
+}
+
+impl serde_json::ser::Formatter for PyFormatter {
+    fn begin_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(b"[")
+    }
+
+    fn end_array<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"]")
+    }
+
+    fn begin_array_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+
+    fn end_array_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
+
+    fn begin_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.level += 1;
+        self.has_value = false;
+        w.write_all(b"{")
+    }
+
+    fn end_object<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        self.close(w, b"}")
+    }
+
+    fn begin_object_key<W: ?Sized + std::io::Write>(&mut self, w: &mut W, first: bool) -> std::io::Result<()> {
+        self.item(w, first)
+    }
+
+    fn begin_object_value<W: ?Sized + std::io::Write>(&mut self, w: &mut W) -> std::io::Result<()> {
+        w.write_all(b": ")
+    }
+
+    fn end_object_value<W: ?Sized + std::io::Write>(&mut self, _: &mut W) -> std::io::Result<()> {
+        self.has_value = true;
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -383,5 +704,78 @@ mod tests {
         // A host's own template renders as written.
         let custom = Template { origin: Origin::Custom, ..raises };
         assert!(matches!(custom.render(&two, false), Err(Error::InvalidArgument(e)) if e.contains("no")));
+    }
+
+    fn template(source: &str) -> Template {
+        Template { source: source.into(), origin: Origin::File, bos_token: "<s>".into(), eos_token: "</s>".into() }
+    }
+
+    /// A conversation with a tool, a call of it (its arguments as JSON text) and its result.
+    const CONVERSATION: &str = r#"{"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}],
+      "tools": [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]}"#;
+
+    #[test]
+    fn a_template_that_takes_tools_renders_them_and_says_its_syntax() {
+        let qwen = template(include_str!("../../tests/chat/templates/Qwen-Qwen2.5-7B-Instruct.jinja"));
+        let (text, syntax) = qwen.render_conversation(CONVERSATION, true).unwrap();
+        assert_eq!(syntax, ToolSyntax::Hermes);
+        assert!(text.contains("<tools>") && text.contains("\"name\": \"get_weather\""), "{text}");
+        // The call's arguments are the object their text spells, not a string.
+        assert!(text.contains("\"arguments\": {\"city\": \"Paris\"}"), "{text}");
+        assert!(text.contains(r#"{"type": "function", "function": {"name": "get_weather""#), "{text}");
+        assert!(text.contains("<tool_response>\n18 C\n</tool_response>"), "{text}");
+        assert!(text.ends_with("<|im_start|>assistant\n"), "{text}");
+        let llama = template(include_str!("../../tests/chat/templates/meta-llama-Llama-3.1-8B-Instruct.jinja"));
+        let one_result = CONVERSATION.replace(r#",
+        {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}"#, "");
+        let (text, syntax) = llama.render_conversation(&one_result, true).unwrap();
+        assert_eq!(syntax, ToolSyntax::Llama3Json);
+        assert!(text.contains("get_weather") && text.contains("\"parameters\": {\"city\": \"Paris\"}"), "{text}");
+        // Without tools: the text `render` gives, and the template's syntax.
+        let plain = r#"{"messages": [{"role": "user", "content": "Hi"}]}"#;
+        let (text, syntax) = qwen.render_conversation(plain, true).unwrap();
+        assert_eq!(text, qwen.render(&[("user".into(), "Hi".into())], true).unwrap());
+        assert_eq!(syntax, ToolSyntax::Hermes);
+    }
+
+    #[test]
+    fn a_template_without_tools_gets_them_as_text() {
+        let gemma = Template { origin: Origin::Builtin("gemma"), ..template(GEMMA) };
+        let (text, syntax) = gemma.render_conversation(CONVERSATION, true).unwrap();
+        assert_eq!(syntax, ToolSyntax::Hermes);
+        // Gemma reads no system turn of its own: the description opens the first user turn;
+        // the results of the two tools are one user turn, so the roles still alternate.
+        assert!(text.starts_with("<s><start_of_turn>user\nBe brief.\n\n# Tools"), "{text}");
+        assert!(text.contains("\"name\":\"get_weather\""), "{text}");
+        assert!(text.contains("<start_of_turn>model\n<tool_call>\n{\"name\":\"get_weather\",\"arguments\":{\"city\":\"Paris\"}}\n</tool_call><end_of_turn>"), "{text}");
+        assert!(text.contains("<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response><end_of_turn>"), "{text}");
+        assert!(text.ends_with("<start_of_turn>model\n"), "{text}");
+    }
+
+    #[test]
+    fn tojson_writes_as_python_json_dumps() {
+        let env = environment();
+        let v = serde_json::json!({"b": [1, 2.5, "é<"], "a": {}, "c": []});
+        let render = |src: &str| env.render_str(src, context! { v => Value::from(Serde(&v)) }).unwrap();
+        assert_eq!(render("{{ v | tojson }}"), r#"{"b": [1, 2.5, "é<"], "a": {}, "c": []}"#);
+        assert_eq!(render("{{ v | tojson(sort_keys=true) }}"), r#"{"a": {}, "b": [1, 2.5, "é<"], "c": []}"#);
+        assert_eq!(render("{{ v | tojson(indent=2) }}"), "{\n  \"b\": [\n    1,\n    2.5,\n    \"é<\"\n  ],\n  \"a\": {},\n  \"c\": []\n}");
+        assert_eq!(render(r#"{{ 'x"y' | tojson }}"#), r#""x\"y""#);
+    }
+
+    #[test]
+    fn a_conversation_that_is_not_one_is_refused() {
+        let qwen = template(CHATML);
+        for bad in ["[]", "{}", r#"{"messages": [1]}"#, r#"{"messages": [{"content": "x"}]}"#, r#"{"messages": [], "tools": {}}"#,
+            r#"{"messages": [{"role": "user", "content": 3}]}"#, r#"{"messages": [], "tools": [{"type": "function"}]}"#, "not json"] {
+            assert!(matches!(qwen.render_conversation(bad, true), Err(Error::InvalidArgument(_))), "{bad}");
+        }
     }
 }

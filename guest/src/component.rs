@@ -484,6 +484,17 @@ impl wit::GuestModel for ModelRes {
         Ok(template.render(&messages, add_generation_prompt)?)
     }
 
+    fn render_chat(&self, conversation: String, add_generation_prompt: bool) -> Result<wit::RenderedChat, wit::Error> {
+        let template = self.template.borrow();
+        let template = template.as_ref().ok_or_else(|| wit::Error::Unsupported("the model has no chat template".into()))?;
+        let (text, syntax) = template.render_conversation(&conversation, add_generation_prompt)?;
+        let tool_syntax = match syntax {
+            chat::ToolSyntax::Hermes => wit::ToolSyntax::Hermes,
+            chat::ToolSyntax::Llama3Json => wit::ToolSyntax::Llama3Json,
+        };
+        Ok(wit::RenderedChat { text, tool_syntax })
+    }
+
     fn set_chat_template(&self, template: String) -> Result<(), wit::Error> {
         let t = chat::Template::named_or_source(&template, &self.model.tokenizer)?;
         *self.template.borrow_mut() = Some(t);
@@ -524,7 +535,13 @@ impl wit::GuestModel for ModelRes {
 const MAX_STEP: usize = 1024;
 
 fn wit_step(step: session::Step) -> wit::Step {
-    wit::Step { token: step.token, piece: step.piece, end_of_generation: step.end_of_generation, dead_end: step.dead_end }
+    wit::Step {
+        token: step.token,
+        piece: step.piece,
+        end_of_generation: step.end_of_generation,
+        dead_end: step.dead_end,
+        logprobs: step.logprobs.map(|(logprob, top)| wit::Logprobs { logprob, top }),
+    }
 }
 
 impl ModelRes {
@@ -548,6 +565,7 @@ impl From<wit::Sampling> for Params {
             repeat_penalty: s.repeat_penalty,
             repeat_last_n: s.repeat_last_n,
             seed: s.seed,
+            logprobs: s.logprobs,
         }
     }
 }

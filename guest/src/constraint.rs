@@ -48,7 +48,7 @@ impl Spec {
                 Ok(TopLevelGrammar::from_json_schema(schema))
             }
             Spec::Regex(s) => Ok(TopLevelGrammar::from_regex(s)),
-            Spec::Lark(s) => Ok(TopLevelGrammar::from_lark(s.clone())),
+            Spec::Lark(s) => Ok(TopLevelGrammar::from_lark(json_in_lark(s))),
         }
     }
 
@@ -59,6 +59,36 @@ impl Spec {
             Spec::Lark(_) => "Lark grammar",
         }
     }
+}
+
+/// A Lark grammar whose `%json { ... }` schemas are read as a `json-schema` constraint's
+/// schema is: written compactly unless its `x-guidance` says otherwise, numbers bounded. A
+/// `%json` not followed by a JSON object is left for llguidance to report.
+fn json_in_lark(lark: &str) -> String {
+    const TAG: &str = "%json";
+    let mut out = String::with_capacity(lark.len());
+    let mut rest = lark;
+    while let Some(at) = rest.find(TAG) {
+        let (before, after) = rest.split_at(at + TAG.len());
+        out.push_str(before);
+        rest = after;
+        let body = rest.trim_start();
+        if !body.starts_with('{') {
+            continue;
+        }
+        let mut values = serde_json::Deserializer::from_str(body).into_iter::<serde_json::Value>();
+        let Some(Ok(mut schema)) = values.next() else { continue };
+        let used = values.byte_offset();
+        if let Some(obj) = schema.as_object_mut() {
+            obj.entry("x-guidance").or_insert_with(|| serde_json::json!({ "whitespace_flexible": false }));
+        }
+        bound_numbers(&mut schema);
+        out.push(' ');
+        out.push_str(&schema.to_string());
+        rest = &body[used..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The largest magnitude of a number that a JSON schema leaves unbounded: 2^53 - 1, the
@@ -267,5 +297,20 @@ impl Constraint {
             Ok(_) => Ok(()),
             Err(e) => Err(self.fail(e)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_in_a_lark_grammar_is_read_as_a_json_schema_constraint() {
+        let lark = "start: \"<\" call \">\"\ncall: %json {\"type\": \"object\", \"properties\": {\"n\": {\"type\": \"integer\"}}}\nx: %json{\"type\":\"number\", \"x-guidance\": {\"whitespace_flexible\": true}} | \"%json\"";
+        let out = json_in_lark(lark);
+        assert!(out.starts_with("start: \"<\" call \">\"\ncall: %json {\"type\":\"object\",\"properties\":{\"n\":{\"type\":\"integer\",\"minimum\":-9007199254740991,\"maximum\":9007199254740991}},\"x-guidance\":{\"whitespace_flexible\":false}}\n"), "{out}");
+        // A schema's own options stay; a `%json` that is no schema is left as it is.
+        assert!(out.contains("\"x-guidance\":{\"whitespace_flexible\":true}") && out.ends_with(" | \"%json\""), "{out}");
+        assert_eq!(json_in_lark("start: %json [1]"), "start: %json [1]");
     }
 }

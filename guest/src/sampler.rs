@@ -11,6 +11,8 @@ pub struct Params {
     pub repeat_penalty: f32,
     pub repeat_last_n: u32,
     pub seed: u64,
+    /// Report the step's log-probabilities, with those of this many most likely tokens.
+    pub logprobs: Option<u32>,
 }
 
 impl Params {
@@ -23,6 +25,7 @@ impl Params {
             repeat_penalty: 1.0,
             repeat_last_n: 64,
             seed: 0,
+            logprobs: None,
         }
     }
 
@@ -32,9 +35,34 @@ impl Params {
             && (0.0..=1.0).contains(&self.top_p)
             && (0.0..=1.0).contains(&self.min_p)
             && self.repeat_penalty.is_finite()
-            && self.repeat_penalty > 0.0;
+            && self.repeat_penalty > 0.0
+            && self.logprobs.is_none_or(|k| k <= MAX_TOP_LOGPROBS);
         if ok { Ok(()) } else { Err(format!("invalid sampling settings {self:?}")) }
     }
+}
+
+/// The most alternatives a step's log-probabilities list (OpenAI's `top_logprobs` limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
+
+/// The log-probabilities of `token` and of the `k` most likely tokens (most likely first, equals
+/// by id) under the softmax of `logits`, in f64 and rounded once.
+pub fn logprobs(logits: &[f32], token: u32, k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&l| (l as f64 - max).exp()).sum();
+    let log_z = max + sum.ln();
+    let lp = |l: f32| (l as f64 - log_z) as f32;
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    for (id, &l) in logits.iter().enumerate() {
+        // Kept sorted, largest first; an equal logit keeps the smaller id first.
+        if top.len() == k && top.last().is_none_or(|&(_, m)| l <= m) {
+            continue;
+        }
+        let at = top.partition_point(|&(_, m)| m >= l);
+        top.insert(at, (id as u32, l));
+        top.truncate(k);
+    }
+    let picked = logits.get(token as usize).map_or(f32::NEG_INFINITY, |&l| lp(l));
+    (picked, top.into_iter().map(|(id, l)| (id, lp(l))).collect())
 }
 
 /// A small seeded generator (SplitMix64): the same seed gives the same tokens on every host.
@@ -225,6 +253,25 @@ pub fn argmax(v: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_logits() {
+        let logits = [1.0f32, 3.0, 3.0, -1.0, 2.0];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let want = |l: f32| (l as f64 - z.ln()) as f32;
+        let (picked, top) = logprobs(&logits, 4, 3);
+        assert_eq!(picked, want(2.0));
+        // Most likely first, equals by id.
+        assert_eq!(top, vec![(1, want(3.0)), (2, want(3.0)), (4, want(2.0))]);
+        assert_eq!(logprobs(&logits, 0, 0).1, vec![]);
+        assert_eq!(logprobs(&logits, 3, 9).1.len(), 5);
+        // Large logits do not overflow.
+        let (p, _) = logprobs(&[1e30, 0.0], 0, 1);
+        assert_eq!(p, 0.0);
+        let mut params = Params::greedy();
+        params.logprobs = Some(MAX_TOP_LOGPROBS + 1);
+        assert!(params.check().is_err());
+    }
 
     #[test]
     fn greedy_is_argmax_with_penalty() {

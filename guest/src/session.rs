@@ -5,7 +5,7 @@ use crate::dispatch::{self, Counters, DeviceProgram, Dispatch, Member, Pass};
 use crate::engine::{Error, Model, PassParts, can_allocate};
 use crate::models::{self, LoadError, State, embed, rope};
 use crate::program::cpu::{self, Values};
-use crate::sampler::{Params, Sampler};
+use crate::sampler::{self, Params, Sampler};
 use std::rc::Rc;
 use std::time::Instant;
 
@@ -44,6 +44,9 @@ pub struct Step {
     pub end_of_generation: bool,
     /// The constraint admitted no token: nothing was appended.
     pub dead_end: bool,
+    /// The log-probabilities `Params::logprobs` asked for: the picked token's, and the most
+    /// likely tokens'.
+    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
 }
 
 impl Session {
@@ -271,7 +274,7 @@ impl Session {
     /// first (no constraint, no repeat penalty).
     fn greedy(&self, params: &Params) -> bool {
         let penalized = params.repeat_penalty != 1.0 && params.repeat_last_n > 0;
-        self.constraint.is_none() && params.temperature <= 0.0 && !penalized
+        self.constraint.is_none() && params.temperature <= 0.0 && !penalized && params.logprobs.is_none()
     }
 
     /// Whether `next` may sample with `params` once `more` tokens are appended.
@@ -301,10 +304,13 @@ impl Session {
                 }
                 Allowed::None => {
                     let eos = model.tokenizer.eos.unwrap_or(0);
-                    return Ok(Step { token: eos, piece: Vec::new(), end_of_generation: true, dead_end: true });
+                    return Ok(Step { token: eos, piece: Vec::new(), end_of_generation: true, dead_end: true, logprobs: None });
                 }
             },
         };
+        // The model's own distribution: the logits as the pass left them (a greedy step on the
+        // device is never asked for these: see `greedy`).
+        let logprobs = params.logprobs.map(|k| sampler::logprobs(&self.state.buf.logits, token, k as usize));
         self.history.push(token);
         self.stats.decode_tokens += 1;
         Ok(Step {
@@ -312,6 +318,7 @@ impl Session {
             piece: model.tokenizer.piece(token, false),
             end_of_generation: model.tokenizer.is_eog(token),
             dead_end: false,
+            logprobs,
         })
     }
 }

@@ -35,5 +35,5 @@ pub use gpu::{
 };
 pub use runtime::{
     Advance, ChatTemplate, Constraint, EngineError, GUEST_RELAXED_WASM, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
-    Stats, Step, Wisp, native_guest,
+    Logprobs, Stats, Step, ToolSyntax, Wisp, native_guest,
 };

@@ -33,7 +33,7 @@ pub fn native_guest() -> &'static [u8] {
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.9.0";
+const WIT_VERSION: &str = "0.10.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -140,16 +140,38 @@ pub struct Sampling {
     /// Seed of the session's random generator, applied on the first `next` and whenever it
     /// changes: the same seed and settings give the same tokens.
     pub seed: u64,
+    /// `Some(k)`: the step reports the picked token's log-probability and those of the `k`
+    /// (at most 20) most likely tokens ([`Step::logprobs`]), in the model's own distribution
+    /// (before the penalty, the temperature, the other settings and any constraint).
+    pub logprobs: Option<u32>,
 }
 
 impl Default for Sampling {
     fn default() -> Self {
-        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        Sampling { temperature: 0.0, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0, logprobs: None }
     }
 }
 
+/// A step's log-probabilities ([`Sampling::logprobs`]), natural logarithms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logprobs {
+    /// The picked token's.
+    pub logprob: f32,
+    /// The most likely tokens' `(token, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// How a model writes its calls of tools ([`Instance::render_chat`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolSyntax {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks after any text.
+    Hermes,
+    /// The whole reply is one `{"name": ..., "parameters": {...}}`.
+    Llama3Json,
+}
+
 /// One generated token.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Step {
     /// The sampled token's id.
     pub token: u32,
@@ -160,6 +182,8 @@ pub struct Step {
     /// The session's constraint admitted no token (a dead end): nothing was appended, `token`
     /// is the end-of-sequence id, and `end_of_generation` is set.
     pub dead_end: bool,
+    /// What [`Sampling::logprobs`] asked for.
+    pub logprobs: Option<Logprobs>,
 }
 
 /// What a generation must spell (the WIT `constraint`), compiled inside the guest by
@@ -599,12 +623,13 @@ pub struct Advance<'a> {
 }
 
 fn wit_sampling(s: &Sampling) -> wit::Sampling {
-    let Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed } = *s;
-    wit::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }
+    let Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logprobs } = *s;
+    wit::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logprobs }
 }
 
 fn step(s: wit::Step) -> Step {
-    Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation, dead_end: s.dead_end }
+    let logprobs = s.logprobs.map(|l| Logprobs { logprob: l.logprob, top: l.top });
+    Step { token: s.token, piece: s.piece, end_of_generation: s.end_of_generation, dead_end: s.dead_end, logprobs }
 }
 
 /// A loaded model inside an [`Instance`].
@@ -759,6 +784,25 @@ impl Instance {
     pub fn apply_chat_template(&mut self, m: Model, messages: &[(String, String)], add_generation_prompt: bool) -> Outcome<String> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_apply_chat_template(st, m.0, messages, add_generation_prompt))?;
         Ok(r.map_err(Into::into))
+    }
+
+    /// Renders a conversation given as JSON in OpenAI's chat shape, `{"messages": [...],
+    /// "tools": [...]}` (messages with `tool_calls` and `role: "tool"` results included), with
+    /// the model's chat template, and says how the model will write its calls: the template's
+    /// own syntax where it renders tools in one the engine reads, else the tools are described
+    /// as text in the [`ToolSyntax::Hermes`] syntax. Errors as
+    /// [`Instance::apply_chat_template`]'s; [`EngineError::InvalidArgument`] for JSON that is
+    /// not such a conversation.
+    pub fn render_chat(&mut self, m: Model, conversation: &str, add_generation_prompt: bool) -> Outcome<(String, ToolSyntax)> {
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_render_chat(st, m.0, conversation, add_generation_prompt))?;
+        Ok(r.map(|c| {
+            let syntax = match c.tool_syntax {
+                wit::ToolSyntax::Hermes => ToolSyntax::Hermes,
+                wit::ToolSyntax::Llama3Json => ToolSyntax::Llama3Json,
+            };
+            (c.text, syntax)
+        })
+        .map_err(Into::into))
     }
 
     /// Replaces the model's chat template for every later [`Instance::apply_chat_template`]: a

@@ -175,6 +175,46 @@ def test_structured_output_follows_its_schema(baked):
     assert isinstance(value, dict) and isinstance(value["n"], int), r
 
 
+WEATHER = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "Get the current weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+}
+
+
+def test_tool_calls_are_wisp_serves(baked, served):
+    kw = dict(model=MODEL_ID, messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=[WEATHER], max_tokens=60, temperature=0)
+    for choice in ["required", "auto"]:
+        mine, theirs = client(baked).chat.completions.create(tool_choice=choice, **kw), client(served).chat.completions.create(tool_choice=choice, **kw)
+        assert mine.choices[0].finish_reason == theirs.choices[0].finish_reason == "tool_calls", (choice, mine, theirs)
+        calls = lambda r: [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls]
+        assert calls(mine) == calls(theirs) and calls(mine)[0][0] == "get_weather"
+    streamed = [c for c in client(baked).chat.completions.create(tool_choice="required", stream=True, **kw) if c.choices]
+    deltas = [t for c in streamed for t in (c.choices[0].delta.tool_calls or [])]
+    assert deltas and deltas[0].function.name == "get_weather" and streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_messages_and_responses_give_the_chats_text(baked, served):
+    import anthropic
+
+    whole = chat(served).choices[0].message.content
+    a = anthropic.Anthropic(base_url=baked.url, api_key="unused", max_retries=0, timeout=600)
+    kw = dict(model=MODEL_ID, system=CHAT[0]["content"], messages=[CHAT[1]], max_tokens=48, extra_body={"temperature": 0})
+    m = a.messages.create(**kw)
+    assert m.content[0].text == whole and m.stop_reason in ("end_turn", "max_tokens")
+    with a.messages.stream(**kw) as stream:
+        assert "".join(stream.text_stream) == whole
+    kw = dict(model=MODEL_ID, instructions=CHAT[0]["content"], input=CHAT[1]["content"], max_output_tokens=48, temperature=0)
+    assert client(baked).responses.create(**kw).output_text == whole
+    events = list(client(baked).responses.create(stream=True, **kw))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    # No state between requests here.
+    r = httpx.post(baked.url + "/v1/responses", json=dict(kw, previous_response_id="resp_1"), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    r = httpx.post(baked.url + "/v1/messages", json={"model": MODEL_ID, "messages": []}, timeout=60)
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
 @pytest.mark.parametrize(
     "method,path,body,status,param",
     [

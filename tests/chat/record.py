@@ -77,6 +77,30 @@ CONVERSATIONS = {
     "tricky": [("system", "Answer in  one line.\n"), ("user", TRICKY), ("assistant", " {\"a\": [1, 2]} \n"), ("user", "\u00e9\n\n")],
 }
 
+# Conversations with tools, as OpenAI's clients send them (a call's arguments as JSON text),
+# rendered by the families whose templates write tools in a syntax wisp reads (the engine's
+# `tool-syntax`); the others get wisp's own description of the tools, by design unlike
+# llama.cpp's generic one.
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "Its name"},
+                                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                          "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now", "description": "The time now, \u00e0 la minute",
+       "parameters": {"type": "object", "properties": {}}}}
+TOOL_CONVERSATIONS = {
+    "tools_user": {"messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER, NOW]},
+    "tools_round": {"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C, cloudy"},
+        {"role": "assistant", "content": "18 C and cloudy."},
+        {"role": "user", "content": "Thanks!"}], "tools": [WEATHER]},
+}
+TOOL_FAMILIES = {"qwen2.5": "hermes", "qwen2.5-coder": "hermes", "qwen3": "hermes", "granite4.0": "hermes",
+                 "llama3.1": "llama3-json", "llama3.2": "llama3-json", "llama3.3": "llama3-json"}
+
 # The formats llama.cpp's clock-given strings take: `date_string`, `datetime` (common/chat.cpp).
 CLOCK_VARIABLES = {"date_string": "%d %b %Y", "datetime": "%b %d %Y"}
 
@@ -187,6 +211,16 @@ def main(llama_cpp, cache):
                             if dates != before:
                                 raise RuntimeError("the date changed while rendering: run again")
                             cases.append({"family": family, "conversation": conv_name, "messages": [list(m) for m in conv],
+                                          "add_generation_prompt": gen, "dates": dates, "prompt": prompt})
+                    tool_conversations = TOOL_CONVERSATIONS.items() if family in TOOL_FAMILIES else []
+                    for conv_name, conv in tool_conversations:
+                        for gen in (True, False):
+                            before = {f: time.strftime(f) for f in formats}
+                            prompt = post(port, dict(conv, add_generation_prompt=gen))["prompt"]
+                            dates = {f: time.strftime(f) for f in formats}
+                            if dates != before:
+                                raise RuntimeError("the date changed while rendering: run again")
+                            cases.append({"family": family, "conversation": conv_name, "request": conv, "tool_syntax": TOOL_FAMILIES[family],
                                           "add_generation_prompt": gen, "dates": dates, "prompt": prompt})
                 finally:
                     server.kill()

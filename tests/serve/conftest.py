@@ -20,8 +20,8 @@ MODEL = os.environ.get("WISP_MODEL", "")
 class Server:
     """One `wisp serve` process; its stderr is kept for the assertion messages."""
 
-    def __init__(self, *args, env=None):
-        cmd = [BIN, "serve", "--model", MODEL, "--port", "0", *args]
+    def __init__(self, *args, env=None, model=None):
+        cmd = [BIN, "serve", "--model", model or MODEL, "--port", "0", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env or os.environ.copy()
         )

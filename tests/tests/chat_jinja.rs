@@ -4,11 +4,13 @@
 //! wisp renders each conversation for the same tiny model (tests/chat/tiny_model.py), the
 //! template being the file's own (`tokenizer.chat_template`). llama.cpp's clock gives
 //! `strftime_now`, `date_string` and `datetime`: the recorded dates are replaced by wisp's own of
-//! the same formats before comparing. Without python3 and the `gguf` package the test skips
+//! the same formats before comparing. Conversations with tools (calls, results) go through
+//! `render-chat` for the families whose templates write calls in a syntax wisp reads, which it
+//! must also name. Without python3 and the `gguf` package the test skips
 //! locally and fails under `CI=true`.
 
 use std::collections::BTreeMap;
-use wisp::{ChatTemplate, GpuCtx, GpuMode};
+use wisp::{ChatTemplate, GpuCtx, GpuMode, ToolSyntax};
 use wisp_tests::{open, python, root};
 
 #[test]
@@ -20,6 +22,7 @@ fn every_family_template_renders_as_llama_cpp_renders_it() {
     std::fs::create_dir_all(&out).unwrap();
     let mut failures = Vec::new();
     let mut rendered = 0;
+    let mut tools = 0;
     for family in recorded["families"].as_array().expect("families") {
         let name = family["family"].as_str().unwrap();
         let model = out.join(format!("{name}.gguf"));
@@ -45,12 +48,6 @@ fn every_family_template_renders_as_llama_cpp_renders_it() {
         // Each date format is in some rendering: the replacement below is exercised.
         let mut dated = BTreeMap::new();
         for case in cases {
-            let messages: Vec<(String, String)> = case["messages"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|m| (m[0].as_str().unwrap().to_string(), m[1].as_str().unwrap().to_string()))
-                .collect();
             let add_prompt = case["add_generation_prompt"].as_bool().unwrap();
             let mut expected = case["prompt"].as_str().unwrap().to_string();
             for (format, date) in case["dates"].as_object().unwrap() {
@@ -59,7 +56,31 @@ fn every_family_template_renders_as_llama_cpp_renders_it() {
                 expected = expected.replace(date, &today[format]);
             }
             let what = format!("{name} ({}), {}, add_generation_prompt {add_prompt}", family["template"], case["conversation"]);
-            match inst.apply_chat_template(m, &messages, add_prompt).unwrap() {
+            let text = match case.get("request") {
+                // A conversation with tools (OpenAI's shape), through `render-chat`: the text, and
+                // the syntax the model will write its calls in.
+                Some(request) => inst.render_chat(m, &request.to_string(), add_prompt).unwrap().map(|(text, syntax)| {
+                    let want = match case["tool_syntax"].as_str() {
+                        Some("llama3-json") => ToolSyntax::Llama3Json,
+                        _ => ToolSyntax::Hermes,
+                    };
+                    if syntax != want {
+                        failures.push(format!("{what}: the tool syntax is {syntax:?}, not {want:?}"));
+                    }
+                    tools += 1;
+                    text
+                }),
+                None => {
+                    let messages: Vec<(String, String)> = case["messages"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|m| (m[0].as_str().unwrap().to_string(), m[1].as_str().unwrap().to_string()))
+                        .collect();
+                    inst.apply_chat_template(m, &messages, add_prompt).unwrap()
+                }
+            };
+            match text {
                 Ok(text) if text == expected => rendered += 1,
                 Ok(text) => failures.push(format!("{what}:\n  llama.cpp {expected:?}\n  wisp      {text:?}")),
                 Err(e) => failures.push(format!("{what}: {e:?}")),
@@ -72,5 +93,6 @@ fn every_family_template_renders_as_llama_cpp_renders_it() {
     let _ = std::fs::remove_dir_all(&out);
     let total = failures.len() + rendered;
     assert!(failures.is_empty(), "{} of {total} renderings differ from llama.cpp's:\n{}", failures.len(), failures.join("\n"));
-    eprintln!("{rendered} renderings equal llama.cpp's");
+    assert!(tools >= 28, "only {tools} renderings with tools");
+    eprintln!("{rendered} renderings equal llama.cpp's, {tools} of them with tools");
 }

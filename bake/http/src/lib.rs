@@ -16,7 +16,8 @@
 // The streams' own `read` and `flush` shadow these traits' methods: called by path below.
 use std::io::{Read, Write};
 use wasip2::http::types::{Fields, IncomingRequest, Method, OutgoingBody, OutgoingResponse, ResponseOutparam};
-use wisp_api::{self as api, ApiError, Generation, Head, Kind, Prompt, Reply};
+use serde_json::Value;
+use wisp_api::{self as api, ApiError, Call, Finish, Generation, Head, Kind, Prompt, Reply, Usage, anthropic, responses};
 
 mod bindings {
     wit_bindgen::generate!({
@@ -67,15 +68,20 @@ fn route(method: &Method, path: &str, request: IncomingRequest, out: ResponseOut
             Ok(m) => respond_json(out, 200, &serde_json::json!({"object": "list", "data": [api::model_object(&m.id, 0)]})),
             Err(e) => return fail(e, out),
         },
-        "/v1/chat/completions" | "/v1/completions" if post => {
-            let kind = if path == "/v1/completions" { Kind::Text } else { Kind::Chat };
-            let parsed = read_body(request).and_then(|b| match kind {
-                Kind::Chat => api::chat_request(&b),
-                Kind::Text => api::completion_request(&b),
+        "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses" if post => {
+            // The request as a generation, and the shape its reply takes.
+            let parsed = read_body(request).and_then(|b| match path {
+                "/v1/completions" => Ok((api::completion_request(&b)?, Shape::OpenAi(Kind::Text))),
+                "/v1/messages" => Ok((anthropic::messages_request(&b)?, Shape::Messages)),
+                // No state is kept between requests here: no `previous_response_id`.
+                "/v1/responses" => responses::responses_request(&b, |_| None).map(|(g, _, echo)| (g, Shape::Responses(echo))),
+                _ => Ok((api::chat_request(&b)?, Shape::OpenAi(Kind::Chat))),
             });
-            let started = parsed.and_then(|g| open().and_then(|m| start(m, g)));
+            let messages = path == "/v1/messages";
+            let started = parsed.and_then(|(g, shape)| open().and_then(|m| start(m, g)).map(|run| (run, shape)));
             match started {
-                Ok(run) => generate(run, kind, out),
+                Ok((run, shape)) => generate(run, shape, out),
+                Err(e) if messages => respond_json(out, e.status, &anthropic::error_body(&e)),
                 Err(e) => return fail(e, out),
             }
         }
@@ -84,7 +90,9 @@ fn route(method: &Method, path: &str, request: IncomingRequest, out: ResponseOut
             Ok(m) => return fail(ApiError::unknown_model(&p["/v1/models/".len()..], &m.id), out),
             Err(e) => return fail(e, out),
         },
-        "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" => return fail(ApiError::method_not_allowed(), out),
+        "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses" => {
+            return fail(ApiError::method_not_allowed(), out);
+        }
         p if p.starts_with("/v1/models/") => return fail(ApiError::method_not_allowed(), out),
         p => return fail(ApiError::not_found(format!("no route for {p}")), out),
     }
@@ -134,6 +142,9 @@ fn read_body(request: IncomingRequest) -> Result<Vec<u8>, ApiError> {
 struct Run {
     session: Session,
     reply: Reply,
+    prompt_len: u32,
+    /// How the model writes calls, and the tools it may call.
+    tools: Option<(api::ToolSyntax, api::Tools)>,
     generation: Generation,
     model_id: String,
 }
@@ -144,16 +155,30 @@ fn start(m: Opened, g: Generation) -> Result<Run, ApiError> {
     if g.model != m.id {
         return Err(ApiError::unknown_model(&g.model, &m.id));
     }
+    if g.n != 1 {
+        return Err(ApiError::invalid_param("n", "the baked component answers one choice (n: 1); wisp serve answers more"));
+    }
+    if g.logprobs.is_some() {
+        return Err(ApiError::invalid_param("logprobs", "the baked component does not report logprobs; wisp serve does"));
+    }
+    let mut tools = None;
     let prompt = match &g.prompt {
         Prompt::Tokens(t) => t.clone(),
         Prompt::Text(t) => m.model.tokenize(t, true, false).map_err(engine_error)?,
-        Prompt::Chat(messages) => {
-            let text = m
+        Prompt::Chat(chat) => {
+            let rendered = m
                 .model
-                .apply_chat_template(messages, true)
+                .render_chat(&chat.conversation(), true)
                 .map_err(|e| ApiError::invalid_param("messages", engine_error(e).message))?;
-            let mut tokens = m.model.tokenize(&text, true, true).map_err(engine_error)?;
+            let mut tokens = m.model.tokenize(&rendered.text, true, true).map_err(engine_error)?;
             api::drop_doubled_bos(&mut tokens, m.bos);
+            if let Some(t) = chat.tools.as_ref().filter(|t| t.choice != api::Choice::None) {
+                let syntax = match rendered.tool_syntax {
+                    engine::ToolSyntax::Hermes => api::ToolSyntax::Hermes,
+                    engine::ToolSyntax::Llama3Json => api::ToolSyntax::Llama3Json,
+                };
+                tools = Some((syntax, t.clone()));
+            }
             tokens
         }
     };
@@ -167,15 +192,147 @@ fn start(m: Opened, g: Generation) -> Result<Run, ApiError> {
         };
         session.constrain(Some(&c)).map_err(|e| constraint_error(e, param))?;
     }
+    let mut reply = Reply::new(prompt.len() as u32, budget, g.stop.clone());
+    if let Some((syntax, t)) = &tools {
+        reply = reply.calling(*syntax, t);
+        // Compiled here also under `auto` (where it applies once a call opens), so that a
+        // grammar that cannot be fails the request before it starts.
+        session.constrain(Some(&engine::Constraint::Lark(t.grammar(*syntax)))).map_err(|e| constraint_error(e, "tools"))?;
+        if !t.forced() {
+            session.constrain(None).map_err(engine_error)?;
+        }
+    }
     for chunk in prompt.chunks(PREFILL_CHUNK) {
         session.feed(chunk).map_err(engine_error)?;
     }
-    Ok(Run { session, reply: Reply::new(prompt.len() as u32, budget, g.stop.clone()), generation: g, model_id: m.id })
+    Ok(Run { session, reply, prompt_len: prompt.len() as u32, tools, generation: g, model_id: m.id })
 }
 
-/// Generates, answering with the whole text or streaming it as server-sent events.
-fn generate(mut run: Run, kind: Kind, out: ResponseOutparam) {
-    let head = Head::new(kind, &run.model_id);
+/// The shape of a reply: OpenAI's chat or text completion, Anthropic's message, or a Responses
+/// API object (with the request's settings it echoes).
+enum Shape {
+    OpenAi(Kind),
+    Messages,
+    Responses(Value),
+}
+
+/// A reply being written in its shape: the whole object, or its server-sent events.
+enum Writer {
+    OpenAi(Head, bool),
+    Messages(anthropic::MessageHead, usize, bool),
+    Responses(responses::ResponseHead, String, bool),
+}
+
+/// A server-sent event: `data:` only (OpenAI's chunks), or named by its type.
+fn event(kind: Option<&str>, data: &Value) -> String {
+    match kind {
+        Some(k) => format!("event: {k}\n{}", api::sse_event(&data.to_string())),
+        None => api::sse_event(&data.to_string()),
+    }
+}
+
+fn named(events: Vec<(&'static str, Value)>) -> Vec<String> {
+    events.iter().map(|(k, v)| event(Some(k), v)).collect()
+}
+
+impl Writer {
+    fn new(shape: Shape, g: &Generation, model: &str) -> Writer {
+        match shape {
+            Shape::OpenAi(kind) => Writer::OpenAi(Head::new(kind, model), g.include_usage),
+            Shape::Messages => Writer::Messages(anthropic::MessageHead::new(model, g.stop.clone()), 0, false),
+            Shape::Responses(echo) => Writer::Responses(responses::ResponseHead::new(model, echo), String::new(), false),
+        }
+    }
+
+    fn whole(&self, text: String, calls: Vec<Call>, finish: Finish, usage: Usage) -> Value {
+        match self {
+            Writer::OpenAi(head, _) => head.response_of(&[api::Answer { text, finish, calls, logprobs: None }], usage),
+            Writer::Messages(head, ..) => head.response(&text, &calls, finish, usage),
+            Writer::Responses(head, ..) => head.object(&text, &calls, Some((finish, usage))),
+        }
+    }
+
+    fn error_body(&self, e: &ApiError) -> Value {
+        match self {
+            Writer::Messages(..) => anthropic::error_body(e),
+            _ => e.body(),
+        }
+    }
+
+    fn opening(&mut self, prompt_tokens: u32) -> Vec<String> {
+        match self {
+            Writer::OpenAi(head, _) => head.opening_chunk().map(|c| event(None, &c)).into_iter().collect(),
+            Writer::Messages(head, ..) => {
+                let usage = Usage { prompt_tokens, ..Usage::default() };
+                named(vec![head.start_event(usage), ("ping", serde_json::json!({"type": "ping"}))])
+            }
+            Writer::Responses(head, ..) => named(head.start_events()),
+        }
+    }
+
+    fn text(&mut self, text: &str) -> Vec<String> {
+        match self {
+            Writer::OpenAi(head, _) => vec![event(None, &head.text_chunk(text))],
+            Writer::Messages(_, block, open) => named(anthropic::MessageHead::text_events(*block, text, !std::mem::replace(open, true))),
+            Writer::Responses(head, all, open) => {
+                let mut events = if std::mem::replace(open, true) { Vec::new() } else { head.open_text_events() };
+                events.push(head.text_event(text));
+                all.push_str(text);
+                named(events)
+            }
+        }
+    }
+
+    fn end(&mut self, calls: &[Call], finish: Finish, usage: Usage) -> Vec<String> {
+        match self {
+            Writer::OpenAi(head, include_usage) => {
+                let mut out = Vec::new();
+                if !calls.is_empty() {
+                    out.push(event(None, &head.calls_chunk_of(0, calls)));
+                }
+                out.push(event(None, &head.finish_chunk(finish)));
+                if *include_usage {
+                    out.push(event(None, &head.usage_chunk(usage)));
+                }
+                out.push(api::sse_event("[DONE]"));
+                out
+            }
+            Writer::Messages(head, block, open) => {
+                let mut events = Vec::new();
+                if std::mem::take(open) {
+                    events.push(anthropic::MessageHead::block_stop(*block));
+                    *block += 1;
+                }
+                for c in calls {
+                    events.extend(anthropic::MessageHead::call_events(*block, c));
+                    *block += 1;
+                }
+                events.extend(head.end_events(finish, usage));
+                named(events)
+            }
+            Writer::Responses(head, all, open) => {
+                let mut events = if *open { head.close_text_events(all) } else { Vec::new() };
+                for (i, c) in calls.iter().enumerate() {
+                    events.extend(head.call_events(usize::from(*open) + i, c));
+                }
+                events.push(head.end_event(all, calls, finish, usage));
+                named(events)
+            }
+        }
+    }
+
+    fn error(&mut self, e: &ApiError) -> Vec<String> {
+        match self {
+            Writer::OpenAi(..) => vec![event(None, &e.body()), api::sse_event("[DONE]")],
+            Writer::Messages(..) => vec![event(Some("error"), &anthropic::error_body(e))],
+            Writer::Responses(head, ..) => named(vec![head.error_event(e)]),
+        }
+    }
+}
+
+/// Generates, answering with the whole reply or streaming it as server-sent events, in `shape`.
+fn generate(mut run: Run, shape: Shape, out: ResponseOutparam) {
+    let mut writer = Writer::new(shape, &run.generation, &run.model_id);
     let s = run.generation.sampling;
     let sampling = engine::Sampling {
         temperature: s.temperature,
@@ -185,11 +342,20 @@ fn generate(mut run: Run, kind: Kind, out: ResponseOutparam) {
         repeat_penalty: s.repeat_penalty,
         repeat_last_n: s.repeat_last_n,
         seed: s.seed,
+        logprobs: None,
     };
     let param = run.generation.constraint.as_ref().map_or("response_format", |c| c.0);
+    let prompt_tokens = run.prompt_len;
     let mut next = || -> Result<api::Advance, ApiError> {
         let step = run.session.next(sampling).map_err(|e| constraint_error(e, param))?;
-        Ok(run.reply.step(&step.piece, step.end_of_generation, step.dead_end))
+        let a = run.reply.step(&step.piece, step.end_of_generation, step.dead_end);
+        // A call the model opened: the session goes back to where it began, constrained.
+        if let (Some(keep), Some((syntax, tools))) = (a.call_opened, &run.tools) {
+            run.session.truncate(run.prompt_len + keep).map_err(engine_error)?;
+            let grammar = engine::Constraint::Lark(tools.grammar(*syntax));
+            run.session.constrain(Some(&grammar)).map_err(|e| constraint_error(e, "tools"))?;
+        }
+        Ok(a)
     };
     if !run.generation.stream {
         let mut text = String::new();
@@ -198,32 +364,30 @@ fn generate(mut run: Run, kind: Kind, out: ResponseOutparam) {
                 Ok(a) => {
                     text.push_str(&a.text);
                     if let Some((finish, usage)) = a.end {
-                        return respond_json(out, 200, &head.response(&text, finish, usage));
+                        return respond_json(out, 200, &writer.whole(text, a.calls, finish, usage));
                     }
                 }
-                Err(e) => return respond_json(out, e.status, &e.body()),
+                Err(e) => return respond_json(out, e.status, &writer.error_body(&e)),
             }
         }
     }
     let Some((body, mut stream)) = start_response(out, 200, "text/event-stream") else { return };
-    let mut send = |data: &str| stream.write_all(api::sse_event(data).as_bytes()).and_then(|()| Write::flush(&mut stream)).is_ok();
-    let mut sent = head.opening_chunk().is_none_or(|c| send(&c.to_string()));
+    let mut send = |frames: Vec<String>| frames.iter().all(|f| stream.write_all(f.as_bytes()).and_then(|()| Write::flush(&mut stream)).is_ok());
+    let mut sent = send(writer.opening(prompt_tokens));
     while sent {
         match next() {
             Ok(a) => {
                 if !a.text.is_empty() {
-                    sent = send(&head.text_chunk(&a.text).to_string());
+                    sent = send(writer.text(&a.text));
                 }
                 if let Some((finish, usage)) = a.end {
-                    let _ = send(&head.finish_chunk(finish).to_string())
-                        && (!run.generation.include_usage || send(&head.usage_chunk(usage).to_string()))
-                        && send("[DONE]");
+                    send(writer.end(&a.calls, finish, usage));
                     break;
                 }
             }
-            // After the first byte an error is a `data:` object with `error`, as OpenAI streams one.
+            // After the first byte an error is an event of the reply's shape.
             Err(e) => {
-                let _ = send(&e.body().to_string()) && send("[DONE]");
+                send(writer.error(&e));
                 break;
             }
         }

@@ -85,8 +85,9 @@ enum Command {
                             Exit codes: 0 every case passed or was skipped, 3 a kit case or a golden case \
                             failed, 1 the kit or the golden check could not run.")]
     Conformance(conformance::ConformanceArgs),
-    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions,
-    /// streaming, /v1/models, /tokenize, /detokenize, /health, /metrics, /openapi.json).
+    /// Serve the model over an OpenAI-compatible HTTP API (chat and text completions with tools,
+    /// logprobs and n, the Responses API, Anthropic's Messages API, streaming, /v1/models,
+    /// /tokenize, /detokenize, /health, /metrics, /openapi.json).
     #[command(after_help = "Examples:\n  wisp serve                                   (the default model on http://127.0.0.1:8080)\n  \
                             wisp serve --model qwen2.5-coder-0.5b --port 9000 --api-key secret\n  \
                             wisp serve --parallel 16 --queue 128 --ctx 8192\n\n\

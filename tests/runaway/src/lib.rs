@@ -109,6 +109,9 @@ impl GuestModel for Model {
     fn set_chat_template(&self, _: String) -> Result<(), Error> {
         match *self {}
     }
+    fn render_chat(&self, _: String, _: bool) -> Result<bindings::exports::wisp::llm::engine::RenderedChat, Error> {
+        match *self {}
+    }
     fn new_session(&self, _: u32) -> Result<bindings::exports::wisp::llm::engine::Session, Error> {
         match *self {}
     }

@@ -182,6 +182,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         read_timeout: Duration::from_secs(a.read_timeout),
         request_timeout: Duration::from_secs(a.request_timeout),
         openapi: routes::openapi(&model_id, info.n_vocab),
+        responses: std::sync::Mutex::new(std::collections::VecDeque::new()),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     eprintln!(

@@ -10,9 +10,10 @@
 //! A request's text depends only on its own tokens and settings: the engine's step gives each
 //! session the logits it would have alone, and its session is its own.
 
-use super::api::{self, ApiError, Constraint, Finish, Prompt, Reply, Sampling, Usage};
+use super::api::{self, ApiError, Call, Constraint, Finish, Prompt, Reply, Sampling, TokenLogprob, ToolSyntax, Tools, Usage};
 use super::metrics::Metrics;
 use std::collections::VecDeque;
+use std::rc::Rc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
@@ -33,15 +34,18 @@ pub struct Limits {
     pub prompt_cache: bool,
 }
 
-/// What a generation request hears from its worker, in order: `Started` or `Failed`, then
-/// `Text` pieces, then `Done` or `Failed`.
+/// What a generation request hears from its worker, in order: `Started` or `Failed`, then for
+/// each of its choices (`index`) `Text` pieces and `Calls`, then its `Done`; or `Failed`.
 #[derive(Debug)]
 pub enum Event {
-    /// The prompt is accepted: it fits, and a session holds it.
-    Started,
-    /// Text to send (whole characters, nothing of a stop sequence).
-    Text(String),
-    Done { finish: Finish, usage: Usage },
+    /// The prompt is accepted: it fits, and a session holds it; its tokens.
+    Started { prompt_tokens: u32 },
+    /// Text to send (whole characters, nothing of a stop sequence), with the log-probabilities
+    /// of the tokens that gave it where the request asked for them.
+    Text { index: usize, text: String, logprobs: Vec<TokenLogprob> },
+    /// The calls of tools a choice made (before its `Done`).
+    Calls { index: usize, calls: Vec<Call> },
+    Done { index: usize, finish: Finish, usage: Usage },
     Failed(ApiError),
 }
 
@@ -54,6 +58,10 @@ pub struct Job {
     /// What the output must spell, and the request's field that gave it (for errors):
     /// compiled when the request is admitted.
     pub constraint: Option<(&'static str, Constraint)>,
+    /// Report each token's log-probability and this many alternatives'.
+    pub logprobs: Option<u32>,
+    /// Choices to generate: the first's session is forked for the others once the prompt is in.
+    pub n: u32,
     /// Where the events go; when the receiver is gone (the client left), the job ends.
     pub events: mpsc::UnboundedSender<Event>,
     pub arrived: Instant,
@@ -204,9 +212,17 @@ impl Scheduler {
     }
 }
 
-/// A request holding a session.
+/// A request's choice holding a session.
 struct Active {
-    job: Job,
+    job: Rc<Job>,
+    /// The choice (0 for the first; `n` choices fork the first's session).
+    index: usize,
+    /// Choices still to fork from this one once its prompt is in.
+    forks: u32,
+    /// How the model writes calls, where the request has tools it may call.
+    tools: Option<ToolSyntax>,
+    /// Log-probabilities of tokens whose text is not sent yet.
+    pending: Vec<TokenLogprob>,
     session: Session,
     /// The session's capacity.
     capacity: u32,
@@ -240,10 +256,25 @@ fn api_error(e: EngineError) -> ApiError {
     ApiError::engine(requests_fault, e.to_string())
 }
 
-/// The wire format's sampling settings as the engine takes them.
-fn engine_sampling(s: &Sampling) -> wisp::Sampling {
+/// The wire format's sampling settings as the engine takes them, for choice `index` (its own
+/// seed) of a request that asks `logprobs`.
+fn engine_sampling(s: &Sampling, index: usize, logprobs: Option<u32>) -> wisp::Sampling {
     let Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed } = *s;
-    wisp::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed }
+    let seed = seed.wrapping_add(index as u64);
+    wisp::Sampling { temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logprobs }
+}
+
+/// A request's tools as the engine's constraint of calls in `syntax`.
+fn tool_constraint(tools: &Tools, syntax: ToolSyntax) -> wisp::Constraint {
+    wisp::Constraint::Lark(tools.grammar(syntax))
+}
+
+/// The wire format's syntax of calls.
+fn api_syntax(s: wisp::ToolSyntax) -> ToolSyntax {
+    match s {
+        wisp::ToolSyntax::Hermes => ToolSyntax::Hermes,
+        wisp::ToolSyntax::Llama3Json => ToolSyntax::Llama3Json,
+    }
 }
 
 /// The wire format's constraint as the engine takes it.
@@ -271,6 +302,7 @@ struct Opened {
     prompt: Vec<u32>,
     budget: u32,
     cached: usize,
+    tools: Option<ToolSyntax>,
 }
 
 /// What one turn of a request came to.
@@ -308,7 +340,7 @@ impl Worker {
             let (tasks, jobs, cancel) = {
                 let mut q = self.shared.lock();
                 loop {
-                    let free = self.slots - self.active.len();
+                    let free = self.slots.saturating_sub(self.active.len());
                     if q.cancel || !q.tasks.is_empty() || (free > 0 && !q.jobs.is_empty()) || !self.active.is_empty() {
                         break;
                     }
@@ -317,7 +349,7 @@ impl Worker {
                     }
                     q = self.shared.wake.wait(q).unwrap_or_else(|p| p.into_inner());
                 }
-                let take = if q.cancel { q.jobs.len() } else { (self.slots - self.active.len()).min(q.jobs.len()) };
+                let take = if q.cancel { q.jobs.len() } else { (self.slots.saturating_sub(self.active.len())).min(q.jobs.len()) };
                 let jobs: Vec<Job> = q.jobs.drain(..take).collect();
                 self.shared.metrics.queue_depth.set(q.jobs.len() as i64);
                 (std::mem::take(&mut q.tasks), jobs, q.cancel)
@@ -404,18 +436,20 @@ impl Worker {
         }
     }
 
-    fn prompt_tokens(&mut self, prompt: &Prompt) -> Result<Vec<u32>, Failure> {
+    /// The prompt's tokens, and how the model writes calls where a chat has tools to call.
+    fn prompt_tokens(&mut self, prompt: &Prompt) -> Result<(Vec<u32>, Option<ToolSyntax>), Failure> {
         match prompt {
-            Prompt::Tokens(t) => Ok(t.clone()),
-            Prompt::Text(t) => guest(self.inst.tokenize(self.model, t, true, false)),
-            Prompt::Chat(messages) => {
-                let text = guest(self.inst.apply_chat_template(self.model, messages, true)).map_err(|f| match f {
+            Prompt::Tokens(t) => Ok((t.clone(), None)),
+            Prompt::Text(t) => Ok((guest(self.inst.tokenize(self.model, t, true, false))?, None)),
+            Prompt::Chat(chat) => {
+                let (text, syntax) = guest(self.inst.render_chat(self.model, &chat.conversation(), true)).map_err(|f| match f {
                     Failure::Request(e) => Failure::Request(ApiError::invalid_param("messages", e.message)),
                     other => other,
                 })?;
                 let mut tokens = guest(self.inst.tokenize(self.model, &text, true, true))?;
                 api::drop_doubled_bos(&mut tokens, self.bos);
-                Ok(tokens)
+                let calls = chat.tools.as_ref().filter(|t| t.choice != api::Choice::None).map(|_| api_syntax(syntax));
+                Ok((tokens, calls))
             }
         }
     }
@@ -431,13 +465,17 @@ impl Worker {
             return;
         }
         match self.open_session(&job) {
-            Ok(Opened { session, capacity, prompt, budget, cached }) => {
-                let _ = job.events.send(Event::Started);
+            Ok(Opened { session, capacity, prompt, budget, cached, tools }) => {
+                let _ = job.events.send(Event::Started { prompt_tokens: prompt.len() as u32 });
                 self.shared.metrics.prompt_tokens.inc_by(prompt.len() as u64);
                 self.shared.metrics.cached_prompt_tokens.inc_by(cached as u64);
                 self.shared.metrics.in_flight.inc();
-                let reply = Reply::new(prompt.len() as u32, budget, job.stop.clone()).cached(cached as u32);
-                self.active.push(Active { job, session, capacity, prompt, generated: Vec::new(), fed: cached, reply, last_token: None });
+                let reply = reply_for(&job, prompt.len(), budget, tools).cached(cached as u32);
+                let forks = job.n.saturating_sub(1);
+                let job = Rc::new(job);
+                let pending = Vec::new();
+                let generated = Vec::new();
+                self.active.push(Active { job, index: 0, forks, tools, pending, session, capacity, prompt, generated, fed: cached, reply, last_token: None });
             }
             Err(f) => {
                 let e = self.failed(f);
@@ -447,7 +485,7 @@ impl Worker {
     }
 
     fn open_session(&mut self, job: &Job) -> Result<Opened, Failure> {
-        let prompt = self.prompt_tokens(&job.prompt)?;
+        let (prompt, tools) = self.prompt_tokens(&job.prompt)?;
         let (n_ctx, budget) = api::session_size(prompt.len(), job.max_tokens, self.ctx).map_err(|mut e| {
             if e.code == Some("context_length_exceeded") {
                 e.message.push_str(" (--ctx)");
@@ -468,13 +506,29 @@ impl Worker {
                 (guest(self.inst.new_session(self.model, capacity))?, capacity, 0)
             }
         };
-        if let Some((param, c)) = &job.constraint
-            && let Err(f) = constrained(self.inst.constrain(session, Some(&engine_constraint(c))), param)
-        {
+        if let Err(f) = self.constrain_from_start(session, job, tools) {
             self.release(session);
             return Err(f);
         }
-        Ok(Opened { session, capacity, prompt, budget, cached })
+        Ok(Opened { session, capacity, prompt, budget, cached, tools })
+    }
+
+    /// Constrains a new session of `job` as its reply must be from the first token: the
+    /// request's constraint, or its calls where its `tool_choice` forces some.
+    fn constrain_from_start(&mut self, session: Session, job: &Job, tools: Option<ToolSyntax>) -> Result<(), Failure> {
+        if let Some((param, c)) = &job.constraint {
+            return constrained(self.inst.constrain(session, Some(&engine_constraint(c))), param);
+        }
+        match (job_tools(job), tools) {
+            (Some(t), Some(syntax)) if t.forced() => constrained(self.inst.constrain(session, Some(&tool_constraint(t, syntax))), "tools"),
+            // Under `auto` the calls are constrained once one opens: their grammar is compiled
+            // here, so that one that cannot be fails the request before it starts.
+            (Some(t), Some(syntax)) => {
+                constrained(self.inst.constrain(session, Some(&tool_constraint(t, syntax))), "tools")?;
+                guest(self.inst.constrain(session, None))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The idle session of room for `n_ctx` tokens whose context shares the longest prefix
@@ -518,7 +572,7 @@ impl Worker {
             .map(|(a, &end)| Advance {
                 session: a.session,
                 tokens: &a.prompt[a.fed..end],
-                sample: (end == a.prompt.len()).then(|| engine_sampling(&a.job.sampling)),
+                sample: (end == a.prompt.len()).then(|| engine_sampling(&a.job.sampling, a.index, a.job.logprobs)),
             })
             .collect();
         let results = match guest(self.inst.step(self.model, &work)) {
@@ -541,8 +595,18 @@ impl Worker {
             match r {
                 Ok(None) => {}
                 Ok(Some(step)) => {
-                    if let Turn::Ended = self.emit(i, step) {
-                        self.finish(i);
+                    if self.active[i].forks > 0 {
+                        self.fork(i);
+                    }
+                    match self.emit(i, step) {
+                        Ok(Turn::Ended) => self.finish(i),
+                        Ok(Turn::Continue) => {}
+                        Err(f) => {
+                            let e = self.failed(f);
+                            if i < self.active.len() {
+                                self.end(i, Some(e));
+                            }
+                        }
                     }
                 }
                 Err(e @ EngineError::InvalidConstraint(_)) => self.end(i, Some(ApiError::invalid_param(param, e.to_string()))),
@@ -602,8 +666,42 @@ impl Worker {
         }
     }
 
-    /// Request `i`'s sampled token: its text to the client, and whether the request ends.
-    fn emit(&mut self, i: usize, step: wisp::Step) -> Turn {
+    /// The other choices of request `i` (its first, whose prompt is in and which has just
+    /// sampled its first token): sessions forked from its prompt, each its own seed.
+    fn fork(&mut self, i: usize) {
+        let forks = std::mem::take(&mut self.active[i].forks);
+        for index in 1..=forks as usize {
+            let a = &self.active[i];
+            let (job, tools, prompt, capacity) = (a.job.clone(), a.tools, a.prompt.clone(), a.capacity);
+            let budget = capacity - prompt.len() as u32;
+            let opened = guest(self.inst.fork(a.session, prompt.len() as u32)).and_then(|session| {
+                match self.constrain_from_start(session, &job, tools) {
+                    Ok(()) => Ok(session),
+                    Err(f) => {
+                        self.release(session);
+                        Err(f)
+                    }
+                }
+            });
+            match opened {
+                Ok(session) => {
+                    self.shared.metrics.in_flight.inc();
+                    let reply = reply_for(&job, prompt.len(), budget, tools);
+                    let fed = prompt.len();
+                    self.active.push(Active { job, index, forks: 0, tools, pending: Vec::new(), session, capacity, prompt, generated: Vec::new(), fed, reply, last_token: None });
+                }
+                Err(f) => {
+                    let e = self.failed(f);
+                    let _ = job.events.send(Event::Failed(e));
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Request `i`'s sampled token: its text to the client, and whether the request ends. A
+    /// call the model opens takes the session back to where it began and constrains the rest.
+    fn emit(&mut self, i: usize, step: wisp::Step) -> Result<Turn, Failure> {
         let a = &mut self.active[i];
         if !step.dead_end {
             let now = Instant::now();
@@ -618,18 +716,66 @@ impl Worker {
         if !step.dead_end {
             a.generated.push(step.token);
         }
+        if let Some(l) = &step.logprobs {
+            let lp = token_logprob(&mut self.inst, self.model, &step.piece, l)?;
+            self.active[i].pending.push(lp);
+        }
+        let a = &mut self.active[i];
         let advance = a.reply.step(&step.piece, step.end_of_generation, step.dead_end);
+        let index = a.index;
         if !advance.text.is_empty() {
-            let _ = a.job.events.send(Event::Text(advance.text));
+            let logprobs = std::mem::take(&mut a.pending);
+            let _ = a.job.events.send(Event::Text { index, text: advance.text, logprobs });
+        }
+        if let Some(keep) = advance.call_opened {
+            a.pending.clear();
+            a.generated.truncate(keep as usize);
+            let (session, at) = (a.session, (a.prompt.len() + keep as usize) as u32);
+            let (job, syntax) = (a.job.clone(), a.tools);
+            guest(self.inst.truncate(session, at))?;
+            if let (Some(tools), Some(syntax)) = (job_tools(&job), syntax) {
+                constrained(self.inst.constrain(session, Some(&tool_constraint(tools, syntax))), "tools")?;
+            }
+            return Ok(Turn::Continue);
         }
         match advance.end {
             Some((finish, usage)) => {
-                let _ = a.job.events.send(Event::Done { finish, usage });
-                Turn::Ended
+                if !advance.calls.is_empty() {
+                    let _ = a.job.events.send(Event::Calls { index, calls: advance.calls });
+                }
+                let _ = a.job.events.send(Event::Done { index, finish, usage });
+                Ok(Turn::Ended)
             }
-            None => Turn::Continue,
+            None => Ok(Turn::Continue),
         }
     }
+}
+
+/// A request's tools.
+fn job_tools(job: &Job) -> Option<&Tools> {
+    match &job.prompt {
+        Prompt::Chat(c) => c.tools.as_ref(),
+        _ => None,
+    }
+}
+
+/// The reply of one choice of `job`, whose calls (where it has tools) are written in `tools`.
+fn reply_for(job: &Job, prompt: usize, budget: u32, tools: Option<ToolSyntax>) -> Reply {
+    let reply = Reply::new(prompt as u32, budget, job.stop.clone());
+    match (tools, job_tools(job)) {
+        (Some(syntax), Some(t)) => reply.calling(syntax, t),
+        _ => reply,
+    }
+}
+
+/// A step's log-probabilities with the texts of its tokens.
+fn token_logprob(inst: &mut Instance, model: Model, piece: &[u8], l: &wisp::Logprobs) -> Result<TokenLogprob, Failure> {
+    let mut top = Vec::with_capacity(l.top.len());
+    for &(id, lp) in &l.top {
+        let bytes = guest(inst.token_piece(model, id, true))?;
+        top.push((String::from_utf8_lossy(&bytes).into_owned(), bytes, lp));
+    }
+    Ok(TokenLogprob { token: String::from_utf8_lossy(piece).into_owned(), bytes: piece.to_vec(), logprob: l.logprob, top })
 }
 
 fn refuse(t: Task, e: ApiError) {
