@@ -167,13 +167,21 @@ impl Tools {
         };
         let mut rules = String::new();
         let mut alternatives = Vec::new();
-        for (i, (name, params)) in self.callable().enumerate() {
-            let schema = json!({
+        for (i, (name, mut params)) in self.callable().enumerate() {
+            let mut schema = json!({
                 "type": "object",
-                "properties": {"name": {"const": name}, key: params},
+                "properties": {"name": {"const": name}},
                 "required": ["name", key],
                 "additionalProperties": false,
             });
+            // The parameters' definitions go to the root of the call's schema, where their
+            // references (`#/$defs/...`, as pydantic writes them) point.
+            for defs in ["$defs", "definitions"] {
+                if let Some(d) = params.as_object_mut().and_then(|p| p.remove(defs)) {
+                    schema[defs] = d;
+                }
+            }
+            schema["properties"][key] = params;
             rules.push_str(&format!("tool_{i}: %json {schema}\n"));
             alternatives.push(format!("tool_{i}"));
         }
@@ -301,6 +309,10 @@ mod tests {
         assert!(g.starts_with("start: call (\"\\n\" call)*\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: tool_0 | tool_1\n"), "{g}");
         assert!(g.contains(r#"tool_0: %json {"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}"#), "{g}");
         assert!(g.contains(r#""name":{"const":"now"},"arguments":{"type":"object","properties":{}}"#), "{g}");
+        // Definitions move to the root, where `#/$defs/...` points.
+        let list = vec![json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "$defs": {"P": {"type": "integer"}}}}})];
+        let g = Tools::read(Some(&list), None, None).unwrap().unwrap().grammar(ToolSyntax::Hermes);
+        assert!(g.contains(r##""arguments":{"type":"object","properties":{"p":{"$ref":"#/$defs/P"}}}},"required":["name","arguments"],"additionalProperties":false,"$defs":{"P":{"type":"integer"}}}"##), "{g}");
         let one = tools(r#"{"type": "function", "function": {"name": "now"}}"#, false).grammar(ToolSyntax::Llama3Json);
         assert!(one.starts_with("start: tool_0\ntool_0: %json ") && one.contains(r#""parameters":{"#) && !one.contains("get_weather"), "{one}");
     }

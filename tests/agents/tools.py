@@ -61,4 +61,11 @@ CASES = [
     (fn("set_status", "Set your status", obj({"text": S, "emoji": S, "expires_in_minutes": {"type": ["integer", "null"], "minimum": 1, "maximum": 1440}}, ["text"], additionalProperties=False)), "Set my status to 'in a meeting' for an hour."),
     (fn("geocode", "Coordinates of a place", {"type": "object", "properties": {"place": S}, "required": ["place"], "$defs": {"unused": S}}), "Where is the Eiffel Tower?"),
     (fn("noop", "Ping the server", {"type": "object", "properties": {}}), "Ping the server."),
+    # As pydantic writes a nested model (openai-agents' function tools do): references into `$defs`.
+    (fn("place_order", "Place an order", {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1}, "express": {"type": "boolean"}},
+        "required": ["items"],
+        "$defs": {"Item": {"type": "object", "properties": {"sku": {"type": "string"}, "count": {"type": "integer", "minimum": 1, "maximum": 99}}, "required": ["sku", "count"]}},
+    }), "Order two of item A-1 and one of item B-7, express."),
 ]
