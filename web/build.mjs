@@ -36,8 +36,8 @@ export const KIT_WASM = process.env.WISP_CONFORMANCE_WASM
   ? resolve(process.env.WISP_CONFORMANCE_WASM)
   : join(TARGET, 'guest/wasm32-wasip2/release/wisp_conformance.wasm');
 
-const GPU = 'wisp:llm/gpu@0.10.0';
-const ENGINE = 'wisp:llm/engine@0.10.0';
+const GPU = 'wisp:llm/gpu@0.11.0';
+const ENGINE = 'wisp:llm/engine@0.11.0';
 
 // The gpu imports that return promises (WebGPU's error scopes, pipeline creation and readback
 // are async). jco matches these names exactly; a name it does not find is ignored without a

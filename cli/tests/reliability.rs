@@ -503,13 +503,13 @@ fn a_component_of_another_world_is_refused_clearly() {
     still_serves(&Wisp::new(Options::default()).unwrap(), &model());
 }
 
-/// The real guest with every `wisp:llm/<interface>@0.10.0` renamed to `@{version}` (six
+/// The real guest with every `wisp:llm/<interface>@0.11.0` renamed to `@{version}` (six
 /// characters, so that the binary stays valid): a component built for another version of the
 /// WIT package.
 fn guest_of_version(version: &[u8; 6]) -> Vec<u8> {
     let mut bytes = wisp::GUEST_WASM.to_vec();
     let mut n = 0;
-    for iface in [&b"wisp:llm/gpu@0.10.0"[..], b"wisp:llm/engine@0.10.0"] {
+    for iface in [&b"wisp:llm/gpu@0.11.0"[..], b"wisp:llm/engine@0.11.0"] {
         let mut to = iface.to_vec();
         let at = to.len() - 6;
         to[at..].copy_from_slice(version);
@@ -533,7 +533,7 @@ fn a_component_built_for_another_wit_version_is_refused_clearly() {
         Err(e) => format!("{e:#}"),
     };
     assert!(err.contains("built for wisp:llm@0.8.10"), "{err}");
-    assert!(err.contains("this host implements wisp:llm@0.10.0"), "{err}");
+    assert!(err.contains("this host implements wisp:llm@0.11.0"), "{err}");
     // The CLI says so in one line.
     let dir = std::env::temp_dir().join(format!("wisp-version-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

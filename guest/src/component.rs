@@ -9,6 +9,7 @@ use crate::chat;
 use crate::constraint::Spec;
 use crate::engine::{DeviceOffer, Error, Model};
 use crate::kernels::Act;
+use crate::embedding::Pooling;
 use crate::sampler::Params;
 use crate::session::{self, Advance, Session};
 use crate::source::{FileSource, Source};
@@ -499,6 +500,15 @@ impl wit::GuestModel for ModelRes {
         let t = chat::Template::named_or_source(&template, &self.model.tokenizer)?;
         *self.template.borrow_mut() = Some(t);
         Ok(())
+    }
+
+    fn embed(&self, texts: Vec<Vec<u32>>, pooling: wit::Pooling) -> Result<Vec<Vec<f32>>, wit::Error> {
+        let pooling = match pooling {
+            wit::Pooling::Mean => Pooling::Mean,
+            wit::Pooling::Last => Pooling::Last,
+            wit::Pooling::Cls => Pooling::Cls,
+        };
+        Ok(self.model.embed(&texts, pooling, self.fast)?)
     }
 
     fn new_session(&self, n_ctx: u32) -> Result<wit::Session, wit::Error> {

@@ -101,6 +101,8 @@ pub struct Model {
     grammars: OnceCell<Result<Grammars, String>>,
     /// What batched steps of its sessions keep between them (`session::step`).
     pub step_scratch: RefCell<StepScratch>,
+    /// The recipe of its hidden states (`embedding`), made by the first embedding.
+    pub(crate) embedding: OnceCell<Result<Recipe, String>>,
 }
 
 /// The device a model may use, as the component hands it over.
@@ -238,7 +240,7 @@ impl Model {
             tensors: g.tensors.iter().map(|t| (t.name.clone(), t.kind.name(), t.dims.clone(), t.n_bytes)).collect(),
             metadata,
         };
-        Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default() })
+        Ok(Model { arch, recipe, tokenizer, summary, gpu, gpu_weights, chat_template, grammars: OnceCell::new(), step_scratch: Default::default(), embedding: OnceCell::new() })
     }
 
     /// Reads the weights of the architecture `config` from `file` (the device's where the
@@ -255,7 +257,7 @@ impl Model {
         };
         // The device's whole-model path, where it holds every product: the model's program.
         if let Some(gpu) = gpu.as_ref().filter(|_| gpu_weights > 0) {
-            recipe.device = dispatch::place_program(gpu, &recipe.program, arch.tensors(), arch.hparams().n_layer);
+            recipe.device = dispatch::place_program(gpu, &recipe.program, arch.tensors(), arch.hparams().n_layer, true);
         }
         if owns && recipe.device.as_ref().is_none_or(|p| p.head.is_some()) {
             return Err(Error::Unsupported("the device holds the model's weights but does not run its program".into()));

@@ -3,12 +3,14 @@
 //! It parses GGUF (`gguf`) read from memory or a file (`source`), tokenizes (`tokenizer`), converts weights (`quant`), runs the
 //! transformer (`models`) on its own CPU kernels (`kernels`), decides which products go to the
 //! host's GPU (`dispatch`) and sends it weights in its upload formats (`upload`), samples
-//! (`sampler`) under a constraint if asked (`constraint`), and renders chat templates (`chat`).
+//! (`sampler`) under a constraint if asked (`constraint`), embeds texts (`embedding`), and renders
+//! chat templates (`chat`).
 //! `component` is the WIT glue.
 
 pub mod chat;
 pub mod constraint;
 pub mod dispatch;
+pub mod embedding;
 pub mod engine;
 pub mod gguf;
 pub mod kernels;

@@ -233,7 +233,8 @@ impl Session {
             let last = self.done + n == self.history.len();
             let tokens = &self.history[self.done..self.done + n];
             let d = &mut self.dispatch;
-            let ran = models::forward(model.arch.as_ref(), &model.recipe, &mut self.state, d, tokens, self.done, last)?;
+            let want = if last { models::Want::Logits } else { models::Want::Nothing };
+            let ran = models::forward(model.arch.as_ref(), &model.recipe, &mut self.state, d, tokens, self.done, want)?;
             if !ran {
                 // The device kept keys the guest's cache lacks, and cannot go on: the history
                 // runs again, here, from its start (the same tokens, later).

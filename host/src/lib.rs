@@ -35,5 +35,5 @@ pub use gpu::{
 };
 pub use runtime::{
     Advance, ChatTemplate, Constraint, EngineError, GUEST_RELAXED_WASM, GUEST_WASM, GpuMode, HostState, Instance, Limit, LoadOptions, Model, ModelInfo, Options, Outcome, Sampling, Session,
-    Logprobs, Stats, Step, ToolSyntax, Wisp, native_guest,
+    Logprobs, Pooling, Stats, Step, ToolSyntax, Wisp, native_guest,
 };

@@ -33,7 +33,7 @@ pub fn native_guest() -> &'static [u8] {
 const EPOCH_TICK: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The version of the WIT package `wisp:llm` (`wit/`) that this host implements.
-const WIT_VERSION: &str = "0.10.0";
+const WIT_VERSION: &str = "0.11.0";
 
 /// Where the guest sees the directory of the model it opens.
 const GUEST_MODEL_DIR: &str = "/model";
@@ -168,6 +168,32 @@ pub enum ToolSyntax {
     Hermes,
     /// The whole reply is one `{"name": ..., "parameters": {...}}`.
     Llama3Json,
+}
+
+/// How [`Instance::embed`] makes one vector of a text's token rows, as llama.cpp's
+/// `--pooling` does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pooling {
+    /// The mean of the rows (llama-server's default).
+    #[default]
+    Mean,
+    /// The last token's row.
+    Last,
+    /// The first token's row (BERT's `[CLS]`).
+    Cls,
+}
+
+impl std::str::FromStr for Pooling {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Pooling, String> {
+        match s {
+            "mean" => Ok(Pooling::Mean),
+            "last" => Ok(Pooling::Last),
+            "cls" => Ok(Pooling::Cls),
+            other => Err(format!("unknown pooling {other:?}: mean, last or cls")),
+        }
+    }
 }
 
 /// One generated token.
@@ -811,6 +837,22 @@ impl Instance {
     /// one longer than 1 MiB; the template in use is then unchanged.
     pub fn set_chat_template(&mut self, m: Model, template: &str) -> Outcome<()> {
         let r = self.call(|st, api| api.wisp_llm_engine().model().call_set_chat_template(st, m.0, template))?;
+        Ok(r.map_err(Into::into))
+    }
+
+    /// For each text of `texts` (token ids, as [`Instance::tokenize`] gives them), its
+    /// embedding: the model's hidden states after its last norm, pooled by `pooling` and
+    /// L2-normalized, `n_embd` values. Each text runs alone, from position 0, as a prompt does,
+    /// with the model's load options. [`EngineError::InvalidArgument`] for no texts, more than
+    /// 2048, an empty one or a token past the vocabulary; [`EngineError::ContextFull`] for one
+    /// past the training context.
+    pub fn embed(&mut self, m: Model, texts: &[Vec<u32>], pooling: Pooling) -> Outcome<Vec<Vec<f32>>> {
+        let pooling = match pooling {
+            Pooling::Mean => wit::Pooling::Mean,
+            Pooling::Last => wit::Pooling::Last,
+            Pooling::Cls => wit::Pooling::Cls,
+        };
+        let r = self.call(|st, api| api.wisp_llm_engine().model().call_embed(st, m.0, texts, pooling))?;
         Ok(r.map_err(Into::into))
     }
 

@@ -9,7 +9,7 @@
 //! a trap and not a replay on a CPU that has no weights.
 
 use std::sync::atomic::Ordering;
-use wisp::{Advance, Budget, EngineError, GpuCtx, GpuMode, Instance, Model, NativeBackend, Options, Sampling, Wisp};
+use wisp::{Advance, Budget, EngineError, GpuCtx, GpuMode, Instance, Model, NativeBackend, Options, Pooling, Sampling, Wisp};
 use wisp_tests::{Losable, model, open};
 
 /// The guest's memory limit: far below the default model's weights (about 250 MiB converted).
@@ -64,6 +64,13 @@ fn serve_like(inst: &mut Instance, m: Model) -> Vec<u32> {
     out
 }
 
+/// Embeddings of a short text and one past a prompt's batch, mean-pooled.
+fn embeddings(inst: &mut Instance, m: Model) -> Vec<Vec<f32>> {
+    let texts = ["Printing presses", &"Movable type spread across Europe within decades. ".repeat(8)];
+    let tokens: Vec<Vec<u32>> = texts.iter().map(|t| inst.tokenize(m, t, true, false).unwrap().unwrap()).collect();
+    inst.embed(m, &tokens, Pooling::Mean).unwrap().unwrap()
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
@@ -75,6 +82,7 @@ fn a_model_past_the_guest_memory_lives_on_the_device_with_the_same_logits() {
     let (mut both, m) = open(path, GpuCtx::new(native(), Budget::default()), GpuMode::On);
     let want = generate(&mut both, m);
     let served = serve_like(&mut both, m);
+    let embedded = embeddings(&mut both, m);
     let copies = both.model_info(m).unwrap().gpu_weights;
     drop(both);
 
@@ -86,6 +94,8 @@ fn a_model_past_the_guest_memory_lives_on_the_device_with_the_same_logits() {
         assert_eq!(bits(&got.0), bits(&want.0), "{mode:?}: the prompt's logits");
         assert_eq!(got.1, want.1, "{mode:?}: the greedy tokens");
         assert_eq!(serve_like(&mut inst, m), served, "{mode:?}: forks, truncations and batched steps");
+        let got = embeddings(&mut inst, m);
+        assert!(got.iter().zip(&embedded).all(|(a, b)| bits(a) == bits(b)), "{mode:?}: the embeddings");
         let file = std::fs::metadata(path).unwrap().len() as usize;
         let peak = inst.memory_bytes();
         println!("{mode:?}: guest memory {} MiB at most, for a file of {} MiB", peak >> 20, file >> 20);

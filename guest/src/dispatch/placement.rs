@@ -33,9 +33,10 @@ impl DeviceProgram {
 /// Places a model's program on the device: its matrices must be there already (each
 /// `Linear::gpu`), but for a product that makes its output (the output projection past a
 /// device's binding limit): that one stays with the guest, and the program outputs its input.
-/// Its vectors are uploaded now (and freed again if the program is not made). `None` where
-/// another matrix is not on the device, or the device does not make the program.
-pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> Option<DeviceProgram> {
+/// Its vectors are uploaded now (and freed again if the program is not made). With `top`, its
+/// `top` form too. `None` where another matrix is not on the device, or the device does not
+/// make the program.
+pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize, top: bool) -> Option<DeviceProgram> {
     let mut head = None;
     let mut all = p.ops.clone();
     for op in all.iter_mut() {
@@ -78,11 +79,11 @@ pub fn place_program(gpu: &Gpu, p: &Program, w: &dyn Tensors, caches: usize) -> 
     }
     let id = made?;
     let top = match head {
-        None => {
+        None if top => {
             let top: Vec<Op> = ops.iter().map(|&op| if let Op::Output(x) = op { Op::TopK { x, k: 1 } } else { op }).collect();
             gpu.device.create_program(&ids, caches as u32, &top).ok()
         }
-        Some(_) => None,
+        _ => None,
     };
     Some(DeviceProgram { id, top, caches, head })
 }

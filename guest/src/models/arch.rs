@@ -7,7 +7,7 @@
 
 use super::attention::LayerCache;
 use super::rope;
-use super::{Hparams, Linear, LoadError, PassState, REGISTRY, Recipe, Scratch, recipe_pass};
+use super::{Hparams, Linear, LoadError, PassState, REGISTRY, Recipe, Scratch, Want, recipe_pass};
 use crate::dispatch::Dispatch;
 use crate::gguf::Gguf;
 use crate::program::cpu::Values;
@@ -184,12 +184,13 @@ impl State {
 }
 
 /// Runs `tokens` (at most `s.batch`, at positions `pos..`) through the model, appending their
-/// keys and values to the caches; with `want_logits`, fills `s.buf.logits` for the last token.
+/// keys and values to the caches, and gives what `want` asks: the last token's logits (in
+/// `s.buf.logits`) or the output's rows.
 /// The caller checks that the tokens are in the vocabulary and fit in the context. `Ok(false)`,
 /// with nothing run, when the device holds keys the guest's cache lacks and the batch cannot
 /// run there: the caller runs its history again from position 0 (see `Dispatch::ring_holds`).
 /// An error where the device alone holds the weights and failed (see [`recipe_pass`]).
-pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch, tokens: &[u32], pos: usize, want_logits: bool) -> Result<bool, LoadError> {
+pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch, tokens: &[u32], pos: usize, want: Want<'_>) -> Result<bool, LoadError> {
     let t = tokens.len();
     debug_assert!(t > 0 && t <= s.batch && pos + t <= s.n_ctx);
     for (table, freqs) in s.tables.iter_mut().zip(&r.freqs) {
@@ -197,5 +198,5 @@ pub fn forward(a: &dyn Architecture, r: &Recipe, s: &mut State, d: &mut Dispatch
     }
     let tables: Vec<&rope::Table> = s.tables.iter().collect();
     let st = PassState { caches: &mut s.cache, values: &mut s.values, buf: &mut s.buf, batch: s.batch };
-    recipe_pass(a.tensors(), r, (a.embd(), &tables), st, d, a.hparams(), r.flops(t), (tokens, pos, want_logits))
+    recipe_pass(a.tensors(), r, (a.embd(), &tables), st, d, a.hparams(), r.flops(t), (tokens, pos, want))
 }

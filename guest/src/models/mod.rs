@@ -598,10 +598,11 @@ pub struct PassState<'a> {
 /// A pass of `tokens` (at positions `pos..`) through a model's recipe: the model's program on
 /// the device as one run, where the device has it and the dispatcher sends the batch there (see
 /// `Dispatch::run_program`), else the guest's CPU. The recipe's inputs are the tokens'
-/// embeddings (rows of `embd`) and the rotation `tables`, in order; the logits, when wanted, go
-/// to `buf.logits` (through the program's head product where the device does not hold it), or,
-/// for a greedy step the device ran in its `top` form, its token to `Dispatch::top`
-/// (`buf.logits` then stale). `Ok(false)`, with nothing run, as `<arch>::forward` says; an
+/// embeddings (rows of `embd`) and the rotation `tables`, in order; the logits, when wanted
+/// (`Want::Logits`), go to `buf.logits` (through the program's head product where the device
+/// does not hold it), or, for a greedy step the device ran in its `top` form, its token to
+/// `Dispatch::top` (`buf.logits` then stale); a recipe whose output has token rows (the
+/// embedding's, `embedding::hidden_program`) appends them to `Want::Rows`. `Ok(false)`, with nothing run, as `<arch>::forward` says; an
 /// error where the device alone holds the weights and did not run the pass (see
 /// `Dispatch::held_on_device`), or the embedding's rows no longer read from the file.
 #[allow(clippy::too_many_arguments)]
@@ -613,17 +614,25 @@ pub fn recipe_pass(
     d: &mut Dispatch,
     h: &Hparams,
     flops: u64,
-    (tokens, pos, want_logits): (&[u32], usize, bool),
+    (tokens, pos, mut want): (&[u32], usize, Want<'_>),
 ) -> Result<bool, LoadError> {
     let t = tokens.len();
+    let want_logits = matches!(want, Want::Logits);
     if let Some(prog) = &r.device {
         let mut inputs = vec![vec![0.0; t * h.n_embd]];
         embed(embd, tokens, &mut inputs[0])?;
         inputs.extend(tables.iter().map(|table| table.rows(t)));
         let head = prog.head.map(|id| w.matrix(id));
-        let out_len = head.map_or(h.n_vocab, |m| m.n_in);
+        let out_len = match &want {
+            Want::Rows(_) => t * r.program.width(r.program.outputs[0]),
+            _ => head.map_or(h.n_vocab, |m| m.n_in),
+        };
         let kv = h.n_head_kv * h.head_dim;
         if let Some(pass) = d.run_program(prog, &inputs, (t, pos), st.caches, kv, flops, out_len) {
+            if let (Pass::Rows(out), Want::Rows(rows)) = (&pass, &mut want) {
+                rows.extend_from_slice(out);
+                return Ok(true);
+            }
             match (pass, want_logits, head) {
                 (Pass::Top(token), ..) => d.top = Some(token),
                 (Pass::Rows(out), true, Some(m)) => {
@@ -653,14 +662,27 @@ pub fn recipe_pass(
         }
         i => tables[i - 1].write_rows(t, out),
     };
-    let mut seq = [cpu::Seq { t, pos, outputs: want_logits, caches: st.caches, d: 0 }];
+    let mut seq = [cpu::Seq { t, pos, outputs: !matches!(want, Want::Nothing), caches: st.caches, d: 0 }];
     let values = st.values.get_or_insert_with(|| Values::new(&r.program, &r.plan, st.batch, 1));
     cpu::run(&r.program, &r.plan, w, &mut [d], values, &mut st.buf.scores, &mut seq, &mut input);
     if let Some(e) = failed {
         return Err(e);
     }
-    if want_logits {
-        st.buf.logits.copy_from_slice(values.get(&r.program, &r.plan, r.program.outputs[0], 1));
+    match want {
+        Want::Logits => st.buf.logits.copy_from_slice(values.get(&r.program, &r.plan, r.program.outputs[0], 1)),
+        Want::Rows(rows) => rows.extend_from_slice(values.get(&r.program, &r.plan, r.program.outputs[0], t)),
+        Want::Nothing => {}
     }
     Ok(true)
+}
+
+/// What a pass through a recipe ([`recipe_pass`]) gives back.
+pub enum Want<'a> {
+    /// Only the keys and values (a prompt's rows before its last).
+    Nothing,
+    /// The logits after the last token.
+    Logits,
+    /// Every token row of the program's output, appended here (a recipe whose output has
+    /// token rows).
+    Rows(&'a mut Vec<f32>),
 }

@@ -112,6 +112,9 @@ impl GuestModel for Model {
     fn render_chat(&self, _: String, _: bool) -> Result<bindings::exports::wisp::llm::engine::RenderedChat, Error> {
         match *self {}
     }
+    fn embed(&self, _: Vec<Vec<u32>>, _: bindings::exports::wisp::llm::engine::Pooling) -> Result<Vec<Vec<f32>>, Error> {
+        match *self {}
+    }
     fn new_session(&self, _: u32) -> Result<bindings::exports::wisp::llm::engine::Session, Error> {
         match *self {}
     }
