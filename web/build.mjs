@@ -54,7 +54,7 @@ export const ASYNC_IMPORTS = [
 ];
 // The engine exports that can reach an async import: loading (uploads and the dispatch
 // calibration) and everything that runs a forward pass (feed, and next/logits/top, which run
-// the pending token's pass). The others stay synchronous.
+// the pending token's pass; embed). The others stay synchronous.
 export const ASYNC_EXPORTS = [
   `${ENGINE}#[static]model.open`,
   `${ENGINE}#[static]model.from-bytes`,
@@ -62,6 +62,7 @@ export const ASYNC_EXPORTS = [
   `${ENGINE}#[method]session.next`,
   `${ENGINE}#[method]session.logits`,
   `${ENGINE}#[method]session.top`,
+  `${ENGINE}#[method]model.embed`,
 ];
 // The kit's one export: every case of the kit runs inside it, and most reach an async import.
 // The kit imports the same gpu functions as the guest, `upload` included: ASYNC_IMPORTS serve.

@@ -7,6 +7,7 @@
 
 mod text;
 pub mod anthropic;
+pub mod embeddings;
 pub mod responses;
 pub mod tools;
 

@@ -215,6 +215,16 @@ def test_messages_and_responses_give_the_chats_text(baked, served):
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
+def test_embeddings_are_wisp_serves(baked, served):
+    texts = ["The cat sat on the mat.", "def add(a, b):\n    return a + b"]
+    mine = client(baked).embeddings.create(model=MODEL_ID, input=texts)
+    theirs = client(served).embeddings.create(model=MODEL_ID, input=texts)
+    assert [d.embedding for d in mine.data] == [d.embedding for d in theirs.data]
+    assert mine.usage.prompt_tokens == theirs.usage.prompt_tokens > 0
+    r = httpx.post(baked.url + "/v1/embeddings", json={"model": MODEL_ID, "input": []}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
 @pytest.mark.parametrize(
     "method,path,body,status,param",
     [

@@ -3,14 +3,15 @@
 //! conformance kit of the `gpu` interface against the browser's WebGPU host, which must pass,
 //! and against deliberately broken ones, which must fail (`web/test/conformance.test.mjs`).
 //! The package's API (`web/test/package.test.mjs`) must stream the native host's greedy texts,
-//! which this test computes and hands over in `WISP_NATIVE_TEXTS`.
+//! which this test computes and hands over in `WISP_NATIVE_TEXTS`, and give the library's
+//! embeddings of `tests/embeddings/texts.json`, to the bit.
 //! The npm test skips what it cannot run locally and fails under `CI=true`.
 
 use serde_json::{Value, json};
 use std::path::Path;
 use std::process::Command;
 use wisp::conformance;
-use wisp::{CpuBackend, GpuCtx, GpuMode, Sampling};
+use wisp::{CpuBackend, GpuCtx, GpuMode, Pooling, Sampling};
 use wisp_tests::{hardware_required, model, open, qwen_model, root};
 
 /// The native host's greedy reply, on the CPU, to a chat (`messages`, through the model's
@@ -42,7 +43,19 @@ fn greedy(path: &Path, messages: Option<&[(String, String)]>, prompt: &str, max_
     json!({"text": String::from_utf8_lossy(&bytes), "finish": finish, "prompt_tokens": tokens.len(), "steps": steps})
 }
 
-/// What the browser's API must give: a Qwen chat and a Gemma text completion, greedy.
+/// The library's embeddings (mean pooling, the CPU) of the shared texts, with the tokens they
+/// came to.
+fn native_embeddings(path: &Path) -> Value {
+    let texts: Vec<String> = serde_json::from_str(&std::fs::read_to_string(root().join("tests/embeddings/texts.json")).unwrap()).unwrap();
+    let (mut inst, m) = open(path, GpuCtx::none(), GpuMode::Off);
+    let tokens: Vec<Vec<u32>> = texts.iter().map(|t| inst.tokenize(m, t, true, false).unwrap().unwrap()).collect();
+    let vectors = inst.embed(m, &tokens, Pooling::Mean).unwrap().unwrap();
+    let prompt_tokens: usize = tokens.iter().map(Vec::len).sum();
+    json!({"model": path.file_name().unwrap().to_string_lossy(), "texts": texts, "vectors": vectors, "prompt_tokens": prompt_tokens})
+}
+
+/// What the browser's API must give: a Qwen chat and a Gemma text completion, greedy, and the
+/// Qwen's embeddings.
 fn native_texts() -> Value {
     let messages = [
         ("system".to_string(), "You are a concise assistant.".to_string()),
@@ -56,7 +69,7 @@ fn native_texts() -> Value {
     let mut completion = greedy(model(), None, prompt, 16);
     completion["prompt"] = json!(prompt);
     completion["max_tokens"] = json!(16);
-    json!({"chat": chat, "completion": completion})
+    json!({"chat": chat, "completion": completion, "embeddings": native_embeddings(qwen_model())})
 }
 
 /// The seed of the kit in the browser (and of the native run it is compared with).
@@ -98,6 +111,7 @@ fn the_browser_host_passes_its_suite() {
         "generate follows a JSON schema, a regex and a grammar; a bad one is a typed error",
         "a streamed chat completion equals the native host's greedy text (Qwen2.5-Coder-0.5B-Instruct)",
         "cancelling mid-stream stops the generation; the engine goes on",
+        "embeddings through the API are the library's, to the bit (Qwen2.5-Coder-0.5B-Instruct)",
         "a reload loads the model from the browser cache, with no request for the weights",
         "the main thread stays free while a 512-token prompt is prefilled",
         "the fallbacks: no JSPI or no WebGPU gives a notice and the CPU; the GPU in the worker",

@@ -31,6 +31,8 @@ export interface EngineOptions {
   webgpu?: boolean;
   /** The gemv kernel's lanes per row (a tuning knob; the default suits most devices). */
   lanes?: number;
+  /** How `embeddings.create` makes one vector of a text's tokens' hidden states (as llama-server's `--pooling`): their mean (the default), the last token's or the first's. */
+  pooling?: 'mean' | 'last' | 'cls';
 }
 
 export interface EngineEnv {
@@ -186,6 +188,21 @@ export interface Completion extends Head {
   wisp?: WispFigures;
 }
 
+export interface EmbeddingParams {
+  /** A text, texts, token ids or lists of token ids: 1 to 2048 inputs, none empty, each within `contextSize` tokens. */
+  input: string | string[] | number[] | number[][];
+  /** `float` (the default): arrays of numbers; `base64`: the base64 of each vector's little-endian f32 values. */
+  encoding_format?: 'float' | 'base64';
+}
+
+/** The inputs' vectors, in order: the model's hidden states after its last norm, pooled and L2-normalized. */
+export interface Embeddings {
+  object: 'list';
+  data: Array<{ object: 'embedding'; index: number; embedding: number[] | string }>;
+  model: string;
+  usage: { prompt_tokens: number; total_tokens: number };
+}
+
 /** The chunks of a streamed completion. Leaving the loop early stops the generation. */
 export interface Stream<T> extends AsyncIterable<T> {
   controller: { abort(): void };
@@ -205,6 +222,9 @@ export interface Engine {
   readonly completions: {
     create(body: CompletionParams & Streaming, options?: RequestOptions): Promise<Stream<Completion>>;
     create(body: CompletionParams & NotStreaming, options?: RequestOptions): Promise<Completion & { usage: Usage; wisp: WispFigures }>;
+  };
+  readonly embeddings: {
+    create(body: EmbeddingParams): Promise<Embeddings>;
   };
   /** Stops the worker; pending completions fail with code `unloaded`. */
   unload(): void;

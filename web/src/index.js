@@ -225,12 +225,51 @@ class Stream {
 let nextId = 1;
 const rid = (prefix) => `${prefix}-${Date.now().toString(36)}${Math.floor(Math.random() * 2 ** 32).toString(16).padStart(8, '0')}`;
 
+/** The most inputs one embeddings request takes (OpenAI's limit, and the engine's). */
+const MAX_EMBED_INPUTS = 2048;
+
+/** An embeddings request's inputs: texts, or token ids as they are. Throws a WispError. */
+function embedInputs(body) {
+  if (!body || typeof body !== 'object') throw bad('body', 'a request is an object');
+  const input = body.input;
+  const ids = (v) => Array.isArray(v) && v.length > 0 && v.every((t) => Number.isInteger(t) && t >= 0 && t < 2 ** 32);
+  let inputs;
+  if (typeof input === 'string') inputs = [input];
+  else if (Array.isArray(input) && input.length > 0 && input.every((t) => typeof t === 'number')) inputs = [input];
+  else if (Array.isArray(input)) inputs = input;
+  else throw bad('input', 'a string, a list of strings, token ids or lists of token ids');
+  if (inputs.length === 0 || inputs.length > MAX_EMBED_INPUTS) throw bad('input', `1 to ${MAX_EMBED_INPUTS} inputs, not ${inputs.length}`);
+  let chars = 0;
+  inputs.forEach((x, i) => {
+    if (typeof x === 'string') {
+      if (!x) throw bad('input', `input[${i}] is empty`);
+      chars += x.length;
+    } else if (!ids(x)) throw bad('input', `input[${i}] is neither a non-empty string nor a non-empty list of token ids`);
+  });
+  if (chars > MAX_PROMPT_CHARS) throw bad('input', `at most ${MAX_PROMPT_CHARS} characters in all`);
+  const encoding = body.encoding_format ?? 'float';
+  if (encoding !== 'float' && encoding !== 'base64') throw bad('encoding_format', 'float or base64');
+  return { inputs, encoding };
+}
+
+/** A vector as OpenAI's `base64` encoding writes it: its little-endian f32 values. */
+function base64Of(v) {
+  const bytes = new Uint8Array(v.length * 4);
+  const view = new DataView(bytes.buffer);
+  v.forEach((x, i) => view.setFloat32(4 * i, x, true));
+  let text = '';
+  for (let i = 0; i < bytes.length; i += 0x8000) text += String.fromCharCode(...bytes.subarray(i, i + 0x8000));
+  return btoa(text);
+}
+
 class Engine {
   #worker;
   #pending = new Map();
   #closed = null;
+  #pooling;
 
-  constructor(worker, ready) {
+  constructor(worker, ready, pooling) {
+    this.#pooling = pooling;
     this.#worker = worker;
     /** What this browser gave the engine: `{ jspi, webgpu, variant, notices, component }`. */
     this.env = ready.env;
@@ -238,6 +277,7 @@ class Engine {
     this.model = ready.model;
     this.chat = { completions: { create: (body, options) => this.#create('chat', body, options) } };
     this.completions = { create: (body, options) => this.#create('completion', body, options) };
+    this.embeddings = { create: (body) => this.#embed(body) };
     worker.onmessage = (ev) => this.#onMessage(ev.data);
     worker.onerror = (ev) => this.#fail(new WispError(`the engine's worker failed: ${ev.message ?? 'unknown error'}`, { code: 'worker_failed' }));
   }
@@ -254,6 +294,10 @@ class Engine {
     if (!p) return;
     if (m.type === 'start') p.start(m.promptTokens);
     else if (m.type === 'delta') p.delta(m.text);
+    else if (m.type === 'embedded') {
+      this.#pending.delete(m.id);
+      p.end(m);
+    }
     else if (m.type === 'end') {
       this.#pending.delete(m.id);
       p.end(m);
@@ -330,6 +374,28 @@ class Engine {
     });
   }
 
+  /** Embeddings of texts (or token ids), pooled as `createEngine`'s `pooling` says. */
+  #embed(body) {
+    if (this.#closed) return Promise.reject(this.#closed);
+    let work;
+    try {
+      work = embedInputs(body);
+    } catch (e) {
+      return Promise.reject(e);
+    }
+    const id = nextId++;
+    this.#worker.postMessage({ type: 'embed', id, job: { inputs: work.inputs, pooling: this.#pooling } });
+    return new Promise((resolve, reject) => {
+      this.#pending.set(id, {
+        end: (m) => {
+          const data = m.vectors.map((v, index) => ({ object: 'embedding', index, embedding: work.encoding === 'base64' ? base64Of(v) : Array.from(v) }));
+          resolve({ object: 'list', data, model: this.model.id, usage: { prompt_tokens: m.promptTokens, total_tokens: m.promptTokens } });
+        },
+        fail: reject,
+      });
+    });
+  }
+
   /** Stops the worker: pending completions fail, the engine takes no more. */
   unload() {
     if (!this.#closed) this.#fail(new WispError('the engine was unloaded', { code: 'unloaded' }));
@@ -340,13 +406,15 @@ class Engine {
  * Starts an engine: a worker with the guest, and `model` in it (from the cache when it is
  * there, else downloaded and cached). Options: `model` (a URL, or `{ url, sha256?, name? }`),
  * `gpu` ('auto' | 'on' | 'off'), `precision` ('exact' | 'fast'), `contextSize` (tokens a
- * completion may span, 2048 by default), `onProgress({ phase, loaded, total })`, `signal`;
+ * completion may span, 2048 by default), `pooling` ('mean' | 'last' | 'cls': how
+ * `embeddings.create` makes one vector of a text's tokens, 'mean' by default),
+ * `onProgress({ phase, loaded, total })`, `signal`;
  * `jspi: false` / `webgpu: false` run as a browser without them would.
  */
 export async function createEngine(options = {}) {
   const { onProgress, signal, ...rest } = options;
   const ref = modelRef(rest.model);
-  for (const [name, allowed] of [['gpu', ['auto', 'on', 'off']], ['precision', ['exact', 'fast']]]) {
+  for (const [name, allowed] of [['gpu', ['auto', 'on', 'off']], ['precision', ['exact', 'fast']], ['pooling', ['mean', 'last', 'cls']]]) {
     if (rest[name] !== undefined && !allowed.includes(rest[name])) throw new TypeError(`${name}: one of ${allowed.join(', ')}`);
   }
   if (rest.contextSize !== undefined && !(Number.isInteger(rest.contextSize) && rest.contextSize > 0)) throw new TypeError('contextSize: a positive integer');
@@ -377,5 +445,5 @@ export async function createEngine(options = {}) {
     };
     worker.postMessage({ type: 'init', options: { ...rest, model: ref } });
   });
-  return new Engine(worker, ready);
+  return new Engine(worker, ready, rest.pooling ?? 'mean');
 }

@@ -5,9 +5,11 @@
 //                   { type: 'generate', id, job }     one completion (queued: the guest runs
 //                                                     one call at a time)
 //                   { type: 'abort', id }             stop that completion (queued or running)
+//                   { type: 'embed', id, job }        embeddings of texts or token ids (queued)
 //   worker -> page  { type: 'progress', ... }         downloading, caching, loading
 //                   { type: 'ready', ... }            the engine: environment and model
 //                   { type: 'start' | 'delta' | 'end' | 'error', id, ... }  a completion's events
+//                   { type: 'embedded' | 'error', id, ... }                 an embedding's answer
 //                   { type: 'failed', error }         init failed
 //
 // With JSPI (WebAssembly.Suspending in this worker) the guest may wait for WebGPU; without it, or
@@ -271,6 +273,22 @@ async function run(id, entry) {
   }
 }
 
+/** The embeddings of `job.inputs` (texts, or token ids as they are), pooled by `job.pooling`:
+ *  their vectors (Float32Array each) and the tokens they came to. */
+async function embed(id, job) {
+  const texts = job.inputs.map((input, i) => {
+    const tokens = typeof input === 'string' ? [...state.model.tokenize(input, true, false)] : input;
+    if (tokens.length === 0) throw new RequestError('invalid_request_error', `input[${i}] has no tokens`, 'input');
+    if (tokens.length > state.contextSize) {
+      throw new RequestError('context_length_exceeded', `input[${i}] is ${tokens.length} tokens, and this engine's context holds ${state.contextSize} (contextSize)`, 'input');
+    }
+    return Uint32Array.from(tokens);
+  });
+  const vectors = await state.model.embed(texts, job.pooling);
+  const promptTokens = texts.reduce((n, t) => n + t.length, 0);
+  post({ type: 'embedded', id, vectors: [...vectors], promptTokens });
+}
+
 function generate(id, job) {
   const entry = { job, aborted: false };
   jobs.set(id, entry);
@@ -294,6 +312,15 @@ self.onmessage = (ev) => {
       if (!state.model) post({ type: 'error', id: m.id, error: { name: 'WispError', code: 'not_ready', message: 'no model loaded' } });
       else generate(m.id, m.job);
       break;
+    case 'embed': {
+      if (!state.model) {
+        post({ type: 'error', id: m.id, error: { name: 'WispError', code: 'not_ready', message: 'no model loaded' } });
+        break;
+      }
+      const go = () => embed(m.id, m.job).catch((e) => post({ type: 'error', id: m.id, error: wireError(e) }));
+      tail = tail.then(go, go);
+      break;
+    }
     case 'abort': {
       const entry = jobs.get(m.id);
       if (entry) entry.aborted = true;

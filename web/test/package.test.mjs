@@ -5,6 +5,8 @@
 //   native one (the default Gemma); the usage counts are the native prompt's and steps';
 // - cancelling mid-stream (AbortSignal, or leaving the loop) stops the generation, and the engine
 //   goes on;
+// - embeddings (`engine.embeddings.create`, floats and base64) are the native library's vectors,
+//   to the bit, with its token counts;
 // - a reload loads the model from Cache Storage: no request for the weights (the page's network
 //   events, the server's count); listing and deleting cached models; a sha256 that does not match
 //   is refused;
@@ -193,6 +195,38 @@ describe('the package in Chromium', () => {
     assert.equal(c.choices[0].finish_reason, completion.finish);
     assert.deepEqual(c.usage, { prompt_tokens: completion.prompt_tokens, completion_tokens: completion.steps, total_tokens: completion.prompt_tokens + completion.steps });
     t.diagnostic(elapsed());
+  });
+
+  test('embeddings through the API are the library\'s, to the bit (Qwen2.5-Coder-0.5B-Instruct)', { timeout: 5 * MINUTE }, async (t) => {
+    if (skip) return unavailable(t, skip);
+    if (!NATIVE) return unavailable(t, 'no native texts ($WISP_NATIVE_TEXTS: run through cargo test --test browser)');
+    const { embeddings } = NATIVE;
+    if (!existsSync(modelPath(embeddings.model))) return unavailable(t, `no model at ${modelPath(embeddings.model)} (wisp fetch qwen2.5-coder-0.5b)`);
+    const r = await withApi(async (api, e) => {
+      const engine = await api.createEngine({ model: `/model/${e.model}`, gpu: 'off' });
+      const floats = await engine.embeddings.create({ input: e.texts });
+      const b64 = await engine.embeddings.create({ input: e.texts, encoding_format: 'base64' });
+      const one = await engine.embeddings.create({ input: e.texts[0] });
+      const bad = await engine.embeddings.create({ input: [] }).then(() => null, (err) => ({ code: err.code, param: err.param }));
+      engine.unload();
+      return { floats, b64, one, bad };
+    }, embeddings);
+    const { floats, b64, one, bad } = r;
+    assert.equal(floats.object, 'list');
+    assert.equal(floats.model, embeddings.model);
+    assert.deepEqual(floats.usage, { prompt_tokens: embeddings.prompt_tokens, total_tokens: embeddings.prompt_tokens });
+    assert.equal(floats.data.length, embeddings.texts.length);
+    floats.data.forEach((d, i) => {
+      assert.equal(d.index, i);
+      // The library's f32 values went through JSON as the shortest decimal that reads back as them.
+      assert.deepEqual(d.embedding.map(Math.fround), embeddings.vectors[i].map(Math.fround), `vector ${i}`);
+      const bytes = Buffer.from(b64.data[i].embedding, 'base64');
+      const decoded = Array.from({ length: bytes.length / 4 }, (_, k) => bytes.readFloatLE(4 * k));
+      assert.deepEqual(decoded, d.embedding, `base64 vector ${i}`);
+    });
+    assert.deepEqual(one.data[0].embedding, floats.data[0].embedding);
+    assert.deepEqual(bad, { code: 'invalid_request_error', param: 'input' });
+    t.diagnostic(`${floats.data.length} vectors of ${floats.data[0].embedding.length}, ${elapsed()}`);
   });
 
   test('cancelling mid-stream stops the generation; the engine goes on', { timeout: 5 * MINUTE }, async (t) => {

@@ -9,7 +9,8 @@
 //! text) is `wisp-api`, the code `wisp serve` runs; only the I/O is this file's.
 //!
 //! Routes: `POST /v1/chat/completions`, `POST /v1/completions` (both streamed as server-sent
-//! events when asked), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`. `/tokenize`,
+//! events when asked), `POST /v1/messages`, `POST /v1/responses`, `POST /v1/embeddings` (mean
+//! pooling, `wisp serve`'s default), `GET /v1/models`, `GET /v1/models/{id}`, `GET /health`. `/tokenize`,
 //! `/detokenize` and `/metrics` are `wisp serve`'s alone: a platform has its own metrics, and
 //! each of those calls would cost an instance.
 
@@ -85,12 +86,16 @@ fn route(method: &Method, path: &str, request: IncomingRequest, out: ResponseOut
                 Err(e) => return fail(e, out),
             }
         }
+        "/v1/embeddings" if post => match read_body(request).and_then(|b| open().and_then(|m| embeddings(m, &b))) {
+            Ok(v) => respond_json(out, 200, &v),
+            Err(e) => return fail(e, out),
+        },
         p if p.starts_with("/v1/models/") && get => match open() {
             Ok(m) if p["/v1/models/".len()..] == m.id => respond_json(out, 200, &api::model_object(&m.id, 0)),
             Ok(m) => return fail(ApiError::unknown_model(&p["/v1/models/".len()..], &m.id), out),
             Err(e) => return fail(e, out),
         },
-        "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses" => {
+        "/health" | "/v1/models" | "/v1/chat/completions" | "/v1/completions" | "/v1/messages" | "/v1/responses" | "/v1/embeddings" => {
             return fail(ApiError::method_not_allowed(), out);
         }
         p if p.starts_with("/v1/models/") => return fail(ApiError::method_not_allowed(), out),
@@ -136,6 +141,36 @@ fn read_body(request: IncomingRequest) -> Result<Vec<u8>, ApiError> {
         }
     }
     Ok(bytes)
+}
+
+/// `POST /v1/embeddings`: the inputs' vectors, mean-pooled (`wisp serve`'s default pooling),
+/// as `wisp serve` answers them.
+fn embeddings(m: Opened, body: &[u8]) -> Result<Value, ApiError> {
+    let r = api::embeddings::embeddings_request(body, m.model.info().n_embd as usize)?;
+    if r.model != m.id {
+        return Err(ApiError::unknown_model(&r.model, &m.id));
+    }
+    let mut texts = Vec::with_capacity(r.inputs.len());
+    for (i, input) in r.inputs.iter().enumerate() {
+        let ids = match input {
+            api::embeddings::Input::Text(t) => m.model.tokenize(t, true, false).map_err(engine_error)?,
+            api::embeddings::Input::Tokens(t) => t.clone(),
+        };
+        if ids.is_empty() {
+            return Err(ApiError::invalid_param("input", format!("input[{i}] has no tokens")));
+        }
+        if ids.len() > m.ctx as usize {
+            let message = format!("input[{i}] is {} tokens, and a request's context holds {}", ids.len(), m.ctx);
+            return Err(ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid_param("input", message) });
+        }
+        texts.push(ids);
+    }
+    let tokens: usize = texts.iter().map(Vec::len).sum();
+    let vectors = m.model.embed(&texts, engine::Pooling::Mean).map_err(|e| match engine_error(e) {
+        e if e.status == 400 => ApiError::invalid_param("input", e.message),
+        e => e,
+    })?;
+    Ok(api::embeddings::embeddings_response(&m.id, &vectors, r.encoding, tokens as u32))
 }
 
 /// A request whose prompt is fed and whose session is ready to generate.

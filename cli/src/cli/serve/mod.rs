@@ -63,6 +63,10 @@ pub struct ServeArgs {
     /// values of the shared prefix (its usage's `prompt_tokens_details.cached_tokens`).
     #[arg(long)]
     no_prompt_cache: bool,
+    /// How /v1/embeddings makes one vector of a text: the mean of its tokens' hidden states,
+    /// the last token's or the first's (as llama-server's --pooling), L2-normalized.
+    #[arg(long, default_value = "mean", value_parser = ["mean", "last", "cls"])]
+    pooling: String,
     /// Require `Authorization: Bearer KEY` on every route but /health and /openapi.json.
     #[arg(long, env = "WISP_API_KEY", hide_env_values = true, value_name = "KEY")]
     api_key: Option<String>,
@@ -158,6 +162,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         ctx: a.ctx,
         prefill_chunk: a.prefill_chunk as usize,
         prompt_cache: !a.no_prompt_cache,
+        pooling: a.pooling.parse().map_err(anyhow::Error::msg)?,
     };
     let started = Scheduler::start(instances, limits, metrics.clone(), open);
     spinner.finish_and_clear();
@@ -182,6 +187,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         read_timeout: Duration::from_secs(a.read_timeout),
         request_timeout: Duration::from_secs(a.request_timeout),
         openapi: routes::openapi(&model_id, info.n_vocab),
+        n_embd: info.n_embd as usize,
         responses: std::sync::Mutex::new(std::collections::VecDeque::new()),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -41,6 +41,8 @@ pub struct App {
     pub request_timeout: Duration,
     /// The OpenAPI document, naming the served model.
     pub openapi: String,
+    /// Values of an embedding.
+    pub n_embd: usize,
     /// The most recent responses' conversations (`/v1/responses`), for `previous_response_id`;
     /// the oldest go first past [`KEPT_RESPONSES`].
     pub responses: std::sync::Mutex<VecDeque<(String, responses::Conversation)>>,
@@ -53,7 +55,7 @@ pub const KEPT_RESPONSES: usize = 256;
 /// `model`, its vocabulary as the bound of token ids.
 pub fn openapi(model_id: &str, n_vocab: u32) -> String {
     let Ok(mut doc) = serde_json::from_str::<Value>(OPENAPI) else { return OPENAPI.to_string() };
-    for request in ["ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "ResponsesRequest"] {
+    for request in ["ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "ResponsesRequest", "EmbeddingsRequest"] {
         if let Some(m) = doc.pointer_mut(&format!("/components/schemas/{request}/properties/model")) {
             m["enum"] = json!([model_id]);
         }
@@ -100,6 +102,7 @@ pub fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", only(post(completions)))
         .route("/v1/messages", only(post(messages)))
         .route("/v1/responses", only(post(responses_route)))
+        .route("/v1/embeddings", only(post(embeddings)))
         .route("/v1/models", only(get(models)))
         .route("/v1/models/{id}", only(get(model)))
         .route("/tokenize", only(post(tokenize)))
@@ -122,7 +125,7 @@ fn only(r: MethodRouter<Arc<App>>) -> MethodRouter<Arc<App>> {
 
 /// The route's name in the metrics (a fixed set, whatever paths clients send).
 fn endpoint(path: &str) -> &'static str {
-    const KNOWN: [&str; 11] = [
+    const KNOWN: [&str; 12] = [
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/messages",
@@ -134,6 +137,7 @@ fn endpoint(path: &str) -> &'static str {
         "/health",
         "/openapi.json",
         "/v1/models/{id}",
+        "/v1/embeddings",
     ];
     KNOWN.iter().find(|k| **k == path).copied().unwrap_or(if path.starts_with("/v1/models/") { KNOWN[10] } else { "other" })
 }
@@ -543,6 +547,17 @@ async fn task<T>(app: &App, make: impl FnOnce(oneshot::Sender<Result<T, ApiError
     }
 }
 
+/// `POST /v1/embeddings`: the inputs' vectors, pooled as `--pooling` says, L2-normalized.
+async fn embeddings(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
+    let bytes = read_body(&app, &headers, body).await?;
+    let r = api::embeddings::embeddings_request(&bytes, app.n_embd)?;
+    if r.model != app.model_id {
+        return Err(ApiError::unknown_model(&r.model, &app.model_id).into());
+    }
+    let (vectors, tokens) = task(&app, |reply| Task::Embed { inputs: r.inputs, reply }).await?;
+    Ok(axum::Json(api::embeddings::embeddings_response(&app.model_id, &vectors, r.encoding, tokens)).into_response())
+}
+
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Result<Response, Failed> {
     let bytes = read_body(&app, &headers, body).await?;
     let r: api::TokenizeRequest = api::parse(&bytes)?;
@@ -583,7 +598,7 @@ mod tests {
     fn the_openapi_document_describes_every_route_and_names_the_model() {
         let doc: Value = serde_json::from_str(&openapi("m", 10)).unwrap();
         let paths = doc["paths"].as_object().unwrap();
-        for p in ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/models", "/v1/models/{model}", "/tokenize", "/detokenize", "/health", "/metrics", "/openapi.json"] {
+        for p in ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings", "/v1/models", "/v1/models/{model}", "/tokenize", "/detokenize", "/health", "/metrics", "/openapi.json"] {
             assert!(paths.contains_key(p), "{p} is not documented");
         }
         assert_eq!(doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"], json!(["m"]));

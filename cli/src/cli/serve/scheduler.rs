@@ -32,6 +32,8 @@ pub struct Limits {
     pub prefill_chunk: usize,
     /// Finished requests' sessions are kept for later requests that share their prefix.
     pub prompt_cache: bool,
+    /// How `/v1/embeddings` pools a text's rows.
+    pub pooling: wisp::Pooling,
 }
 
 /// What a generation request hears from its worker, in order: `Started` or `Failed`, then for
@@ -83,6 +85,20 @@ pub enum Task {
         reply: oneshot::Sender<Result<Pieces, ApiError>>,
     },
     Detokenize { tokens: Vec<u32>, reply: oneshot::Sender<Result<String, ApiError>> },
+    /// Embeddings of the inputs, with the tokens they came to: run a turn at a time between
+    /// rounds of generation (see [`Worker::embed_turn`]).
+    Embed { inputs: Vec<api::embeddings::Input>, reply: oneshot::Sender<Result<Embedded, ApiError>> },
+}
+
+/// Embeddings of a request's inputs, in order, and the tokens they came to.
+pub type Embedded = (Vec<Vec<f32>>, u32);
+
+/// An embeddings request under way in a worker: the vectors of its first inputs so far.
+struct Embedding {
+    inputs: Vec<api::embeddings::Input>,
+    vectors: Vec<Vec<f32>>,
+    tokens: u32,
+    reply: oneshot::Sender<Result<Embedded, ApiError>>,
 }
 
 /// Opens a guest instance with the model loaded (called on the worker's own thread).
@@ -142,7 +158,8 @@ impl Scheduler {
                 let _ = ready.send(opened.as_ref().map(|o| o.2.clone()).map_err(|e| format!("{e:#}")));
                 if let Ok((inst, model, info)) = opened {
                     let ctx = limits.ctx.min(info.n_ctx_train);
-                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, bos: info.bos, active: Vec::new(), idle: Vec::new() }.run();
+                    let embeds = VecDeque::new();
+                    Worker { shared, open, inst, model, slots: slots.max(1), ctx, bos: info.bos, active: Vec::new(), embeds, idle: Vec::new() }.run();
                 }
             })?;
             workers.push(handle);
@@ -322,6 +339,8 @@ struct Worker {
     /// The model's BOS token (a rendered chat may begin with it).
     bos: Option<u32>,
     active: Vec<Active>,
+    /// Embeddings requests, the first under way.
+    embeds: VecDeque<Embedding>,
     /// Finished requests' sessions, least recently used first, for later requests that share
     /// their prefix (with `Limits::prompt_cache`); with the active ones, at most `slots`.
     idle: Vec<Idle>,
@@ -341,7 +360,7 @@ impl Worker {
                 let mut q = self.shared.lock();
                 loop {
                     let free = self.slots.saturating_sub(self.active.len());
-                    if q.cancel || !q.tasks.is_empty() || (free > 0 && !q.jobs.is_empty()) || !self.active.is_empty() {
+                    if q.cancel || !q.tasks.is_empty() || (free > 0 && !q.jobs.is_empty()) || !self.active.is_empty() || !self.embeds.is_empty() {
                         break;
                     }
                     if q.stopping {
@@ -366,6 +385,9 @@ impl Worker {
                 for t in tasks {
                     refuse(t, ApiError::shutting_down());
                 }
+                for e in std::mem::take(&mut self.embeds) {
+                    let _ = e.reply.send(Err(ApiError::shutting_down()));
+                }
                 // Only a stop cancels, and a stop is for good.
                 return;
             }
@@ -375,6 +397,7 @@ impl Worker {
             for job in jobs {
                 self.admit(job);
             }
+            self.embed_turn();
             self.round();
         }
     }
@@ -389,7 +412,64 @@ impl Worker {
                 let r = guest(self.inst.detokenize(self.model, &tokens, true));
                 let _ = reply.send(r.map_err(|f| self.failed(f)));
             }
+            Task::Embed { inputs, reply } => {
+                let vectors = Vec::with_capacity(inputs.len());
+                self.embeds.push_back(Embedding { inputs, vectors, tokens: 0, reply });
+            }
         }
+    }
+
+    /// One turn of the first embeddings request: its next inputs, as many as make a prompt
+    /// chunk's tokens (one at least), so that the requests generating meanwhile wait for one
+    /// chunk at a time, as a long prompt makes them. A request whose client left ends here.
+    fn embed_turn(&mut self) {
+        let Some(mut e) = self.embeds.pop_front() else { return };
+        if e.reply.is_closed() {
+            self.shared.metrics.cancelled.inc();
+            return;
+        }
+        match self.embed_some(&mut e) {
+            Err(f) => {
+                let err = self.failed(f);
+                let _ = e.reply.send(Err(err));
+            }
+            Ok(()) if e.vectors.len() == e.inputs.len() => {
+                self.shared.metrics.prompt_tokens.inc_by(u64::from(e.tokens));
+                let _ = e.reply.send(Ok((std::mem::take(&mut e.vectors), e.tokens)));
+            }
+            Ok(()) => self.embeds.push_front(e),
+        }
+    }
+
+    fn embed_some(&mut self, e: &mut Embedding) -> Result<(), Failure> {
+        let mut texts = Vec::new();
+        let mut tokens = 0;
+        while let Some(input) = e.inputs.get(e.vectors.len() + texts.len()) {
+            if !texts.is_empty() && tokens >= self.shared.limits.prefill_chunk {
+                break;
+            }
+            let ids = match input {
+                api::embeddings::Input::Text(t) => guest(self.inst.tokenize(self.model, t, true, false))?,
+                api::embeddings::Input::Tokens(t) => t.clone(),
+            };
+            let i = e.vectors.len() + texts.len();
+            if ids.is_empty() {
+                return Err(Failure::Request(ApiError::invalid_param("input", format!("input[{i}] has no tokens"))));
+            }
+            if ids.len() > self.ctx as usize {
+                let message = format!("input[{i}] is {} tokens, and a request's context holds {} (--ctx)", ids.len(), self.ctx);
+                return Err(Failure::Request(ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid_param("input", message) }));
+            }
+            tokens += ids.len();
+            texts.push(ids);
+        }
+        let vectors = guest(self.inst.embed(self.model, &texts, self.shared.limits.pooling)).map_err(|f| match f {
+            Failure::Request(err) => Failure::Request(ApiError::invalid_param("input", err.message)),
+            other => other,
+        })?;
+        e.tokens += tokens as u32;
+        e.vectors.extend(vectors);
+        Ok(())
     }
 
     fn tokenize(&mut self, text: &str, add_special: bool, parse_special: bool, with_pieces: bool) -> Result<Pieces, Failure> {
@@ -784,6 +864,9 @@ fn refuse(t: Task, e: ApiError) {
             let _ = reply.send(Err(e));
         }
         Task::Detokenize { reply, .. } => {
+            let _ = reply.send(Err(e));
+        }
+        Task::Embed { reply, .. } => {
             let _ = reply.send(Err(e));
         }
     }
