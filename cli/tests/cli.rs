@@ -115,6 +115,38 @@ fn run_with_sampling_is_reproducible_by_seed() {
 }
 
 #[test]
+fn embed_prints_the_librarys_vectors_and_their_similarities() {
+    let m = model().to_str().unwrap();
+    let texts = ["A cat sat on the mat.", "Stocks fell sharply."];
+    let o = wisp(&["embed", "--model", m, "--gpu", "off", "--pooling", "last", "--json", texts[0], texts[1]]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let got: Vec<Vec<f32>> = v["data"].as_array().unwrap().iter().map(|d| d["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect();
+    // The library's, to the bit.
+    let w = wisp::Wisp::new(wisp::Options::default()).unwrap();
+    let mut inst = w.instantiate(wisp::GpuCtx::none(), model().parent()).unwrap();
+    let mm = inst.open_model(model(), wisp::GpuMode::Off).unwrap().unwrap();
+    let tokens: Vec<Vec<u32>> = texts.iter().map(|t| inst.tokenize(mm, t, true, false).unwrap().unwrap()).collect();
+    assert_eq!(got, inst.embed(mm, &tokens, wisp::Pooling::Last).unwrap().unwrap());
+    assert_eq!(v["usage"]["prompt_tokens"], tokens.iter().map(Vec::len).sum::<usize>());
+    // One text a line from stdin, and the similarities as text.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_wisp"))
+        .args(["embed", "--model", m, "--gpu", "off", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), format!("{}\n\n{}\n", texts[0], texts[1]).as_bytes()).unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("cosine similarity (mean pooling)") && out.contains(" 1.000") && out.lines().count() == 6, "{out}");
+    let o = wisp(&["embed", "--model", m, "--pooling", "max", "x"]);
+    assert!(!o.status.success() && stderr(&o).contains("max"), "{}", stderr(&o));
+}
+
+#[test]
 fn info_reports_the_model() {
     let o = wisp(&["info", "--model", model().to_str().unwrap(), "--json"]);
     assert!(o.status.success(), "{}", stderr(&o));

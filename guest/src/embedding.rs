@@ -7,10 +7,11 @@
 //! recipe has embeddings, on the guest's CPU and on a device that runs the model's program.
 
 use crate::dispatch::{self, Dispatch};
-use crate::engine::{Error, Model, can_allocate};
+use crate::engine::{Error, Model, PassParts, can_allocate};
 use crate::models::{self, Recipe, State, Want};
+use crate::program::cpu::{self, Values};
 use crate::program::{Op, Program, compact};
-use crate::session::{BATCH, DEVICE_BATCH};
+use crate::session::{self, BATCH, DEVICE_BATCH, STEP_ROWS};
 
 /// How a text's token rows become one vector.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,6 +26,8 @@ pub enum Pooling {
 
 /// Texts one call embeds at most.
 pub const MAX_INPUTS: usize = 2048;
+/// Texts under way at once on the guest's CPU (each holds its keys and values).
+const MAX_OPEN: usize = 64;
 
 /// The model's program `p` ending at its hidden states: the rows `last-rows` would have picked
 /// from go on through the same ops for every token, and the output is what the first product
@@ -78,9 +81,10 @@ impl Model {
     }
 
     /// One L2-normalized vector for each text of `inputs` (token ids), its rows pooled by
-    /// `pooling`; `fast` as a session's precision. Each text runs alone, in passes of a
-    /// prompt's batch, on the device where the model's program is there and the policy sends
-    /// it. `invalid-argument` for no texts, more than [`MAX_INPUTS`], an empty one, one past
+    /// `pooling`; `fast` as a session's precision. On the guest's CPU the texts share passes
+    /// (each weight read once a pass for all of them, as a batched step's sessions); where the
+    /// model's program is on the device, each text runs alone, in passes of a prompt's batch,
+    /// there where the policy sends it. A text's vector is the one it has alone either way. `invalid-argument` for no texts, more than [`MAX_INPUTS`], an empty one, one past
     /// the training context or a token past the vocabulary; `out-of-memory` where a text's
     /// keys and values do not fit.
     pub fn embed(&self, inputs: &[Vec<u32>], pooling: Pooling, fast: bool) -> Result<Vec<Vec<f32>>, Error> {
@@ -100,7 +104,93 @@ impl Model {
             }
         }
         let recipe = self.embedding()?;
+        if recipe.device.is_none() && !self.on_device() {
+            return self.embed_together(recipe, inputs, pooling, fast);
+        }
         inputs.iter().map(|tokens| self.embed_one(recipe, tokens, pooling, fast)).collect()
+    }
+
+    /// The texts on the guest's CPU, in passes of at most `STEP_ROWS` rows over several of
+    /// them (each text's at most its batch), as `session::step` runs sessions: the products
+    /// through one dispatcher, each text's attention over its own caches.
+    fn embed_together(&self, recipe: &Recipe, inputs: &[Vec<u32>], pooling: Pooling, fast: bool) -> Result<Vec<Vec<f32>>, Error> {
+        let (p, plan) = (&recipe.program, &recipe.plan);
+        let width = p.width(p.outputs[0]);
+        let need = inputs.iter().map(Vec::len).max().unwrap_or(0).saturating_mul(self.arch.hparams().kv_bytes_per_token());
+        if !can_allocate(need.saturating_mul(2)) {
+            return Err(Error::OutOfMemory(format!("a text's keys and values need {} MiB", need >> 20)));
+        }
+        let parts = PassParts { weights: self.arch.tensors(), recipe, embd: self.arch.embd(), freqs: &recipe.freqs };
+        let hd = self.arch.hparams().head_dim;
+        let mut products = Dispatch::new(self.gpu.clone());
+        products.fast = fast;
+        let mut pools = vec![Pool::new(pooling, width); inputs.len()];
+        // The texts under way, in order: (index, its state and dispatcher, rows done).
+        let mut open: Vec<(usize, State, Dispatch, usize)> = Vec::new();
+        let mut next = 0;
+        let mut vals = Values::new(p, plan, STEP_ROWS, MAX_OPEN);
+        let mut scores: Vec<f32> = Vec::new();
+        loop {
+            // Texts join while the pass has room for their first rows.
+            let mut room = STEP_ROWS - open.iter().map(|(i, st, _, done)| (inputs[*i].len() - done).min(st.batch)).sum::<usize>().min(STEP_ROWS);
+            while next < inputs.len() && room > 0 && open.len() < MAX_OPEN {
+                let n = inputs[next].len();
+                let mut st = State::new(self.arch.as_ref(), recipe, n, BATCH.min(n), false);
+                // No logits here: the scratch is the pass's own.
+                st.buf = models::Scratch { scores: Vec::new(), logits: Vec::new() };
+                room = room.saturating_sub(n.min(st.batch));
+                open.push((next, st, Dispatch::new(self.gpu.clone()), 0));
+                next += 1;
+            }
+            if open.is_empty() {
+                break;
+            }
+            let mut left = STEP_ROWS;
+            let take: Vec<usize> = open
+                .iter()
+                .map(|(i, st, _, done)| {
+                    let n = (inputs[*i].len() - done).min(st.batch).min(left);
+                    left -= n;
+                    n
+                })
+                .collect();
+            let rows = STEP_ROWS - left;
+            let widest = open.iter().zip(&take).map(|((_, _, _, done), n)| done + n).max().unwrap_or(0);
+            if scores.len() < widest {
+                scores.resize(widest, 0.0);
+            }
+            let mut failed = None;
+            {
+                let (mut seqs, mut tokens, mut own) = (Vec::new(), Vec::new(), Vec::new());
+                for ((i, st, d, done), &n) in open.iter_mut().zip(&take).filter(|(_, n)| **n > 0) {
+                    let (caches, tables) = st.pass_parts();
+                    tokens.push(session::Rows { tokens: &inputs[*i][*done..*done + n], pos: *done, tables });
+                    seqs.push(cpu::Seq { t: n, pos: *done, outputs: true, caches, d: own.len() + 1 });
+                    own.push(d);
+                }
+                let mut input = |i: usize, out: &mut [f32]| {
+                    if let Err(e) = session::pass_input(&parts, hd, &mut tokens, i, out) {
+                        failed.get_or_insert(e);
+                    }
+                };
+                let mut ds: Vec<&mut Dispatch> = std::iter::once(&mut products).chain(own).collect();
+                cpu::run(p, plan, parts.weights, &mut ds, &mut vals, &mut scores, &mut seqs, &mut input);
+            }
+            if let Some(e) = failed {
+                return Err(e.into());
+            }
+            let out = vals.get(p, plan, p.outputs[0], rows);
+            let mut at = 0;
+            for ((i, _, _, done), &n) in open.iter_mut().zip(&take) {
+                for (r, row) in out[at * width..(at + n) * width].chunks_exact(width).enumerate() {
+                    pools[*i].add(*done + r, inputs[*i].len(), row);
+                }
+                at += n;
+                *done += n;
+            }
+            open.retain(|(i, _, _, done)| *done < inputs[*i].len());
+        }
+        Ok(pools.into_iter().zip(inputs).map(|(pool, t)| pool.finish(t.len())).collect())
     }
 
     fn embed_one(&self, recipe: &Recipe, tokens: &[u32], pooling: Pooling, fast: bool) -> Result<Vec<f32>, Error> {
@@ -114,7 +204,7 @@ impl Model {
         let mut state = State::new(self.arch.as_ref(), recipe, n, batch, self.on_device());
         let mut d = Dispatch::new(self.gpu.clone());
         d.fast = fast;
-        let (mut sum, mut pooled) = (vec![0f64; width], vec![0f32; width]);
+        let mut pool = Pool::new(pooling, width);
         let (mut rows, mut done) = (Vec::with_capacity(batch * width), 0);
         while done < n {
             let t = (n - done).min(batch);
@@ -124,26 +214,51 @@ impl Model {
                     return Err(Error::Io("the device did not run the text's first pass".into()));
                 }
                 // The device kept keys the guest's rings lack: the text runs again, here.
-                sum.fill(0.0);
+                pool = Pool::new(pooling, width);
                 done = 0;
                 continue;
             }
             for (r, row) in rows.chunks_exact(width).enumerate() {
-                let at = done + r;
-                match pooling {
-                    Pooling::Mean => sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x)),
-                    Pooling::Cls if at == 0 => pooled.copy_from_slice(row),
-                    Pooling::Last if at == n - 1 => pooled.copy_from_slice(row),
-                    _ => {}
-                }
+                pool.add(done + r, n, row);
             }
             done += t;
         }
-        if pooling == Pooling::Mean {
-            pooled = sum.iter().map(|s| (s / n as f64) as f32).collect();
+        Ok(pool.finish(n))
+    }
+}
+
+/// A text's vector as its rows arrive, in order.
+#[derive(Clone)]
+struct Pool {
+    pooling: Pooling,
+    /// The rows' sum (mean), in f64 so that a long text's order of sums does not show.
+    sum: Vec<f64>,
+    /// The row kept (last, cls).
+    row: Vec<f32>,
+}
+
+impl Pool {
+    fn new(pooling: Pooling, width: usize) -> Pool {
+        Pool { pooling, sum: vec![0.0; if pooling == Pooling::Mean { width } else { 0 }], row: vec![0.0; width] }
+    }
+
+    /// Row `at` of a text of `n` rows.
+    fn add(&mut self, at: usize, n: usize, row: &[f32]) {
+        match self.pooling {
+            Pooling::Mean => self.sum.iter_mut().zip(row).for_each(|(s, &x)| *s += f64::from(x)),
+            Pooling::Cls if at == 0 => self.row.copy_from_slice(row),
+            Pooling::Last if at + 1 == n => self.row.copy_from_slice(row),
+            _ => {}
         }
-        normalize(&mut pooled);
-        Ok(pooled)
+    }
+
+    /// The vector of a text of `n` rows, normalized.
+    fn finish(mut self, n: usize) -> Vec<f32> {
+        if self.pooling == Pooling::Mean {
+            self.row = self.sum.iter().map(|s| (s / n as f64) as f32).collect();
+        }
+        normalize(&mut self.row);
+        self.row
     }
 }
 

@@ -488,16 +488,16 @@ fn run_together(model: &Model, parts: &PassParts<'_>, work: &mut [Advance<'_>], 
 
 /// One sequence's rows in a batched pass: its tokens from position `pos`, and its session's
 /// rotation tables (`State::pass_parts`).
-struct Rows<'a> {
-    tokens: &'a [u32],
-    pos: usize,
-    tables: Vec<&'a mut rope::Table>,
+pub(crate) struct Rows<'a> {
+    pub tokens: &'a [u32],
+    pub pos: usize,
+    pub tables: Vec<&'a mut rope::Table>,
 }
 
 /// Input `i` of a pass of the model's recipe over several sequences, their rows one sequence
 /// after another: the tokens' embeddings (input 0), then the rotation tables of their positions
 /// (`hd` wide), filled in each session's own tables.
-fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize, out: &mut [f32]) -> Result<(), LoadError> {
+pub(crate) fn pass_input(parts: &PassParts<'_>, hd: usize, seqs: &mut [Rows<'_>], i: usize, out: &mut [f32]) -> Result<(), LoadError> {
     let mut at = 0;
     for seq in seqs {
         let t = seq.tokens.len();

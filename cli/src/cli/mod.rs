@@ -9,7 +9,7 @@ mod serve;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use std::io::Write;
+use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -56,6 +56,13 @@ enum Command {
     /// Print the token ids of a text.
     #[command(after_help = "Examples:\n  wisp tokenize \"Hello world\"\n  wisp tokenize --json \"Hello world\"")]
     Tokenize(TokenizeArgs),
+    /// Embed texts: each one's hidden states after the model's last norm, pooled over its tokens
+    /// and L2-normalized (as llama.cpp's llama-embedding), and the cosine similarity of every
+    /// pair.
+    #[command(after_help = "Examples:\n  wisp embed --model qwen2.5-coder-0.5b \"A cat sat on the mat.\" \"A kitten rested on the rug.\" \"Stocks fell.\"\n  \
+                            wisp embed --pooling last --json \"Hello\" > hello.json   (OpenAI's /v1/embeddings response)\n  \
+                            cat sentences.txt | wisp embed -   (one text a line)")]
+    Embed(EmbedArgs),
     /// Print a model's metadata, tensor types and size.
     #[command(after_help = "Examples:\n  wisp info\n  wisp info --model ./my.gguf --json")]
     Info(InfoArgs),
@@ -412,6 +419,22 @@ struct TokenizeArgs {
 }
 
 #[derive(Args)]
+struct EmbedArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// How a text's token rows become one vector: their mean, the last token's or the first's
+    /// (as llama.cpp's --pooling).
+    #[arg(long, default_value = "mean", value_parser = ["mean", "last", "cls"])]
+    pooling: String,
+    /// OpenAI's /v1/embeddings response on stdout, the vectors in full.
+    #[arg(long)]
+    json: bool,
+    /// The texts; `-` reads one text a line from stdin.
+    #[arg(required = true)]
+    texts: Vec<String>,
+}
+
+#[derive(Args)]
 struct InfoArgs {
     #[command(flatten)]
     model: ModelArgs,
@@ -607,6 +630,51 @@ fn tokenize(a: TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
+fn embed(a: EmbedArgs) -> Result<()> {
+    let mut texts = Vec::new();
+    for t in &a.texts {
+        if t == "-" {
+            for line in std::io::stdin().lock().lines() {
+                let line = line.context("reading stdin")?;
+                if !line.trim().is_empty() {
+                    texts.push(line);
+                }
+            }
+        } else {
+            texts.push(t.clone());
+        }
+    }
+    anyhow::ensure!(!texts.is_empty(), "no text to embed");
+    let pooling: wisp::Pooling = a.pooling.parse().map_err(anyhow::Error::msg)?;
+    let Loaded { mut inst, model, path, .. } = load(&a.model)?;
+    let mut tokens = Vec::with_capacity(texts.len());
+    for t in &texts {
+        tokens.push(engine(inst.tokenize(model, t, true, false)?)?);
+    }
+    let vectors = engine(inst.embed(model, &tokens, pooling)?)?;
+    if a.json {
+        let id = path.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+        let n: usize = tokens.iter().map(Vec::len).sum();
+        let v = wisp_api::embeddings::embeddings_response(id, &vectors, wisp_api::embeddings::Encoding::Float, n as u32);
+        println!("{v}");
+        return Ok(());
+    }
+    let mut out = std::io::stdout().lock();
+    for (i, ((t, ids), v)) in texts.iter().zip(&tokens).zip(&vectors).enumerate() {
+        let head: Vec<String> = v.iter().take(4).map(|x| format!("{x:.6}")).collect();
+        let tail: Vec<String> = v.iter().skip(v.len().saturating_sub(2)).map(|x| format!("{x:.6}")).collect();
+        writeln!(out, "{i:>3} {:?} ({} tokens): [{}, ..., {}] ({} values)", t, ids.len(), head.join(", "), tail.join(", "), v.len())?;
+    }
+    if vectors.len() > 1 {
+        writeln!(out, "\ncosine similarity ({} pooling):", a.pooling)?;
+        for a_ in &vectors {
+            let row: Vec<String> = vectors.iter().map(|b| format!("{:6.3}", a_.iter().zip(b).map(|(x, y)| x * y).sum::<f32>())).collect();
+            writeln!(out, "    {}", row.join(" "))?;
+        }
+    }
+    Ok(())
+}
+
 fn info(a: InfoArgs) -> Result<()> {
     let Loaded { mut inst, model, path, load_s } = load(&a.model)?;
     let i = inst.model_info(model)?;
@@ -694,6 +762,7 @@ pub fn main() -> ExitCode {
         Command::Bench(a) => bench::bench(a),
         Command::Tokenize(a) => tokenize(a),
         Command::Info(a) => info(a),
+        Command::Embed(a) => embed(a),
         Command::Fetch(a) => fetch_cmd(a),
         Command::Chat(a) => chat::chat(a),
         Command::Conformance(a) => conformance::conformance(a),
