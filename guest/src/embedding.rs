@@ -116,10 +116,7 @@ impl Model {
     fn embed_together(&self, recipe: &Recipe, inputs: &[Vec<u32>], pooling: Pooling, fast: bool) -> Result<Vec<Vec<f32>>, Error> {
         let (p, plan) = (&recipe.program, &recipe.plan);
         let width = p.width(p.outputs[0]);
-        let need = inputs.iter().map(Vec::len).max().unwrap_or(0).saturating_mul(self.arch.hparams().kv_bytes_per_token());
-        if !can_allocate(need.saturating_mul(2)) {
-            return Err(Error::OutOfMemory(format!("a text's keys and values need {} MiB", need >> 20)));
-        }
+        let kv = self.arch.hparams().kv_bytes_per_token();
         let parts = PassParts { weights: self.arch.tensors(), recipe, embd: self.arch.embd(), freqs: &recipe.freqs };
         let hd = self.arch.hparams().head_dim;
         let mut products = Dispatch::new(self.gpu.clone());
@@ -135,6 +132,15 @@ impl Model {
             let mut room = STEP_ROWS - open.iter().map(|(i, st, _, done)| (inputs[*i].len() - done).min(st.batch)).sum::<usize>().min(STEP_ROWS);
             while next < inputs.len() && room > 0 && open.len() < MAX_OPEN {
                 let n = inputs[next].len();
+                // A text's keys and values (and as much again for its pass) must fit beside
+                // those of the texts under way: else it waits for them, or, alone, is refused.
+                let need = n.saturating_mul(kv);
+                if !can_allocate(need.saturating_mul(2)) {
+                    if open.is_empty() {
+                        return Err(Error::OutOfMemory(format!("a text of {n} tokens needs {} MiB of keys and values", need >> 20)));
+                    }
+                    break;
+                }
                 let mut st = State::new(self.arch.as_ref(), recipe, n, BATCH.min(n), false);
                 // No logits here: the scratch is the pass's own.
                 st.buf = models::Scratch { scores: Vec::new(), logits: Vec::new() };

@@ -143,4 +143,20 @@ fn bad_embedding_calls_are_typed_errors() {
     }
     // The engine goes on.
     assert_eq!(inst.embed(m, &[vec![2, 100]], Pooling::Mean).unwrap().unwrap()[0].len(), info.n_embd as usize);
+
+    // Texts whose keys and values do not fit the guest's memory (1.1 GiB for 32,000 tokens of
+    // Gemma 3 270M, under a limit of 512 MiB): `out-of-memory`, not a trap, on both paths.
+    let w = wisp::Wisp::new(wisp::Options { max_memory: 512 << 20, ..wisp::Options::default() }).unwrap();
+    let mut small = w.instantiate(GpuCtx::none(), model().parent()).unwrap();
+    let m = small.open_model(model(), GpuMode::Off).unwrap().unwrap();
+    for texts in [vec![vec![2; 32_000]], vec![vec![2; 8], vec![2; 32_000]]] {
+        match small.embed(m, &texts, Pooling::Mean).unwrap() {
+            Err(EngineError::OutOfMemory(msg)) => eprintln!("past the memory: {msg}"),
+            other => panic!("past the memory: {:?}", other.map(|v| v.len())),
+        }
+    }
+    // Two long texts that fit one at a time, not together: the second waits for the first.
+    let both = small.embed(m, &[vec![2; 3000], vec![3; 3000]], Pooling::Last).unwrap().unwrap();
+    let alone = small.embed(m, &[vec![3; 3000]], Pooling::Last).unwrap().unwrap();
+    assert_eq!(both[1], alone[0]);
 }
