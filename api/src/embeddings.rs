@@ -100,6 +100,19 @@ pub fn embeddings_request(bytes: &[u8], width: usize) -> Result<EmbeddingsReques
     Ok(EmbeddingsRequest { model: body.model, inputs, encoding })
 }
 
+/// Input `i`'s tokens (`ids`), checked to fit a request's context of `ctx` tokens: `input[i]`
+/// with no tokens is a 400, one past the context `context_length_exceeded`.
+pub fn input_tokens(i: usize, ids: Vec<u32>, ctx: u32) -> Result<Vec<u32>, ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::invalid_param("input", format!("input[{i}] has no tokens")));
+    }
+    if ids.len() > ctx as usize {
+        let message = format!("input[{i}] is {} tokens, and a request's context holds {ctx}", ids.len());
+        return Err(ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid_param("input", message) });
+    }
+    Ok(ids)
+}
+
 /// The response: one `embedding` object for each vector, in order, and the tokens embedded.
 pub fn embeddings_response(model: &str, vectors: &[Vec<f32>], encoding: Encoding, prompt_tokens: u32) -> Value {
     let data: Vec<Value> = vectors
@@ -152,6 +165,15 @@ mod tests {
         let many = format!(r#"{{"model":"m","input":[{}]}}"#, vec!["\"a\""; MAX_INPUTS + 1].join(","));
         assert_eq!(param(&many).as_deref(), Some("input"));
         assert!(embeddings_request(br#"{"model":"m","input":"a","dimensions":4}"#, 4).is_ok());
+    }
+
+    #[test]
+    fn an_inputs_tokens_must_be_some_and_fit_the_context() {
+        assert_eq!(input_tokens(0, vec![1, 2], 2).unwrap(), vec![1, 2]);
+        assert_eq!(input_tokens(1, vec![], 2).unwrap_err().param.as_deref(), Some("input"));
+        let e = input_tokens(2, vec![1, 2, 3], 2).unwrap_err();
+        assert_eq!((e.param.as_deref(), e.code), (Some("input"), Some("context_length_exceeded")));
+        assert!(e.message.contains("input[2] is 3 tokens"), "{}", e.message);
     }
 
     #[test]

@@ -74,19 +74,14 @@ impl Model {
         made.as_ref().map_err(|why| Error::Unsupported(format!("embeddings of this model: {why}")))
     }
 
-    /// The width of an embedding: the hidden states'.
-    pub fn embedding_width(&self) -> Result<usize, Error> {
-        let r = self.embedding()?;
-        Ok(r.program.width(r.program.outputs[0]))
-    }
-
     /// One L2-normalized vector for each text of `inputs` (token ids), its rows pooled by
     /// `pooling`; `fast` as a session's precision. On the guest's CPU the texts share passes
     /// (each weight read once a pass for all of them, as a batched step's sessions); where the
     /// model's program is on the device, each text runs alone, in passes of a prompt's batch,
-    /// there where the policy sends it. A text's vector is the one it has alone either way. `invalid-argument` for no texts, more than [`MAX_INPUTS`], an empty one, one past
-    /// the training context or a token past the vocabulary; `out-of-memory` where a text's
-    /// keys and values do not fit.
+    /// there where the policy sends it. A text's vector is the one it has alone either way.
+    /// `invalid-argument` for no texts, more than [`MAX_INPUTS`], an empty one or a token past
+    /// the vocabulary; `context-full` for one past the training context; `out-of-memory` where
+    /// a text's keys and values do not fit.
     pub fn embed(&self, inputs: &[Vec<u32>], pooling: Pooling, fast: bool) -> Result<Vec<Vec<f32>>, Error> {
         if inputs.is_empty() || inputs.len() > MAX_INPUTS {
             return Err(Error::InvalidArgument(format!("{} texts to embed: 1 to {MAX_INPUTS} are taken", inputs.len())));
@@ -141,9 +136,7 @@ impl Model {
                     }
                     break;
                 }
-                let mut st = State::new(self.arch.as_ref(), recipe, n, BATCH.min(n), false);
-                // No logits here: the scratch is the pass's own.
-                st.buf = models::Scratch { scores: Vec::new(), logits: Vec::new() };
+                let st = State::new(self.arch.as_ref(), recipe, n, BATCH.min(n), false, false);
                 room = room.saturating_sub(n.min(st.batch));
                 open.push((next, st, Dispatch::new(self.gpu.clone()), 0));
                 next += 1;
@@ -207,7 +200,7 @@ impl Model {
         }
         let width = recipe.program.width(recipe.program.outputs[0]);
         let batch = if self.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n);
-        let mut state = State::new(self.arch.as_ref(), recipe, n, batch, self.on_device());
+        let mut state = State::new(self.arch.as_ref(), recipe, n, batch, self.on_device(), false);
         let mut d = Dispatch::new(self.gpu.clone());
         d.fast = fast;
         let mut pool = Pool::new(pooling, width);

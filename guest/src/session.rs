@@ -68,7 +68,7 @@ impl Session {
             )));
         }
         let batch = if model.gpu_weights > 0 { DEVICE_BATCH } else { BATCH }.min(n_ctx);
-        let state = State::new(model.arch.as_ref(), &model.recipe, n_ctx, batch, model.on_device());
+        let state = State::new(model.arch.as_ref(), &model.recipe, n_ctx, batch, model.on_device(), true);
         let dispatch = Dispatch::new(model.gpu.clone());
         Ok(Session {
             model,

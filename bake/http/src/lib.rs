@@ -156,14 +156,7 @@ fn embeddings(m: Opened, body: &[u8]) -> Result<Value, ApiError> {
             api::embeddings::Input::Text(t) => m.model.tokenize(t, true, false).map_err(engine_error)?,
             api::embeddings::Input::Tokens(t) => t.clone(),
         };
-        if ids.is_empty() {
-            return Err(ApiError::invalid_param("input", format!("input[{i}] has no tokens")));
-        }
-        if ids.len() > m.ctx as usize {
-            let message = format!("input[{i}] is {} tokens, and a request's context holds {}", ids.len(), m.ctx);
-            return Err(ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid_param("input", message) });
-        }
-        texts.push(ids);
+        texts.push(api::embeddings::input_tokens(i, ids, m.ctx)?);
     }
     let tokens: usize = texts.iter().map(Vec::len).sum();
     let vectors = m.model.embed(&texts, engine::Pooling::Mean).map_err(|e| match engine_error(e) {

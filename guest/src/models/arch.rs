@@ -150,15 +150,16 @@ pub struct State {
 
 impl State {
     /// With `device_caches`, the keys and values live on the device alone (the model's weights
-    /// are there): the layers' rings keep their shape and no storage.
-    pub fn new(a: &dyn Architecture, r: &Recipe, n_ctx: usize, batch: usize, device_caches: bool) -> State {
+    /// are there): the layers' rings keep their shape and no storage. Without `logits`, no room
+    /// for them (a state whose passes give rows, as an embedding's).
+    pub fn new(a: &dyn Architecture, r: &Recipe, n_ctx: usize, batch: usize, device_caches: bool, logits: bool) -> State {
         let h = a.hparams();
         let kv = if device_caches { 0 } else { h.n_head_kv * h.head_dim };
         State {
             n_ctx,
             batch,
             cache: (0..h.n_layer).map(|l| LayerCache::new(n_ctx, a.window(l), batch, kv)).collect(),
-            buf: Scratch::new(h, n_ctx),
+            buf: Scratch::new(n_ctx, if logits { h.n_vocab } else { 0 }),
             values: None,
             tables: r.freqs.iter().map(|_| rope::Table::new(batch, h.rope_dim)).collect(),
         }

@@ -519,15 +519,15 @@ impl Hparams {
 pub struct Scratch {
     /// `[n_ctx]`: attention scores of one query head.
     pub scores: Vec<f32>,
-    /// `[n_vocab]`: logits after the last token.
+    /// `[n_vocab]`: logits after the last token (empty in a state that gives none).
     pub logits: Vec<f32>,
 }
 
 impl Scratch {
-    pub fn new(h: &Hparams, n_ctx: usize) -> Scratch {
+    pub fn new(n_ctx: usize, n_logits: usize) -> Scratch {
         Scratch {
             scores: vec![0.0; n_ctx],
-            logits: vec![0.0; h.n_vocab],
+            logits: vec![0.0; n_logits],
         }
     }
 

@@ -452,14 +452,12 @@ impl Worker {
                 api::embeddings::Input::Text(t) => guest(self.inst.tokenize(self.model, t, true, false))?,
                 api::embeddings::Input::Tokens(t) => t.clone(),
             };
-            let i = e.vectors.len() + texts.len();
-            if ids.is_empty() {
-                return Err(Failure::Request(ApiError::invalid_param("input", format!("input[{i}] has no tokens"))));
-            }
-            if ids.len() > self.ctx as usize {
-                let message = format!("input[{i}] is {} tokens, and a request's context holds {} (--ctx)", ids.len(), self.ctx);
-                return Err(Failure::Request(ApiError { code: Some("context_length_exceeded"), ..ApiError::invalid_param("input", message) }));
-            }
+            let ids = api::embeddings::input_tokens(e.vectors.len() + texts.len(), ids, self.ctx).map_err(|mut e| {
+                if e.code == Some("context_length_exceeded") {
+                    e.message.push_str(" (--ctx)");
+                }
+                Failure::Request(e)
+            })?;
             tokens += ids.len();
             texts.push(ids);
         }
