@@ -115,6 +115,19 @@ pub struct DeviceOffer {
     pub weights_on_device: bool,
 }
 
+/// Whether `device` makes a `kv-cache` (a one-slot probe, freed again): where it does not, the
+/// model's program cannot run there over a session's keys and values, and the guest keeps the
+/// weights.
+fn runs_programs_over_caches(device: &dyn Device) -> bool {
+    match device.create_kv_cache(1, 8) {
+        Ok(id) => {
+            device.free_kv_cache(id);
+            true
+        }
+        Err(_) => false,
+    }
+}
+
 /// Whether `n` bytes can be allocated now, without aborting when they cannot.
 pub fn can_allocate(n: usize) -> bool {
     let mut v: Vec<u8> = Vec::new();
@@ -164,23 +177,36 @@ impl Model {
             .fold(0, u64::saturating_add);
         // A model the guest cannot hold lives on the device, where one is offered (or where the
         // offer asks for it): its matrices go there as they are read, the guest keeping none.
+        // With `On`, a device that can hold every matrix and runs programs over kv-caches holds
+        // them alone too: the whole model runs there, and a copy in the guest would only cap
+        // the model's size and the guest's memory.
         let offer = offer.filter(|o| o.mode != Mode::Off);
         let guest = || format!("the model's {n_params} parameters need about {} MiB of guest memory", need >> 20);
         let fits = || need <= usize::MAX as u64 && can_allocate(need as usize);
-        let owns = match &offer {
-            Some(o) => o.weights_on_device || !fits(),
-            None if fits() => false,
-            None => return Err(Error::OutOfMemory(format!("{}, past its limit, and no device is offered to hold them", guest()))),
-        };
-        if let Some(o) = offer.as_ref().filter(|_| owns) {
-            let on_device: u64 = g
-                .tensors
-                .iter()
-                .map(|t| match t.dims.as_slice() {
-                    [n_in, n_out] => crate::upload::device_bytes(t.kind, *n_out, *n_in),
-                    _ => 0,
-                })
-                .fold(0, u64::saturating_add);
+        let (on_device, largest) = g
+            .tensors
+            .iter()
+            .filter_map(|t| match t.dims.as_slice() {
+                [n_in, n_out] => Some(crate::upload::device_sizes(t.kind, *n_out, *n_in)),
+                _ => None,
+            })
+            .fold((0u64, 0u64), |(sum, max), (data, scales)| (sum.saturating_add(data).saturating_add(scales), max.max(data).max(scales)));
+        // Chosen before the guest's room is tried: trying it grows the guest's memory (which
+        // never shrinks) to the weights' size.
+        let chosen = offer.as_ref().is_some_and(|o| {
+            o.mode == Mode::On
+                && !o.weights_on_device
+                && on_device <= o.limits.budget_bytes
+                && largest <= o.limits.max_weight_bytes
+                && runs_programs_over_caches(o.device.as_ref())
+        });
+        let forced = !chosen
+            && match &offer {
+                Some(o) => o.weights_on_device || !fits(),
+                None if fits() => false,
+                None => return Err(Error::OutOfMemory(format!("{}, past its limit, and no device is offered to hold them", guest()))),
+            };
+        if let Some(o) = offer.as_ref().filter(|_| forced) {
             if on_device > o.limits.budget_bytes {
                 let why = if o.weights_on_device { "the weights go to the device".to_string() } else { format!("{}, past its limit", guest()) };
                 return Err(Error::OutOfMemory(format!(
@@ -190,6 +216,7 @@ impl Model {
                 )));
             }
         }
+        let owns = forced || chosen;
         let tokenizer = Tokenizer::from_gguf(&g).map_err(|m| {
             if m.starts_with("unsupported") { Error::Unsupported(m) } else { Error::InvalidModel(m) }
         })?;
@@ -208,24 +235,41 @@ impl Model {
         // place in the guest's memory, which never shrinks.
         let registered = arch::find(&architecture).ok_or_else(|| Error::Unsupported(format!("architecture {architecture:?}")))?;
         let config = (registered.config)(&g, &architecture)?;
+        // A second reading, for the guest's own copy where the device refuses what it chose
+        // to hold (the metadata is gone by then).
+        let spare = if chosen { Some((registered.config)(&g, &architecture)?) } else { None };
         check_vocab(config.hparams())?;
         let chat_template = chat::Template::from_gguf(&g, &tokenizer).map_err(Error::InvalidModel)?;
         let name = g.get_str("general.name").ok().flatten().unwrap_or_default().to_string();
         let metadata = g.metadata.iter().map(|(k, v)| (k.clone(), v.render(8))).collect();
         g.forget_metadata();
-        let gpu = offer.map(|o| Rc::new(Gpu::new(o.device, o.mode, o.limits, owns)));
+        let mut gpu = offer.map(|o| Rc::new(Gpu::new(o.device, o.mode, o.limits, owns)));
         let streaming = gpu.as_ref().filter(|_| owns).map(|gpu| {
             let tied = g.tensor("output.weight").is_none();
             Streaming::new(file, gpu.device.as_ref(), tied, gpu.limits.max_weight_bytes)
         });
         // What went to the device is freed again where the load fails after it.
         let loaded = Model::load_weights(config, &g, streaming.as_ref().map_or(file, |s| s as &dyn Source), gpu.clone());
+        let refused = streaming.as_ref().is_some_and(|s| s.device_refused());
         if loaded.is_err() {
             if let Some(s) = &streaming {
                 s.release();
             }
         }
         drop(streaming);
+        // The device, chosen to hold the weights alone, refused them or their program: the
+        // guest reads them again and keeps its own copy, as `On` did before (the device still
+        // runs what it takes). A bad file fails as it would have.
+        let loaded = match loaded {
+            Err(e) if (refused || matches!(e, Error::Unsupported(_))) && spare.is_some() && fits() => match (spare, gpu.take().map(Rc::try_unwrap)) {
+                (Some(config), Some(Ok(o))) => {
+                    gpu = Some(Rc::new(Gpu::new(o.device, o.mode, o.limits, false)));
+                    Model::load_weights(config, &g, file, gpu.clone())
+                }
+                _ => Err(e),
+            },
+            loaded => loaded,
+        };
         let (arch, recipe, gpu_weights) = loaded?;
         let tokenizer = Arc::new(tokenizer);
         let summary = Summary {

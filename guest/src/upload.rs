@@ -11,7 +11,7 @@ use crate::models::{FileRows, Linear, LoadError, WeightData};
 use crate::quant::{self, Group, QMatrix, Values};
 use crate::source::Source;
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 use std::rc::Rc;
 
@@ -128,8 +128,15 @@ pub fn format_of(kind: TensorType) -> Format {
 
 /// Bytes a `[n_out, n_in]` tensor of type `kind` takes on the device, data and scales.
 pub fn device_bytes(kind: TensorType, n_out: u64, n_in: u64) -> u64 {
+    let (data, scales) = device_sizes(kind, n_out, n_in);
+    data.saturating_add(scales)
+}
+
+/// Bytes of a `[n_out, n_in]` tensor of type `kind` on the device: its data and its scales
+/// (each one buffer there, at most the device's `max-weight-bytes`).
+pub fn device_sizes(kind: TensorType, n_out: u64, n_in: u64) -> (u64, u64) {
     let (format, n) = (format_of(kind), n_out.saturating_mul(n_in));
-    format.data_bytes(n).unwrap_or(u64::MAX).saturating_add(4 * format.scale_count(n))
+    (format.data_bytes(n).unwrap_or(u64::MAX), format.scale_count(n).saturating_mul(4))
 }
 
 /// The embedding's tensor in every architecture here: read by the guest (a token's row), and
@@ -151,11 +158,19 @@ pub struct Streaming<'a> {
     max_weight_bytes: u64,
     /// The device ids of the weights made, for [`Streaming::release`].
     made: RefCell<Vec<usize>>,
+    /// The device refused a weight (its room, its limit, a loss), as opposed to the file
+    /// failing to read: [`Streaming::device_refused`].
+    refused: Cell<bool>,
 }
 
 impl<'a> Streaming<'a> {
     pub fn new(file: &'a dyn Source, device: &'a dyn Device, tied: bool, max_weight_bytes: u64) -> Streaming<'a> {
-        Streaming { file, device, tied, max_weight_bytes, made: RefCell::new(Vec::new()) }
+        Streaming { file, device, tied, max_weight_bytes, made: RefCell::new(Vec::new()), refused: Cell::new(false) }
+    }
+
+    /// Whether the device refused a weight of this load (not the file that failed).
+    pub fn device_refused(&self) -> bool {
+        self.refused.get()
     }
 
     /// Frees every weight this load made on the device (a load that failed part way: nothing
@@ -192,6 +207,7 @@ impl<'a> Streaming<'a> {
         let n_part = rows.len();
         let bytes = format.data_bytes(n_part as u64 * n_in as u64).unwrap_or(u64::MAX);
         if bytes > self.max_weight_bytes {
+            self.refused.set(true);
             return Err(LoadError::OutOfMemory(format!(
                 "tensor {name}: {} MiB of {} on the device, past its largest weight of {} MiB",
                 bytes >> 20,
@@ -199,10 +215,15 @@ impl<'a> Streaming<'a> {
                 self.max_weight_bytes >> 20
             )));
         }
-        let device = |e: DeviceError| match e {
-            DeviceError::OutOfMemory(m) => LoadError::OutOfMemory(format!("tensor {name}: the device has no room for it: {m}")),
-            DeviceError::Lost(m) => LoadError::Io(format!("tensor {name}: the device was lost: {m}")),
-            DeviceError::InvalidArgument(m) | DeviceError::Unavailable(m) => LoadError::Io(format!("tensor {name}: the device refused it: {m}")),
+        let device = |e: DeviceError| {
+            self.refused.set(true);
+            match e {
+                DeviceError::OutOfMemory(m) => LoadError::OutOfMemory(format!("tensor {name}: the device has no room for it: {m}")),
+                DeviceError::Lost(m) => LoadError::Io(format!("tensor {name}: the device was lost: {m}")),
+                DeviceError::InvalidArgument(m) | DeviceError::Unavailable(m) => {
+                    LoadError::Io(format!("tensor {name}: the device refused it: {m}"))
+                }
+            }
         };
         let id = self.device.allocate(format, n_part as u32, n_in as u32).map_err(device)?;
         let per_piece = (self.file.piece_bytes() / row.max(1)).max(1);

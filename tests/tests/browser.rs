@@ -115,6 +115,7 @@ fn the_browser_host_passes_its_suite() {
         "a reload loads the model from the browser cache, with no request for the weights",
         "the main thread stays free while a 512-token prompt is prefilled",
         "the fallbacks: no JSPI or no WebGPU gives a notice and the CPU; the GPU in the worker",
+        "the model goes to WebGPU a piece at a time: the guest's memory stays below the model's size",
         "npm pack of web/ installs into an empty project whose one-file page streams a completion",
     ] {
         assert!(text.contains(test), "`npm test` did not run \"{test}\"");

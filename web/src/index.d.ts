@@ -72,6 +72,10 @@ export interface LoadedModel {
   /** The WebGPU device the weights went to, or null (the CPU). */
   device: DeviceInfo | null;
   gpuWeights: number;
+  /** The guest's linear memory after the load, in bytes. The guest reads the model a piece at a
+   *  time; with `gpu: 'on'` and a WebGPU device that holds every weight, it keeps none of them,
+   *  and this stays far below `bytes`. */
+  guestMemoryBytes: number;
   gpu: GpuMode;
   precision: Precision;
 }

@@ -8,7 +8,7 @@
 // `window.wisp` is what the test drives: `ready`, `loadDefault`, `loadModel`, `generate`, `golden`.
 
 import { download } from './cache.js';
-import { componentSha256, describeError, instantiate, manifest, probe, Serial, stats } from './wisp.js';
+import { componentSha256, describeError, instantiate, manifest, modelFile, probe, Serial, stats } from './wisp.js';
 import { loadGolden, runCase, MARGIN, TOP5_TOLERANCE, RMSE_TOLERANCE } from './golden.js';
 
 const $ = (id) => document.getElementById(id);
@@ -84,7 +84,7 @@ function loadModel(bytes, name, mode = $('gpu-mode').value) {
       state.modelName = name;
       $('model-status').textContent = `Loading ${name} (${fmt(bytes.length / 2 ** 20, 0)} MiB, GPU ${mode})…`;
       const t0 = performance.now();
-      const model = await state.guest.engine.Model.fromBytes(bytes, { gpu: mode, precision: 'exact' });
+      const model = await state.guest.engine.Model.open(modelFile(bytes), { gpu: mode, precision: 'exact' });
       const ms = performance.now() - t0;
       state.model = model;
       const info = model.info();

@@ -75,6 +75,24 @@ export function wasiImports() {
   };
 }
 
+// The model file the guest reads, a piece at a time, through WASI: one preopened directory whose
+// `model.gguf` is the bytes the page fetched (kept in JS memory, not the guest's). The guest
+// copies only the pieces it reads; where the model's weights go to the WebGPU device, its memory
+// stays far below the model's size.
+const MODEL_DIR = '/wisp-model';
+const modelDir = { dir: {} };
+let modelDirAdded = false;
+
+/** Makes `bytes` the file the guest opens at the path returned. */
+export function modelFile(bytes) {
+  if (!modelDirAdded) {
+    shim.filesystem._addPreopen(MODEL_DIR, modelDir);
+    modelDirAdded = true;
+  }
+  modelDir.dir['model.gguf'] = { source: bytes };
+  return `${MODEL_DIR}/model.gguf`;
+}
+
 const modules = new Map();
 
 /** A core module of a transpilation in dist/ (`variant` is its folder), compiled once. */
@@ -85,16 +103,25 @@ export function coreModule(variant, name) {
 }
 
 /**
- * Instantiates the guest. Resolves to `{ engine, gpu, variant }`: `engine` is the component's
- * `wisp:llm/engine` export (Model, Session), `gpu` what `createGpu` made for it.
+ * Instantiates the guest. Resolves to `{ engine, gpu, variant, memoryBytes }`: `engine` is the
+ * component's `wisp:llm/engine` export (Model, Session), `gpu` what `createGpu` made for it,
+ * `memoryBytes()` the size of the guest's linear memory now.
  */
 export async function instantiate(env) {
   const variant = env.jspi ? 'jspi' : 'sync';
   const { instantiate: inst } = await import(new URL(`${variant}/wisp_guest.js`, DIST).href);
   const gpu = createGpu(env.gpu, env.gpuWhy ?? 'this host has no GPU');
   const imports = { ...wasiImports(), 'wisp:llm/gpu': gpu.imports };
-  const root = await inst((name) => coreModule(variant, name), imports);
-  return { engine: root.engine, gpu, variant };
+  // The guest's memory is the one its core modules export (the others import it).
+  const memories = [];
+  const instantiateCore = async (module, imports) => {
+    const instance = await WebAssembly.instantiate(module, imports);
+    if (instance.exports.memory instanceof WebAssembly.Memory) memories.push(instance.exports.memory);
+    return instance;
+  };
+  const root = await inst((name) => coreModule(variant, name), imports, instantiateCore);
+  const memoryBytes = () => memories.reduce((n, m) => n + m.buffer.byteLength, 0);
+  return { engine: root.engine, gpu, variant, memoryBytes };
 }
 
 /** An engine error (a ComponentError carrying the WIT `error` variant) as one line. */

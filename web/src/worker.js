@@ -16,7 +16,7 @@
 // without an adapter, it runs on its own CPU kernels and `ready` carries a notice saying why.
 
 import { cachedModel, cacheAvailable, download, keepModel, modelRef, sha256Hex } from './cache.js';
-import { describeError, instantiate, manifest, probe, stats } from './wisp.js';
+import { describeError, instantiate, manifest, modelFile, probe, stats } from './wisp.js';
 
 const state = { guest: null, model: null, info: null, contextSize: 0, bos: null };
 /** Completions waiting or running, by id: `{ job, aborted }`. */
@@ -99,8 +99,11 @@ async function init(options) {
   const got = await modelBytes(ref, notices);
   post({ type: 'progress', phase: 'load', loaded: 0, total: got.bytes.length });
   const t0 = performance.now();
-  state.model = await state.guest.engine.Model.fromBytes(got.bytes, { gpu: options.gpu ?? 'auto', precision: options.precision ?? 'exact' });
+  // The guest reads the file a piece at a time (it never holds the whole file; with the weights
+  // on the WebGPU device, none of them either).
+  state.model = await state.guest.engine.Model.open(modelFile(got.bytes), { gpu: options.gpu ?? 'auto', precision: options.precision ?? 'exact' });
   const loadMs = performance.now() - t0;
+  const guestMemoryBytes = state.guest.memoryBytes();
   await got.keep();
   const info = state.model.info();
   state.info = info;
@@ -133,6 +136,7 @@ async function init(options) {
       chatTemplate: info.chatTemplate ? (info.chatTemplate.tag === 'builtin' ? `builtin:${info.chatTemplate.val}` : info.chatTemplate.tag) : null,
       device,
       gpuWeights: info.gpuWeights,
+      guestMemoryBytes,
       gpu: options.gpu ?? 'auto',
       precision: options.precision ?? 'exact',
     },
