@@ -837,6 +837,20 @@ fn sum_planes(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_
     y[r * params.n_out + j] = plane_sum(r * params.row_quads + j);
 }
 
+// y[r, row_base + j] = x[r, j]: the product of one part of a weight held in parts (its rows
+// from row_base; x: t rows of n_in values) placed among the whole product's columns (y: rows
+// of n_out values). One invocation an element.
+@compute @workgroup_size(64)
+fn place_columns(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(workgroup_id) wid: vec3<u32>) {
+    let r = params.t_base + wid.y;
+    let j = gid.x;
+    if (r >= params.t || j >= params.n_in) {
+        return;
+    }
+    let i = r * params.n_in + j;
+    y[r * params.n_out + params.row_base + j] = x[i / 4u][i % 4u];
+}
+
 // ---- the ops of a program (`wit/gpu.wit`'s `op`) between its products ----------------------
 
 // Each writes a value of `params.t` rows of `params.n_out` values, row r = params.t_base + wid.y,

@@ -1054,3 +1054,51 @@ fn products_of_few_rows_are_each_row_alone_bit_for_bit() {
         gpu.free(id);
     }
 }
+
+/// A weight past one binding (here a binding capped at 128 KiB) is held in parts, each a
+/// buffer of whole rows: written in pieces that cross the parts, its products, alone and in a
+/// program (where each part's columns are placed among the whole product's), are the CPU's for
+/// every format and batch size; past the parts' total it is refused naming the limit.
+#[test]
+fn weights_past_one_binding_are_held_in_parts() {
+    let Some(mut gpu) = backend("weights_past_one_binding_are_held_in_parts") else { return };
+    let mut rng = Rng::new("weights_past_one_binding_are_held_in_parts");
+    let cap = 128 << 10;
+    gpu.cap_binding(cap);
+    let max = gpu.device().expect("a device").max_weight_bytes;
+    assert!(max > cap, "the weights the device takes: {max}");
+    for format in Format::ALL {
+        // Outputs of 32 rows still fit one binding.
+        let n_in = 1024;
+        let n_out = rng.range(600, 1000);
+        let w = Weight::random(&mut rng, format, n_out, n_in);
+        assert!(w.data.len() as u64 > 2 * cap, "{}: {} bytes, not past two bindings", format.name(), w.data.len());
+        // Written in three pieces at random rows.
+        let id = gpu.create(format, n_out, n_in).expect("create");
+        let (a, b) = (rng.range(1, n_out / 2), rng.range(n_out / 2 + 1, n_out - 1));
+        for (from, to) in [(0, a), (a, b), (b, n_out)] {
+            let (rb, rs) = (w.row_bytes(), w.row_scales());
+            let (from, to) = (from as usize, to as usize);
+            gpu.write_rows(id, from as u32, &w.data[from * rb..to * rb], &w.scales[from * rs..to * rs]).expect("write_rows");
+        }
+        let refs = |id| vec![WeightRef { rep: 0, id, rows: n_out, cols: n_in, format }];
+        let ops = vec![Op::Input { width: n_in }, Op::Matmul { x: 0, weight: 0, precision: Precision::Exact }, Op::Output(1)];
+        let on_gpu = program::check(ops.clone(), refs(id), 0).unwrap();
+        gpu.prepare_program(&on_gpu).expect("the program's pipelines");
+        for t in [1, 7, 32] {
+            let x = random_x(&mut rng, t, n_in);
+            let what = format!("{} [{n_out}, {n_in}] in parts of {cap} bytes, t {t}", format.name());
+            let got = gpu.matmul(&x, t, n_in, &[id]).expect("matmul");
+            check(&what, &[&w], &x, t, &got);
+            let run = [SequenceRun { rows: t, start: 0, caches: vec![] }];
+            let out = gpu.run_program(&on_gpu, &[x.clone()], &run).expect("the run recorded").expect("the device's run");
+            let [Output::Rows(rows)] = out.as_slice() else { panic!("{what}: not one output of rows") };
+            check(&format!("{what}, as a program"), &[&w], &x, t, &[rows.clone()]);
+        }
+        gpu.free(id);
+    }
+    match gpu.create(Format::F32, (max / 4096 + 1) as u32, 1024) {
+        Err(GpuError::OutOfMemory(m)) if m.contains(&format!("the device's limit is {max}")) => {}
+        other => panic!("a weight past every part: want out-of-memory naming {max}, got {other:?}"),
+    }
+}

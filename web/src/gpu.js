@@ -11,7 +11,7 @@
 // conformance kit (conformance.js) runs against the same import object.
 
 import { checkBatch, checkProgram, MAX_CACHES, MAX_SEQUENCES } from './program.js';
-import { dataBytes, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
+import { dataBytes, destroyWeight, FORMATS, GpuError, scaleCount, WebGpuBackend } from './webgpu.js';
 
 export { openDevice } from './webgpu.js';
 
@@ -31,7 +31,7 @@ const oom = (m) => err('out-of-memory', m);
  */
 export function createGpu(opened, why = 'this host has no GPU', { budget: limits = BUDGET } = {}) {
   if (!opened?.device) return noDevice(why);
-  const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes, opened.attention);
+  const backend = new WebGpuBackend(opened.device, opened.adapter, opened.shader, opened.lanes, opened.attention, opened.maxBindingBytes);
   const state = { usedBytes: 0n, usedHandles: 0, lost: null, programRuns: 0 };
   const handles = new WeakSet();
   const cacheHandles = new WeakSet();
@@ -116,8 +116,7 @@ export function createGpu(opened, why = 'this host has no GPU', { budget: limits
 
     [Symbol.dispose]() {
       if (!this.#w) return;
-      this.#w.data.destroy();
-      this.#w.scales?.destroy();
+      destroyWeight(this.#w);
       this.#w = null;
       state.usedBytes -= this.#bytes;
       state.usedHandles -= 1;

@@ -31,6 +31,10 @@ export interface EngineOptions {
   webgpu?: boolean;
   /** The gemv kernel's lanes per row (a tuning knob; the default suits most devices). */
   lanes?: number;
+  /** Caps what one WebGPU storage binding may span below the adapter's limit (at least 65536
+   *  bytes): a weight past it is held in parts of whole rows, as on a device whose binding is
+   *  that small. For tests and comparison. */
+  maxBindingBytes?: number;
   /** How `embeddings.create` makes one vector of a text's tokens' hidden states (as llama-server's `--pooling`): their mean (the default), the last token's or the first's. */
   pooling?: 'mean' | 'last' | 'cls';
 }

@@ -35,6 +35,9 @@ const T_BASE_FIELD = PARAMS_FIELDS.indexOf('tBase');
 /** A dispatch's parameters from their names (a field not named is 0). */
 const paramsOf = (named) => PARAMS_FIELDS.map((f) => named[f] ?? 0);
 const SHAPE_BYTES = 64;
+// The most parts a weight past one binding is held in: the device's maxWeightBytes is that many
+// bindings (as host/src/gpu/wgpu.rs's MAX_WEIGHT_PARTS).
+const MAX_WEIGHT_PARTS = 64;
 // matmul.wgsl's X_ACT (how a product reads x: 0 as it is; 1, 2 act(gate) * up, GELU or SiLU).
 // This host's programs use `none` alone; layout_checks holds the spellings to the native
 // host's all the same.
@@ -85,6 +88,13 @@ export function scaleCount(format, n) {
 }
 
 /** A device failure, tagged as the WIT `gpu.error` case it becomes. */
+/** Frees a weight's buffers (each part's, for a weight held in parts). */
+export function destroyWeight(w) {
+  w.data?.destroy();
+  w.scales?.destroy();
+  for (const p of w.parts ?? []) destroyWeight(p.w);
+}
+
 export class GpuError extends Error {
   constructor(tag, message) {
     super(message);
@@ -159,9 +169,12 @@ export function describeAdapter(adapter) {
  * when there is no usable device. `lanes` (a power of two up to 64) sets LANES_K of `gemv`
  * instead of the choice by device type.
  */
-export async function openDevice(shaderUrl, { lanes } = {}) {
+export async function openDevice(shaderUrl, { lanes, maxBindingBytes } = {}) {
   if (lanes !== undefined && !(Number.isInteger(lanes) && lanes >= 1 && lanes <= WORKGROUP && (lanes & (lanes - 1)) === 0)) {
     return { why: `${lanes} lanes a row: not a power of two up to ${WORKGROUP}` };
+  }
+  if (maxBindingBytes !== undefined && !(Number.isInteger(maxBindingBytes) && maxBindingBytes >= 1 << 16)) {
+    return { why: `a binding of ${maxBindingBytes} bytes: not a whole number of at least 65536` };
   }
   if (!globalThis.navigator?.gpu) return { why: 'this browser has no WebGPU (navigator.gpu is missing)' };
   let adapter;
@@ -195,12 +208,12 @@ export async function openDevice(shaderUrl, { lanes } = {}) {
   // with an `attention` op is `unavailable`, and the guest attends on its CPU).
   const attentionUrl = new URL('attention.wgsl', new URL(shaderUrl, globalThis.location?.href));
   const attention = await fetch(attentionUrl).then((r) => (r.ok ? r.text() : null), () => null);
-  return { device, adapter, shader, lanes, attention };
+  return { device, adapter, shader, lanes, attention, maxBindingBytes };
 }
 
 /** The WebGPU work behind the imports, on one device. */
 export class WebGpuBackend {
-  constructor(device, adapter, shader, lanes, attentionShader = null) {
+  constructor(device, adapter, shader, lanes, attentionShader = null, maxBindingBytes = Infinity) {
     this.device = device;
     this.limits = device.limits;
     const { name, deviceType } = describeAdapter(adapter);
@@ -208,12 +221,15 @@ export class WebGpuBackend {
     this.uncaptured = null;
     device.lost.then((info) => { this.lost ??= `${info.reason}: ${info.message}`; });
     device.addEventListener('uncapturederror', (e) => { this.uncaptured = e.error.message; });
-    const maxBinding = Math.min(this.limits.maxStorageBufferBindingSize, this.limits.maxBufferSize) & ~3;
+    const maxBinding = Math.min(this.limits.maxStorageBufferBindingSize, this.limits.maxBufferSize, maxBindingBytes) & ~3;
+    // The most bytes one binding (a part of a weight, a value, a cache half) may span; a weight
+    // past it is held in parts of whole rows (`create`).
+    this.maxBinding = maxBinding;
     this.info = {
       name,
       backend: 'webgpu',
       deviceType,
-      maxWeightBytes: maxBinding,
+      maxWeightBytes: maxBinding * MAX_WEIGHT_PARTS,
       maxActivationElements: Math.floor(maxBinding / 4),
     };
     // A CPU device runs an invocation per SIMD lane: one row each is best there, and keeps the
@@ -360,10 +376,13 @@ export class WebGpuBackend {
     const size = rowQuads * 16 * nOut;
     const scaleRow = Number(scaleCount(format, BigInt(nIn)));
     const scaleBytes = scaleRow * 4 * nOut;
-    const max = this.info.maxWeightBytes;
+    // Past one binding, the rows go in parts of what one binding holds.
+    const perPart = Math.floor(this.maxBinding / Math.max(rowQuads * 16, scaleRow * 4, 1));
+    const max = perPart > 0 ? this.info.maxWeightBytes : this.maxBinding;
     if (size > max || scaleBytes > max) {
       throw new GpuError('out-of-memory', `a ${format} weight [${nOut}, ${nIn}] needs a buffer of ${size} bytes; the device's limit is ${max}`);
     }
+    if (Math.max(size, scaleBytes) > this.maxBinding) return this.createParts(format, nOut, nIn, perPart);
     const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
     let data = null;
     let scales = null;
@@ -382,9 +401,35 @@ export class WebGpuBackend {
     return { format, nOut, nIn, rowBytes, rowQuads, scaleRow, data, scales, vector };
   }
 
+  /** A weight [nOut, nIn] of `perPart` rows a part (the last holds the rest): `parts` of
+   *  `{ w, first }`, each a weight of its own; nothing is left where one fails. */
+  async createParts(format, nOut, nIn, perPart) {
+    const parts = [];
+    try {
+      for (let first = 0; first < nOut; first += perPart) parts.push({ w: await this.create(format, Math.min(perPart, nOut - first), nIn), first });
+    } catch (e) {
+      for (const p of parts) destroyWeight(p.w);
+      throw e;
+    }
+    const { rowBytes, rowQuads, scaleRow } = parts[0].w;
+    return { format, nOut, nIn, rowBytes, rowQuads, scaleRow, data: null, scales: null, parts };
+  }
+
   async writeRows(w, firstRow, data, scales) {
     this.live();
     const rows = data.length / w.rowBytes;
+    if (w.parts) {
+      // Each part's share of the rows.
+      for (const [i, { w: part, first }] of w.parts.entries()) {
+        const stop = w.parts[i + 1]?.first ?? w.nOut;
+        const lo = Math.max(first, firstRow);
+        const hi = Math.min(stop, firstRow + rows);
+        if (lo >= hi) continue;
+        const [a, b] = [lo - firstRow, hi - firstRow];
+        await this.writeRows(part, lo - first, data.subarray(a * w.rowBytes, b * w.rowBytes), scales.subarray(a * w.scaleRow, b * w.scaleRow));
+      }
+      return;
+    }
     const stride = w.rowQuads * 16;
     const perChunk = Math.max(1, Math.floor(WRITE_CHUNK / stride));
     await this.scoped(() => {
@@ -434,10 +479,19 @@ export class WebGpuBackend {
    *  submission, one readback. */
   async product(x, t, w) {
     this.live();
+    if (w.parts) {
+      // Each part's product, its columns placed in the whole's.
+      const y = new Float32Array(t * w.nOut);
+      for (const { w: part, first } of w.parts) {
+        const got = await this.product(x, t, part);
+        for (let r = 0; r < t; r++) y.set(got.subarray(r * part.nOut, (r + 1) * part.nOut), r * w.nOut + first);
+      }
+      return y;
+    }
     const xElems = Math.ceil(w.nIn / 8) * 8;
     const xBytes = t * xElems * 4;
     const outBytes = t * w.nOut * 4;
-    if (xBytes > this.info.maxWeightBytes || outBytes > this.info.maxWeightBytes) {
+    if (xBytes > this.maxBinding || outBytes > this.maxBinding) {
       throw new GpuError('out-of-memory', `a product over [${t}, ${w.nIn}] needs buffers past the device's limit`);
     }
     await this.writeInput(x, t, w.nIn, xElems);
@@ -569,7 +623,7 @@ export class WebGpuBackend {
   async createCache(slots, width) {
     this.live();
     const size = slots * width * 4;
-    if (size > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `a kv-cache half of ${size} bytes does not fit the device`);
+    if (size > this.maxBinding) throw new GpuError('out-of-memory', `a kv-cache half of ${size} bytes does not fit the device`);
     const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_DST;
     let k = null;
     let v = null;
@@ -591,7 +645,7 @@ export class WebGpuBackend {
    *  as host/src/gpu/wgpu/attention.rs's `attention_plan` does. */
   attentionPlan(qLen, s, firstSlot, slots) {
     const qBytes = qLen * 4;
-    if (qBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `${qLen} queries do not fit the device`);
+    if (qBytes > this.maxBinding) throw new GpuError('out-of-memory', `${qLen} queries do not fit the device`);
     const maxDim = Math.max(1, this.limits.maxComputeWorkgroupsPerDimension);
     if (s.nHead > maxDim) throw new GpuError('out-of-memory', `${s.nHead} heads exceed the device's ${maxDim} workgroups`);
     const macs = 2 * s.nHead * s.nKeys * s.headDim;
@@ -605,7 +659,7 @@ export class WebGpuBackend {
     const splitLen = Math.ceil(chunks / Math.min(want, chunks)) * 16;
     const splits = Math.max(1, Math.ceil(s.nKeys / splitLen));
     const outBytes = qBytes + (splits > 1 ? 4 * s.t * s.nHead * splits * (s.headDim + 2) : 0);
-    if (outBytes > this.info.maxWeightBytes) throw new GpuError('out-of-memory', `attention's partial sums of ${outBytes} bytes do not fit the device`);
+    if (outBytes > this.maxBinding) throw new GpuError('out-of-memory', `attention's partial sums of ${outBytes} bytes do not fit the device`);
     const stride = alignUp(SHAPE_BYTES, Math.max(this.limits.minUniformBufferOffsetAlignment, 4));
     const shapes = new ArrayBuffer(stride * dispatches);
     for (let d = 0; d < dispatches; d++) {
@@ -741,7 +795,7 @@ export class WebGpuBackend {
   /** Builds the pipelines a run of program `p` (checked, its weights `refs`) can use, so that
    *  its first run does not wait for them. */
   async prepareProgram(p, refs) {
-    const wanted = new Set(['elementwise_rows f32', 'rms_norm_runs f32', 'rotate_rows f32', 'copy_rows f32']);
+    const wanted = new Set(['elementwise_rows f32', 'rms_norm_runs f32', 'rotate_rows f32', 'copy_rows f32', 'place_columns f32']);
     for (const op of p.ops) {
       if (op.tag === 'matmul') for (const kernel of ['gemv', 'gemm']) wanted.add(`${kernel} ${refs[op.val.weight].format}`);
     }
@@ -790,8 +844,14 @@ export class WebGpuBackend {
     const rowsOf = (a) => (p.shapes[a]?.rows === 'sequence' ? batch.length : total);
     const width = (a) => p.shapes[a]?.width ?? 0;
     const bytesOf = (a) => 4 * rowsOf(a) * width(a);
-    const max = this.info.maxWeightBytes;
+    const max = this.maxBinding;
     const single = batch.length === 1;
+    // Each part's product of a weight held in parts, before its columns are placed.
+    let splitBytes = 16;
+    p.ops.forEach((op) => {
+      if (op.tag !== 'matmul') return;
+      for (const { w } of weights[op.val.weight].parts ?? []) splitBytes = Math.max(splitBytes, alignUp(4 * rowsOf(op.val.x) * w.nOut, 16));
+    });
 
     // Attention's plans: one a sequence. With one sequence the partial sums follow the outputs
     // in the value's slot; with several, in the scratch output.
@@ -817,7 +877,7 @@ export class WebGpuBackend {
     const slots = programSlots(p, fuse, (i) => bytesOf(i) + extra[i]);
     let outBytes = 0;
     for (const op of p.ops) if (op.tag === 'output' || op.tag === 'top-k') outBytes += bytesOf(op.tag === 'output' ? op.val : op.val.x);
-    if ([...slots.bytes, outBytes, qScratch, outScratch].some((b) => b > max)) {
+    if ([...slots.bytes, outBytes, qScratch, outScratch, splitBytes].some((b) => b > max)) {
       throw new GpuError('out-of-memory', `a run of ${total} rows needs buffers past the device's limit of ${max} bytes`);
     }
     const kernels = plans.length ? await this.attentionKernel() : null;
@@ -828,8 +888,9 @@ export class WebGpuBackend {
       ['program staging', outBytes, usage.MAP_READ | usage.COPY_DST],
       ['program queries', single ? 16 : qScratch, valueUsage],
       ['program attention', single ? 16 : outScratch, valueUsage],
+      ['program parts', splitBytes, usage.STORAGE],
     ]);
-    const [staging, qb, ab] = held.slice(slots.bytes.length);
+    const [staging, qb, ab, split] = held.slice(slots.bytes.length);
     this.unread ??= this.device.createBuffer({ label: 'unread', size: 16, usage: usage.STORAGE });
     const unread = this.unread;
     const value = (a) => held[slots.slot[a]];
@@ -867,6 +928,17 @@ export class WebGpuBackend {
       switch (op.tag) {
         case 'matmul': {
           const w = weights[v.weight];
+          if (w.parts) {
+            // Each part into `split`, then its columns placed among the product's (place_columns).
+            for (const { w: part, first } of w.parts) {
+              const bytes = 4 * t * part.nOut;
+              const job = bind(part.data, part.scales || this.placeholder, [value(v.x), bytesOf(v.x)], [split, 0, bytes]);
+              this.plan(job, part, t, width(v.x) / 4, dispatches);
+              const place = bind(unread, this.placeholder, [split, alignUp(bytes, 16)], [value(i), 0, bytesOf(i)]);
+              this.rows('place_columns', place, paramsOf({ nIn: part.nOut, nOut: w.nOut, t, rowBase: first }), Math.ceil(part.nOut / WORKGROUP), dispatches);
+            }
+            break;
+          }
           const job = bind(w.data, w.scales || this.placeholder, [value(v.x), bytesOf(v.x)], [value(i), 0, bytesOf(i)]);
           this.plan(job, w, t, width(v.x) / 4, dispatches);
           break;

@@ -14,8 +14,8 @@ const SHADER = new URL('../dist/shaders/matmul.wgsl', import.meta.url);
 
 /** What this browser offers: JSPI, WebGPU (and why not). `jspi` and `webgpu` false turn either
  *  off, for tests and for comparison (`?jspi=off`, `?webgpu=off` on the page); `lanes` is
- *  passed to `openDevice`. */
-export async function probe({ jspi = true, webgpu = true, lanes } = {}) {
+ *  passed to `openDevice`, and `maxBindingBytes` (a cap on one binding, for tests). */
+export async function probe({ jspi = true, webgpu = true, lanes, maxBindingBytes } = {}) {
   const hasJspi = typeof WebAssembly.Suspending === 'function' && typeof WebAssembly.promising === 'function';
   const env = { jspi: hasJspi && jspi, jspiWhy: null, gpu: null, gpuWhy: null };
   if (!hasJspi) env.jspiWhy = 'this browser has no JSPI (WebAssembly.Suspending): the guest cannot wait for WebGPU';
@@ -28,7 +28,7 @@ export async function probe({ jspi = true, webgpu = true, lanes } = {}) {
     env.gpuWhy = 'WebGPU turned off (?webgpu=off)';
     return env;
   }
-  const opened = await openDevice(SHADER, { lanes });
+  const opened = await openDevice(SHADER, { lanes, maxBindingBytes });
   if (opened.device) env.gpu = opened;
   else env.gpuWhy = opened.why;
   return env;

@@ -91,7 +91,7 @@ async function modelBytes(ref, notices) {
 
 async function init(options) {
   const notices = [];
-  const env = await probe({ jspi: options.jspi !== false, webgpu: options.webgpu !== false, lanes: options.lanes });
+  const env = await probe({ jspi: options.jspi !== false, webgpu: options.webgpu !== false, lanes: options.lanes, maxBindingBytes: options.maxBindingBytes });
   if (!env.jspi) notices.push(`${env.jspiWhy}: the model runs on the CPU`);
   else if (!env.gpu) notices.push(`${env.gpuWhy}: the model runs on the CPU`);
   state.guest = await instantiate(env);

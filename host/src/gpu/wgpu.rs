@@ -144,6 +144,7 @@ enum Kernel {
     GemmCoop,
     GemmLarge,
     SumPlanes,
+    PlaceColumns,
     ElementwiseRows,
     RmsNormRuns,
     RotateRows,
@@ -162,6 +163,7 @@ impl Kernel {
             Kernel::GemmCoop => "gemm_coop",
             Kernel::GemmLarge => "gemm_large",
             Kernel::SumPlanes => "sum_planes",
+            Kernel::PlaceColumns => "place_columns",
             Kernel::ElementwiseRows => "elementwise_rows",
             Kernel::RmsNormRuns => "rms_norm_runs",
             Kernel::RotateRows => "rotate_rows",
@@ -171,6 +173,10 @@ impl Kernel {
         }
     }
 }
+
+/// The most parts a weight past one binding is held in (`Weight::parts`): the device's
+/// `max-weight-bytes` is that many bindings.
+const MAX_WEIGHT_PARTS: u64 = 64;
 
 /// X_ACT in the shader: products read x as it is.
 const X_PLAIN: u32 = 0;
@@ -223,6 +229,9 @@ struct Weight {
     data: wgpu::Buffer,
     /// `None` for the float formats, which bind the placeholder.
     scales: Option<wgpu::Buffer>,
+    /// A weight past one binding: its rows in parts, each a weight of its own (`weights`) of
+    /// the rows from the one named; `data` is then the placeholder. Empty: one part, this.
+    parts: Vec<(BufferId, u32)>,
 }
 
 /// One dispatch of a `matmul`: its job, kernel, parameters and workgroup counts.
@@ -291,6 +300,8 @@ pub struct WgpuBackend {
     queue: wgpu::Queue,
     info: Device,
     limits: wgpu::Limits,
+    /// The most bytes one storage binding (a weight's part, a value, a cache) may span.
+    max_binding: u64,
     events: Arc<Events>,
     /// Invocations sharing a row in `gemv` on this device (1 on CPU devices, 32 on GPUs): the
     /// base from which [`Self::gemv_lanes`] picks LANES_K for each format.
@@ -552,7 +563,8 @@ impl WgpuBackend {
             name: ainfo.name.clone(),
             backend: backend_name(ainfo.backend).into(),
             device_type: device_type_name(ainfo.device_type).into(),
-            max_weight_bytes: max_binding,
+            // A weight past one binding is held in parts (`Weight::parts`).
+            max_weight_bytes: max_binding.saturating_mul(MAX_WEIGHT_PARTS),
             max_activation_elements: max_binding / 4,
         };
         // A CPU device runs an invocation per SIMD lane: one row each is best there, and keeps
@@ -577,6 +589,7 @@ impl WgpuBackend {
             queue,
             info,
             limits,
+            max_binding,
             events,
             lanes_k,
             lanes_set: None,
@@ -1216,7 +1229,10 @@ impl Backend for WgpuBackend {
         // Checked: [2^30, u32::MAX] f32 values are 2^64 bytes, which would wrap to an empty buffer.
         let data_bytes = (row_quads * 16).checked_mul(n_out as u64);
         let scale_bytes = (scale_row * 4).checked_mul(n_out as u64);
-        let max = self.info.max_weight_bytes;
+        // Past one binding, the rows go in parts of what one binding holds (at most
+        // MAX_WEIGHT_PARTS of them: the device's `max_weight_bytes`).
+        let per_part = self.max_binding / (row_quads * 16).max(scale_row * 4).max(1);
+        let max = if per_part > 0 { self.info.max_weight_bytes } else { self.max_binding };
         let (Some(data_bytes), Some(scale_bytes)) =
             (data_bytes.filter(|&b| b <= max), scale_bytes.filter(|&b| b <= max))
         else {
@@ -1232,6 +1248,9 @@ impl Backend for WgpuBackend {
                  {max} bytes",
                 format.name()
             )));
+        }
+        if data_bytes.max(scale_bytes) > self.max_binding {
+            return self.create_parts(format, n_out, n_in, per_part as u32);
         }
         let scopes = push_scopes(&self.device);
         // COPY_SRC: a program's joint weights are copied from weights (`programs`).
@@ -1264,6 +1283,7 @@ impl Backend for WgpuBackend {
                 scale_row: scale_row as u32,
                 data,
                 scales,
+                parts: Vec::new(),
             },
         );
         Ok(id)
@@ -1273,6 +1293,9 @@ impl Backend for WgpuBackend {
         self.live()?;
         self.forget_joints(id);
         let w = self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        if !w.parts.is_empty() {
+            return self.write_parts(id, first_row, data, scales);
+        }
         let row_bytes = w.row_bytes as usize;
         let stride = w.row_quads as usize * 16;
         let scale_stride = w.scale_row as usize * 4;
@@ -1342,7 +1365,7 @@ impl Backend for WgpuBackend {
         let x_elems = (n_in as u64).div_ceil(8) * 8;
         let x_quads = (x_elems / 4) as u32;
         let x_bytes = t as u64 * x_elems * 4;
-        let max = self.info.max_weight_bytes;
+        let max = self.max_binding;
         if x_bytes > max {
             return Err(GpuError::OutOfMemory(format!("an input of {} values exceeds the device's limit", x.len())));
         }
@@ -1376,6 +1399,9 @@ impl Backend for WgpuBackend {
         }
         batches.push(&jobs[start..]);
 
+        if jobs.iter().any(|id| self.weights.get(id).is_some_and(|w| !w.parts.is_empty())) {
+            return self.matmul_parts(x, t, n_in, jobs);
+        }
         self.write_input(x, t, n_in, x_elems)?;
         let mut outs = Vec::with_capacity(jobs.len());
         let mut kernel_ns = Some(0);
@@ -1390,7 +1416,11 @@ impl Backend for WgpuBackend {
     fn free(&mut self, id: BufferId) {
         // Dropping the buffers frees them once no submitted work uses them (and no cached
         // bind group holds them).
-        self.weights.remove(&id);
+        if let Some(w) = self.weights.remove(&id) {
+            for (part, _) in w.parts {
+                self.weights.remove(&part);
+            }
+        }
         self.forget_joints(id);
         self.recorded.forget_groups();
     }
@@ -1432,6 +1462,99 @@ impl Backend for WgpuBackend {
         batch: &[program::SequenceRun],
     ) -> Option<Result<Vec<program::Output>, GpuError>> {
         self.records(p, batch).then(|| self.run_recorded(p, inputs, batch))
+    }
+}
+
+/// Weights past one binding (`Weight::parts`).
+impl WgpuBackend {
+    /// Caps what one binding may span at `bytes` (and the weights the device takes at
+    /// [`MAX_WEIGHT_PARTS`] of them): a device with a small binding, for tests. Weights made
+    /// after it past the cap are held in parts.
+    pub fn cap_binding(&mut self, bytes: u64) {
+        self.max_binding = self.max_binding.min(bytes & !3);
+        self.info.max_weight_bytes = self.max_binding.saturating_mul(MAX_WEIGHT_PARTS);
+        self.info.max_activation_elements = self.max_binding / 4;
+    }
+
+    /// A weight `[n_out, n_in]` of `per_part` rows a part (the last holds the rest): one
+    /// weight of each part, and the weight that names them. Nothing is left where one fails.
+    fn create_parts(&mut self, format: Format, n_out: u32, n_in: u32, per_part: u32) -> Result<BufferId, GpuError> {
+        let mut parts = Vec::new();
+        let mut first = 0;
+        while first < n_out {
+            let rows = per_part.min(n_out - first);
+            match self.create(format, rows, n_in) {
+                Ok(id) => parts.push((id, first)),
+                Err(e) => {
+                    for (id, _) in parts {
+                        self.weights.remove(&id);
+                    }
+                    return Err(e);
+                }
+            }
+            first += rows;
+        }
+        let w = &self.weights[&parts[0].0];
+        let whole = Weight { n_out, data: self.placeholder.clone(), scales: None, parts, ..*w };
+        let id = self.next;
+        self.next += 1;
+        self.weights.insert(id, whole);
+        Ok(id)
+    }
+
+    /// `write_rows` of a weight held in parts: each part's share of the rows.
+    fn write_parts(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
+        let w = &self.weights[&id];
+        let (row_bytes, scale_row) = (w.row_bytes as usize, w.scale_row as usize);
+        let rows = data.len() / row_bytes.max(1);
+        if rows == 0 || data.len() != rows * row_bytes || scales.len() != rows * scale_row || first_row as u64 + rows as u64 > w.n_out as u64 {
+            return Err(GpuError::InvalidArgument(format!(
+                "{} bytes and {} scales at row {first_row} are not whole rows of a [{}, {}] {} weight",
+                data.len(),
+                scales.len(),
+                w.n_out,
+                w.n_in,
+                w.format.name()
+            )));
+        }
+        let end = first_row as usize + rows;
+        let (parts, n_out) = (w.parts.clone(), w.n_out);
+        for (i, &(part, start)) in parts.iter().enumerate() {
+            let stop = parts.get(i + 1).map_or(n_out, |p| p.1) as usize;
+            let (lo, hi) = ((start as usize).max(first_row as usize), stop.min(end));
+            if lo >= hi {
+                continue;
+            }
+            let (a, b) = (lo - first_row as usize, hi - first_row as usize);
+            let (d, sc) = (&data[a * row_bytes..b * row_bytes], &scales[a * scale_row..b * scale_row]);
+            self.write_rows(part, (lo - start as usize) as u32, d, sc)?;
+        }
+        Ok(())
+    }
+
+    /// `matmul` where a job is held in parts: each part's product, its columns placed in the
+    /// job's output.
+    fn matmul_parts(&mut self, x: &[f32], t: u32, n_in: u32, jobs: &[BufferId]) -> Result<Vec<Vec<f32>>, GpuError> {
+        let mut outs = Vec::with_capacity(jobs.len());
+        for id in jobs {
+            let w = self.weights.get(id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+            if w.parts.is_empty() {
+                outs.extend(self.matmul(x, t, n_in, &[*id])?);
+                continue;
+            }
+            let (n_out, parts) = (w.n_out as usize, w.parts.clone());
+            let ids: Vec<BufferId> = parts.iter().map(|p| p.0).collect();
+            let got = self.matmul(x, t, n_in, &ids)?;
+            let mut y = vec![0f32; t as usize * n_out];
+            for (&(_, first), part) in parts.iter().zip(&got) {
+                let rows = part.len() / t as usize;
+                for (r, row) in part.chunks_exact(rows).enumerate() {
+                    y[r * n_out + first as usize..][..rows].copy_from_slice(row);
+                }
+            }
+            outs.push(y);
+        }
+        Ok(outs)
     }
 }
 

@@ -221,13 +221,13 @@ impl WgpuBackend {
     pub(super) fn create_kv_cache(&mut self, slots: u32, width: u32) -> Result<BufferId, GpuError> {
         self.live()?;
         let bytes = 4 * slots as u64 * width as u64;
-        if bytes == 0 || bytes > self.info.max_weight_bytes {
+        if bytes == 0 || bytes > self.max_binding {
             return Err(GpuError::OutOfMemory(format!("a kv-cache half of {bytes} bytes does not fit the device")));
         }
         let align = self.limits.min_storage_buffer_offset_alignment.max(4) as u64;
         let v_from = super::align_up(bytes, align);
         let span = super::align_up(v_from + bytes, align);
-        let joint = self.joint_caches && span <= self.info.max_weight_bytes;
+        let joint = self.joint_caches && span <= self.max_binding;
         let scopes = push_scopes(&self.device);
         let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST;
         let make = |label, size| self.device.create_buffer(&wgpu::BufferDescriptor { label: Some(label), size, usage, mapped_at_creation: false });
@@ -258,7 +258,7 @@ impl WgpuBackend {
                 return (a.buffer.clone(), at);
             }
         }
-        let max = self.info.max_weight_bytes;
+        let max = self.max_binding;
         let make = |size| {
             self.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("kv-cache arena"),
@@ -391,7 +391,7 @@ impl WgpuBackend {
     /// runs in its ring's entry).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attention_plan(&self, q_len: u64, s: &AttentionShape, first_slot: u32, slots: u32, out_rows: u32, splits: Option<u32>) -> Result<Plan, GpuError> {
-        let max = self.info.max_weight_bytes;
+        let max = self.max_binding;
         let q_bytes = 4 * q_len;
         if q_len == 0 || q_bytes > max {
             return Err(GpuError::InvalidArgument(format!("{q_len} queries do not fit the device ({max} bytes a buffer)")));

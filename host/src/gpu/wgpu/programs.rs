@@ -289,13 +289,13 @@ impl WgpuBackend {
         }
         let ws: Vec<&Weight> = ids.iter().map(|id| self.weights.get(id)).collect::<Option<_>>()?;
         let w0 = *ws.first()?;
-        if ws.iter().any(|w| w.format != w0.format || w.n_in != w0.n_in) {
+        if ws.iter().any(|w| w.format != w0.format || w.n_in != w0.n_in || !w.parts.is_empty()) {
             return None;
         }
         let align = self.x_align();
         let (firsts, rows) = joint_rows(&ws.iter().map(|w| w.n_out).collect::<Vec<_>>(), align);
         let (row_data, row_scales) = (w0.row_quads as u64 * 16, w0.scale_row as u64 * 4);
-        let max = self.info.max_weight_bytes;
+        let max = self.max_binding;
         if rows > u32::MAX as u64 || rows * row_data > max || rows * row_scales > max {
             return None;
         }
@@ -326,7 +326,7 @@ impl WgpuBackend {
             }
         }
         self.queue.submit([encoder.finish()]);
-        let joint = Weight { n_out: rows as u32, data, scales, ..*w0 };
+        let joint = Weight { n_out: rows as u32, data, scales, parts: Vec::new(), ..*w0 };
         self.finish(scopes).ok()?;
         let id = self.next;
         self.next += 1;
@@ -398,6 +398,7 @@ impl WgpuBackend {
             (Kernel::CopyRows, Format::F32),
             (Kernel::ScatterRows, Format::F32),
             (Kernel::SumPlanes, Format::F32),
+            (Kernel::PlaceColumns, Format::F32),
             (Kernel::TopKChunks, Format::F32),
         ];
         for op in &p.ops {
@@ -490,7 +491,7 @@ impl WgpuBackend {
         };
         let width = |a: usize| p.shapes[a].map_or(0, |s| s.width);
         let bytes_of = |a: usize| 4 * rows_of(a) as u64 * width(a) as u64;
-        let max = self.info.max_weight_bytes;
+        let max = self.max_binding;
 
         // The sequences whose caches of an index share an arena, for each cache index where
         // two or more do: then each group's cache writes and attention run over a table of its
@@ -599,14 +600,25 @@ impl WgpuBackend {
             }
         }
         let lay = layout(p, &fuse, &share, &last_use, |i| joint_made[i].map_or(bytes_of(i) + extra[i], |(_, bytes)| bytes));
-        // The partial sums of products split over k.
+        // The partial sums of products split over k, and the products of the parts of weights
+        // held in parts (each part's product there before its columns are placed).
         let mut parts_bytes = 16;
+        let mut split_bytes = 16;
         for op in &p.ops {
             if let Op::Matmul { x, weight, precision } = *op {
                 let w = self.weights.get(&p.weights[weight].id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {weight}")))?;
-                let n = self.k_splits(w, rows_of(x), precision) as u64;
-                if n > 1 {
-                    parts_bytes = parts_bytes.max(align_up(n * 4 * rows_of(x) as u64 * w.n_out as u64, 16));
+                let pieces: Vec<&Weight> = match w.parts.as_slice() {
+                    [] => vec![w],
+                    parts => parts.iter().filter_map(|(id, _)| self.weights.get(id)).collect(),
+                };
+                for piece in pieces {
+                    let n = self.k_splits(piece, rows_of(x), precision) as u64;
+                    if n > 1 {
+                        parts_bytes = parts_bytes.max(align_up(n * 4 * rows_of(x) as u64 * piece.n_out as u64, 16));
+                    }
+                    if !w.parts.is_empty() {
+                        split_bytes = split_bytes.max(align_up(4 * rows_of(x) as u64 * piece.n_out as u64, 16));
+                    }
                 }
             }
         }
@@ -625,7 +637,7 @@ impl WgpuBackend {
             }
         }
         let out_bytes: u64 = p.ops.iter().map(|op| read_bytes(op).0).sum();
-        if lay.bytes.iter().chain([&parts_bytes, &out_bytes]).any(|&b| b > max) {
+        if lay.bytes.iter().chain([&parts_bytes, &split_bytes, &out_bytes]).any(|&b| b > max) {
             return Err(GpuError::OutOfMemory(format!("a run of {total} rows needs buffers past the device's limit of {max} bytes")));
         }
 
@@ -642,6 +654,7 @@ impl WgpuBackend {
             .collect();
         let parts_usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
         let parts = Self::ensure(&self.device, &mut m.parts, parts_bytes, cap, parts_usage, "partial sums");
+        let split = Self::ensure(&self.device, &mut m.split, split_bytes, cap, wgpu::BufferUsages::STORAGE, "products of parts");
         let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
         let staging = Self::ensure(&self.device, &mut m.staging, out_bytes, cap, read, "run staging");
         let Some(inputs) = inputs else {
@@ -771,7 +784,7 @@ impl WgpuBackend {
                         (_, Some(joint)) => joint,
                         _ => (p.weights[weight].id, bytes_of(i)),
                     };
-                    self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, &parts, x_act)?;
+                    self.product_into(&mut rec, (id, precision), input, (value(i), at(i), bytes), t, width(x) / 4, (&parts, &split), x_act)?;
                 }
                 Op::RmsNorm { x, weight, offset, group, eps } => {
                     let (mut weights, mut flags, offset) = match weight {

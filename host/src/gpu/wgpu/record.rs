@@ -20,6 +20,8 @@ pub(super) struct Buffers {
     /// The planes of partial sums of products split over k, and the readback's staging.
     pub(super) parts: Option<wgpu::Buffer>,
     pub(super) staging: Option<wgpu::Buffer>,
+    /// The product of one part of a weight held in parts, before its columns are placed.
+    pub(super) split: Option<wgpu::Buffer>,
     params: Option<wgpu::Buffer>,
     attn_params: Option<wgpu::Buffer>,
     /// The tables of a run's batched cache writes and attentions (`scatter_rows`,
@@ -234,7 +236,8 @@ impl WgpuBackend {
     /// read as `x_act` says: X_ACT in the shader) into `output` (buffer, offset, bytes): its
     /// bind group and its dispatches as `matmul` plans them, at `precision`, split over k where
     /// it has few tiles: then its planes of partial sums go to `parts` and `sum_planes` adds
-    /// them into `output` right after.
+    /// them into `output` right after. A weight held in parts runs part by part, each into
+    /// `split`, its columns then placed in `output` (`place_columns`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn product_into(
         &self,
@@ -244,13 +247,30 @@ impl WgpuBackend {
         output: (&wgpu::Buffer, u64, u64),
         t: u32,
         x_quads: u32,
-        parts: &wgpu::Buffer,
+        (parts, split): (&wgpu::Buffer, &wgpu::Buffer),
         x_act: u32,
     ) -> Result<(), GpuError> {
         let w = self
             .weights
             .get(&id)
             .ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
+        if !w.parts.is_empty() {
+            let max_dim = self.limits.max_compute_workgroups_per_dimension.max(1);
+            for &(part, first) in &w.parts {
+                let rows = self.weights.get(&part).ok_or_else(|| GpuError::InvalidArgument(format!("no part {part} of weight {id}")))?.n_out;
+                let bytes = t as u64 * rows as u64 * 4;
+                self.product_into(rec, (part, precision), input, (split, 0, bytes), t, x_quads, (parts, split), x_act)?;
+                let place = rec.bind(Bind {
+                    weights: entire(&self.placeholder),
+                    scales: entire(&self.placeholder),
+                    x: (split.clone(), 0, align_up(bytes, 16)),
+                    y: (output.0.clone(), output.1, output.2),
+                });
+                let params = Params { n_in: rows, n_out: w.n_out, t, row_quads: 0, scale_row: 0, row_base: first, t_base: 0, x_stride: 0 };
+                rec.rows(max_dim, Kernel::PlaceColumns, place, params, rows.div_ceil(WORKGROUP));
+            }
+            return Ok(());
+        }
         let n = self.k_splits(w, t, precision);
         let bytes = output.2 * n as u64;
         let y = if n > 1 { (parts.clone(), 0, align_up(bytes, 16)) } else { (output.0.clone(), output.1, bytes) };
