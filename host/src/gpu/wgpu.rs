@@ -1293,9 +1293,6 @@ impl Backend for WgpuBackend {
         self.live()?;
         self.forget_joints(id);
         let w = self.weights.get(&id).ok_or_else(|| GpuError::InvalidArgument(format!("no weight {id}")))?;
-        if !w.parts.is_empty() {
-            return self.write_parts(id, first_row, data, scales);
-        }
         let row_bytes = w.row_bytes as usize;
         let stride = w.row_quads as usize * 16;
         let scale_stride = w.scale_row as usize * 4;
@@ -1314,6 +1311,9 @@ impl Backend for WgpuBackend {
                 w.n_in,
                 w.format.name()
             )));
+        }
+        if !w.parts.is_empty() {
+            return self.write_parts(id, first_row, data, scales);
         }
         let scopes = push_scopes(&self.device);
         // Rows at most WRITE_CHUNK bytes at a time (at least one row).
@@ -1502,21 +1502,12 @@ impl WgpuBackend {
         Ok(id)
     }
 
-    /// `write_rows` of a weight held in parts: each part's share of the rows.
+    /// `write_rows` of a weight held in parts (whole rows within it, checked): each part's
+    /// share of the rows.
     fn write_parts(&mut self, id: BufferId, first_row: u32, data: &[u8], scales: &[f32]) -> Result<(), GpuError> {
         let w = &self.weights[&id];
         let (row_bytes, scale_row) = (w.row_bytes as usize, w.scale_row as usize);
         let rows = data.len() / row_bytes.max(1);
-        if rows == 0 || data.len() != rows * row_bytes || scales.len() != rows * scale_row || first_row as u64 + rows as u64 > w.n_out as u64 {
-            return Err(GpuError::InvalidArgument(format!(
-                "{} bytes and {} scales at row {first_row} are not whole rows of a [{}, {}] {} weight",
-                data.len(),
-                scales.len(),
-                w.n_out,
-                w.n_in,
-                w.format.name()
-            )));
-        }
         let end = first_row as usize + rows;
         let (parts, n_out) = (w.parts.clone(), w.n_out);
         for (i, &(part, start)) in parts.iter().enumerate() {
