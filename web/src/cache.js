@@ -71,7 +71,12 @@ export function modelRef(model) {
   return ref;
 }
 
-/** The cached bytes of `ref` (by its sha256, or by the sha256 its URL had), or null. */
+/**
+ * The cached file of `ref` (by its sha256, or by the sha256 its URL had), or null:
+ * `{ sha256, size, file }`, `file` what `modelFile` takes. In a worker the file stays in Cache
+ * Storage and is read a piece at a time as the guest asks (`FileReaderSync` over slices of the
+ * response's Blob), so the tab never holds the whole model; elsewhere its bytes are read whole.
+ */
 export async function cachedModel(ref) {
   if (!cacheAvailable()) return null;
   const cache = await caches.open(CACHE_NAME);
@@ -83,7 +88,19 @@ export async function cachedModel(ref) {
   }
   const hit = await cache.match(key('sha256', sha));
   if (!hit) return null;
-  return { sha256: sha, bytes: new Uint8Array(await hit.arrayBuffer()) };
+  const blob = await hit.blob();
+  const file = typeof FileReaderSync === 'function' ? blobFile(blob) : new Uint8Array(await blob.arrayBuffer());
+  return { sha256: sha, size: blob.size, file };
+}
+
+/** A Blob as the file entry of preview2-shim's in-memory file system reads it (`byteLength`,
+ *  and `slice(from, to)` giving those bytes), each slice read synchronously (workers only). */
+function blobFile(blob) {
+  const reader = new FileReaderSync();
+  return {
+    byteLength: blob.size,
+    slice: (from, to) => new Uint8Array(reader.readAsArrayBuffer(blob.slice(from, to))),
+  };
 }
 
 /** Keeps `bytes` (whose sha256 is `sha`) for `ref`. Throws what the browser refused (its quota). */

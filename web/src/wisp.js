@@ -76,20 +76,22 @@ export function wasiImports() {
 }
 
 // The model file the guest reads, a piece at a time, through WASI: one preopened directory whose
-// `model.gguf` is the bytes the page fetched (kept in JS memory, not the guest's). The guest
-// copies only the pieces it reads; where the model's weights go to the WebGPU device, its memory
-// stays far below the model's size.
+// `model.gguf` is the bytes the page fetched, or a file in Cache Storage read as the guest asks
+// (`cache.js`'s `cachedModel` in a worker): never the guest's memory. The guest copies only the
+// pieces it reads; where the model's weights go to the WebGPU device, its memory stays far below
+// the model's size.
 const MODEL_DIR = '/wisp-model';
 const modelDir = { dir: {} };
 let modelDirAdded = false;
 
-/** Makes `bytes` the file the guest opens at the path returned. */
-export function modelFile(bytes) {
+/** Makes `file` (bytes, or an object with `byteLength` and `slice(from, to)`) the file the
+ *  guest opens at the path returned. */
+export function modelFile(file) {
   if (!modelDirAdded) {
     shim.filesystem._addPreopen(MODEL_DIR, modelDir);
     modelDirAdded = true;
   }
-  modelDir.dir['model.gguf'] = { source: bytes };
+  modelDir.dir['model.gguf'] = { source: file };
   return `${MODEL_DIR}/model.gguf`;
 }
 

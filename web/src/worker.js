@@ -52,7 +52,8 @@ class RequestError extends Error {
 }
 
 /**
- * The model's bytes: from the cache, else downloaded and checked. `keep()` caches downloaded
+ * The model's file (`{ file, size }`, what `modelFile` takes): from the cache (read a piece at a
+ * time from there as the guest asks), else downloaded and checked. `keep()` caches downloaded
  * bytes (called once the engine has loaded them: a file that is no model is not kept).
  */
 async function modelBytes(ref, notices) {
@@ -62,8 +63,8 @@ async function modelBytes(ref, notices) {
     return null;
   });
   if (hit) {
-    progress('cache', hit.bytes.length, hit.bytes.length);
-    return { bytes: hit.bytes, sha256: hit.sha256, fromCache: true, keep: async () => {} };
+    progress('cache', hit.size, hit.size);
+    return { file: hit.file, size: hit.size, sha256: hit.sha256, fromCache: true, keep: async () => {} };
   }
   let bytes;
   try {
@@ -86,7 +87,7 @@ async function modelBytes(ref, notices) {
       notices.push(`the model was not cached (${describeError(e)}): it will be downloaded again next time`);
     }
   };
-  return { bytes, sha256: sha, fromCache: false, keep };
+  return { file: bytes, size: bytes.length, sha256: sha, fromCache: false, keep };
 }
 
 async function init(options) {
@@ -97,11 +98,11 @@ async function init(options) {
   state.guest = await instantiate(env);
   const ref = modelRef(options.model);
   const got = await modelBytes(ref, notices);
-  post({ type: 'progress', phase: 'load', loaded: 0, total: got.bytes.length });
+  post({ type: 'progress', phase: 'load', loaded: 0, total: got.size });
   const t0 = performance.now();
   // The guest reads the file a piece at a time (it never holds the whole file; with the weights
   // on the WebGPU device, none of them either).
-  state.model = await state.guest.engine.Model.open(modelFile(got.bytes), { gpu: options.gpu ?? 'auto', precision: options.precision ?? 'exact' });
+  state.model = await state.guest.engine.Model.open(modelFile(got.file), { gpu: options.gpu ?? 'auto', precision: options.precision ?? 'exact' });
   const loadMs = performance.now() - t0;
   const guestMemoryBytes = state.guest.memoryBytes();
   await got.keep();
@@ -124,7 +125,7 @@ async function init(options) {
       url: ref.url,
       sha256: got.sha256,
       fromCache: got.fromCache,
-      bytes: got.bytes.length,
+      bytes: got.size,
       loadMs,
       architecture: info.architecture,
       name: info.name,

@@ -383,6 +383,8 @@ describe('the package in Chromium', () => {
       assert.equal(r.text, off.text, `${what}: the device generates other text than the guest\'s CPU`);
     }
     assert.ok(off.model.guestMemoryBytes > on.model.bytes / 2, 'the CPU run does not hold the weights in the guest');
+    // The later loads read the file from Cache Storage a piece at a time.
+    assert.ok(off.model.fromCache && parts.model.fromCache, 'a load after the first did not come from the cache');
   });
 
   test('bad requests are typed errors, and the engine goes on', { timeout: 3 * MINUTE }, async (t) => {
