@@ -1467,9 +1467,9 @@ impl Backend for WgpuBackend {
 
 /// Weights past one binding (`Weight::parts`).
 impl WgpuBackend {
-    /// Caps what one binding may span at `bytes` (and the weights the device takes at
-    /// [`MAX_WEIGHT_PARTS`] of them): a device with a small binding, for tests. Weights made
-    /// after it past the cap are held in parts.
+    /// Caps what one binding may span at `bytes` (and the weights the device takes at 64 of
+    /// them): a device with a small binding, for tests. Weights made after it past the cap are
+    /// held in parts.
     pub fn cap_binding(&mut self, bytes: u64) {
         self.max_binding = self.max_binding.min(bytes & !3);
         self.info.max_weight_bytes = self.max_binding.saturating_mul(MAX_WEIGHT_PARTS);
