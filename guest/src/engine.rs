@@ -260,15 +260,15 @@ impl Model {
         // The device, chosen to hold the weights alone, refused them or their program: the
         // guest reads them again and keeps its own copy, as `On` did before (the device still
         // runs what it takes). A bad file fails as it would have.
-        let loaded = match loaded {
-            Err(e) if (refused || matches!(e, Error::Unsupported(_))) && spare.is_some() && fits() => match (spare, gpu.take().map(Rc::try_unwrap)) {
-                (Some(config), Some(Ok(o))) => {
+        let loaded = match (loaded, spare) {
+            (Err(e), Some(config)) if (refused || matches!(e, Error::Unsupported(_))) && fits() => match gpu.take().map(Rc::try_unwrap) {
+                Some(Ok(o)) => {
                     gpu = Some(Rc::new(Gpu::new(o.device, o.mode, o.limits, false)));
                     Model::load_weights(config, &g, file, gpu.clone())
                 }
                 _ => Err(e),
             },
-            loaded => loaded,
+            (loaded, _) => loaded,
         };
         let (arch, recipe, gpu_weights) = loaded?;
         let tokenizer = Arc::new(tokenizer);

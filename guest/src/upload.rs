@@ -126,12 +126,6 @@ pub fn format_of(kind: TensorType) -> Format {
     }
 }
 
-/// Bytes a `[n_out, n_in]` tensor of type `kind` takes on the device, data and scales.
-pub fn device_bytes(kind: TensorType, n_out: u64, n_in: u64) -> u64 {
-    let (data, scales) = device_sizes(kind, n_out, n_in);
-    data.saturating_add(scales)
-}
-
 /// Bytes of a `[n_out, n_in]` tensor of type `kind` on the device: its data and its scales
 /// (each one buffer there, at most the device's `max-weight-bytes`).
 pub fn device_sizes(kind: TensorType, n_out: u64, n_in: u64) -> (u64, u64) {

@@ -1871,11 +1871,12 @@ fn builder_round_trip() {
 }
 
 /// A device that keeps what it is given (no programs: a model on it does not load past its
-/// weights), counting what it holds.
+/// weights), counting what it holds; with `caches`, it also makes kv-caches.
 #[derive(Default)]
 struct Holding {
     live: Rc<Cell<isize>>,
     made: Rc<Cell<usize>>,
+    caches: bool,
 }
 
 impl wisp_guest::dispatch::Device for Holding {
@@ -1892,6 +1893,9 @@ impl wisp_guest::dispatch::Device for Holding {
     }
     fn free(&self, _: usize) {
         self.live.set(self.live.get() - 1);
+    }
+    fn create_kv_cache(&self, _: u32, _: u32) -> Result<usize, wisp_guest::dispatch::DeviceError> {
+        if self.caches { Ok(0) } else { Err(wisp_guest::dispatch::DeviceError::Unavailable("no kv-cache".into())) }
     }
 }
 
@@ -1954,4 +1958,23 @@ fn weights_streamed_to_a_device_are_freed_when_the_file_breaks_mid_stream() {
         Ok(_) => panic!("loaded past the budget"),
     }
     assert_eq!(made.get(), 0);
+}
+
+/// With `On`, a device that takes every weight and makes kv-caches is chosen to hold the weights
+/// alone; where it then does not run the model's program, the guest reads the file again and
+/// keeps its own copy: the model loads, not on the device, and what the first attempt made
+/// there is freed.
+#[test]
+fn a_device_chosen_to_hold_the_weights_that_runs_no_program_leaves_them_to_the_guest() {
+    let bytes = tiny_gemma().build();
+    let (mut offer, live, made) = holding(u64::MAX);
+    offer.mode = wisp_guest::dispatch::Mode::On;
+    offer.weights_on_device = false;
+    offer.device = Box::new(Holding { live: live.clone(), made: made.clone(), caches: true });
+    let model = Model::load_from(Gguf::parse(&bytes).unwrap(), &bytes.as_slice(), Some(offer)).expect("the guest's own copy");
+    assert!(!model.on_device(), "the weights were left on a device that runs no program");
+    // The second attempt places a copy of each matrix on the device (`On`); the first
+    // attempt's are gone.
+    assert_eq!(live.get() as usize, model.gpu_weights, "made {}, left {}", made.get(), live.get());
+    assert!(made.get() > model.gpu_weights, "the device was not chosen first: made {}", made.get());
 }

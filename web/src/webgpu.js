@@ -87,7 +87,6 @@ export function scaleCount(format, n) {
   }
 }
 
-/** A device failure, tagged as the WIT `gpu.error` case it becomes. */
 /** Frees a weight's buffers (each part's, for a weight held in parts). */
 export function destroyWeight(w) {
   w.data?.destroy();
@@ -95,6 +94,7 @@ export function destroyWeight(w) {
   for (const p of w.parts ?? []) destroyWeight(p.w);
 }
 
+/** A device failure, tagged as the WIT `gpu.error` case it becomes. */
 export class GpuError extends Error {
   constructor(tag, message) {
     super(message);
