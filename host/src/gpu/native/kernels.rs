@@ -227,9 +227,12 @@ pub enum Isa {
     Avx2,
     /// AVX2 with FMA, and AVX-VNNI for `fast` products: `vpdpbusd` multiplies a block's bytes
     /// and sums each four into 32 bits in one instruction where AVX2 takes two (`vpmaddubsw`,
-    /// `vpmaddwd`), or four for a weight of nibbles. The 256-bit (VEX) form, which every CPU
-    /// with AVX-512 VNNI also has, and some without AVX-512.
+    /// `vpmaddwd`), or four for a weight of nibbles. The 256-bit (VEX) form: Intel's CPUs from
+    /// Alder Lake and Sapphire Rapids, AMD's from Zen 5.
     Avx2Vnni,
+    /// AVX2 with FMA, and AVX-512 (F, BW, VL) with VNNI for `fast` products: where AVX-VNNI is
+    /// missing (AMD's Zen 4, Intel's Ice Lake), its EVEX form on the same 256-bit vectors.
+    Avx512Vnni,
 }
 
 impl Isa {
@@ -240,6 +243,10 @@ impl Isa {
             if std::arch::is_x86_feature_detected!("avxvnni") {
                 return Isa::Avx2Vnni;
             }
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
+                return Isa::Avx512Vnni;
+            }
             return Isa::Avx2;
         }
         Isa::Scalar
@@ -247,7 +254,7 @@ impl Isa {
 
     /// Whether the AVX2 + FMA kernels run (every `Isa` but `Scalar`).
     pub fn avx2(self) -> bool {
-        matches!(self, Isa::Avx2 | Isa::Avx2Vnni)
+        matches!(self, Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni)
     }
 
     /// Its name, as `wisp info` prints it.
@@ -256,6 +263,7 @@ impl Isa {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2+fma",
             Isa::Avx2Vnni => "avx2+fma+avx-vnni",
+            Isa::Avx512Vnni => "avx2+fma+avx512-vnni",
         }
     }
 }
@@ -546,6 +554,33 @@ pub mod avx2 {
         unsafe { _mm256_loadu_ps(s.as_ptr()) }
     }
 
+    /// How a `fast` kernel sums each four products of bytes into 32 bits: AVX2's pairs in 16
+    /// bits (`vpmaddubsw`), then `vpmaddwd`.
+    pub const PAIRS: u8 = 0;
+    /// AVX-VNNI's `vpdpbusd` (VEX).
+    pub const AVX_VNNI: u8 = 1;
+    /// AVX-512 VNNI's `vpdpbusd` on 256-bit vectors (EVEX, with AVX-512 VL).
+    pub const AVX512_VNNI: u8 = 2;
+
+    /// `acc` plus, per 32-bit lane, the sum of the four products of `a`'s unsigned bytes with
+    /// `b`'s signed ones, summed the `DOT` way. With [`PAIRS`] each pair's sum must fit i16
+    /// (no saturation; the callers' operands keep it inside): then every way gives the same
+    /// integers.
+    ///
+    /// # Safety
+    /// The CPU has AVX2, and the features `DOT` names.
+    #[inline(always)]
+    unsafe fn dot<const DOT: u8>(acc: __m256i, a: __m256i, b: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: the caller's promise.
+        unsafe {
+            match DOT {
+                PAIRS => _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones)),
+                AVX_VNNI => _mm256_dpbusd_avx_epi32(acc, a, b),
+                _ => _mm256_dpbusd_epi32(acc, a, b),
+            }
+        }
+    }
+
     /// A block's two scales `[a x4, b x4]`.
     #[target_feature(enable = "avx2,fma")]
     fn pair(a: f32, b: f32) -> __m256 {
@@ -558,10 +593,11 @@ pub mod avx2 {
     /// blocks) go to the scalar kernel's arithmetic.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA, and AVX-VNNI with `VNNI`: only inlined into the
-    /// `#[target_feature]` entries [`fast_rows`] and [`fast_rows_vnni`], which say so.
+    /// The CPU has AVX2 and FMA, and the features `DOT` names ([`dot`]): only inlined into
+    /// the `#[target_feature]` entries [`fast_rows`], [`fast_rows_vnni`] and
+    /// [`fast_rows_avx512`], which say so.
     #[inline(always)]
-    unsafe fn q8<const W: usize, const R: usize, const B16: bool, const VNNI: bool>(
+    unsafe fn q8<const W: usize, const R: usize, const B16: bool, const DOT: u8>(
         q: &[i8],
         d: &[f32],
         o: usize,
@@ -616,7 +652,7 @@ pub mod avx2 {
                         // at most 128 * 127 * 2 a pair, inside i16 (no saturation: the same
                         // sums as VNNI's 32-bit ones).
                         let xs = _mm256_sign_epi8(xv[i], w);
-                        let sums = if VNNI { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), wa, xs) } else { _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), ones) };
+                        let sums = dot::<DOT>(_mm256_setzero_si256(), wa, xs, ones);
                         let dot = _mm256_cvtepi32_ps(sums);
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
                     }
@@ -645,7 +681,7 @@ pub mod avx2 {
     /// # Safety
     /// As [`q8`]'s.
     #[inline(always)]
-    unsafe fn nibbles<const W: usize, const R: usize, const FIVE: bool, const VNNI: bool>(
+    unsafe fn nibbles<const W: usize, const R: usize, const FIVE: bool, const DOT: u8>(
         (q, h, d, m, offset): (&[u8], &[u64], &[f32], &[f32], f32),
         o: usize,
         n_in: usize,
@@ -701,10 +737,10 @@ pub mod avx2 {
                     for i in 0..R {
                         // With AVX2: at most 31 * 127 * 2 a pair of bytes, twice: inside i16
                         // (no saturation: the same sums as VNNI's 32-bit ones).
-                        let sums = if VNNI {
-                            _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xa[i]), hi, xb[i])
-                        } else {
+                        let sums = if DOT == PAIRS {
                             _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
+                        } else {
+                            dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa[i], ones), hi, xb[i], ones)
                         };
                         let dot = _mm256_cvtepi32_ps(sums);
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
@@ -763,14 +799,14 @@ pub mod avx2 {
     /// # Safety
     /// As [`q8`]'s.
     #[inline(always)]
-    unsafe fn fast_tile<const W: usize, const R: usize, const VNNI: bool>(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize, y: &mut [f32]) {
+    unsafe fn fast_tile<const W: usize, const R: usize, const DOT: u8>(w: &Stored, o: usize, n_in: usize, x: &Quantized, r: usize, y: &mut [f32]) {
         // SAFETY: the caller's promise, passed on.
         unsafe {
             match w {
-                Stored::Q8 { block: 16, q, d } => q8::<W, R, true, VNNI>(q, d, o, n_in, x, r, y),
-                Stored::Q8 { q, d, .. } => q8::<W, R, false, VNNI>(q, d, o, n_in, x, r, y),
-                Stored::Q4 { q, d, m } => nibbles::<W, R, false, VNNI>((q, &[], d, m, 1.0), o, n_in, x, r, y),
-                Stored::Q5 { q, h, d } => nibbles::<W, R, true, VNNI>((q, h, d, d, 16.0), o, n_in, x, r, y),
+                Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
+                Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
+                Stored::Q4 { q, d, m } => nibbles::<W, R, false, DOT>((q, &[], d, m, 1.0), o, n_in, x, r, y),
+                Stored::Q5 { q, h, d } => nibbles::<W, R, true, DOT>((q, h, d, d, 16.0), o, n_in, x, r, y),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -780,14 +816,22 @@ pub mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub fn fast_rows(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         // SAFETY: this function's features are the kernels'.
-        unsafe { fast_rows_with::<false>(w, rows, n_in, x, t, out, width) }
+        unsafe { fast_rows_with::<PAIRS>(w, rows, n_in, x, t, out, width) }
     }
 
     /// [`fast_rows`] with AVX-VNNI's products: the same integer sums, the same bits.
     #[target_feature(enable = "avx2,fma,avxvnni")]
     pub fn fast_rows_vnni(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
-        // SAFETY: this function's features are the kernels' with `VNNI`.
-        unsafe { fast_rows_with::<true>(w, rows, n_in, x, t, out, width) }
+        // SAFETY: this function's features are the kernels' with `AVX_VNNI`.
+        unsafe { fast_rows_with::<AVX_VNNI>(w, rows, n_in, x, t, out, width) }
+    }
+
+    /// [`fast_rows`] with AVX-512 VNNI's products on 256-bit vectors (the EVEX form, for CPUs
+    /// with AVX-512 and no AVX-VNNI, such as AMD's Zen 4): the same integer sums, the same bits.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    pub fn fast_rows_avx512(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features are the kernels' with `AVX512_VNNI`.
+        unsafe { fast_rows_with::<AVX512_VNNI>(w, rows, n_in, x, t, out, width) }
     }
 
     /// `fast` for weight rows `rows` against every row of x: `out[r * width + o - rows.start]`.
@@ -798,7 +842,7 @@ pub mod avx2 {
     /// # Safety
     /// As [`q8`]'s.
     #[inline(always)]
-    unsafe fn fast_rows_with<const VNNI: bool>(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+    unsafe fn fast_rows_with<const DOT: u8>(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         // SAFETY: the caller's promise, passed on to the kernels.
         unsafe {
             let mut y = [0f32; 16];
@@ -809,9 +853,9 @@ pub mod avx2 {
                     while o < rows.end {
                         let n = if rows.end - o >= 4 { 4 } else { 1 };
                         if n == 4 {
-                            fast_tile::<4, 1, VNNI>(w, o, n_in, x, r, &mut y);
+                            fast_tile::<4, 1, DOT>(w, o, n_in, x, r, &mut y);
                         } else {
-                            fast_tile::<1, 1, VNNI>(w, o, n_in, x, r, &mut y);
+                            fast_tile::<1, 1, DOT>(w, o, n_in, x, r, &mut y);
                         }
                         for j in 0..n {
                             out[r * width + o + j - first] = y[j];
@@ -835,10 +879,10 @@ pub mod avx2 {
                         // would: 34 -> 28 with two).
                         let nw = if end - o >= 2 && matches!(w, Stored::Q8 { block: 32, .. }) { 2 } else { 1 };
                         match (nw, n) {
-                            (2, 4) => fast_tile::<2, 4, VNNI>(w, o, n_in, x, r, &mut y),
-                            (2, _) => fast_tile::<2, 1, VNNI>(w, o, n_in, x, r, &mut y),
-                            (_, 4) => fast_tile::<1, 4, VNNI>(w, o, n_in, x, r, &mut y),
-                            _ => fast_tile::<1, 1, VNNI>(w, o, n_in, x, r, &mut y),
+                            (2, 4) => fast_tile::<2, 4, DOT>(w, o, n_in, x, r, &mut y),
+                            (2, _) => fast_tile::<2, 1, DOT>(w, o, n_in, x, r, &mut y),
+                            (_, 4) => fast_tile::<1, 4, DOT>(w, o, n_in, x, r, &mut y),
+                            _ => fast_tile::<1, 1, DOT>(w, o, n_in, x, r, &mut y),
                         }
                         for j in 0..nw {
                             for i in 0..n {

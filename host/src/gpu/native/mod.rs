@@ -297,6 +297,10 @@ fn fast_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &Quantized, 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx2Vnni` is only chosen where the CPU has AVX2, FMA and AVX-VNNI.
         Isa::Avx2Vnni => unsafe { kernels::avx2::fast_rows_vnni(&m.stored, rows, n_in, x, t, out, width) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512Vnni` is only chosen where the CPU has AVX2, FMA and AVX-512 F,
+        // BW, VL and VNNI.
+        Isa::Avx512Vnni => unsafe { kernels::avx2::fast_rows_avx512(&m.stored, rows, n_in, x, t, out, width) },
         _ => {
             for o in rows {
                 for r in 0..t {
@@ -361,9 +365,9 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                     let dst = &mut w[j * n_in..][..n_in];
                     match isa {
                         #[cfg(target_arch = "x86_64")]
-                        // SAFETY: `Isa::Avx2` and `Avx2Vnni` are only chosen where the CPU has
-                        // AVX2 and FMA.
-                        Isa::Avx2 | Isa::Avx2Vnni => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
+                        // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2
+                        // and FMA.
+                        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
                         _ => kernels::scalar::decode(&m.stored, o + j, n_in, dst),
                     }
                 }
@@ -380,7 +384,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                 match isa {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Isa::Avx2 | Isa::Avx2Vnni => unsafe {
+                    Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe {
                         use kernels::avx2::exact;
                         match (nw, nr) {
                             (4, 2) => exact::<4, 2>([wr(0), wr(1), wr(2), wr(3)], [xr(0), xr(1)], &mut y),
@@ -464,8 +468,8 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Isa::Avx2` and `Avx2Vnni` are only chosen where the CPU has AVX2 and FMA.
-        Isa::Avx2 | Isa::Avx2Vnni => unsafe { wide(a, b) },
+        // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2 and FMA.
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { wide(a, b) },
         _ => plain(a, b),
     }
 }
@@ -500,7 +504,7 @@ fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
-        Isa::Avx2 | Isa::Avx2Vnni => unsafe { wide(a, x, y) },
+        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { wide(a, x, y) },
         _ => plain(a, x, y),
     }
 }

@@ -75,14 +75,14 @@ fn cases() -> Vec<(Format, usize)> {
     ]
 }
 
-/// Every kernel set this CPU runs: the plain one, AVX2 + FMA, and AVX2 with AVX-VNNI's
-/// products where it has them.
+/// Every kernel set this CPU runs: the plain one, AVX2 + FMA, and AVX2 with AVX-VNNI's or
+/// AVX-512 VNNI's products where it has them.
 fn isas() -> Vec<Isa> {
     let mut v = vec![Isa::Scalar];
     if Isa::detect().avx2() {
         v.push(Isa::Avx2);
-        if Isa::detect() == Isa::Avx2Vnni {
-            v.push(Isa::Avx2Vnni);
+        if Isa::detect() != Isa::Avx2 {
+            v.push(Isa::detect());
         }
     } else if std::env::var("CI").is_ok_and(|v| v == "true") && cfg!(target_arch = "x86_64") {
         panic!("CI=true: this x86-64 CPU offers no AVX2 + FMA, so the vector kernels are not tested");
@@ -194,8 +194,9 @@ fn fast_products_are_within_the_int8_rounding_of_exact_ones() {
 fn fast_products_with_avx_vnni_are_the_avx2_bits() {
     // The same integer sums (AVX2 sums pairs in 16 bits first, within range), the same f32
     // arithmetic after them: the same bits, for every format, batch size and thread count.
-    if Isa::detect() != Isa::Avx2Vnni {
-        eprintln!("this CPU has no AVX-VNNI ({:?}): nothing to compare", Isa::detect());
+    let vnni = Isa::detect();
+    if !matches!(vnni, Isa::Avx2Vnni | Isa::Avx512Vnni) {
+        eprintln!("this CPU has no AVX-VNNI or AVX-512 VNNI ({vnni:?}): nothing to compare");
         return;
     }
     let mut rng = Rng(13);
@@ -205,7 +206,7 @@ fn fast_products_with_avx_vnni_are_the_avx2_bits() {
         for t in [1, 3, 4, 9, 40] {
             let x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 4.0).collect();
             let mut results = Vec::new();
-            for (isa, threads) in [(Isa::Avx2, 1), (Isa::Avx2Vnni, 1), (Isa::Avx2Vnni, 3)] {
+            for (isa, threads) in [(Isa::Avx2, 1), (vnni, 1), (vnni, 3)] {
                 let mut b = NativeBackend::with_isa(threads, isa).unwrap();
                 let id = upload(&mut b, format, n_out, n_in, &data, &scales);
                 let y = b.matmul_op(id, &x, t as u32, n_in as u32, Precision::Fast).unwrap();
@@ -264,9 +265,11 @@ fn native_speed() {
             continue;
         }
         let (data, scales) = weight(&mut rng, format, n_out, n_in);
-        // ISA=avx2 or scalar: those kernels on a CPU that has more.
+        // ISA=avx2, vnni, avx512 or scalar: those kernels (on a CPU that has them).
         let isa = match std::env::var("ISA").as_deref() {
             Ok("avx2") => Isa::Avx2,
+            Ok("vnni") => Isa::Avx2Vnni,
+            Ok("avx512") => Isa::Avx512Vnni,
             Ok("scalar") => Isa::Scalar,
             _ => Isa::detect(),
         };
