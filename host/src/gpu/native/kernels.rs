@@ -192,6 +192,11 @@ impl Stored {
     }
 }
 
+/// Bytes ahead of a one-row kernel's reading that it asks the memory for (a decode step streams
+/// each weight from memory once): 512 to 4096 measured alike here.
+#[cfg(target_arch = "x86_64")]
+const AHEAD: usize = 1024;
+
 /// Weight rows a `fast` product's vector kernel sweeps with the same rows of x (held in the L1
 /// cache with them).
 pub const FAST_BLOCK: usize = 16;
@@ -643,6 +648,10 @@ pub mod avx2 {
                         // The same line of the rows `W` on (the next call's): a decode step
                         // streams its weights from memory faster with them asked for ahead.
                         _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * k + 2 * W * n_in).cast());
+                    } else if W == 1 && k % 2 == 0 {
+                        // One row at a time (a decode step): the line `AHEAD` on in the
+                        // weight's bytes, this row's or the next's.
+                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * k + super::AHEAD).cast());
                     }
                     let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * k).cast());
                     let wa = _mm256_sign_epi8(w, w);
@@ -724,6 +733,9 @@ pub mod avx2 {
                     if W > 1 {
                         // As in `q8`: the line two calls on.
                         _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                    } else if p % 2 == 0 {
+                        // As in `q8`: `AHEAD` on.
+                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + super::AHEAD).cast());
                     }
                     let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
                     let mut lo = _mm256_and_si256(w, low);
@@ -835,7 +847,7 @@ pub mod avx2 {
     }
 
     /// `fast` for weight rows `rows` against every row of x: `out[r * width + o - rows.start]`.
-    /// A few rows of x (a decode step): four weight rows at a time against each. More: four
+    /// A few rows of x (a decode step): one weight row at a time against each. More: four
     /// rows of x at a time against each weight row of a block of [`super::FAST_BLOCK`], both
     /// held in the L1 cache while the block sweeps them.
     ///
@@ -848,19 +860,18 @@ pub mod avx2 {
             let mut y = [0f32; 16];
             let first = rows.start;
             if t < 4 {
-                for r in 0..t {
-                    let mut o = rows.start;
-                    while o < rows.end {
-                        let n = if rows.end - o >= 4 { 4 } else { 1 };
-                        if n == 4 {
-                            fast_tile::<4, 1, DOT>(w, o, n_in, x, r, &mut y);
-                        } else {
-                            fast_tile::<1, 1, DOT>(w, o, n_in, x, r, &mut y);
-                        }
-                        for j in 0..n {
-                            out[r * width + o + j - first] = y[j];
-                        }
-                        o += n;
+                // One weight row at a time against every row of x: a single stream through
+                // memory, the weight read once whatever `t`. Four rows a call (four streams,
+                // each read 32 bytes at a time) decoded Gemma 3 270M at 36 tok/s on one core of
+                // a Zen 4 against 55 this way.
+                for o in rows.clone() {
+                    match t {
+                        1 => fast_tile::<1, 1, DOT>(w, o, n_in, x, 0, &mut y),
+                        2 => fast_tile::<1, 2, DOT>(w, o, n_in, x, 0, &mut y),
+                        _ => fast_tile::<1, 3, DOT>(w, o, n_in, x, 0, &mut y),
+                    }
+                    for r in 0..t {
+                        out[r * width + o - first] = y[r];
                     }
                 }
                 return;
