@@ -564,7 +564,8 @@ pub mod avx2 {
     pub const PAIRS: u8 = 0;
     /// AVX-VNNI's `vpdpbusd` (VEX).
     pub const AVX_VNNI: u8 = 1;
-    /// AVX-512 VNNI's `vpdpbusd` on 256-bit vectors (EVEX, with AVX-512 VL).
+    /// AVX-512 VNNI's `vpdpbusd` on 256-bit vectors (EVEX, with AVX-512 VL); with it the
+    /// kernels may use AVX-512 BW.
     pub const AVX512_VNNI: u8 = 2;
 
     /// `acc` plus, per 32-bit lane, the sum of the four products of `a`'s unsigned bytes with
@@ -742,8 +743,16 @@ pub mod avx2 {
                     let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
                     if FIVE {
                         let bits = *wh[j].get_unchecked(p);
-                        lo = _mm256_or_si256(lo, fifth_bits(bits as u32));
-                        hi = _mm256_or_si256(hi, fifth_bits((bits >> 32) as u32));
+                        if DOT == AVX512_VNNI {
+                            // AVX-512 BW takes the bits as a mask: 16 added (or'ed, below 16)
+                            // where set, one instruction for `fifth_bits`' five.
+                            let sixteen = _mm256_set1_epi8(16);
+                            lo = _mm256_mask_add_epi8(lo, bits as u32, lo, sixteen);
+                            hi = _mm256_mask_add_epi8(hi, (bits >> 32) as u32, hi, sixteen);
+                        } else {
+                            lo = _mm256_or_si256(lo, fifth_bits(bits as u32));
+                            hi = _mm256_or_si256(hi, fifth_bits((bits >> 32) as u32));
+                        }
                     }
                     let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
                     for i in 0..R {
@@ -839,8 +848,9 @@ pub mod avx2 {
     }
 
     /// [`fast_rows`] with AVX-512 VNNI's products on 256-bit vectors (the EVEX form, for CPUs
-    /// with AVX-512 and no AVX-VNNI, such as AMD's Zen 4): the same integer sums, the same bits.
-    #[target_feature(enable = "avx2,fma,avx512f,avx512vl,avx512vnni")]
+    /// with AVX-512 and no AVX-VNNI, such as AMD's Zen 4), and a five-bit weight's fifth bits
+    /// as AVX-512 BW masks: the same integer sums, the same bits.
+    #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")]
     pub fn fast_rows_avx512(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         // SAFETY: this function's features are the kernels' with `AVX512_VNNI`.
         unsafe { fast_rows_with::<AVX512_VNNI>(w, rows, n_in, x, t, out, width) }
@@ -887,8 +897,14 @@ pub mod avx2 {
                         // Two q8x32 weight rows a call where there are two (each row of x read once
                         // for both: 24 -> 28 GMAC/s a core here); a weight of nibbles one (its
                         // unpacking, or q8x16's pairs of scales, take the registers a second row
-                        // would: 34 -> 28 with two).
-                        let nw = if end - o >= 2 && matches!(w, Stored::Q8 { block: 32, .. }) { 2 } else { 1 };
+                        // would: 34 -> 28 with two), except with AVX-512's 32 registers (five
+                        // bits 40 -> 43, q4x32 44 -> 46 on a Zen 4).
+                        let two = match w {
+                            Stored::Q8 { block: 32, .. } => true,
+                            Stored::Q4 { .. } | Stored::Q5 { .. } => DOT == AVX512_VNNI,
+                            _ => false,
+                        };
+                        let nw = if end - o >= 2 && two { 2 } else { 1 };
                         match (nw, n) {
                             (2, 4) => fast_tile::<2, 4, DOT>(w, o, n_in, x, r, &mut y),
                             (2, _) => fast_tile::<2, 1, DOT>(w, o, n_in, x, r, &mut y),

@@ -258,13 +258,15 @@ fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
 fn native_speed() {
     let mut rng = Rng(1);
     let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    let shapes = [(Format::Q8x32, 2048, 640), (Format::Q4x32, 2048, 640), (Format::Q8x16, 640, 2048), (Format::Q8x32, 262144, 640)];
+    // Widths as `weight` reads them: the last, q8x32 of five-bit values (Gemma's Q5_0 layers).
+    let shapes = [(Format::Q8x32, 2048, 640), (Format::Q4x32, 2048, 640), (Format::Q8x16, 640, 2048), (Format::Q8x32, 262144, 640), (Format::Q8x32, 2048, FIVE_BITS + 640)];
     let only: Option<usize> = std::env::var("SHAPE").ok().and_then(|v| v.parse().ok());
-    for (i, &(format, n_out, n_in)) in shapes.iter().enumerate() {
+    for (i, &(format, n_out, marked)) in shapes.iter().enumerate() {
         if only.is_some_and(|o| o != i) {
             continue;
         }
-        let (data, scales) = weight(&mut rng, format, n_out, n_in);
+        let (data, scales) = weight(&mut rng, format, n_out, marked);
+        let n_in = marked % FIVE_BITS;
         // ISA=avx2, vnni, avx512 or scalar: those kernels (on a CPU that has them).
         let isa = match std::env::var("ISA").as_deref() {
             Ok("avx2") => Isa::Avx2,
@@ -306,7 +308,8 @@ fn native_speed() {
                     }
                 }
                 let qs = q.elapsed().as_secs_f64() / runs as f64;
-                println!("{} [{n_out}, {n_in}] t {t} {precision:?}: {:.1} GMAC/s ({:.3} ms, quantize {:.3} ms)", format.name(), (t * n_out * n_in) as f64 / s / 1e9, s * 1e3, qs * 1e3);
+                let form = if five_bits(marked) { " (five bits)" } else { "" };
+                println!("{}{form} [{n_out}, {n_in}] t {t} {precision:?}: {:.1} GMAC/s ({:.3} ms, quantize {:.3} ms)", format.name(), (t * n_out * n_in) as f64 / s / 1e9, s * 1e3, qs * 1e3);
             }
         }
     }
