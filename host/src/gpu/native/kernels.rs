@@ -1189,27 +1189,48 @@ pub mod avx2 {
     /// vector over the row, then its lanes, then the tail.
     #[target_feature(enable = "avx2,fma")]
     pub fn exact<const W: usize, const R: usize>(w: [&[f32]; W], x: [&[f32]; R], out: &mut [f32]) {
-        let n = w[0].len();
-        let mut acc = [[_mm256_setzero_ps(); R]; W];
-        for k in 0..n / 8 {
-            let mut xv = [_mm256_setzero_ps(); R];
-            for i in 0..R {
-                xv[i] = load_f32(&x[i][k * 8..]);
+        // SAFETY: this function's features are the body's.
+        unsafe { exact_body(w, x, out) }
+    }
+
+    /// [`exact`] compiled with AVX-512 VL, whose 32 vector registers hold a larger tile (the
+    /// same 256-bit vectors and sums: the same bits).
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub fn exact_avx512<const W: usize, const R: usize>(w: [&[f32]; W], x: [&[f32]; R], out: &mut [f32]) {
+        // SAFETY: this function's features include the body's.
+        unsafe { exact_body(w, x, out) }
+    }
+
+    /// [`exact`]'s body.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA: only inlined into [`exact`] and [`exact_avx512`].
+    #[inline(always)]
+    unsafe fn exact_body<const W: usize, const R: usize>(w: [&[f32]; W], x: [&[f32]; R], out: &mut [f32]) {
+        // SAFETY: the CPU has AVX2 and FMA (the caller's promise); the loads are cut.
+        unsafe {
+            let n = w[0].len();
+            let mut acc = [[_mm256_setzero_ps(); R]; W];
+            for k in 0..n / 8 {
+                let mut xv = [_mm256_setzero_ps(); R];
+                for i in 0..R {
+                    xv[i] = load_f32(&x[i][k * 8..]);
+                }
+                for j in 0..W {
+                    let wv = load_f32(&w[j][k * 8..]);
+                    for i in 0..R {
+                        acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+                    }
+                }
             }
             for j in 0..W {
-                let wv = load_f32(&w[j][k * 8..]);
                 for i in 0..R {
-                    acc[j][i] = _mm256_fmadd_ps(wv, xv[i], acc[j][i]);
+                    let mut y = hsum(acc[j][i]);
+                    for e in n / 8 * 8..n {
+                        y = w[j][e].mul_add(x[i][e], y);
+                    }
+                    out[j * R + i] = y;
                 }
-            }
-        }
-        for j in 0..W {
-            for i in 0..R {
-                let mut y = hsum(acc[j][i]);
-                for e in n / 8 * 8..n {
-                    y = w[j][e].mul_add(x[i][e], y);
-                }
-                out[j * R + i] = y;
             }
         }
     }
