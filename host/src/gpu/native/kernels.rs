@@ -1,7 +1,8 @@
 //! The native device's products, a weight's rows with rows of x, in each upload format: the
 //! plain reading of each (`scalar`, which also runs where no vector unit below is found) and
 //! x86-64 AVX2 + FMA versions chosen at run time ([`Isa::detect`]), whose `fast` products use
-//! AVX-VNNI's `vpdpbusd` where the CPU has it (the same integers summed, the same bits).
+//! `vpdpbusd` where the CPU has AVX-VNNI or AVX-512 VNNI (the same integers summed, the same
+//! bits), and with AVX-512 its 32 vector registers for larger tiles.
 //!
 //! Two ways of summing, as the WIT `precision` names them:
 //! - `exact`: each weight decoded to f32 as the contract reads it (`d * q - m`), then f32
@@ -319,10 +320,11 @@ fn round_i8(v: f32) -> i8 {
 }
 
 /// Quantizes `t` rows of `n_in` values for a `fast` product: blocks of `block`, in the `q4x32`
-/// layout with `q4` (see [`Stored::x_layout`]).
-pub fn quantize(x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized {
+/// layout with `q4` (see [`Stored::x_layout`]). Each block's scale and values are the same
+/// bytes with every `isa` (the vector form rounds as [`round_i8`] does, a NaN to 0).
+pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized {
     #[inline(always)]
-    fn body(x: &[f32], n_in: usize, block: usize, q4: bool) -> Quantized {
+    fn body<const WIDE: bool>(x: &[f32], n_in: usize, block: usize, q4: bool) -> Quantized {
         let t = x.len() / n_in;
         let nb = n_in / block;
         let mut q = vec![0i8; x.len()];
@@ -331,14 +333,12 @@ pub fn quantize(x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized
         for (r, row) in x.chunks_exact(n_in).enumerate() {
             let qr = &mut q[r * n_in..][..n_in];
             for (b, v) in row.chunks_exact(block).enumerate() {
-                let amax = v.iter().fold(0f32, |a, &x| a.max(x.abs()));
-                let d = amax / 127.0;
-                let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
                 let mut qs = [0i8; 32];
-                for (o, &x) in qs.iter_mut().zip(v) {
-                    *o = round_i8(x * inv);
-                }
-                let sum: i32 = qs[..block].iter().map(|&v| v as i32).sum();
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `WIDE` only where the CPU has AVX2 and FMA (`quantize` checks).
+                let (d, sum) = if WIDE { unsafe { avx2::quantize_block(v, &mut qs) } } else { quantize_block(v, &mut qs) };
+                #[cfg(not(target_arch = "x86_64"))]
+                let (d, sum) = quantize_block(v, &mut qs);
                 if q4 {
                     let (even, odd) = q4_bases(b, nb);
                     for j in 0..16 {
@@ -361,14 +361,27 @@ pub fn quantize(x: &[f32], n_in: usize, (block, q4): (usize, bool)) -> Quantized
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     fn wide(x: &[f32], n_in: usize, block: usize, q4: bool) -> Quantized {
-        body(x, n_in, block, q4)
+        body::<true>(x, n_in, block, q4)
     }
     #[cfg(target_arch = "x86_64")]
-    if Isa::detect().avx2() {
-        // SAFETY: the CPU has AVX2 and FMA (detected just now).
+    if isa.avx2() {
+        // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2 and FMA.
         return unsafe { wide(x, n_in, block, q4) };
     }
-    body(x, n_in, block, q4)
+    let _ = isa;
+    body::<false>(x, n_in, block, q4)
+}
+
+/// One block of x (16 or 32 values) quantized into `out`: its scale `amax / 127` and the sum
+/// of its values.
+fn quantize_block(v: &[f32], out: &mut [i8; 32]) -> (f32, i32) {
+    let amax = v.iter().fold(0f32, |a, &x| a.max(x.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o = round_i8(x * inv);
+    }
+    (d, out[..v.len()].iter().map(|&v| v as i32).sum())
 }
 
 /// Reorders `t` rows of `n_in` values into the `q4x32` layout (for `exact` products with such
@@ -557,6 +570,45 @@ pub mod avx2 {
         let s = &s[..8];
         // SAFETY: `s` holds 8 f32 (cut above); the load is unaligned.
         unsafe { _mm256_loadu_ps(s.as_ptr()) }
+    }
+
+    /// [`super::quantize_block`] in eight lanes: the same scale, bytes and sum (a NaN, which
+    /// `as i32` makes 0, made 0 before the conversion, which would give `i32::MIN`).
+    #[target_feature(enable = "avx2,fma")]
+    pub fn quantize_block(v: &[f32], out: &mut [i8; 32]) -> (f32, i32) {
+        let n = v.len() / 8;
+        let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+        let mut xs = [_mm256_setzero_ps(); 4];
+        let mut m = _mm256_setzero_ps();
+        for (c, x) in xs.iter_mut().enumerate().take(n) {
+            *x = load_f32(&v[8 * c..]);
+            // `max` gives its second operand where either is NaN: a NaN value is passed over,
+            // as `f32::max` passes it.
+            m = _mm256_max_ps(_mm256_and_ps(*x, abs), m);
+        }
+        let m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let m2 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m2, _mm_shuffle_ps::<1>(m2, m2)));
+        let d = amax / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let (sign, half) = (_mm256_set1_ps(-0.0), _mm256_set1_ps(0.5));
+        let mut sum = _mm256_setzero_si256();
+        let mut ints = [0i32; 32];
+        for c in 0..n {
+            let y = _mm256_mul_ps(xs[c], inv);
+            let y = _mm256_andnot_ps(_mm256_cmp_ps::<_CMP_UNORD_Q>(y, y), y);
+            let r = _mm256_cvttps_epi32(_mm256_add_ps(y, _mm256_or_ps(_mm256_and_ps(y, sign), half)));
+            sum = _mm256_add_epi32(sum, r);
+            let at = &mut ints[8 * c..][..8];
+            // SAFETY: `at` holds 8 i32 (cut above); the store is unaligned.
+            unsafe { _mm256_storeu_si256(at.as_mut_ptr().cast(), r) };
+        }
+        for (o, &i) in out.iter_mut().zip(&ints[..8 * n]) {
+            *o = i as i8;
+        }
+        let s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256::<1>(sum));
+        let s2 = _mm_add_epi32(s4, _mm_shuffle_epi32::<0b01_00_11_10>(s4));
+        (d, _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b10_11_00_01>(s2))))
     }
 
     /// How a `fast` kernel sums each four products of bytes into 32 bits: AVX2's pairs in 16

@@ -227,10 +227,11 @@ impl NativeBackend {
     fn quantize(&self, x: &[f32], n_in: usize, t: usize, layout: (usize, bool)) -> Quantized {
         const MIN_ROWS: usize = 16;
         if self.pool.is_none() || t < MIN_ROWS {
-            return kernels::quantize(x, n_in, layout);
+            return kernels::quantize(self.isa, x, n_in, layout);
         }
         let per = t.div_ceil(self.threads).max(MIN_ROWS / 2);
-        let parts: Vec<Quantized> = self.on_pool(|| x.par_chunks(per * n_in).map(|rows| kernels::quantize(rows, n_in, layout)).collect());
+        let isa = self.isa;
+        let parts: Vec<Quantized> = self.on_pool(|| x.par_chunks(per * n_in).map(|rows| kernels::quantize(isa, rows, n_in, layout)).collect());
         let mut all = Quantized { block: layout.0, q: Vec::with_capacity(x.len()), s: Vec::new(), c: Vec::new(), pairs: Vec::new() };
         for p in parts {
             all.q.extend_from_slice(&p.q);

@@ -218,6 +218,35 @@ fn fast_products_with_avx_vnni_are_the_avx2_bits() {
 }
 
 #[test]
+fn x_quantizes_to_the_same_bytes_with_every_isa() {
+    let mut rng = Rng(17);
+    for (block, q4, n_in) in [(32, false, 96), (16, false, 80), (32, true, 128), (32, true, 96)] {
+        let t = 5;
+        let mut x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 9.0).collect();
+        // Blocks of zeros, a NaN, infinities, halves that round away from zero, tiny values.
+        x[..block].fill(0.0);
+        x[n_in + 3] = f32::NAN;
+        x[2 * n_in + 1] = f32::INFINITY;
+        x[2 * n_in + block + 2] = f32::NEG_INFINITY;
+        for (i, v) in x[3 * n_in..4 * n_in].iter_mut().enumerate() {
+            *v = (i as f32 - 40.0) * 0.5;
+        }
+        for v in &mut x[4 * n_in..] {
+            *v *= 1e-30;
+        }
+        let plain = kernels::quantize(Isa::Scalar, &x, n_in, (block, q4));
+        for isa in isas() {
+            let q = kernels::quantize(isa, &x, n_in, (block, q4));
+            assert_eq!(q.q, plain.q, "{isa:?} block {block} q4 {q4}");
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(bits(&q.s), bits(&plain.s), "{isa:?} block {block} q4 {q4}");
+            assert_eq!(bits(&q.c), bits(&plain.c), "{isa:?} block {block} q4 {q4}");
+            assert_eq!(bits(&q.pairs), bits(&plain.pairs), "{isa:?} block {block} q4 {q4}");
+        }
+    }
+}
+
+#[test]
 fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
     let mut rng = Rng(5);
     let (n_head, n_head_kv, hd) = (4u32, 2u32, 16u32);
@@ -304,7 +333,7 @@ fn native_speed() {
                 let q = std::time::Instant::now();
                 if precision == Precision::Fast {
                     for _ in 0..runs {
-                        std::hint::black_box(kernels::quantize(&x, n_in, b.weights[&id].stored.x_layout().unwrap()));
+                        std::hint::black_box(kernels::quantize(isa, &x, n_in, b.weights[&id].stored.x_layout().unwrap()));
                     }
                 }
                 let qs = q.elapsed().as_secs_f64() / runs as f64;
