@@ -236,8 +236,9 @@ pub enum Isa {
     /// `vpmaddwd`), or four for a weight of nibbles. The 256-bit (VEX) form: Intel's CPUs from
     /// Alder Lake and Sapphire Rapids, AMD's from Zen 5.
     Avx2Vnni,
-    /// AVX2 with FMA, and AVX-512 (F, BW, VL) with VNNI for `fast` products: where AVX-VNNI is
-    /// missing (AMD's Zen 4, Intel's Ice Lake), its EVEX form on the same 256-bit vectors.
+    /// AVX2 with FMA, and AVX-512 (F, BW, VL) with VNNI: `vpdpbusd`'s EVEX form on the same
+    /// 256-bit vectors (also where AVX-VNNI is missing: AMD's Zen 4, Intel's Ice Lake), and
+    /// AVX-512's 32 registers and byte masks in the kernels.
     Avx512Vnni,
 }
 
@@ -246,12 +247,14 @@ impl Isa {
     pub fn detect() -> Isa {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                return Isa::Avx2Vnni;
-            }
             use std::arch::is_x86_feature_detected as has;
+            // AVX-512 first where a CPU has both (Sapphire Rapids): the same products, and its
+            // registers and masks besides.
             if has!("avx512f") && has!("avx512bw") && has!("avx512vl") && has!("avx512vnni") {
                 return Isa::Avx512Vnni;
+            }
+            if has!("avxvnni") {
+                return Isa::Avx2Vnni;
             }
             return Isa::Avx2;
         }
