@@ -365,7 +365,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                         #[cfg(target_arch = "x86_64")]
                         // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2
                         // and FMA.
-                        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
+                        _ if isa.avx2() => unsafe { kernels::avx2::decode(&m.stored, o + j, n_in, dst) },
                         _ => kernels::scalar::decode(&m.stored, o + j, n_in, dst),
                     }
                 }
@@ -389,7 +389,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
                     },
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: as above.
-                    Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe {
+                    _ if isa.avx2() => unsafe {
                         use kernels::avx2::exact;
                         match (nw, nr) {
                             (4, 2) => exact::<4, 2>([wr(0), wr(1), wr(2), wr(3)], [xr(0), xr(1)], &mut y),
@@ -474,7 +474,7 @@ fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2 and FMA.
-        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { wide(a, b) },
+        _ if isa.avx2() => unsafe { wide(a, b) },
         _ => plain(a, b),
     }
 }
@@ -509,7 +509,7 @@ fn axpy(isa: Isa, a: f32, x: &[f32], y: &mut [f32]) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot`.
-        Isa::Avx2 | Isa::Avx2Vnni | Isa::Avx512Vnni => unsafe { wide(a, x, y) },
+        _ if isa.avx2() => unsafe { wide(a, x, y) },
         _ => plain(a, x, y),
     }
 }
