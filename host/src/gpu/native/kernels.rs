@@ -42,6 +42,36 @@ pub enum Stored {
     /// [`Stored::Q4`]'s: 0.59 bytes a value against its 0.75, which a decode step streams
     /// through memory a fifth faster, as llama.cpp reads Q4_K.
     Q4K { q: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<f32>, dmin: Vec<f32> },
+    /// A `q8x16` weight of GGUF Q6_K's values and scales: every value in -32..=31, kept as `u
+    /// = q + 32` in six bits, and per superblock of [`SUPER`] values an f32 `d` and per 16 a
+    /// signed byte `sc`, `d_b = d * sc_b` in f32 the very scale uploaded (checked when the form
+    /// is taken). `u`'s low four bits as [`Stored::Q4`]'s nibbles; its top two in `h`, 16 bytes
+    /// for each 64 values (a pair of blocks of 32 in x's `q4x32` layout, [`q4_slot`]): byte `k`
+    /// holds, from its low bits up, the values at positions `k`, `16 + k`, `32 + k`, `48 + k`
+    /// of the pair's layout. 0.83 bytes a value against `q8x16`'s 1.25.
+    Q6K { q: Vec<u8>, h: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
+}
+
+/// The f32 `s` and the signed bytes `k` with `s * k_b == v_b`, bit for bit, for each of a Q6_K
+/// superblock's sixteen block scales `v` (`None` where there are none). llama.cpp quantizes the
+/// scale of largest magnitude to -128, so `s` is tried as it over -128 first, then over the
+/// other bytes.
+fn k_scales_signed(v: &[f32]) -> Option<(f32, [i8; 16])> {
+    let top = v.iter().copied().fold(0f32, |a, b| if b.abs() > a.abs() { b } else { a });
+    let fits = |s: f32, k: &mut [i8; 16]| {
+        v.iter().zip(k.iter_mut()).all(|(&b, o)| {
+            let f = if s != 0.0 { b / s } else { 0.0 };
+            // `as i32` saturates (a NaN gives 0): the check refuses what does not fit.
+            let n = (f + 0.5f32.copysign(f)) as i32;
+            *o = n.clamp(-128, 127) as i8;
+            (-128..=127).contains(&n) && (s * n as f32).to_bits() == b.to_bits()
+        })
+    };
+    let mut k = [0i8; 16];
+    if top == 0.0 {
+        return fits(0.0, &mut k).then_some((0.0, k));
+    }
+    core::iter::once(-128i32).chain((1..=127).rev()).chain(-127..=-1).map(|c| top / c as f32).find(|&s| fits(s, &mut k)).map(|s| (s, k))
 }
 
 /// Values a superblock of [`Stored::Q4K`] (GGUF's K-quants' 256): eight blocks of 32.
@@ -125,14 +155,15 @@ impl Stored {
                     m[at / 32 + i] = dm[1];
                 }
             }
-            Stored::Q5 { .. } | Stored::Q4K { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
+            Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
         }
     }
 
     /// The weight (rows of `n_in`) in a more compact form where it has one: a `q8x32` weight in
     /// five bits where every value fits ([`Stored::Q5`]), a `q4x32` one with Q4_K's integer
     /// scales where every superblock's scales and mins are an f32 times six-bit integers
-    /// ([`Stored::Q4K`]; its nibbles moved out of `self`); `None` where it has none.
+    /// ([`Stored::Q4K`]; its nibbles moved out of `self`), a `q8x16` one in six bits where its
+    /// values and scales are Q6_K's ([`Stored::Q6K`]); `None` where it has none.
     pub fn compacted(&mut self, n_in: usize) -> Option<Stored> {
         if let Stored::Q4 { q, d, m } = self {
             if n_in % SUPER != 0 {
@@ -154,6 +185,9 @@ impl Stored {
                 mn.extend_from_slice(&kb);
             }
             return Some(Stored::Q4K { q: std::mem::take(q), sc, mn, d: ds, dmin: mins });
+        }
+        if let Stored::Q8 { block: 16, q, d } = self {
+            return Self::six_bits(q, d, n_in);
         }
         let Stored::Q8 { block: 32, q, d } = self else { return None };
         if q.iter().any(|&v| !(-16..=15).contains(&v)) {
@@ -184,6 +218,58 @@ impl Stored {
         Some(Stored::Q5 { q: nibbles, h, d: d.clone() })
     }
 
+    /// A `q8x16` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q6K`], where
+    /// its rows are whole superblocks, its values six bits and its scales Q6_K's.
+    fn six_bits(q: &[i8], d: &[f32], n_in: usize) -> Option<Stored> {
+        if n_in % SUPER != 0 || q.iter().any(|&v| !(-32..=31).contains(&v)) {
+            return None;
+        }
+        let (mut sc, mut ds) = (Vec::new(), Vec::new());
+        sc.try_reserve_exact(d.len()).ok()?;
+        ds.try_reserve_exact(d.len() / 16).ok()?;
+        for v in d.chunks_exact(16) {
+            let (s, k) = k_scales_signed(v)?;
+            ds.push(s);
+            sc.extend_from_slice(&k);
+        }
+        let (mut nibbles, mut h) = (Vec::new(), Vec::new());
+        nibbles.try_reserve_exact(q.len() / 2).ok()?;
+        h.try_reserve_exact(q.len() / 4).ok()?;
+        huge_pages(nibbles.as_mut_ptr(), q.len() / 2);
+        nibbles.resize(q.len() / 2, 0u8);
+        h.resize(q.len() / 4, 0u8);
+        for ((row, nib), hr) in q.chunks_exact(n_in).zip(nibbles.chunks_exact_mut(n_in / 2)).zip(h.chunks_exact_mut(n_in / 4)) {
+            for (o, two) in nib.iter_mut().zip(row.chunks_exact(2)) {
+                *o = ((two[0] + 32) as u8 & 0xF) | ((two[1] + 32) as u8 & 0xF) << 4;
+            }
+            for (hp, values) in hr.chunks_exact_mut(16).zip(row.chunks_exact(64)) {
+                // Byte `k`: the layout's positions `k`, `16 + k`, `32 + k`, `48 + k`, which are
+                // A's value `2k`, B's `2k`, A's `2k + 1`, B's `2k + 1` ([`q4_slot`]).
+                let top = |e: usize| ((values[e] + 32) as u8) >> 4;
+                for (k, o) in hp.iter_mut().enumerate() {
+                    *o = top(2 * k) | top(32 + 2 * k) << 2 | top(2 * k + 1) << 4 | top(33 + 2 * k) << 6;
+                }
+            }
+        }
+        Some(Stored::Q6K { q: nibbles, h, sc, d: ds })
+    }
+
+    /// Value `i` of row `r` of a [`Stored::Q6K`] weight (`q`, -32..=31).
+    fn q6_value(&self, r: usize, i: usize, n_in: usize) -> i8 {
+        let Stored::Q6K { q, h, .. } = self else { unreachable!("q6_value of another form") };
+        let lo = (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF;
+        let slot = q4_slot(i, n_in);
+        let hi = (h[(r * n_in + slot) / 64 * 16 + slot % 16] >> (2 * (slot % 64 / 16))) & 3;
+        (lo | hi << 4) as i8 - 32
+    }
+
+    /// Block `b`'s (of the whole weight, 16 values each) scale of a [`Stored::Q6K`] weight.
+    #[inline(always)]
+    fn q6_scale(&self, b: usize) -> f32 {
+        let Stored::Q6K { sc, d, .. } = self else { unreachable!("q6_scale of another form") };
+        d[b / 16] * sc[b] as f32
+    }
+
     /// A compacted weight back in its upload format, to be written: [`Stored::Q5`] in `q8x32`,
     /// [`Stored::Q4K`] in `q4x32` (its nibbles moved out of `self`); `None` for another form.
     pub fn expanded(&mut self, n_in: usize) -> Option<Stored> {
@@ -195,6 +281,17 @@ impl Stored {
             }
             let Stored::Q4K { q, .. } = self else { unreachable!("matched above") };
             return Some(Stored::Q4 { q: std::mem::take(q), d, m });
+        }
+        if let Stored::Q6K { sc, .. } = self {
+            let d: Vec<f32> = (0..sc.len()).map(|b| self.q6_scale(b)).collect();
+            let rows = d.len() / (n_in / 16);
+            let mut q = vec![0i8; rows * n_in];
+            for (r, row) in q.chunks_exact_mut(n_in).enumerate() {
+                for (i, v) in row.iter_mut().enumerate() {
+                    *v = self.q6_value(r, i, n_in);
+                }
+            }
+            return Some(Stored::Q8 { block: 16, q, d });
         }
         let Stored::Q5 { d, .. } = &*self else { return None };
         let rows = d.len() / (n_in / 32);
@@ -256,6 +353,11 @@ impl Stored {
                     *x = d[o * n_in / 32 + i / 32] * self.q5_value(o, i, n_in) as f32;
                 }
             }
+            Stored::Q6K { .. } => {
+                for (i, x) in out.iter_mut().enumerate() {
+                    *x = self.q6_scale(o * n_in / 16 + i / 16) * self.q6_value(o, i, n_in) as f32;
+                }
+            }
         }
     }
 
@@ -266,6 +368,7 @@ impl Stored {
             Stored::F32(_) | Stored::Bf16(_) => None,
             Stored::Q8 { block, .. } => Some((*block, false)),
             Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } => Some((32, true)),
+            Stored::Q6K { .. } => Some((16, true)),
         }
     }
 }
@@ -360,16 +463,19 @@ impl Isa {
 pub struct Quantized {
     /// Values a block.
     pub block: usize,
-    /// `[t, n_in]`. For `q4x32`, each pair of blocks A, B reorders as A's even elements, B's
-    /// even, A's odd, B's odd (a lone last block as its even, then its odd elements), the
-    /// order in which a weight's nibbles unpack; the other formats keep the row's order.
+    /// `[t, n_in]`. In the `q4x32` layout (for weights of nibbles), each pair of blocks of 32,
+    /// A and B, reorders as A's even elements, B's even, A's odd, B's odd (a lone last block
+    /// as its even, then its odd elements), the order in which a weight's nibbles unpack; else
+    /// the row's order.
     pub q: Vec<i8>,
     /// `[t, n_in / block]`.
     pub s: Vec<f32>,
     /// `[t, n_in / block]`: `s * sum(q)` of each block.
     pub c: Vec<f32>,
     /// `[t, n_in / block / 2 * 8]`: for each pair of blocks A, B, `[s_A x4, s_B x4]` (the
-    /// scales as the vector kernels of the formats with two blocks a 256-bit step read them).
+    /// scales as the vector kernels of the formats with two blocks a 256-bit step read them);
+    /// for blocks of 16 in the `q4x32` layout (a [`Stored::Q6K`] weight's), at `16k` the four
+    /// blocks of values `64k..64k + 64` as `[s0 x2, s1 x2, s2 x2, s3 x2]`.
     pub pairs: Vec<f32>,
 }
 
@@ -419,7 +525,12 @@ pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) ->
                 let (d, sum) = if WIDE { unsafe { avx2::quantize_block(v, &mut qs) } } else { quantize_block(v, &mut qs) };
                 #[cfg(not(target_arch = "x86_64"))]
                 let (d, sum) = quantize_block(v, &mut qs);
-                if q4 {
+                if q4 && block == 16 {
+                    // A Q6K weight's: the layout of the blocks of 32 (n_in a multiple of 32).
+                    for (j, &v) in qs[..16].iter().enumerate() {
+                        qr[q4_slot(b * 16 + j, n_in)] = v;
+                    }
+                } else if q4 {
                     let (even, odd) = q4_bases(b, nb);
                     for j in 0..16 {
                         qr[even + j] = qs[2 * j];
@@ -432,8 +543,18 @@ pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) ->
                 c[r * nb + b] = d * sum as f32;
             }
             for (p, o) in pairs[r * (nb / 2) * 8..][..(nb / 2) * 8].chunks_exact_mut(8).enumerate() {
-                o[..4].fill(s[r * nb + 2 * p]);
-                o[4..].fill(s[r * nb + 2 * p + 1]);
+                if q4 && block == 16 {
+                    // Per 64 values (four blocks, the Q6K kernel's step) `[s0 x2, s1 x2, s2
+                    // x2, s3 x2]`, then nothing (the second half of the room left zero).
+                    if p % 2 == 0 {
+                        for (k, v) in o.iter_mut().enumerate() {
+                            *v = s[r * nb + 2 * p + k / 2];
+                        }
+                    }
+                } else {
+                    o[..4].fill(s[r * nb + 2 * p]);
+                    o[4..].fill(s[r * nb + 2 * p + 1]);
+                }
             }
         }
         Quantized { block, q, s, c, pairs }
@@ -535,6 +656,14 @@ pub mod scalar {
                 }
                 y
             }
+            Stored::Q6K { .. } => {
+                let mut y = 0f32;
+                for b in 0..nb {
+                    let dot: i32 = (0..16).map(|j| w.q6_value(o, b * 16 + j, n_in) as i32 * xq[q4_slot(b * 16 + j, n_in)] as i32).sum();
+                    y += w.q6_scale(o * nb + b) * s[b] * dot as f32;
+                }
+                y
+            }
             Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
         }
     }
@@ -566,7 +695,7 @@ pub mod scalar {
     /// Decodes row `o` for the exact kernel, in the layout of x for its format.
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         match w {
-            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } => {
+            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } => {
                 let mut plain = vec![0f32; n_in];
                 w.decode_row(o, n_in, &mut plain);
                 for (i, v) in plain.into_iter().enumerate() {
@@ -1064,6 +1193,175 @@ pub mod avx2 {
         }
     }
 
+    /// The six-bit values `u` (0..=63) of pair `p` (64 values) of a [`Stored::Q6K`] row's
+    /// nibbles `q` and top bits `h`, in x's `q4x32` layout: `[A even, B even]` and `[A odd, B
+    /// odd]` (A, B its two blocks of 32).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `q` holds bytes `32p..32p + 32` and `h` bytes `16p..16p + 16`.
+    #[inline(always)]
+    unsafe fn six_bits(q: &[u8], h: &[u8], p: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            let top = _mm256_set1_epi8(0x30);
+            let w = _mm256_loadu_si256(q.as_ptr().add(32 * p).cast());
+            // Each half of the layout takes its two bits of `h`'s byte to bits 4 and 5: the
+            // lower half of `[A even, B even]` bits 0-1 (left 4), the upper bits 2-3 (left 2);
+            // of `[A odd, B odd]` bits 4-5 (as they are) and 6-7 (right 2). Bits shifted in
+            // from a neighbouring byte fall outside bits 4 and 5.
+            let hb = _mm256_broadcastsi128_si256(_mm_loadu_si128(h.as_ptr().add(16 * p).cast()));
+            let even = _mm256_and_si256(_mm256_sllv_epi64(hb, _mm256_set_epi64x(2, 2, 4, 4)), top);
+            let odd = _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_set_epi64x(2, 2, 0, 0)), top);
+            (_mm256_or_si256(_mm256_and_si256(w, low), even), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), odd))
+        }
+    }
+
+    /// Pair `p` of a [`Stored::Q6K`] row decoded to f32 in x's `q4x32` layout (eight vectors of
+    /// eight), its four blocks of 16 scaled by `d[k]`: `d_k * (u - 32)`, as the contract reads
+    /// it.
+    ///
+    /// # Safety
+    /// As [`six_bits`]'.
+    #[inline(always)]
+    unsafe fn six_decoded(q: &[u8], h: &[u8], p: usize, d: [f32; 4]) -> [__m256; 8] {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let (lo, hi) = six_bits(q, h, p);
+            let thirty_two = _mm256_set1_epi8(32);
+            // Through memory: a widening load takes its eight bytes where they lie, where
+            // taking them out of a register is an instruction more each.
+            let mut bytes = [0i8; 64];
+            _mm256_storeu_si256(bytes.as_mut_ptr().cast(), _mm256_sub_epi8(lo, thirty_two));
+            _mm256_storeu_si256(bytes.as_mut_ptr().add(32).cast(), _mm256_sub_epi8(hi, thirty_two));
+            let mut out = [_mm256_setzero_ps(); 8];
+            // x's order: A even, B even, A odd, B odd, 8 at a time; part `c % 4` of a half is
+            // the pair's block of 16 `c % 4`.
+            for (c, o) in out.iter_mut().enumerate() {
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes.as_ptr().add(8 * c).cast()));
+                *o = _mm256_mul_ps(_mm256_set1_ps(d[c % 4]), _mm256_cvtepi32_ps(v));
+            }
+            out
+        }
+    }
+
+    /// Superblock `sb`'s sixteen block scales of a [`Stored::Q6K`] row (its bytes `sc`, its
+    /// superblocks' `d`), eight a vector: [`Stored::q6_scale`]'s products.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `sc` holds bytes `16sb..16sb + 16` and `d` value `sb`.
+    #[inline(always)]
+    unsafe fn six_scales(sc: &[i8], d: &[f32], sb: usize) -> [__m256; 2] {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let s = _mm256_set1_ps(*d.get_unchecked(sb));
+            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(16 * sb).cast())));
+            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(16 * sb + 8).cast())));
+            [_mm256_mul_ps(s, lo), _mm256_mul_ps(s, hi)]
+        }
+    }
+
+    /// `fast` for `R` rows of x (in the `q4x32` layout, blocks of 16) against the `W` rows of
+    /// a [`Stored::Q6K`] weight from `o`: `out[j * R + i]`. Per 64 values `u`'s products with
+    /// x summed in 32 bits per block of 16 (two lanes each), scaled by `[d_0 x2, .., d_3 x2]`
+    /// (made a superblock at a time from its bytes) and x's scales alike; the 32 taken off
+    /// `u` through x's block sums once a row: `sum_b d_b s_b (u . qx)_b - 32 sum_b d_b c_b`.
+    ///
+    /// # Safety
+    /// As [`q8`]'s.
+    #[inline(always)]
+    unsafe fn six<const W: usize, const R: usize, const DOT: u8>(
+        (q, h, sc, d): (&[u8], &[u8], &[i8], &[f32]),
+        o: usize,
+        n_in: usize,
+        x: &Quantized,
+        r0: usize,
+        out: &mut [f32],
+    ) {
+        let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
+        let (mut wq, mut wh, mut wsc, mut wd): ([&[u8]; W], [&[u8]; W], [&[i8]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W], [&[]; W]);
+        for j in 0..W {
+            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
+            wh[j] = &h[(o + j) * n_in / 4..][..n_in / 4];
+            wsc[j] = &sc[(o + j) * nb..][..nb];
+            wd[j] = &d[(o + j) * nsb..][..nsb];
+        }
+        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
+        for i in 0..R {
+            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
+            xp[i] = &x.pairs[(r0 + i) * (nb / 2) * 8..][..(nb / 2) * 8];
+        }
+        // SAFETY: the CPU has AVX2 (the caller's promise).
+        let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
+        // SAFETY: pair `p = 4sb + k < n_in / 64` reads bytes `32p..32p + 32` of each `wq[j]`
+        // (n_in / 2), `16p..16p + 16` of each `wh[j]` (n_in / 4), bytes `64p..64p + 64` of
+        // each `xq[i]` (n_in) and scales `16p..16p + 8` of each `xp[i]` (n_in / 4).
+        unsafe {
+            let mut dk = [[_mm256_setzero_ps(); 2]; W];
+            for sb in 0..nsb {
+                for j in 0..W {
+                    dk[j] = six_scales(wsc[j], wd[j], sb);
+                }
+                for k in 0..4 {
+                    let p = 4 * sb + k;
+                    // The pair's four block scales, each twice, of the superblock's sixteen.
+                    let base = 4 * (k as i32 % 2);
+                    let pick = _mm256_setr_epi32(base, base, base + 1, base + 1, base + 2, base + 2, base + 3, base + 3);
+                    let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
+                    for i in 0..R {
+                        xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
+                        xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
+                        s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(16 * p));
+                    }
+                    for j in 0..W {
+                        if W > 1 {
+                            // As in `q8`: the lines two calls on.
+                            _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                            _mm_prefetch::<_MM_HINT_T0>(wh[j].as_ptr().wrapping_add(16 * p + W * n_in / 2).cast());
+                        } else {
+                            // As in `q8`: `AHEAD` on, in each of the two streams.
+                            if p % 2 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + super::AHEAD).cast());
+                            }
+                            if p % 4 == 0 {
+                                _mm_prefetch::<_MM_HINT_T0>(wh[j].as_ptr().wrapping_add(16 * p + super::AHEAD / 2).cast());
+                            }
+                        }
+                        let (lo, hi) = six_bits(wq[j], wh[j], p);
+                        let ws = _mm256_permutevar8x32_ps(dk[j][k / 2], pick);
+                        for i in 0..R {
+                            // With AVX2: at most 63 * 127 * 2 a pair of bytes, twice: inside
+                            // i16 (no saturation: the same sums as VNNI's 32-bit ones).
+                            let sums = if DOT == PAIRS {
+                                _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
+                            } else {
+                                dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa[i], ones), hi, xb[i], ones)
+                            };
+                            acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), _mm256_cvtepi32_ps(sums), acc[j][i]);
+                        }
+                    }
+                }
+            }
+        }
+        for j in 0..W {
+            // `sum_b d_b c_b` of each row of x, in one pass over the weight row's scales.
+            // SAFETY: the CPU has AVX2 and FMA (the caller's promise); the loads are cut.
+            unsafe {
+                let mut offs = [_mm256_setzero_ps(); R];
+                for sb in 0..nsb {
+                    let d = six_scales(wsc[j], wd[j], sb);
+                    for i in 0..R {
+                        let c = &x.c[(r0 + i) * nb + 16 * sb..][..16];
+                        offs[i] = _mm256_fmadd_ps(d[1], load_f32(&c[8..]), _mm256_fmadd_ps(d[0], load_f32(c), offs[i]));
+                    }
+                }
+                for i in 0..R {
+                    out[j * R + i] = hsum(acc[j][i]) - 32.0 * hsum(offs[i]);
+                }
+            }
+        }
+    }
+
     /// The fifth bits of 32 values (bit `i` of `bits` for byte `i`) as bytes of 16 or 0.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -1092,6 +1390,7 @@ pub mod avx2 {
                 Stored::Q4 { q, d, m } => nibbles::<W, R, false, DOT>((q, &[], d, m, 1.0), o, n_in, x, r, y),
                 Stored::Q4K { q, sc, mn, d, dmin } => nibbles_k::<W, R, DOT>(q, KScales { sc, mn, d, dmin }, o, n_in, x, r, y),
                 Stored::Q5 { q, h, d } => nibbles::<W, R, true, DOT>((q, h, d, d, 16.0), o, n_in, x, r, y),
+                Stored::Q6K { q, h, sc, d } => six::<W, R, DOT>((q, h, sc, d), o, n_in, x, r, y),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -1280,42 +1579,27 @@ pub mod avx2 {
             }
             Stored::Q4 { q, .. } | Stored::Q4K { q, .. } => {
                 let nb = n_in / 32;
+                // A Q4K weight's scales and mins of these rows in f32, made once a call (a few
+                // percent of its work; made in the loop they cost a tenth).
+                let mut k = Vec::new();
+                q4k_scales(w, o, W, n_in, &mut k);
                 let mut rows: [(&[u8], &[f32], &[f32]); W] = [(&[], &[], &[]); W];
-                // A Q4K weight's rows: their integers and superblock scales, and the current
-                // superblock's block scales and mins in f32 (refreshed every fourth pair).
-                let mut ks: [(&[u8], &[u8], &[f32], &[f32]); W] = [(&[], &[], &[], &[]); W];
-                let mut kdm = [[0f32; 16]; W];
-                let is_k = matches!(w, Stored::Q4K { .. });
                 for (j, r) in rows.iter_mut().enumerate() {
-                    match w {
-                        Stored::Q4 { d, m, .. } => *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]),
-                        Stored::Q4K { sc, mn, d, dmin, .. } => {
-                            *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &[], &[]);
-                            ks[j] = (&sc[(o + j) * nb..][..nb], &mn[(o + j) * nb..][..nb], &d[(o + j) * nb / 8..][..nb / 8], &dmin[(o + j) * nb / 8..][..nb / 8]);
-                        }
-                        _ => unreachable!("matched above"),
-                    }
+                    let (d, m) = match w {
+                        Stored::Q4 { d, m, .. } => (&d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]),
+                        _ => (&k[2 * j * nb..][..nb], &k[(2 * j + 1) * nb..][..nb]),
+                    };
+                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], d, m);
                 }
                 let pairs = nb / 2;
                 let low = _mm_set1_epi8(0x0F);
                 // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each row (n_in / 2),
-                // elements `64p..64p + 64` of x, and scales `2p, 2p + 1` (< nb); a Q4K weight
-                // (nb a multiple of 8) at `p % 4 == 0` its integers `2p..2p + 8` (< nb) and
-                // superblock scales `p / 4` (< nb / 8).
+                // elements `64p..64p + 64` of x, and scales `2p, 2p + 1` (< nb).
                 unsafe {
                     for p in 0..pairs {
                         let mut xv = [_mm256_setzero_ps(); 8];
                         for (c, v) in xv.iter_mut().enumerate() {
                             *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
-                        }
-                        if is_k && p % 4 == 0 {
-                            for j in 0..W {
-                                let (sc, mn, d, dmin) = ks[j];
-                                for (h, (ints, scale)) in [(sc, d), (mn, dmin)].into_iter().enumerate() {
-                                    let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ints.as_ptr().add(2 * p).cast())));
-                                    _mm256_storeu_ps(kdm[j].as_mut_ptr().add(8 * h), _mm256_mul_ps(_mm256_set1_ps(*scale.get_unchecked(p / 4)), v));
-                                }
-                            }
                         }
                         for j in 0..W {
                             let (q, d, m) = rows[j];
@@ -1328,8 +1612,7 @@ pub mod avx2 {
                                 let v = if part == 0 { v } else { _mm_srli_si128::<8>(v) };
                                 let b = 2 * p + half;
                                 let f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-                                let (db, mb) = if is_k { (kdm[j][b % 8], kdm[j][8 + b % 8]) } else { (*d.get_unchecked(b), *m.get_unchecked(b)) };
-                                let wv = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(db), f), _mm256_set1_ps(mb));
+                                let wv = _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(*d.get_unchecked(b)), f), _mm256_set1_ps(*m.get_unchecked(b)));
                                 acc[j] = _mm256_fmadd_ps(wv, xv[c], acc[j]);
                             }
                         }
@@ -1348,6 +1631,44 @@ pub mod avx2 {
                         }
                         for c in 0..4 {
                             acc[j] = _mm256_fmadd_ps(load_f32(&row[8 * c..]), load_f32(&x[b * 32 + 8 * c..]), acc[j]);
+                        }
+                    }
+                }
+            }
+            Stored::Q6K { q, h, sc, d } => {
+                let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
+                let mut rows: [(&[u8], &[u8], &[i8], &[f32]); W] = [(&[], &[], &[], &[]); W];
+                for (j, r) in rows.iter_mut().enumerate() {
+                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &h[(o + j) * n_in / 4..][..n_in / 4], &sc[(o + j) * nb..][..nb], &d[(o + j) * nsb..][..nsb]);
+                }
+                // Each row's current superblock's sixteen block scales.
+                let mut kd = [[0f32; 16]; W];
+                // SAFETY: superblock `sb < n_in / 256` reads bytes `16sb..16sb + 16` of each
+                // row's `sc` and its `d` value `sb`; its pair `p = 4sb + k` bytes `32p..32p +
+                // 32` of each row's nibbles (n_in / 2), `16p..16p + 16` of its top bits (n_in /
+                // 4), and elements `64p..64p + 64` of x.
+                unsafe {
+                    for sb in 0..nsb {
+                        for j in 0..W {
+                            let v = six_scales(rows[j].2, rows[j].3, sb);
+                            _mm256_storeu_ps(kd[j].as_mut_ptr(), v[0]);
+                            _mm256_storeu_ps(kd[j].as_mut_ptr().add(8), v[1]);
+                        }
+                        for k in 0..4 {
+                            let p = 4 * sb + k;
+                            let mut xv = [_mm256_setzero_ps(); 8];
+                            for (c, v) in xv.iter_mut().enumerate() {
+                                *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
+                            }
+                            for j in 0..W {
+                                let (q, hb, ..) = rows[j];
+                                _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(32 * p + W * n_in).cast());
+                                let ds = &kd[j];
+                                let wv = six_decoded(q, hb, p, [ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]]);
+                                for c in 0..8 {
+                                    acc[j] = _mm256_fmadd_ps(wv[c], xv[c], acc[j]);
+                                }
+                            }
                         }
                     }
                 }
@@ -1478,6 +1799,20 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
+            Stored::Q6K { q, h, .. } => {
+                let (q, h) = (&q[o * n_in / 2..][..n_in / 2], &h[o * n_in / 4..][..n_in / 4]);
+                for p in 0..n_in / 64 {
+                    let b = o * n_in / 16 + 4 * p;
+                    // SAFETY: pair `p < n_in / 64` reads bytes `32p..32p + 32` of `q` and
+                    // `16p..16p + 16` of `h` (cut above).
+                    let wv = unsafe { six_decoded(q, h, p, [w.q6_scale(b), w.q6_scale(b + 1), w.q6_scale(b + 2), w.q6_scale(b + 3)]) };
+                    for (c, v) in wv.into_iter().enumerate() {
+                        let at = &mut out[64 * p + 8 * c..][..8];
+                        // SAFETY: `at` holds 8 f32 (cut above); the store is unaligned.
+                        unsafe { _mm256_storeu_ps(at.as_mut_ptr(), v) };
+                    }
+                }
+            }
         }
     }
 

@@ -33,7 +33,9 @@ impl Matrix {
     /// Once written, a weight takes its most compact form: a `q8x32` weight of five-bit values
     /// (a GGUF Q5_0 or Q4_0 tensor) keeps five bits a value ([`Stored::Q5`]), which a decode
     /// step, reading every weight from memory, streams a third faster; a `q4x32` weight of
-    /// Q4_K's scales keeps them as its six-bit integers ([`Stored::Q4K`]), a fifth faster.
+    /// Q4_K's scales keeps them as its six-bit integers ([`Stored::Q4K`]), a fifth smaller; a
+    /// `q8x16` one of Q6_K's values and scales six bits a value ([`Stored::Q6K`]), a third
+    /// smaller.
     fn settle(&mut self) {
         if !self.settled {
             if let Some(c) = self.stored.compacted(self.n_in) {
@@ -107,7 +109,7 @@ fn format_bytes(s: &Stored, n_in: usize) -> u64 {
     match s {
         Stored::F32(_) => 4 * n_in as u64,
         Stored::Bf16(_) => 2 * n_in as u64,
-        Stored::Q8 { .. } | Stored::Q5 { .. } => n_in as u64,
+        Stored::Q8 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } => n_in as u64,
         Stored::Q4 { .. } | Stored::Q4K { .. } => n_in as u64 / 2,
     }
 }
@@ -323,7 +325,7 @@ const FUSED_MAX_T: usize = 4;
 fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
     #[cfg(target_arch = "x86_64")]
-    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. }) {
+    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q6K { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {

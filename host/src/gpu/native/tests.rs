@@ -34,6 +34,7 @@ fn weight(rng: &mut Rng, format: Format, n_out: usize, marked: usize) -> (Vec<u8
         Format::F32 => (0..n).flat_map(|_| rng.f().to_le_bytes()).collect(),
         Format::Bf16 => (0..n).flat_map(|_| ((rng.f().to_bits() >> 16) as u16).to_le_bytes()).collect(),
         Format::Q8x32 if five_bits(marked) => (0..n).map(|_| ((rng.next() % 32) as i8 - 16) as u8).collect(),
+        Format::Q8x16 if five_bits(marked) => (0..n).map(|_| ((rng.next() % 64) as i8 - 32) as u8).collect(),
         _ => rng.bytes(format.data_bytes(n as u64).unwrap() as usize),
     };
     let mut scales: Vec<f32> = (0..format.scale_count(n as u64)).map(|i| if format == Format::Q4x32 && i % 2 == 1 { rng.f() * 0.1 } else { rng.f().abs() * 0.05 + 0.001 }).collect();
@@ -56,18 +57,32 @@ fn weight(rng: &mut Rng, format: Format, n_out: usize, marked: usize) -> (Vec<u8
             }
         }
     }
+    if format == Format::Q8x16 && five_bits(marked) {
+        // Q6_K's: superblocks of sixteen blocks, `d = s sc` with `s` of f16's eleven bits and
+        // signed bytes, the largest in magnitude -128 (as llama.cpp quantizes), or below it
+        // (every third).
+        for (k, sb) in scales.chunks_mut(16).enumerate() {
+            let s = f32::from_bits((rng.f() * 0.01).to_bits() & !0x1FFF);
+            let top = if k % 3 == 2 { 100 } else { 128 };
+            for (b, v) in sb.iter_mut().enumerate() {
+                let i = if b == k % 16 { -top } else { (rng.next() % (2 * top as u64 - 1)) as i64 - top + 1 };
+                *v = s * i as f32;
+            }
+        }
+    }
     (data, scales)
 }
 
 /// Whether the native device keeps a case's weight in a compact form of its own: five bits
-/// (`q8x32`) or Q4_K's integer scales (`q4x32`).
+/// (`q8x32`), Q4_K's integer scales (`q4x32`) or Q6_K's six bits (`q8x16`), the last two
+/// where rows are whole superblocks.
 fn compact(format: Format, marked: usize) -> bool {
     five_bits(marked) && (format == Format::Q8x32 || (marked % FIVE_BITS) % kernels::SUPER == 0)
 }
 
 /// Whether a weight is held in a compact form ([`compact`]).
 fn compacted(s: &Stored) -> bool {
-    matches!(s, Stored::Q5 { .. } | Stored::Q4K { .. })
+    matches!(s, Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. })
 }
 
 fn upload(b: &mut dyn Backend, format: Format, n_out: usize, n_in: usize, data: &[u8], scales: &[f32]) -> BufferId {
@@ -101,6 +116,7 @@ fn cases() -> Vec<(Format, usize)> {
         (Format::Q8x32, FIVE_BITS + 128),
         (Format::Q8x16, 80),
         (Format::Q8x16, 64),
+        (Format::Q8x16, FIVE_BITS + 512),
         (Format::Q4x32, 128),
         (Format::Q4x32, 96),
         (Format::Q4x32, FIVE_BITS + 512),
@@ -260,7 +276,7 @@ fn fast_products_with_avx_vnni_are_the_avx2_bits() {
 #[test]
 fn x_quantizes_to_the_same_bytes_with_every_isa() {
     let mut rng = Rng(17);
-    for (block, q4, n_in) in [(32, false, 96), (16, false, 80), (32, true, 128), (32, true, 96)] {
+    for (block, q4, n_in) in [(32, false, 96), (16, false, 80), (32, true, 128), (32, true, 96), (16, true, 256)] {
         let t = 5;
         let mut x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 9.0).collect();
         // Blocks of zeros, a NaN, infinities, halves that round away from zero, tiny values.
@@ -327,8 +343,9 @@ fn attention_matches_the_reference_over_a_ring_with_windows_and_groups() {
 fn native_speed() {
     let mut rng = Rng(1);
     let threads: usize = std::env::var("THREADS").ok().and_then(|v| v.parse().ok()).unwrap_or(1);
-    // Widths as `weight` reads them: q8x32 of five-bit values (Gemma's Q5_0 layers), q4x32 of Q4_K's scales.
-    let shapes = [(Format::Q8x32, 2048, 640), (Format::Q4x32, 2048, 640), (Format::Q8x16, 640, 2048), (Format::Q8x32, 262144, 640), (Format::Q8x32, 2048, FIVE_BITS + 640), (Format::Q4x32, 2048, 1536), (Format::Q4x32, 2048, FIVE_BITS + 1536), (Format::Q4x32, 1536, 8960), (Format::Q4x32, 1536, FIVE_BITS + 8960)];
+    // Widths as `weight` reads them: q8x32 of five-bit values (Gemma's Q5_0 layers), q4x32 of
+    // Q4_K's scales, q8x16 of Q6_K's values and scales (Qwen 1.5B's `ffn_down`).
+    let shapes = [(Format::Q8x32, 2048, 640), (Format::Q4x32, 2048, 640), (Format::Q8x16, 640, 2048), (Format::Q8x32, 262144, 640), (Format::Q8x32, 2048, FIVE_BITS + 640), (Format::Q4x32, 2048, 1536), (Format::Q4x32, 2048, FIVE_BITS + 1536), (Format::Q4x32, 1536, 8960), (Format::Q4x32, 1536, FIVE_BITS + 8960), (Format::Q8x16, 1536, 8960), (Format::Q8x16, 1536, FIVE_BITS + 8960)];
     let only: Option<usize> = std::env::var("SHAPE").ok().and_then(|v| v.parse().ok());
     for (i, &(format, n_out, marked)) in shapes.iter().enumerate() {
         if only.is_some_and(|o| o != i) {
@@ -378,7 +395,12 @@ fn native_speed() {
                     }
                 }
                 let qs = q.elapsed().as_secs_f64() / runs as f64;
-                let form = if !five_bits(marked) { "" } else if format == Format::Q8x32 { " (five bits)" } else { " (Q4_K scales)" };
+                let form = match format {
+                    _ if !five_bits(marked) => "",
+                    Format::Q8x32 => " (five bits)",
+                    Format::Q4x32 => " (Q4_K scales)",
+                    _ => " (Q6_K's six bits)",
+                };
                 println!("{}{form} [{n_out}, {n_in}] t {t} {precision:?}: {:.1} GMAC/s ({:.3} ms, quantize {:.3} ms)", format.name(), (t * n_out * n_in) as f64 / s / 1e9, s * 1e3, qs * 1e3);
             }
         }
@@ -410,7 +432,7 @@ fn gated_activations_match_the_op_cores_formula() {
 fn a_compacted_weight_written_again_takes_the_new_values() {
     let mut rng = Rng(13);
     let n_out = 8;
-    for (format, n_in) in [(Format::Q8x32, 96), (Format::Q4x32, 512)] {
+    for (format, n_in) in [(Format::Q8x32, 96), (Format::Q4x32, 512), (Format::Q8x16, 256)] {
         let (data, scales) = weight(&mut rng, format, n_out, FIVE_BITS + n_in);
         // Rows 2..5 again: values past five bits, scales of no superblock's integers.
         let (row, srow) = (format.data_bytes(n_in as u64).unwrap() as usize, format.scale_count(n_in as u64) as usize);
