@@ -980,6 +980,86 @@ pub mod avx2 {
         }
     }
 
+    /// Rows `r0..r0 + R` of quantized x (rows of `n_in`): their values, and their scales as
+    /// the kernels of two blocks a step read them ([`Quantized::pairs`]).
+    #[inline(always)]
+    fn x_rows<const R: usize>(x: &Quantized, r0: usize, n_in: usize) -> ([&[i8]; R], [&[f32]; R]) {
+        let per = x.pairs.len() / (x.q.len() / n_in).max(1);
+        (std::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]), std::array::from_fn(|i| &x.pairs[(r0 + i) * per..][..per]))
+    }
+
+    /// Rows `xq` of x's values 64 at a time: step `p`'s `[even, odd]` halves (x's `q4x32`
+    /// layout) and its scales `xs[i][at..at + 8]`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; each `xq[i]` holds bytes `64p..64p + 64` and `xs[i]` values `at..at +
+    /// 8`.
+    #[inline(always)]
+    unsafe fn x_step<const R: usize>(xq: &[&[i8]; R], xs: &[&[f32]; R], p: usize, at: usize) -> ([__m256i; R], [__m256i; R], [__m256; R]) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
+            for i in 0..R {
+                xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
+                xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
+                s[i] = _mm256_loadu_ps(xs[i].as_ptr().add(at));
+            }
+            (xa, xb, s)
+        }
+    }
+
+    /// Asks the memory for a weight stream's bytes ahead of byte `at` of a row (its reading
+    /// now, rows of `row_bytes`): with `W` rows a call the line two calls on, as `q8` does;
+    /// with one (a decode step's single stream) `far` bytes on, where `now`.
+    ///
+    /// # Safety
+    /// The CPU has SSE (a prefetch reads nothing and faults on no address).
+    #[inline(always)]
+    unsafe fn ahead<const W: usize>(row: &[u8], at: usize, row_bytes: usize, now: bool, far: usize) {
+        // SAFETY: the caller's promise; `wrapping_add` makes no reference past the row.
+        unsafe {
+            if W > 1 {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(at + 2 * W * row_bytes).cast());
+            } else if now {
+                _mm_prefetch::<_MM_HINT_T0>(row.as_ptr().wrapping_add(at + far).cast());
+            }
+        }
+    }
+
+    /// The low and high nibbles of a weight row's bytes `32p..32p + 32`: `[A even, B even]`
+    /// and `[A odd, B odd]` of its pair of blocks, in x's `q4x32` layout.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `q` holds bytes `32p..32p + 32`.
+    #[inline(always)]
+    unsafe fn nibble_halves(q: &[u8], p: usize) -> (__m256i, __m256i) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            let w = _mm256_loadu_si256(q.as_ptr().add(32 * p).cast());
+            (_mm256_and_si256(w, low), _mm256_and_si256(_mm256_srli_epi16::<4>(w), low))
+        }
+    }
+
+    /// The products of a step's unsigned weight values `lo`, `hi` (each below 64) with x's
+    /// halves `xa`, `xb`, each four summed into a 32-bit lane, the `DOT` way. With AVX2's pairs
+    /// at most 63 * 127 * 2 a pair of bytes, twice: inside i16 (no saturation: the same sums
+    /// as VNNI's 32-bit ones).
+    ///
+    /// # Safety
+    /// As [`dot`]'s.
+    #[inline(always)]
+    unsafe fn step_sums<const DOT: u8>(lo: __m256i, hi: __m256i, xa: __m256i, xb: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: the caller's promise.
+        unsafe {
+            if DOT == PAIRS {
+                _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)), ones)
+            } else {
+                dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa, ones), hi, xb, ones)
+            }
+        }
+    }
+
     /// `fast` for `R` rows of x against the `W` rows of a weight of nibbles from `o` (x in the
     /// q4x32 layout): `out[j * R + i]`. A q4x32 weight (`FIVE` false): `w = d u - m`, `h`
     /// empty. A five-bit one (`FIVE`): each nibble's fifth bit from `h` added, `w = d (u -
@@ -1009,36 +1089,19 @@ pub mod avx2 {
             wd[j] = &d[(o + j) * nb..][..nb];
             wm[j] = &m[(o + j) * nb..][..nb];
         }
-        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
-        for i in 0..R {
-            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
-            xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
-        }
+        let (xq, xp) = x_rows::<R>(x, r0, n_in);
         // SAFETY: the CPU has AVX2 (the caller's promise).
-        let (mut acc, low, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi8(0x0F), _mm256_set1_epi16(1)) };
+        let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
         // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
         // bytes), with `FIVE` `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]`
         // (n_in), scales `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]`
         // (cut to `8 * pairs`).
         unsafe {
             for p in 0..pairs {
-                let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
-                for i in 0..R {
-                    xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
-                    xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
-                    s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(8 * p));
-                }
+                let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
                 for j in 0..W {
-                    if W > 1 {
-                        // As in `q8`: the line two calls on.
-                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                    } else if p % 2 == 0 {
-                        // As in `q8`: `AHEAD` on.
-                        _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + super::AHEAD).cast());
-                    }
-                    let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
-                    let mut lo = _mm256_and_si256(w, low);
-                    let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                    ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
+                    let (mut lo, mut hi) = nibble_halves(wq[j], p);
                     if FIVE {
                         let bits = *wh[j].get_unchecked(p);
                         if DOT == AVX512_VNNI {
@@ -1054,14 +1117,7 @@ pub mod avx2 {
                     }
                     let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
                     for i in 0..R {
-                        // With AVX2: at most 31 * 127 * 2 a pair of bytes, twice: inside i16
-                        // (no saturation: the same sums as VNNI's 32-bit ones).
-                        let sums = if DOT == PAIRS {
-                            _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
-                        } else {
-                            dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa[i], ones), hi, xb[i], ones)
-                        };
-                        let dot = _mm256_cvtepi32_ps(sums);
+                        let dot = _mm256_cvtepi32_ps(step_sums::<DOT>(lo, hi, xa[i], xb[i], ones));
                         acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
                     }
                 }
@@ -1110,7 +1166,6 @@ pub mod avx2 {
     #[inline(always)]
     unsafe fn nibbles_k<const W: usize, const R: usize, const DOT: u8>(q: &[u8], k: KScales<'_>, o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
         let nb = n_in / 32;
-        let pairs = nb / 2;
         let (mut wq, mut ksc, mut kmn): ([&[u8]; W], [&[u8]; W], [&[u8]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
         let (mut kd, mut kdm): ([&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W]);
         for j in 0..W {
@@ -1118,13 +1173,9 @@ pub mod avx2 {
             (ksc[j], kmn[j]) = (&k.sc[(o + j) * nb..][..nb], &k.mn[(o + j) * nb..][..nb]);
             (kd[j], kdm[j]) = (&k.d[(o + j) * nb / 8..][..nb / 8], &k.dmin[(o + j) * nb / 8..][..nb / 8]);
         }
-        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
-        for i in 0..R {
-            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
-            xp[i] = &x.pairs[(r0 + i) * pairs * 8..][..pairs * 8];
-        }
+        let (xq, xp) = x_rows::<R>(x, r0, n_in);
         // SAFETY: the CPU has AVX2 (the caller's promise).
-        let (mut acc, low, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi8(0x0F), _mm256_set1_epi16(1)) };
+        let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
         // SAFETY: superblock `sb < nb / 8` (nb a multiple of 8: rows of whole superblocks)
         // reads integers `8sb..8sb + 8` of each `ksc[j]` and scale `sb` of each `kd[j]`; its
         // pair `p = 4sb + h < nb / 2` bytes `32p..32p + 32` of each `wq[j]` (n_in / 2 bytes),
@@ -1141,32 +1192,13 @@ pub mod avx2 {
                     let p = 4 * sb + h as usize;
                     // The pair's two block scales, `[2h x4, 2h + 1 x4]` of the eight.
                     let pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1);
-                    let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
-                    for i in 0..R {
-                        xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
-                        xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
-                        s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(8 * p));
-                    }
+                    let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
                     for j in 0..W {
-                        if W > 1 {
-                            // As in `q8`: the line two calls on.
-                            _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                        } else if p % 2 == 0 {
-                            // As in `q8`: `AHEAD` on.
-                            _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + super::AHEAD).cast());
-                        }
-                        let w = _mm256_loadu_si256(wq[j].as_ptr().add(32 * p).cast());
-                        let lo = _mm256_and_si256(w, low);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(w), low);
+                        ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
+                        let (lo, hi) = nibble_halves(wq[j], p);
                         let ws = _mm256_permutevar8x32_ps(dk[j], pick);
                         for i in 0..R {
-                            // As in `nibbles`: the same integer sums every way.
-                            let sums = if DOT == PAIRS {
-                                _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
-                            } else {
-                                dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa[i], ones), hi, xb[i], ones)
-                            };
-                            let dot = _mm256_cvtepi32_ps(sums);
+                            let dot = _mm256_cvtepi32_ps(step_sums::<DOT>(lo, hi, xa[i], xb[i], ones));
                             acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
                         }
                     }
@@ -1286,11 +1318,7 @@ pub mod avx2 {
             wsc[j] = &sc[(o + j) * nb..][..nb];
             wd[j] = &d[(o + j) * nsb..][..nsb];
         }
-        let (mut xq, mut xp): ([&[i8]; R], [&[f32]; R]) = ([&[]; R], [&[]; R]);
-        for i in 0..R {
-            xq[i] = &x.q[(r0 + i) * n_in..][..n_in];
-            xp[i] = &x.pairs[(r0 + i) * (nb / 2) * 8..][..(nb / 2) * 8];
-        }
+        let (xq, xp) = x_rows::<R>(x, r0, n_in);
         // SAFETY: the CPU has AVX2 (the caller's promise).
         let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
         // SAFETY: pair `p = 4sb + k < n_in / 64` reads bytes `32p..32p + 32` of each `wq[j]`
@@ -1307,36 +1335,16 @@ pub mod avx2 {
                     // The pair's four block scales, each twice, of the superblock's sixteen.
                     let base = 4 * (k as i32 % 2);
                     let pick = _mm256_setr_epi32(base, base, base + 1, base + 1, base + 2, base + 2, base + 3, base + 3);
-                    let (mut xa, mut xb, mut s) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R], [_mm256_setzero_ps(); R]);
-                    for i in 0..R {
-                        xa[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p).cast());
-                        xb[i] = _mm256_loadu_si256(xq[i].as_ptr().add(64 * p + 32).cast());
-                        s[i] = _mm256_loadu_ps(xp[i].as_ptr().add(16 * p));
-                    }
+                    let (xa, xb, s) = x_step(&xq, &xp, p, 16 * p);
                     for j in 0..W {
-                        if W > 1 {
-                            // As in `q8`: the lines two calls on.
-                            _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                            _mm_prefetch::<_MM_HINT_T0>(wh[j].as_ptr().wrapping_add(16 * p + W * n_in / 2).cast());
-                        } else {
-                            // As in `q8`: `AHEAD` on, in each of the two streams.
-                            if p % 2 == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(wq[j].as_ptr().wrapping_add(32 * p + super::AHEAD).cast());
-                            }
-                            if p % 4 == 0 {
-                                _mm_prefetch::<_MM_HINT_T0>(wh[j].as_ptr().wrapping_add(16 * p + super::AHEAD / 2).cast());
-                            }
-                        }
+                        // Each of the two streams: the nibbles, 32 bytes a step, and the top
+                        // bits, 16.
+                        ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
+                        ahead::<W>(wh[j], 16 * p, n_in / 4, p % 4 == 0, super::AHEAD / 2);
                         let (lo, hi) = six_bits(wq[j], wh[j], p);
                         let ws = _mm256_permutevar8x32_ps(dk[j][k / 2], pick);
                         for i in 0..R {
-                            // With AVX2: at most 63 * 127 * 2 a pair of bytes, twice: inside
-                            // i16 (no saturation: the same sums as VNNI's 32-bit ones).
-                            let sums = if DOT == PAIRS {
-                                _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xa[i]), _mm256_maddubs_epi16(hi, xb[i])), ones)
-                            } else {
-                                dot::<DOT>(dot::<DOT>(_mm256_setzero_si256(), lo, xa[i], ones), hi, xb[i], ones)
-                            };
+                            let sums = step_sums::<DOT>(lo, hi, xa[i], xb[i], ones);
                             acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), _mm256_cvtepi32_ps(sums), acc[j][i]);
                         }
                     }
