@@ -166,7 +166,7 @@ impl Stored {
     /// values and scales are Q6_K's ([`Stored::Q6K`]); `None` where it has none.
     pub fn compacted(&mut self, n_in: usize) -> Option<Stored> {
         if let Stored::Q4 { q, d, m } = self {
-            if n_in % SUPER != 0 {
+            if !n_in.is_multiple_of(SUPER) {
                 return None;
             }
             let supers = d.len() / 8;
@@ -221,7 +221,7 @@ impl Stored {
     /// A `q8x16` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q6K`], where
     /// its rows are whole superblocks, its values six bits and its scales Q6_K's.
     fn six_bits(q: &[i8], d: &[f32], n_in: usize) -> Option<Stored> {
-        if n_in % SUPER != 0 || q.iter().any(|&v| !(-32..=31).contains(&v)) {
+        if !n_in.is_multiple_of(SUPER) || q.iter().any(|&v| !(-32..=31).contains(&v)) {
             return None;
         }
         let (mut sc, mut ds) = (Vec::new(), Vec::new());
@@ -1100,7 +1100,7 @@ pub mod avx2 {
             for p in 0..pairs {
                 let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
                 for j in 0..W {
-                    ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
+                    ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
                     let (mut lo, mut hi) = nibble_halves(wq[j], p);
                     if FIVE {
                         let bits = *wh[j].get_unchecked(p);
@@ -1166,8 +1166,8 @@ pub mod avx2 {
     #[inline(always)]
     unsafe fn nibbles_k<const W: usize, const R: usize, const DOT: u8>(q: &[u8], k: KScales<'_>, o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
         let nb = n_in / 32;
-        let (mut wq, mut ksc, mut kmn): ([&[u8]; W], [&[u8]; W], [&[u8]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
-        let (mut kd, mut kdm): ([&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W]);
+        let (mut wq, mut ksc, mut kmn) = ([&[][..]; W], [&[][..]; W], [&[][..]; W]);
+        let (mut kd, mut kdm) = ([&[][..]; W], [&[][..]; W]);
         for j in 0..W {
             wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
             (ksc[j], kmn[j]) = (&k.sc[(o + j) * nb..][..nb], &k.mn[(o + j) * nb..][..nb]);
@@ -1194,7 +1194,7 @@ pub mod avx2 {
                     let pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1);
                     let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
                     for j in 0..W {
-                        ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
+                        ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
                         let (lo, hi) = nibble_halves(wq[j], p);
                         let ws = _mm256_permutevar8x32_ps(dk[j], pick);
                         for i in 0..R {
@@ -1214,8 +1214,8 @@ pub mod avx2 {
                 for sb in 0..nb / 8 {
                     let ints = &kmn[j][sb * 8..][..8];
                     let mk = _mm256_mul_ps(_mm256_set1_ps(kdm[j][sb]), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ints.as_ptr().cast()))));
-                    for i in 0..R {
-                        mins[i] = _mm256_fmadd_ps(mk, load_f32(&x.c[(r0 + i) * nb + sb * 8..]), mins[i]);
+                    for (i, v) in mins.iter_mut().enumerate() {
+                        *v = _mm256_fmadd_ps(mk, load_f32(&x.c[(r0 + i) * nb + sb * 8..]), *v);
                     }
                 }
                 for i in 0..R {
@@ -1311,7 +1311,8 @@ pub mod avx2 {
         out: &mut [f32],
     ) {
         let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
-        let (mut wq, mut wh, mut wsc, mut wd): ([&[u8]; W], [&[u8]; W], [&[i8]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W], [&[]; W]);
+        let (mut wq, mut wh) = ([&[][..]; W], [&[][..]; W]);
+        let (mut wsc, mut wd) = ([&[][..]; W], [&[][..]; W]);
         for j in 0..W {
             wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
             wh[j] = &h[(o + j) * n_in / 4..][..n_in / 4];
@@ -1339,8 +1340,8 @@ pub mod avx2 {
                     for j in 0..W {
                         // Each of the two streams: the nibbles, 32 bytes a step, and the top
                         // bits, 16.
-                        ahead::<W>(wq[j], 32 * p, n_in / 2, p % 2 == 0, super::AHEAD);
-                        ahead::<W>(wh[j], 16 * p, n_in / 4, p % 4 == 0, super::AHEAD / 2);
+                        ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
+                        ahead::<W>(wh[j], 16 * p, n_in / 4, p.is_multiple_of(4), super::AHEAD / 2);
                         let (lo, hi) = six_bits(wq[j], wh[j], p);
                         let ws = _mm256_permutevar8x32_ps(dk[j][k / 2], pick);
                         for i in 0..R {
@@ -1358,9 +1359,9 @@ pub mod avx2 {
                 let mut offs = [_mm256_setzero_ps(); R];
                 for sb in 0..nsb {
                     let d = six_scales(wsc[j], wd[j], sb);
-                    for i in 0..R {
+                    for (i, v) in offs.iter_mut().enumerate() {
                         let c = &x.c[(r0 + i) * nb + 16 * sb..][..16];
-                        offs[i] = _mm256_fmadd_ps(d[1], load_f32(&c[8..]), _mm256_fmadd_ps(d[0], load_f32(c), offs[i]));
+                        *v = _mm256_fmadd_ps(d[1], load_f32(&c[8..]), _mm256_fmadd_ps(d[0], load_f32(c), *v));
                     }
                 }
                 for i in 0..R {
@@ -1645,7 +1646,9 @@ pub mod avx2 {
             }
             Stored::Q6K { q, h, sc, d } => {
                 let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
-                let mut rows: [(&[u8], &[u8], &[i8], &[f32]); W] = [(&[], &[], &[], &[]); W];
+                // Each row's nibbles, top bits, block bytes and superblock scales.
+                type SixRow<'a> = (&'a [u8], &'a [u8], &'a [i8], &'a [f32]);
+                let mut rows: [SixRow; W] = [(&[], &[], &[], &[]); W];
                 for (j, r) in rows.iter_mut().enumerate() {
                     *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &h[(o + j) * n_in / 4..][..n_in / 4], &sc[(o + j) * nb..][..nb], &d[(o + j) * nsb..][..nsb]);
                 }
