@@ -52,51 +52,33 @@ pub enum Stored {
     Q6K { q: Vec<u8>, h: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
 }
 
-/// The f32 `s` and the signed bytes `k` with `s * k_b == v_b`, bit for bit, for each of a Q6_K
-/// superblock's sixteen block scales `v` (`None` where there are none). llama.cpp quantizes the
-/// scale of largest magnitude to -128, so `s` is tried as it over -128 first, then over the
-/// other bytes.
-fn k_scales_signed(v: &[f32]) -> Option<(f32, [i8; 16])> {
-    let top = v.iter().copied().fold(0f32, |a, b| if b.abs() > a.abs() { b } else { a });
-    let fits = |s: f32, k: &mut [i8; 16]| {
-        v.iter().zip(k.iter_mut()).all(|(&b, o)| {
-            let f = if s != 0.0 { b / s } else { 0.0 };
-            // `as i32` saturates (a NaN gives 0): the check refuses what does not fit.
-            let n = (f + 0.5f32.copysign(f)) as i32;
-            *o = n.clamp(-128, 127) as i8;
-            (-128..=127).contains(&n) && (s * n as f32).to_bits() == b.to_bits()
-        })
-    };
-    let mut k = [0i8; 16];
-    if top == 0.0 {
-        return fits(0.0, &mut k).then_some((0.0, k));
-    }
-    core::iter::once(-128i32).chain((1..=127).rev()).chain(-127..=-1).map(|c| top / c as f32).find(|&s| fits(s, &mut k)).map(|s| (s, k))
-}
-
 /// Values a superblock of [`Stored::Q4K`] (GGUF's K-quants' 256): eight blocks of 32.
 pub const SUPER: usize = 256;
 
-/// The f32 `s` and the six-bit integers `k` with `s * k_b == v_b`, bit for bit, for each of a
-/// superblock's eight block scales `v` (`None` where there are none). A K-quant's largest
-/// integer is 63 as llama.cpp quantizes, so `s` is tried as the largest `v_b` over 63 first,
-/// then over the other integers.
-fn k_scales(v: &[f32]) -> Option<(f32, [u8; 8])> {
-    let top = v.iter().copied().fold(0f32, f32::max);
-    let fits = |s: f32, k: &mut [u8; 8]| {
+/// The f32 `s` and the integers `k` in `ints` with `s * k_b == v_b`, bit for bit, for each of
+/// a superblock's block scales `v` (`None` where there are none): Q4_K's eight six-bit ones
+/// (`0..=63`) or Q6_K's sixteen signed bytes (`-128..=127`). llama.cpp quantizes the scale of
+/// largest magnitude to the range's end of largest magnitude (63, -128), so `s` is tried as
+/// that scale over it first, then over each other integer. With no negative integers, the
+/// largest scale is the one taken (a negative one could not fit).
+fn k_scales<const N: usize>(v: &[f32], ints: core::ops::RangeInclusive<i32>) -> Option<(f32, [i32; N])> {
+    let (lo, hi) = (*ints.start(), *ints.end());
+    let top = if lo < 0 { v.iter().copied().fold(0f32, |a, b| if b.abs() > a.abs() { b } else { a }) } else { v.iter().copied().fold(0f32, f32::max) };
+    let fits = |s: f32, k: &mut [i32; N]| {
         v.iter().zip(k.iter_mut()).all(|(&b, o)| {
-            // `as u32` saturates: a negative or NaN quotient gives 0, which the check refuses
-            // unless `b` is 0 itself.
-            let n = (if s > 0.0 { b / s + 0.5 } else { 0.0 }) as u32;
-            *o = n as u8;
-            n <= 63 && (s * n as f32).to_bits() == b.to_bits()
+            let f = if s != 0.0 { b / s } else { 0.0 };
+            // `as i32` saturates (a NaN gives 0): the check refuses what does not fit.
+            *o = (f + 0.5f32.copysign(f)) as i32;
+            ints.contains(o) && (s * *o as f32).to_bits() == b.to_bits()
         })
     };
-    let mut k = [0u8; 8];
+    let mut k = [0i32; N];
     if top == 0.0 {
         return fits(0.0, &mut k).then_some((0.0, k));
     }
-    (1..=63u32).rev().map(|c| top / c as f32).find(|&s| fits(s, &mut k)).map(|s| (s, k))
+    let far = if -lo > hi { lo } else { hi };
+    let others = (1..=hi).rev().chain((lo..=-1).rev()).filter(|&c| c != far);
+    core::iter::once(far).chain(others).map(|c| top / c as f32).find(|&s| fits(s, &mut k)).map(|s| (s, k))
 }
 
 /// Elements of a block of activations quantized together in `fast` (the weight's block).
@@ -177,12 +159,12 @@ impl Stored {
             ds.try_reserve_exact(supers).ok()?;
             mins.try_reserve_exact(supers).ok()?;
             for (dv, mv) in d.chunks_exact(8).zip(m.chunks_exact(8)) {
-                let (a, ka) = k_scales(dv)?;
-                let (b, kb) = k_scales(mv)?;
+                let (a, ka) = k_scales::<8>(dv, 0..=63)?;
+                let (b, kb) = k_scales::<8>(mv, 0..=63)?;
                 ds.push(a);
                 mins.push(b);
-                sc.extend_from_slice(&ka);
-                mn.extend_from_slice(&kb);
+                sc.extend(ka.map(|k| k as u8));
+                mn.extend(kb.map(|k| k as u8));
             }
             return Some(Stored::Q4K { q: std::mem::take(q), sc, mn, d: ds, dmin: mins });
         }
@@ -228,9 +210,9 @@ impl Stored {
         sc.try_reserve_exact(d.len()).ok()?;
         ds.try_reserve_exact(d.len() / 16).ok()?;
         for v in d.chunks_exact(16) {
-            let (s, k) = k_scales_signed(v)?;
+            let (s, k) = k_scales::<16>(v, -128..=127)?;
             ds.push(s);
-            sc.extend_from_slice(&k);
+            sc.extend(k.map(|k| k as i8));
         }
         let (mut nibbles, mut h) = (Vec::new(), Vec::new());
         nibbles.try_reserve_exact(q.len() / 2).ok()?;
@@ -526,9 +508,13 @@ pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) ->
                 #[cfg(not(target_arch = "x86_64"))]
                 let (d, sum) = quantize_block(v, &mut qs);
                 if q4 && block == 16 {
-                    // A Q6K weight's: the layout of the blocks of 32 (n_in a multiple of 32).
-                    for (j, &v) in qs[..16].iter().enumerate() {
-                        qr[q4_slot(b * 16 + j, n_in)] = v;
+                    // A Q6K weight's: the layout of the blocks of 32 (n_in a multiple of 32),
+                    // this block the first or second half of each of its block's halves.
+                    let (even, odd) = q4_bases(b / 2, n_in / 32);
+                    let at = 8 * (b % 2);
+                    for j in 0..8 {
+                        qr[even + at + j] = qs[2 * j];
+                        qr[odd + at + j] = qs[2 * j + 1];
                     }
                 } else if q4 {
                     let (even, odd) = q4_bases(b, nb);
