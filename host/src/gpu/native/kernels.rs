@@ -38,10 +38,18 @@ pub enum Stored {
     /// A `q4x32` weight whose scales and mins are GGUF Q4_K's: per superblock of [`SUPER`]
     /// values (eight blocks, rows a whole number of them) an f32 `d` and `dmin`, per block of 32
     /// six-bit integers `sc` and `mn`, `d_b = d * sc_b` and `m_b = dmin * mn_b` in f32: the very
-    /// scales uploaded (checked when the form is taken, [`Stored::compacted`]). The nibbles as
-    /// [`Stored::Q4`]'s: 0.59 bytes a value against its 0.75, which a decode step streams
-    /// through memory a fifth faster, as llama.cpp reads Q4_K.
-    Q4K { q: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<f32>, dmin: Vec<f32> },
+    /// scales uploaded (checked when the form is taken, [`Stored::compacted`]). 0.59 bytes a
+    /// value against [`Stored::Q4`]'s 0.75, as llama.cpp reads Q4_K.
+    ///
+    /// Its rows go in groups of [`GROUP`] (the last padded with zero rows), each group's values
+    /// interleaved so that one 256-bit vector holds four values of each of its eight rows: a
+    /// `fast` product sums a block of all eight rows in eight 32-bit lanes, one instruction for
+    /// 32 products, and scales the block once for the eight (ggml's repacked Q4_K reads its
+    /// weights alike). Per group and block of 32 (group `g`, block `b`, at `(g * nb + b) *
+    /// 128`), 128 bytes: byte `32k + 4l + e` holds row `8g + l`'s values `32b + 4k + e` in its
+    /// low half and `32b + 16 + 4k + e` in its high half. `sc` and `mn` at `(g * nb + b) * 8 +
+    /// l`, `d` and `dmin` at `(g * nsb + s) * 8 + l` (superblock `s` of `nsb` a row).
+    Q4K { rows: usize, q: Vec<u8>, sc: Vec<u8>, mn: Vec<u8>, d: Vec<f32>, dmin: Vec<f32> },
     /// A `q8x16` weight of GGUF Q6_K's values and scales: every value in -32..=31, kept as `u
     /// = q + 32` in six bits, and per superblock of [`SUPER`] values an f32 `d` and per 16 a
     /// signed byte `sc`, `d_b = d * sc_b` in f32 the very scale uploaded (checked when the form
@@ -54,6 +62,39 @@ pub enum Stored {
 
 /// Values a superblock of [`Stored::Q4K`] (GGUF's K-quants' 256): eight blocks of 32.
 pub const SUPER: usize = 256;
+
+/// Rows of a [`Stored::Q4K`] weight interleaved together (the lanes of a 256-bit vector).
+pub const GROUP: usize = 8;
+
+/// A [`Stored::Q4K`] weight's interleaved nibbles, integers and superblock scales, whole.
+#[derive(Clone, Copy)]
+pub struct K8<'a> {
+    q: &'a [u8],
+    sc: &'a [u8],
+    mn: &'a [u8],
+    d: &'a [f32],
+    dmin: &'a [f32],
+}
+
+impl<'a> K8<'a> {
+    /// `w`'s parts where it is a [`Stored::Q4K`] weight.
+    pub fn of(w: &'a Stored) -> Option<K8<'a>> {
+        match w {
+            Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(K8 { q, sc, mn, d, dmin }),
+            _ => None,
+        }
+    }
+}
+
+/// Where value `i` of row `r` (rows of `n_in`) lies in a [`Stored::Q4K`] weight's nibbles: the
+/// byte, and the shift of its half (0 or 4).
+#[inline(always)]
+fn q4k_slot(r: usize, i: usize, n_in: usize) -> (usize, u32) {
+    let (g, l) = (r / GROUP, r % GROUP);
+    let (b, j) = (i / 32, i % 32);
+    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
+    ((g * (n_in / 32) + b) * 128 + 32 * k + 4 * l + e, 4 * half as u32)
+}
 
 /// The f32 `s` and the integers `k` in `ints` with `s * k_b == v_b`, bit for bit, for each of
 /// a superblock's block scales `v` (`None` where there are none): Q4_K's eight six-bit ones
@@ -151,22 +192,50 @@ impl Stored {
             if !n_in.is_multiple_of(SUPER) {
                 return None;
             }
-            let supers = d.len() / 8;
+            let (nb, nsb) = (n_in / 32, n_in / SUPER);
+            let rows = d.len() / nb;
+            let groups = rows.div_ceil(GROUP);
             let (mut sc, mut mn) = (Vec::new(), Vec::new());
             let (mut ds, mut mins) = (Vec::new(), Vec::new());
-            sc.try_reserve_exact(d.len()).ok()?;
-            mn.try_reserve_exact(d.len()).ok()?;
-            ds.try_reserve_exact(supers).ok()?;
-            mins.try_reserve_exact(supers).ok()?;
-            for (dv, mv) in d.chunks_exact(8).zip(m.chunks_exact(8)) {
-                let (a, ka) = k_scales::<8>(dv, 0..=63)?;
-                let (b, kb) = k_scales::<8>(mv, 0..=63)?;
-                ds.push(a);
-                mins.push(b);
-                sc.extend(ka.map(|k| k as u8));
-                mn.extend(kb.map(|k| k as u8));
+            let mut nibbles = Vec::new();
+            sc.try_reserve_exact(groups * GROUP * nb).ok()?;
+            mn.try_reserve_exact(groups * GROUP * nb).ok()?;
+            ds.try_reserve_exact(groups * GROUP * nsb).ok()?;
+            mins.try_reserve_exact(groups * GROUP * nsb).ok()?;
+            nibbles.try_reserve_exact(groups * GROUP * n_in / 2).ok()?;
+            huge_pages(nibbles.as_mut_ptr(), groups * GROUP * n_in / 2);
+            sc.resize(groups * GROUP * nb, 0u8);
+            mn.resize(groups * GROUP * nb, 0u8);
+            ds.resize(groups * GROUP * nsb, 0f32);
+            mins.resize(groups * GROUP * nsb, 0f32);
+            for (r, (dr, mr)) in d.chunks_exact(nb).zip(m.chunks_exact(nb)).enumerate() {
+                let (g, l) = (r / GROUP, r % GROUP);
+                for (s, (dv, mv)) in dr.chunks_exact(8).zip(mr.chunks_exact(8)).enumerate() {
+                    let (a, ka) = k_scales::<8>(dv, 0..=63)?;
+                    let (b, kb) = k_scales::<8>(mv, 0..=63)?;
+                    ds[(g * nsb + s) * GROUP + l] = a;
+                    mins[(g * nsb + s) * GROUP + l] = b;
+                    for k in 0..8 {
+                        sc[(g * nb + 8 * s + k) * GROUP + l] = ka[k] as u8;
+                        mn[(g * nb + 8 * s + k) * GROUP + l] = kb[k] as u8;
+                    }
+                }
             }
-            return Some(Stored::Q4K { q: std::mem::take(q), sc, mn, d: ds, dmin: mins });
+            nibbles.resize(groups * GROUP * n_in / 2, 0u8);
+            for (r, row) in q.chunks_exact(n_in / 2).enumerate() {
+                for (b, src) in row.chunks_exact(16).enumerate() {
+                    // The block's values `4k + e` and `16 + 4k + e`, one byte ([`q4k_slot`]).
+                    let at = q4k_slot(r, 32 * b, n_in).0;
+                    let v = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0xF;
+                    for k in 0..4 {
+                        for e in 0..4 {
+                            nibbles[at + 32 * k + e] = v(4 * k + e) | v(16 + 4 * k + e) << 4;
+                        }
+                    }
+                }
+            }
+            *q = Vec::new();
+            return Some(Stored::Q4K { rows, q: nibbles, sc, mn, d: ds, dmin: mins });
         }
         if let Stored::Q8 { block: 16, q, d } = self {
             return Self::six_bits(q, d, n_in);
@@ -255,14 +324,19 @@ impl Stored {
     /// A compacted weight back in its upload format, to be written: [`Stored::Q5`] in `q8x32`,
     /// [`Stored::Q4K`] in `q4x32` (its nibbles moved out of `self`); `None` for another form.
     pub fn expanded(&mut self, n_in: usize) -> Option<Stored> {
-        if let Stored::Q4K { sc, .. } = self {
-            let blocks = sc.len();
-            let (mut d, mut m) = (vec![0f32; blocks], vec![0f32; blocks]);
-            for b in 0..blocks {
-                (d[b], m[b]) = self.q4_scale(b);
+        if let Stored::Q4K { rows, .. } = *self {
+            let nb = n_in / 32;
+            let (mut d, mut m) = (vec![0f32; rows * nb], vec![0f32; rows * nb]);
+            let mut q = vec![0u8; rows * n_in / 2];
+            for r in 0..rows {
+                for b in 0..nb {
+                    (d[r * nb + b], m[r * nb + b]) = self.q4_scale(r, b, nb);
+                }
+                for i in 0..n_in {
+                    q[(r * n_in + i) / 2] |= self.q4_value(r, i, n_in) << (4 * (i % 2));
+                }
             }
-            let Stored::Q4K { q, .. } = self else { unreachable!("matched above") };
-            return Some(Stored::Q4 { q: std::mem::take(q), d, m });
+            return Some(Stored::Q4 { q, d, m });
         }
         if let Stored::Q6K { sc, .. } = self {
             let d: Vec<f32> = (0..sc.len()).map(|b| self.q6_scale(b)).collect();
@@ -295,14 +369,31 @@ impl Stored {
         (lo | hi << 4) as i8 - 16
     }
 
-    /// Block `b`'s (of the whole weight, 32 values each) `d` and `m`, of a weight of nibbles
-    /// without fifth bits ([`Stored::Q4`], [`Stored::Q4K`]).
+    /// Row `r`'s block `b`'s (of `nb` a row) `d` and `m`, of a weight of nibbles without fifth
+    /// bits ([`Stored::Q4`], [`Stored::Q4K`]).
     #[inline(always)]
-    pub fn q4_scale(&self, b: usize) -> (f32, f32) {
+    pub fn q4_scale(&self, r: usize, b: usize, nb: usize) -> (f32, f32) {
         match self {
-            Stored::Q4 { d, m, .. } => (d[b], m[b]),
-            Stored::Q4K { sc, mn, d, dmin, .. } => (d[b / 8] * sc[b] as f32, dmin[b / 8] * mn[b] as f32),
+            Stored::Q4 { d, m, .. } => (d[r * nb + b], m[r * nb + b]),
+            Stored::Q4K { sc, mn, d, dmin, .. } => {
+                let (g, l) = (r / GROUP, r % GROUP);
+                let (at, sat) = ((g * nb + b) * GROUP + l, (g * (nb / 8) + b / 8) * GROUP + l);
+                (d[sat] * sc[at] as f32, dmin[sat] * mn[at] as f32)
+            }
             _ => unreachable!("q4_scale of a weight without mins"),
+        }
+    }
+
+    /// Value `i` of row `r` (0..=15), of a weight of nibbles without fifth bits.
+    #[inline(always)]
+    pub fn q4_value(&self, r: usize, i: usize, n_in: usize) -> u8 {
+        match self {
+            Stored::Q4 { q, .. } => (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF,
+            Stored::Q4K { q, .. } => {
+                let (at, shift) = q4k_slot(r, i, n_in);
+                (q[at] >> shift) & 0xF
+            }
+            _ => unreachable!("q4_value of a weight without mins"),
         }
     }
 
@@ -322,12 +413,10 @@ impl Stored {
                     *x = d[i / *block] * q as f32;
                 }
             }
-            Stored::Q4 { q, .. } | Stored::Q4K { q, .. } => {
-                let q = &q[o * n_in / 2..][..n_in / 2];
+            Stored::Q4 { .. } | Stored::Q4K { .. } => {
                 for (i, x) in out.iter_mut().enumerate() {
-                    let v = (q[i / 2] >> (4 * (i % 2))) & 0xF;
-                    let (d, m) = self.q4_scale(o * n_in / 32 + i / 32);
-                    *x = d * v as f32 - m;
+                    let (d, m) = self.q4_scale(o, i / 32, n_in / 32);
+                    *x = d * self.q4_value(o, i, n_in) as f32 - m;
                 }
             }
             Stored::Q5 { d, .. } => {
@@ -349,7 +438,8 @@ impl Stored {
         match self {
             Stored::F32(_) | Stored::Bf16(_) => None,
             Stored::Q8 { block, .. } => Some((*block, false)),
-            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } => Some((32, true)),
+            Stored::Q4 { .. } | Stored::Q5 { .. } => Some((32, true)),
+            Stored::Q4K { .. } => Some((32, false)),
             Stored::Q6K { .. } => Some((16, true)),
         }
     }
@@ -359,6 +449,10 @@ impl Stored {
 /// each weight from memory once): 512 to 4096 measured alike here.
 #[cfg(target_arch = "x86_64")]
 const AHEAD: usize = 1024;
+
+/// Rows of x an `exact` product's inner loops take at once (each weight row decoded once for
+/// them, held in the cache while the weight's rows sweep them).
+pub const X_TILE: usize = 32;
 
 /// Weight rows a `fast` product's vector kernel sweeps with the same rows of x (held in the L1
 /// cache with them).
@@ -617,7 +711,7 @@ pub mod scalar {
                 }
                 y
             }
-            Stored::Q4 { q, .. } | Stored::Q4K { q, .. } => {
+            Stored::Q4 { q, .. } => {
                 let q = &q[o * n_in / 2..][..n_in / 2];
                 let (mut y, mut min) = (0f32, 0f32);
                 for b in 0..nb {
@@ -627,11 +721,23 @@ pub mod scalar {
                             ((q[i / 2] >> (4 * (i % 2))) & 0xF) as i32 * xq[q4_slot(i, n_in)] as i32
                         })
                         .sum();
-                    let (d, m) = w.q4_scale(o * nb + b);
+                    let (d, m) = w.q4_scale(o, b, nb);
                     y += d * s[b] * dot as f32;
                     min += m * c[b];
                 }
                 y - min
+            }
+            Stored::Q4K { .. } => {
+                // x in order; per block the integer sum scaled, then the min's term taken off,
+                // each in one rounding (the vector kernel's fused steps).
+                let mut y = 0f32;
+                for b in 0..nb {
+                    let dot: i32 = (0..32).map(|j| w.q4_value(o, b * 32 + j, n_in) as i32 * xq[b * 32 + j] as i32).sum();
+                    let (d, m) = w.q4_scale(o, b, nb);
+                    y = (dot as f32).mul_add(d * s[b], y);
+                    y = (-m).mul_add(c[b], y);
+                }
+                y
             }
             Stored::Q5 { d, .. } => {
                 let d = &d[o * nb..][..nb];
@@ -671,6 +777,28 @@ pub mod scalar {
         y
     }
 
+    /// `exact` for row `o` of a [`Stored::Q4K`] weight against `x` (in order): each value
+    /// decoded as the contract reads it (`d * u - m`), summed in four lanes, lane `e` the
+    /// values `4k + e` and `16 + 4k + e` of each block (`k` in 0..4), block by block in the
+    /// order `4k + e` then `16 + 4k + e` for each `k`; then `(l0 + l1) + (l2 + l3)`. The
+    /// vector kernel's order: a row's lane of its group's vectors ([`Stored::Q4K`]).
+    pub fn exact_k(w: &Stored, o: usize, n_in: usize, x: &[f32]) -> f32 {
+        let nb = n_in / 32;
+        let mut acc = [0f32; 4];
+        for b in 0..nb {
+            let (d, m) = w.q4_scale(o, b, nb);
+            for k in 0..4 {
+                for half in 0..2 {
+                    for (e, a) in acc.iter_mut().enumerate() {
+                        let i = 32 * b + 16 * half + 4 * k + e;
+                        *a = (d * w.q4_value(o, i, n_in) as f32 - m).mul_add(x[i], *a);
+                    }
+                }
+            }
+        }
+        (acc[0] + acc[1]) + (acc[2] + acc[3])
+    }
+
     /// The eight lanes' sum, in the order the vector kernels sum them.
     pub fn sum8(l: &[f32; 8]) -> f32 {
         let q = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
@@ -681,7 +809,7 @@ pub mod scalar {
     /// Decodes row `o` for the exact kernel, in the layout of x for its format.
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         match w {
-            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } => {
+            Stored::Q4 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } => {
                 let mut plain = vec![0f32; n_in];
                 w.decode_row(o, n_in, &mut plain);
                 for (i, v) in plain.into_iter().enumerate() {
@@ -697,7 +825,7 @@ pub mod scalar {
 pub mod avx2 {
     //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
     //! Loads are unaligned, from slices whose bounds are checked where they are cut.
-    use super::{Quantized, Stored};
+    use super::{K8, Quantized, Stored};
     use std::arch::x86_64::*;
 
     /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
@@ -807,33 +935,6 @@ pub mod avx2 {
         (d, _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b10_11_00_01>(s2))))
     }
 
-    /// The `d` and `m` of rows `o..o + rows` (of `n_in` values) of a [`Stored::Q4K`] weight in
-    /// f32 ([`Stored::q4_scale`]'s products, a superblock's eight in one vector), into `out`:
-    /// each row's `n_in / 32` scales, then its mins. Nothing for another form.
-    #[target_feature(enable = "avx2,fma")]
-    pub fn q4k_scales(w: &Stored, o: usize, rows: usize, n_in: usize, out: &mut Vec<f32>) {
-        let Stored::Q4K { sc, mn, d, dmin, .. } = w else { return };
-        let nb = n_in / 32;
-        out.resize(rows * 2 * nb, 0.0);
-        let (sc, mn) = (&sc[o * nb..][..rows * nb], &mn[o * nb..][..rows * nb]);
-        let (d, dmin) = (&d[o * nb / 8..][..rows * nb / 8], &dmin[o * nb / 8..][..rows * nb / 8]);
-        for (r, row) in out.chunks_exact_mut(2 * nb).enumerate() {
-            for k in 0..nb / 8 {
-                let b = r * nb + 8 * k;
-                for (ints, scale, at) in [(sc, d, 8 * k), (mn, dmin, nb + 8 * k)] {
-                    let bytes = &ints[b..][..8];
-                    let dst = &mut row[at..][..8];
-                    // SAFETY: `bytes` holds 8 bytes and `dst` 8 f32 (cut above); the load and
-                    // the store are unaligned.
-                    unsafe {
-                        let v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(bytes.as_ptr().cast())));
-                        _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_mul_ps(_mm256_set1_ps(scale[b / 8]), v));
-                    }
-                }
-            }
-        }
-    }
-
     /// How a `fast` kernel sums each four products of bytes into 32 bits: AVX2's pairs in 16
     /// bits (`vpmaddubsw`), then `vpmaddwd`.
     pub const PAIRS: u8 = 0;
@@ -862,13 +963,20 @@ pub mod avx2 {
         }
     }
 
-    /// A [`Stored::Q4K`] weight's integers and superblock scales, whole.
-    #[derive(Clone, Copy)]
-    struct KScales<'a> {
-        sc: &'a [u8],
-        mn: &'a [u8],
-        d: &'a [f32],
-        dmin: &'a [f32],
+    /// Group `g`'s block `b` (of `nb` a row) of a [`Stored::Q4K`] weight: its eight rows' `d`
+    /// and `m` ([`Stored::q4_scale`]'s products).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; group `g` and block `b` are the weight's.
+    #[inline(always)]
+    unsafe fn group_scales(k: &K8<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's promise: `(g * nb + b) * 8 + 8 <= sc.len()` (and `mn`'s),
+        // `(g * nb / 8 + b / 8) * 8 + 8 <= d.len()` (and `dmin`'s).
+        unsafe {
+            let (at, sat) = ((g * nb + b) * super::GROUP, (g * (nb / 8) + b / 8) * super::GROUP);
+            let ints = |v: &[u8]| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(at).cast())));
+            (_mm256_mul_ps(_mm256_loadu_ps(k.d.as_ptr().add(sat)), ints(k.sc)), _mm256_mul_ps(_mm256_loadu_ps(k.dmin.as_ptr().add(sat)), ints(k.mn)))
+        }
     }
 
     /// A block's two scales `[a x4, b x4]`.
@@ -1141,74 +1249,220 @@ pub mod avx2 {
         }
     }
 
-    /// [`nibbles`] for a [`Stored::Q4K`] weight (`w = d u - m`): each row's block scales made
-    /// a superblock at a time from its integers (eight in one vector, a pair's two picked from
-    /// it), its mins once for every row of x; the same f32 values as the `q4x32` upload's, in
-    /// the same order, so the same bits as [`nibbles`] would give. Its own function: folded
-    /// into [`nibbles`]' loop it made the other forms' code 3-10% slower here.
+    /// `fast` for `R` rows of x (in order) against group `g` of a [`Stored::Q4K`] weight:
+    /// `out[8i + l]` for x row `r0 + i` and weight row `8g + l`. Per block, the four values of
+    /// each row in a 32-bit lane against x's four broadcast, eight instructions for the
+    /// block's 32 products with all eight rows; then the block's integer sums scaled, `d_b
+    /// s_b`, and the min's term, `m_b c_b`, taken off, each in one rounding
+    /// ([`super::scalar::fast`]'s order).
+    ///
+    /// # Safety
+    /// As [`q8`]'s; `g` is a group of the weight, `r0 + R` rows of x at most.
+    #[inline(always)]
+    unsafe fn fast_k<const R: usize, const DOT: u8>(k: K8<'_>, g: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+        let nb = n_in / 32;
+        let q = &k.q[g * nb * 128..][..nb * 128];
+        let xq: [&[i8]; R] = std::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
+        let xs: [&[f32]; R] = std::array::from_fn(|i| &x.s[(r0 + i) * nb..][..nb]);
+        let xc: [&[f32]; R] = std::array::from_fn(|i| &x.c[(r0 + i) * nb..][..nb]);
+        // SAFETY: block `b < nb` reads bytes `128b..128b + 128` of `q` (cut to `128 nb`), bytes
+        // `32b..32b + 32` of each `xq[i]` (n_in), value `b` of each `xs[i]` and `xc[i]` (nb),
+        // and group `g`'s scales of block `b` (the caller's promise); `out` holds `8R` values
+        // (each store cut).
+        unsafe {
+            let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+            let mut acc = [_mm256_setzero_ps(); R];
+            for b in 0..nb {
+                let p = q.as_ptr().add(128 * b);
+                if R == 1 {
+                    // A decode step streams the weight once: its lines asked for ahead.
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD + 64).cast());
+                }
+                let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(p.add(32 * c).cast());
+                    lo[c] = _mm256_and_si256(v, low);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                }
+                let (wd, wm) = group_scales(&k, g, b, nb);
+                for i in 0..R {
+                    let xp = xq[i].as_ptr().add(32 * b).cast::<i32>();
+                    let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                    for c in 0..4 {
+                        a0 = dot::<DOT>(a0, lo[c], _mm256_set1_epi32(xp.add(c).read_unaligned()), ones);
+                        a1 = dot::<DOT>(a1, hi[c], _mm256_set1_epi32(xp.add(4 + c).read_unaligned()), ones);
+                    }
+                    let f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
+                    acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, _mm256_set1_ps(*xs[i].get_unchecked(b))), acc[i]);
+                    acc[i] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(*xc[i].get_unchecked(b)), acc[i]);
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out[8 * i..][..8].as_mut_ptr(), *a);
+            }
+        }
+    }
+
+    /// `fast` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a [`Stored::Q4K`]
+    /// weight against every row of x: `out[r * width + o - rows.start]`. Two groups at a time
+    /// (held in the cache) against x's rows, up to eight at a time.
     ///
     /// # Safety
     /// As [`q8`]'s.
     #[inline(always)]
-    unsafe fn nibbles_k<const W: usize, const R: usize, const DOT: u8>(q: &[u8], k: KScales<'_>, o: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
-        let nb = n_in / 32;
-        let (mut wq, mut ksc, mut kmn) = ([&[][..]; W], [&[][..]; W], [&[][..]; W]);
-        let (mut kd, mut kdm) = ([&[][..]; W], [&[][..]; W]);
-        for j in 0..W {
-            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
-            (ksc[j], kmn[j]) = (&k.sc[(o + j) * nb..][..nb], &k.mn[(o + j) * nb..][..nb]);
-            (kd[j], kdm[j]) = (&k.d[(o + j) * nb / 8..][..nb / 8], &k.dmin[(o + j) * nb / 8..][..nb / 8]);
-        }
-        let (xq, xp) = x_rows::<R>(x, r0, n_in);
-        // SAFETY: the CPU has AVX2 (the caller's promise).
-        let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
-        // SAFETY: superblock `sb < nb / 8` (nb a multiple of 8: rows of whole superblocks)
-        // reads integers `8sb..8sb + 8` of each `ksc[j]` and scale `sb` of each `kd[j]`; its
-        // pair `p = 4sb + h < nb / 2` bytes `32p..32p + 32` of each `wq[j]` (n_in / 2 bytes),
-        // bytes `64p..64p + 64` of each `xq[i]` (n_in) and `8p..8p + 8` of each `xp[i]` (cut
-        // to `8 * pairs`).
-        unsafe {
-            let mut dk = [_mm256_setzero_ps(); W];
-            for sb in 0..nb / 8 {
-                for j in 0..W {
-                    let ints = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ksc[j].as_ptr().add(8 * sb).cast())));
-                    dk[j] = _mm256_mul_ps(_mm256_set1_ps(*kd[j].get_unchecked(sb)), ints);
+    unsafe fn fast_k_rows<const DOT: u8>(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+        let mut y = [0f32; 64];
+        let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
+        let mut g0 = groups.start;
+        while g0 < groups.end {
+            let g1 = (g0 + 2).min(groups.end);
+            let mut r = 0;
+            while r < t {
+                // Eight rows of x at once where AVX-512's registers hold them (at 128 rows
+                // 124 GMAC/s a core of a Zen 4 against four's 115).
+                let n = match t - r {
+                    n if n >= 8 && DOT == AVX512_VNNI => 8,
+                    n if n >= 4 => 4,
+                    n if n >= 2 => 2,
+                    _ => 1,
+                };
+                for g in g0..g1 {
+                    // SAFETY: the caller's promise; `g` is one of the weight's groups and `r + n
+                    // <= t`.
+                    unsafe {
+                        match n {
+                            8 => fast_k::<8, DOT>(k, g, n_in, x, r, &mut y),
+                            4 => fast_k::<4, DOT>(k, g, n_in, x, r, &mut y),
+                            2 => fast_k::<2, DOT>(k, g, n_in, x, r, &mut y),
+                            _ => fast_k::<1, DOT>(k, g, n_in, x, r, &mut y),
+                        }
+                    }
+                    for l in 0..super::GROUP {
+                        let o = g * super::GROUP + l;
+                        if o < rows.end {
+                            for i in 0..n {
+                                out[(r + i) * width + o - first] = y[8 * i + l];
+                            }
+                        }
+                    }
                 }
-                for h in 0..4 {
-                    let p = 4 * sb + h as usize;
-                    // The pair's two block scales, `[2h x4, 2h + 1 x4]` of the eight.
-                    let pick = _mm256_setr_epi32(2 * h, 2 * h, 2 * h, 2 * h, 2 * h + 1, 2 * h + 1, 2 * h + 1, 2 * h + 1);
-                    let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
-                    for j in 0..W {
-                        ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
-                        let (lo, hi) = nibble_halves(wq[j], p);
-                        let ws = _mm256_permutevar8x32_ps(dk[j], pick);
-                        for i in 0..R {
-                            let dot = _mm256_cvtepi32_ps(step_sums::<DOT>(lo, hi, xa[i], xb[i], ones));
-                            acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), dot, acc[j][i]);
+                r += n;
+            }
+            g0 = g1;
+        }
+    }
+
+    /// `exact` for `R` rows of x (in order) against group `g` of a [`Stored::Q4K`] weight:
+    /// `out[8i + l]`, [`super::scalar::exact_k`]'s sums (each lane a row): the block's nibbles
+    /// of one position `e` of the lanes' four picked out together (`vpshufb`), decoded, and
+    /// multiplied with x's value broadcast.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `g` is a group of the weight; each `x[i]` holds `n_in`
+    /// values.
+    #[inline(always)]
+    unsafe fn exact_k<const R: usize>(k: K8<'_>, g: usize, n_in: usize, x: [&[f32]; R], out: &mut [f32]) {
+        let nb = n_in / 32;
+        let q = &k.q[g * nb * 128..][..nb * 128];
+        let x: [&[f32]; R] = std::array::from_fn(|i| &x[i][..n_in]);
+        // SAFETY: block `b < nb` reads bytes `128b..128b + 128` of `q` (cut to `128 nb`),
+        // values `32b..32b + 32` of each `x[i]` (cut to n_in), and group `g`'s scales of
+        // block `b` (the caller's promise); `out` holds `8R` values (each store cut).
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            // Byte `e` of each 32-bit lane, zero-extended (`vpshufb` picks within each half).
+            let pick: [__m256i; 4] = std::array::from_fn(|e| {
+                let e = e as i8;
+                let (a, b, c, d) = (e, 4 + e, 8 + e, 12 + e);
+                _mm256_setr_epi8(a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1, a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1)
+            });
+            let mut acc = [[_mm256_setzero_ps(); 4]; R];
+            for b in 0..nb {
+                let p = q.as_ptr().add(128 * b);
+                if R == 1 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD + 64).cast());
+                }
+                let (wd, wm) = group_scales(&k, g, b, nb);
+                for c in 0..4 {
+                    let v = _mm256_loadu_si256(p.add(32 * c).cast());
+                    for half in 0..2 {
+                        let u = if half == 0 { _mm256_and_si256(v, low) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(v), low) };
+                        for e in 0..4 {
+                            let w = _mm256_sub_ps(_mm256_mul_ps(wd, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u, pick[e]))), wm);
+                            let at = 32 * b + 16 * half + 4 * c + e;
+                            for i in 0..R {
+                                acc[i][e] = _mm256_fmadd_ps(w, _mm256_set1_ps(*x[i].get_unchecked(at)), acc[i][e]);
+                            }
                         }
                     }
                 }
             }
+            for (i, a) in acc.iter().enumerate() {
+                let y = _mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3]));
+                _mm256_storeu_ps(out[8 * i..][..8].as_mut_ptr(), y);
+            }
         }
-        for j in 0..W {
-            // The mins' term of each row of x, `sum_b m_b s_b (sum of the block's x values)`, in
-            // one pass over the weight row's mins.
-            // SAFETY: the CPU has AVX2 and FMA (the caller's promise); the loads are cut.
-            unsafe {
-                let mut mins = [_mm256_setzero_ps(); R];
-                for sb in 0..nb / 8 {
-                    let ints = &kmn[j][sb * 8..][..8];
-                    let mk = _mm256_mul_ps(_mm256_set1_ps(kdm[j][sb]), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(ints.as_ptr().cast()))));
-                    for (i, v) in mins.iter_mut().enumerate() {
-                        *v = _mm256_fmadd_ps(mk, load_f32(&x.c[(r0 + i) * nb + sb * 8..]), *v);
+    }
+
+    /// `exact` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a
+    /// [`Stored::Q4K`] weight against the `t` rows of x (in order): `out[r * width + o -
+    /// rows.start]`. x in tiles of [`super::X_TILE`] rows (held in the cache), each against
+    /// every group, up to `MAX_R` rows at a time.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA (and AVX-512 F and VL where `MAX_R` is 4).
+    #[inline(always)]
+    unsafe fn exact_k_rows_with<const MAX_R: usize>(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+        let mut y = [0f32; 32];
+        let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
+        let xr = |i: usize| &x[i * n_in..][..n_in];
+        for t0 in (0..t).step_by(super::X_TILE) {
+            let t1 = (t0 + super::X_TILE).min(t);
+            for g in groups.clone() {
+                let mut r = t0;
+                while r < t1 {
+                    let n = match t1 - r {
+                        n if n >= 4 && MAX_R >= 4 => 4,
+                        n if n >= 2 => 2,
+                        _ => 1,
+                    };
+                    // SAFETY: the caller's promise; `g` is one of the weight's groups.
+                    unsafe {
+                        match n {
+                            4 => exact_k::<4>(k, g, n_in, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)], &mut y),
+                            2 => exact_k::<2>(k, g, n_in, [xr(r), xr(r + 1)], &mut y),
+                            _ => exact_k::<1>(k, g, n_in, [xr(r)], &mut y),
+                        }
                     }
-                }
-                for i in 0..R {
-                    out[j * R + i] = hsum(acc[j][i]) - hsum(mins[i]);
+                    for l in 0..super::GROUP {
+                        let o = g * super::GROUP + l;
+                        if o < rows.end {
+                            for i in 0..n {
+                                out[(r + i) * width + o - first] = y[8 * i + l];
+                            }
+                        }
+                    }
+                    r += n;
                 }
             }
         }
+    }
+
+    /// [`exact_k_rows_with`] for AVX2 + FMA: two rows of x at a time.
+    #[target_feature(enable = "avx2,fma")]
+    pub fn exact_k_rows(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features are the body's.
+        unsafe { exact_k_rows_with::<2>(k, rows, n_in, x, t, out, width) }
+    }
+
+    /// [`exact_k_rows_with`] with AVX-512 VL's 32 registers: four rows of x at a time (the same
+    /// sums, the same bits).
+    #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+    pub fn exact_k_rows_avx512(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features include the body's.
+        unsafe { exact_k_rows_with::<4>(k, rows, n_in, x, t, out, width) }
     }
 
     /// The six-bit values `u` (0..=63) of pair `p` (64 values) of a [`Stored::Q6K`] row's
@@ -1383,7 +1637,7 @@ pub mod avx2 {
                 Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q4 { q, d, m } => nibbles::<W, R, false, DOT>((q, &[], d, m, 1.0), o, n_in, x, r, y),
-                Stored::Q4K { q, sc, mn, d, dmin } => nibbles_k::<W, R, DOT>(q, KScales { sc, mn, d, dmin }, o, n_in, x, r, y),
+                Stored::Q4K { .. } => unreachable!("a Q4K weight takes `fast_k_rows`"),
                 Stored::Q5 { q, h, d } => nibbles::<W, R, true, DOT>((q, h, d, d, 16.0), o, n_in, x, r, y),
                 Stored::Q6K { q, h, sc, d } => six::<W, R, DOT>((q, h, sc, d), o, n_in, x, r, y),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
@@ -1425,6 +1679,9 @@ pub mod avx2 {
     unsafe fn fast_rows_with<const DOT: u8>(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         // SAFETY: the caller's promise, passed on to the kernels.
         unsafe {
+            if let Some(k) = K8::of(w) {
+                return fast_k_rows::<DOT>(k, rows, n_in, x, t, out, width);
+            }
             let mut y = [0f32; 16];
             let first = rows.start;
             if t < 4 {
@@ -1459,7 +1716,7 @@ pub mod avx2 {
                         // bits 40 -> 43, q4x32 44 -> 46 on a Zen 4).
                         let two = match w {
                             Stored::Q8 { block: 32, .. } => true,
-                            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } => DOT == AVX512_VNNI,
+                            Stored::Q4 { .. } | Stored::Q5 { .. } => DOT == AVX512_VNNI,
                             _ => false,
                         };
                         let nw = if end - o >= 2 && two { 2 } else { 1 };
@@ -1572,19 +1829,11 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::Q4 { q, .. } | Stored::Q4K { q, .. } => {
+            Stored::Q4 { q, d, m } => {
                 let nb = n_in / 32;
-                // A Q4K weight's scales and mins of these rows in f32, made once a call (a few
-                // percent of its work; made in the loop they cost a tenth).
-                let mut k = Vec::new();
-                q4k_scales(w, o, W, n_in, &mut k);
                 let mut rows: [(&[u8], &[f32], &[f32]); W] = [(&[], &[], &[]); W];
                 for (j, r) in rows.iter_mut().enumerate() {
-                    let (d, m) = match w {
-                        Stored::Q4 { d, m, .. } => (&d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]),
-                        _ => (&k[2 * j * nb..][..nb], &k[(2 * j + 1) * nb..][..nb]),
-                    };
-                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], d, m);
+                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &d[(o + j) * nb..][..nb], &m[(o + j) * nb..][..nb]);
                 }
                 let pairs = nb / 2;
                 let low = _mm_set1_epi8(0x0F);
@@ -1614,8 +1863,7 @@ pub mod avx2 {
                     }
                 }
                 if nb % 2 == 1 {
-                    // The lone last block, in the scratch path's way (never a Q4K weight's,
-                    // whose rows are whole superblocks).
+                    // The lone last block, in the scratch path's way.
                     let mut row = [0f32; 32];
                     for j in 0..W {
                         let (q, d, m) = rows[j];
@@ -1670,7 +1918,7 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 rows take the decoded path"),
+            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } => unreachable!("f32 and bf16 rows take the decoded path, Q4K ones `exact_k_rows`"),
         }
         for j in 0..W {
             out[j] = hsum(acc[j]);
@@ -1682,16 +1930,9 @@ pub mod avx2 {
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         let out = &mut out[..n_in];
         match w {
-            Stored::Q4 { q, .. } | Stored::Q4K { q, .. } => {
+            Stored::Q4 { q, d, m } => {
                 let nb = n_in / 32;
-                let mut k = Vec::new();
-                let (d, m) = match w {
-                    Stored::Q4 { d, m, .. } => (&d[o * nb..][..nb], &m[o * nb..][..nb]),
-                    _ => {
-                        q4k_scales(w, o, 1, n_in, &mut k);
-                        (&k[..nb], &k[nb..][..nb])
-                    }
-                };
+                let (d, m) = (&d[o * nb..][..nb], &m[o * nb..][..nb]);
                 let q = &q[o * n_in / 2..][..n_in / 2];
                 let pairs = nb / 2;
                 let low = _mm256_set1_epi8(0x0F);
@@ -1796,6 +2037,7 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
+            Stored::Q4K { .. } => w.decode_row(o, n_in, out),
             Stored::Q6K { q, h, .. } => {
                 let (q, h) = (&q[o * n_in / 2..][..n_in / 2], &h[o * n_in / 4..][..n_in / 4]);
                 for p in 0..n_in / 64 {

@@ -114,10 +114,6 @@ fn format_bytes(s: &Stored, n_in: usize) -> u64 {
     }
 }
 
-/// Rows of x a product's inner loops take at once in `exact` (each weight row decoded once
-/// for them).
-const X_TILE: usize = 32;
-
 impl NativeBackend {
     /// The device on `threads` threads (0: one a physical core), with the best kernels this CPU
     /// runs.
@@ -324,8 +320,28 @@ const FUSED_MAX_T: usize = 4;
 /// format's decoding gives): `out[r * rows.len() + o - rows.start]`.
 fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
+    if let Some(k) = kernels::K8::of(&m.stored) {
+        // A Q4K weight's own kernel, for every count of rows (its groups' order of sums).
+        match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `Isa::Avx512Vnni` is only chosen where the CPU has AVX2, FMA and AVX-512
+            // F and VL.
+            Isa::Avx512Vnni => unsafe { kernels::avx2::exact_k_rows_avx512(k, rows, n_in, x, t, out, width) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2 and FMA.
+            _ if isa.avx2() => unsafe { kernels::avx2::exact_k_rows(k, rows, n_in, x, t, out, width) },
+            _ => {
+                for o in rows {
+                    for r in 0..t {
+                        out[r * width + o - first] = kernels::scalar::exact_k(&m.stored, o, n_in, &x[r * n_in..][..n_in]);
+                    }
+                }
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
-    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q6K { .. }) {
+    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {
@@ -356,8 +372,8 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
         _ => None,
     };
     let mut w = vec![0f32; if plain.is_some() { 0 } else { 4 * n_in }];
-    for tile in (0..t).step_by(X_TILE) {
-        let tile = tile..(tile + X_TILE).min(t);
+    for tile in (0..t).step_by(kernels::X_TILE) {
+        let tile = tile..(tile + kernels::X_TILE).min(t);
         let mut o = rows.start;
         while o < rows.end {
             let nw = (rows.end - o).min(4);
