@@ -53,47 +53,71 @@ pub enum Stored {
     /// A `q8x16` weight of GGUF Q6_K's values and scales: every value in -32..=31, kept as `u
     /// = q + 32` in six bits, and per superblock of [`SUPER`] values an f32 `d` and per 16 a
     /// signed byte `sc`, `d_b = d * sc_b` in f32 the very scale uploaded (checked when the form
-    /// is taken). `u`'s low four bits as [`Stored::Q4`]'s nibbles; its top two in `h`, 16 bytes
-    /// for each 64 values (a pair of blocks of 32 in x's `q4x32` layout, [`q4_slot`]): byte `k`
-    /// holds, from its low bits up, the values at positions `k`, `16 + k`, `32 + k`, `48 + k`
-    /// of the pair's layout. 0.83 bytes a value against `q8x16`'s 1.25.
-    Q6K { q: Vec<u8>, h: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
+    /// is taken). 0.83 bytes a value against `q8x16`'s 1.25.
+    ///
+    /// Rows in groups of [`GROUP`] as [`Stored::Q4K`]'s: `u`'s low four bits in `q` as its
+    /// nibbles; its top two in `h`, 64 bytes a group's block of 32 (at `(g * nb + b) * 64`):
+    /// byte `32 half + 4l + e`'s bits `2k, 2k + 1` those of row `8g + l`'s value `32b + 16 half
+    /// + 4k + e`. `sc` 16 bytes a group's block (at `(g * nb + b) * 16`): its first block of
+    /// 16's eight rows, then its second's; `d` at `(g * nsb + s) * 8 + l`.
+    Q6K { rows: usize, q: Vec<u8>, h: Vec<u8>, sc: Vec<i8>, d: Vec<f32> },
 }
 
 /// Values a superblock of [`Stored::Q4K`] (GGUF's K-quants' 256): eight blocks of 32.
 pub const SUPER: usize = 256;
 
-/// Rows of a [`Stored::Q4K`] weight interleaved together (the lanes of a 256-bit vector).
+/// Rows of a [`Stored::Q4K`] or [`Stored::Q6K`] weight interleaved together (the lanes of a
+/// 256-bit vector).
 pub const GROUP: usize = 8;
 
-/// A [`Stored::Q4K`] weight's interleaved nibbles, integers and superblock scales, whole.
+/// A weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`]), whole: its nibbles,
+/// and Q4_K's integers and superblock scales or Q6_K's top bits, signed bytes and superblock
+/// scales (the others empty).
 #[derive(Clone, Copy)]
-pub struct K8<'a> {
+pub struct Groups<'a> {
     q: &'a [u8],
+    h: &'a [u8],
     sc: &'a [u8],
     mn: &'a [u8],
+    sc6: &'a [i8],
     d: &'a [f32],
     dmin: &'a [f32],
 }
 
-impl<'a> K8<'a> {
-    /// `w`'s parts where it is a [`Stored::Q4K`] weight.
-    pub fn of(w: &'a Stored) -> Option<K8<'a>> {
+impl<'a> Groups<'a> {
+    /// `w`'s parts where it is a [`Stored::Q4K`] or [`Stored::Q6K`] weight.
+    pub fn of(w: &'a Stored) -> Option<Groups<'a>> {
         match w {
-            Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(K8 { q, sc, mn, d, dmin }),
+            Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(Groups { q, h: &[], sc, mn, sc6: &[], d, dmin }),
+            Stored::Q6K { q, h, sc, d, .. } => Some(Groups { q, h, sc: &[], mn: &[], sc6: sc, d, dmin: &[] }),
             _ => None,
         }
     }
+
+    /// Whether these are Q6_K's.
+    pub fn six(&self) -> bool {
+        !self.h.is_empty()
+    }
 }
 
-/// Where value `i` of row `r` (rows of `n_in`) lies in a [`Stored::Q4K`] weight's nibbles: the
-/// byte, and the shift of its half (0 or 4).
+/// Where value `i` of row `r` (rows of `n_in`) lies in a [`Stored::Q4K`] or [`Stored::Q6K`]
+/// weight's nibbles: the byte, and the shift of its half (0 or 4).
 #[inline(always)]
 fn q4k_slot(r: usize, i: usize, n_in: usize) -> (usize, u32) {
     let (g, l) = (r / GROUP, r % GROUP);
     let (b, j) = (i / 32, i % 32);
     let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
     ((g * (n_in / 32) + b) * 128 + 32 * k + 4 * l + e, 4 * half as u32)
+}
+
+/// Where value `i` of row `r`'s top two bits lie in a [`Stored::Q6K`] weight's `h`: the byte,
+/// and the shift.
+#[inline(always)]
+fn q6k_top(r: usize, i: usize, n_in: usize) -> (usize, u32) {
+    let (g, l) = (r / GROUP, r % GROUP);
+    let (b, j) = (i / 32, i % 32);
+    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
+    ((g * (n_in / 32) + b) * 64 + 32 * half + 4 * l + e, 2 * k as u32)
 }
 
 /// The f32 `s` and the integers `k` in `ints` with `s * k_b == v_b`, bit for bit, for each of
@@ -275,50 +299,59 @@ impl Stored {
         if !n_in.is_multiple_of(SUPER) || q.iter().any(|&v| !(-32..=31).contains(&v)) {
             return None;
         }
-        let (mut sc, mut ds) = (Vec::new(), Vec::new());
-        sc.try_reserve_exact(d.len()).ok()?;
-        ds.try_reserve_exact(d.len() / 16).ok()?;
-        for v in d.chunks_exact(16) {
-            let (s, k) = k_scales::<16>(v, -128..=127)?;
-            ds.push(s);
-            sc.extend(k.map(|k| k as i8));
-        }
-        let (mut nibbles, mut h) = (Vec::new(), Vec::new());
-        nibbles.try_reserve_exact(q.len() / 2).ok()?;
-        h.try_reserve_exact(q.len() / 4).ok()?;
-        huge_pages(nibbles.as_mut_ptr(), q.len() / 2);
-        nibbles.resize(q.len() / 2, 0u8);
-        h.resize(q.len() / 4, 0u8);
-        for ((row, nib), hr) in q.chunks_exact(n_in).zip(nibbles.chunks_exact_mut(n_in / 2)).zip(h.chunks_exact_mut(n_in / 4)) {
-            for (o, two) in nib.iter_mut().zip(row.chunks_exact(2)) {
-                *o = ((two[0] + 32) as u8 & 0xF) | ((two[1] + 32) as u8 & 0xF) << 4;
+        let (nb, nsb) = (n_in / 32, n_in / SUPER);
+        let rows = q.len() / n_in;
+        let padded = rows.div_ceil(GROUP) * GROUP;
+        let (mut sc, mut ds, mut nibbles, mut h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        sc.try_reserve_exact(padded * nb * 2).ok()?;
+        ds.try_reserve_exact(padded * nsb).ok()?;
+        nibbles.try_reserve_exact(padded * n_in / 2).ok()?;
+        h.try_reserve_exact(padded * n_in / 4).ok()?;
+        huge_pages(nibbles.as_mut_ptr(), padded * n_in / 2);
+        sc.resize(padded * nb * 2, 0i8);
+        ds.resize(padded * nsb, 0f32);
+        nibbles.resize(padded * n_in / 2, 0u8);
+        h.resize(padded * n_in / 4, 0u8);
+        for (r, (row, dr)) in q.chunks_exact(n_in).zip(d.chunks_exact(n_in / 16)).enumerate() {
+            let (g, l) = (r / GROUP, r % GROUP);
+            for (sb, v) in dr.chunks_exact(16).enumerate() {
+                let (s, k) = k_scales::<16>(v, -128..=127)?;
+                ds[(g * nsb + sb) * GROUP + l] = s;
+                for (j, &kj) in k.iter().enumerate() {
+                    // Block of 16 `16sb + j`: block of 32 `8sb + j / 2`, its half `j % 2`.
+                    sc[(g * nb + 8 * sb + j / 2) * 16 + 8 * (j % 2) + l] = kj as i8;
+                }
             }
-            for (hp, values) in hr.chunks_exact_mut(16).zip(row.chunks_exact(64)) {
-                // Byte `k`: the layout's positions `k`, `16 + k`, `32 + k`, `48 + k`, which are
-                // A's value `2k`, B's `2k`, A's `2k + 1`, B's `2k + 1` ([`q4_slot`]).
-                let top = |e: usize| ((values[e] + 32) as u8) >> 4;
-                for (k, o) in hp.iter_mut().enumerate() {
-                    *o = top(2 * k) | top(32 + 2 * k) << 2 | top(2 * k + 1) << 4 | top(33 + 2 * k) << 6;
+            for (b, values) in row.chunks_exact(32).enumerate() {
+                let u = |i: usize| (values[i] + 32) as u8;
+                let (at, top) = (q4k_slot(r, 32 * b, n_in).0, q6k_top(r, 32 * b, n_in).0);
+                for k in 0..4 {
+                    for e in 0..4 {
+                        let (a, c) = (u(4 * k + e), u(16 + 4 * k + e));
+                        nibbles[at + 32 * k + e] = (a & 0xF) | (c & 0xF) << 4;
+                        h[top + e] |= (a >> 4) << (2 * k);
+                        h[top + 32 + e] |= (c >> 4) << (2 * k);
+                    }
                 }
             }
         }
-        Some(Stored::Q6K { q: nibbles, h, sc, d: ds })
+        Some(Stored::Q6K { rows, q: nibbles, h, sc, d: ds })
     }
 
     /// Value `i` of row `r` of a [`Stored::Q6K`] weight (`q`, -32..=31).
     fn q6_value(&self, r: usize, i: usize, n_in: usize) -> i8 {
         let Stored::Q6K { q, h, .. } = self else { unreachable!("q6_value of another form") };
-        let lo = (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF;
-        let slot = q4_slot(i, n_in);
-        let hi = (h[(r * n_in + slot) / 64 * 16 + slot % 16] >> (2 * (slot % 64 / 16))) & 3;
-        (lo | hi << 4) as i8 - 32
+        let (at, shift) = q4k_slot(r, i, n_in);
+        let (top, tshift) = q6k_top(r, i, n_in);
+        (((q[at] >> shift) & 0xF) | ((h[top] >> tshift) & 3) << 4) as i8 - 32
     }
 
-    /// Block `b`'s (of the whole weight, 16 values each) scale of a [`Stored::Q6K`] weight.
+    /// Row `r`'s block of 16 `b` (of `nb` a row) scale, of a [`Stored::Q6K`] weight.
     #[inline(always)]
-    fn q6_scale(&self, b: usize) -> f32 {
+    fn q6_scale(&self, r: usize, b: usize, nb: usize) -> f32 {
         let Stored::Q6K { sc, d, .. } = self else { unreachable!("q6_scale of another form") };
-        d[b / 16] * sc[b] as f32
+        let (g, l) = (r / GROUP, r % GROUP);
+        d[(g * (nb / 16) + b / 16) * GROUP + l] * sc[(g * (nb / 2) + b / 2) * 16 + 8 * (b % 2) + l] as f32
     }
 
     /// A compacted weight back in its upload format, to be written: [`Stored::Q5`] in `q8x32`,
@@ -338,11 +371,14 @@ impl Stored {
             }
             return Some(Stored::Q4 { q, d, m });
         }
-        if let Stored::Q6K { sc, .. } = self {
-            let d: Vec<f32> = (0..sc.len()).map(|b| self.q6_scale(b)).collect();
-            let rows = d.len() / (n_in / 16);
+        if let Stored::Q6K { rows, .. } = *self {
+            let nb = n_in / 16;
+            let mut d = vec![0f32; rows * nb];
             let mut q = vec![0i8; rows * n_in];
             for (r, row) in q.chunks_exact_mut(n_in).enumerate() {
+                for b in 0..nb {
+                    d[r * nb + b] = self.q6_scale(r, b, nb);
+                }
                 for (i, v) in row.iter_mut().enumerate() {
                     *v = self.q6_value(r, i, n_in);
                 }
@@ -426,7 +462,7 @@ impl Stored {
             }
             Stored::Q6K { .. } => {
                 for (i, x) in out.iter_mut().enumerate() {
-                    *x = self.q6_scale(o * n_in / 16 + i / 16) * self.q6_value(o, i, n_in) as f32;
+                    *x = self.q6_scale(o, i / 16, n_in / 16) * self.q6_value(o, i, n_in) as f32;
                 }
             }
         }
@@ -440,7 +476,7 @@ impl Stored {
             Stored::Q8 { block, .. } => Some((*block, false)),
             Stored::Q4 { .. } | Stored::Q5 { .. } => Some((32, true)),
             Stored::Q4K { .. } => Some((32, false)),
-            Stored::Q6K { .. } => Some((16, true)),
+            Stored::Q6K { .. } => Some((16, false)),
         }
     }
 }
@@ -549,9 +585,7 @@ pub struct Quantized {
     /// `[t, n_in / block]`: `s * sum(q)` of each block.
     pub c: Vec<f32>,
     /// `[t, n_in / block / 2 * 8]`: for each pair of blocks A, B, `[s_A x4, s_B x4]` (the
-    /// scales as the vector kernels of the formats with two blocks a 256-bit step read them);
-    /// for blocks of 16 in the `q4x32` layout (a [`Stored::Q6K`] weight's), at `16k` the four
-    /// blocks of values `64k..64k + 64` as `[s0 x2, s1 x2, s2 x2, s3 x2]`.
+    /// scales as the vector kernels of the formats with two blocks a 256-bit step read them).
     pub pairs: Vec<f32>,
 }
 
@@ -601,16 +635,7 @@ pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) ->
                 let (d, sum) = if WIDE { unsafe { avx2::quantize_block(v, &mut qs) } } else { quantize_block(v, &mut qs) };
                 #[cfg(not(target_arch = "x86_64"))]
                 let (d, sum) = quantize_block(v, &mut qs);
-                if q4 && block == 16 {
-                    // A Q6K weight's: the layout of the blocks of 32 (n_in a multiple of 32),
-                    // this block the first or second half of each of its block's halves.
-                    let (even, odd) = q4_bases(b / 2, n_in / 32);
-                    let at = 8 * (b % 2);
-                    for j in 0..8 {
-                        qr[even + at + j] = qs[2 * j];
-                        qr[odd + at + j] = qs[2 * j + 1];
-                    }
-                } else if q4 {
+                if q4 {
                     let (even, odd) = q4_bases(b, nb);
                     for j in 0..16 {
                         qr[even + j] = qs[2 * j];
@@ -623,18 +648,8 @@ pub fn quantize(isa: Isa, x: &[f32], n_in: usize, (block, q4): (usize, bool)) ->
                 c[r * nb + b] = d * sum as f32;
             }
             for (p, o) in pairs[r * (nb / 2) * 8..][..(nb / 2) * 8].chunks_exact_mut(8).enumerate() {
-                if q4 && block == 16 {
-                    // Per 64 values (four blocks, the Q6K kernel's step) `[s0 x2, s1 x2, s2
-                    // x2, s3 x2]`, then nothing (the second half of the room left zero).
-                    if p % 2 == 0 {
-                        for (k, v) in o.iter_mut().enumerate() {
-                            *v = s[r * nb + 2 * p + k / 2];
-                        }
-                    }
-                } else {
-                    o[..4].fill(s[r * nb + 2 * p]);
-                    o[4..].fill(s[r * nb + 2 * p + 1]);
-                }
+                o[..4].fill(s[r * nb + 2 * p]);
+                o[4..].fill(s[r * nb + 2 * p + 1]);
             }
         }
         Quantized { block, q, s, c, pairs }
@@ -749,10 +764,17 @@ pub mod scalar {
                 y
             }
             Stored::Q6K { .. } => {
+                // x in order, blocks of 16; per block of 32 its halves' integer sums of `u = q
+                // + 32` scaled, then the 32's term, `32 d_b c_b`, taken off for each, each in
+                // one rounding (the vector kernel's fused steps).
                 let mut y = 0f32;
-                for b in 0..nb {
-                    let dot: i32 = (0..16).map(|j| w.q6_value(o, b * 16 + j, n_in) as i32 * xq[q4_slot(b * 16 + j, n_in)] as i32).sum();
-                    y += w.q6_scale(o * nb + b) * s[b] * dot as f32;
+                for b in (0..nb).step_by(2) {
+                    let dot = |b: usize| (0..16).map(|j| (w.q6_value(o, b * 16 + j, n_in) as i32 + 32) * xq[b * 16 + j] as i32).sum::<i32>() as f32;
+                    let (da, db) = (w.q6_scale(o, b, nb), w.q6_scale(o, b + 1, nb));
+                    y = dot(b).mul_add(da * s[b], y);
+                    y = dot(b + 1).mul_add(db * s[b + 1], y);
+                    y = (-(da * 32.0)).mul_add(c[b], y);
+                    y = (-(db * 32.0)).mul_add(c[b + 1], y);
                 }
                 y
             }
@@ -777,21 +799,27 @@ pub mod scalar {
         y
     }
 
-    /// `exact` for row `o` of a [`Stored::Q4K`] weight against `x` (in order): each value
-    /// decoded as the contract reads it (`d * u - m`), summed in four lanes, lane `e` the
-    /// values `4k + e` and `16 + 4k + e` of each block (`k` in 0..4), block by block in the
-    /// order `4k + e` then `16 + 4k + e` for each `k`; then `(l0 + l1) + (l2 + l3)`. The
-    /// vector kernel's order: a row's lane of its group's vectors ([`Stored::Q4K`]).
-    pub fn exact_k(w: &Stored, o: usize, n_in: usize, x: &[f32]) -> f32 {
+    /// `exact` for row `o` of a [`Stored::Q4K`] or [`Stored::Q6K`] weight against `x` (in
+    /// order): each value decoded as the contract reads it (`d * u - m`, `d * q`), summed in
+    /// four lanes, lane `e` the values `4k + e` and `16 + 4k + e` of each block of 32 (`k` in
+    /// 0..4), block by block in the order `4k + e` then `16 + 4k + e` for each `k`; then `(l0
+    /// + l1) + (l2 + l3)`. The vector kernel's order: a row's lane of its group's vectors.
+    pub fn exact_group(w: &Stored, o: usize, n_in: usize, x: &[f32]) -> f32 {
         let nb = n_in / 32;
         let mut acc = [0f32; 4];
         for b in 0..nb {
-            let (d, m) = w.q4_scale(o, b, nb);
             for k in 0..4 {
                 for half in 0..2 {
                     for (e, a) in acc.iter_mut().enumerate() {
                         let i = 32 * b + 16 * half + 4 * k + e;
-                        *a = (d * w.q4_value(o, i, n_in) as f32 - m).mul_add(x[i], *a);
+                        let v = match w {
+                            Stored::Q6K { .. } => w.q6_scale(o, 2 * b + half, 2 * nb) * w.q6_value(o, i, n_in) as f32,
+                            _ => {
+                                let (d, m) = w.q4_scale(o, b, nb);
+                                d * w.q4_value(o, i, n_in) as f32 - m
+                            }
+                        };
+                        *a = v.mul_add(x[i], *a);
                     }
                 }
             }
@@ -809,7 +837,7 @@ pub mod scalar {
     /// Decodes row `o` for the exact kernel, in the layout of x for its format.
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         match w {
-            Stored::Q4 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } => {
+            Stored::Q4 { .. } | Stored::Q5 { .. } => {
                 let mut plain = vec![0f32; n_in];
                 w.decode_row(o, n_in, &mut plain);
                 for (i, v) in plain.into_iter().enumerate() {
@@ -825,7 +853,7 @@ pub mod scalar {
 pub mod avx2 {
     //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
     //! Loads are unaligned, from slices whose bounds are checked where they are cut.
-    use super::{K8, Quantized, Stored};
+    use super::{Groups, Quantized, Stored};
     use std::arch::x86_64::*;
 
     /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
@@ -963,19 +991,65 @@ pub mod avx2 {
         }
     }
 
-    /// Group `g`'s block `b` (of `nb` a row) of a [`Stored::Q4K`] weight: its eight rows' `d`
-    /// and `m` ([`Stored::q4_scale`]'s products).
+    /// Group `g`'s block of 32 `b` (of `nb` a row): its eight rows' `d` and `m` for a
+    /// [`Stored::Q4K`] weight ([`Stored::q4_scale`]'s products), or its two blocks of 16's
+    /// scales for a [`Stored::Q6K`] one (`SIX`; [`Stored::q6_scale`]'s).
     ///
     /// # Safety
-    /// The CPU has AVX2; group `g` and block `b` are the weight's.
+    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `SIX` says.
     #[inline(always)]
-    unsafe fn group_scales(k: &K8<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's promise: `(g * nb + b) * 8 + 8 <= sc.len()` (and `mn`'s),
-        // `(g * nb / 8 + b / 8) * 8 + 8 <= d.len()` (and `dmin`'s).
+    unsafe fn group_scales<const SIX: bool>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's promise: with `SIX`, `(g * nb + b) * 16 + 16 <= sc6.len()`, else
+        // `(g * nb + b) * 8 + 8 <= sc.len()` (and `mn`'s); `(g * nb / 8 + b / 8) * 8 + 8 <=
+        // d.len()` (and `dmin`'s without `SIX`).
         unsafe {
-            let (at, sat) = ((g * nb + b) * super::GROUP, (g * (nb / 8) + b / 8) * super::GROUP);
-            let ints = |v: &[u8]| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(at).cast())));
-            (_mm256_mul_ps(_mm256_loadu_ps(k.d.as_ptr().add(sat)), ints(k.sc)), _mm256_mul_ps(_mm256_loadu_ps(k.dmin.as_ptr().add(sat)), ints(k.mn)))
+            let sat = (g * (nb / 8) + b / 8) * super::GROUP;
+            let ds = _mm256_loadu_ps(k.d.as_ptr().add(sat));
+            if SIX {
+                let at = k.sc6.as_ptr().add((g * nb + b) * 16);
+                let ints = |p: *const i8| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())));
+                (_mm256_mul_ps(ds, ints(at)), _mm256_mul_ps(ds, ints(at.add(8))))
+            } else {
+                let at = (g * nb + b) * super::GROUP;
+                let ints = |v: &[u8]| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr().add(at).cast())));
+                (_mm256_mul_ps(ds, ints(k.sc)), _mm256_mul_ps(_mm256_loadu_ps(k.dmin.as_ptr().add(sat)), ints(k.mn)))
+            }
+        }
+    }
+
+    /// Group `g`'s block of 32 `b` of a weight of interleaved rows, unpacked: four vectors of
+    /// its values `4k + e` (lane `l` row `8g + l`, byte `e` of the lane), four of `16 + 4k +
+    /// e`; with `SIX` the top two bits of each added (`u`, 0..=63), else nibbles.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `SIX` says.
+    #[inline(always)]
+    unsafe fn group_values<const SIX: bool>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> ([__m256i; 4], [__m256i; 4]) {
+        // SAFETY: the caller's promise: `(g * nb + b) * 128 + 128 <= q.len()`, and with `SIX`
+        // `(g * nb + b) * 64 + 64 <= h.len()`.
+        unsafe {
+            let low = _mm256_set1_epi8(0x0F);
+            let p = k.q.as_ptr().add((g * nb + b) * 128);
+            let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
+            for c in 0..4 {
+                let v = _mm256_loadu_si256(p.add(32 * c).cast());
+                lo[c] = _mm256_and_si256(v, low);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+            }
+            if SIX {
+                // Bits `2c, 2c + 1` of each byte of `h` to bits 4 and 5 (bits shifted in from
+                // the 16-bit lane's other byte fall outside them).
+                let top = _mm256_set1_epi8(0x30);
+                let hp = k.h.as_ptr().add((g * nb + b) * 64);
+                for (half, v) in [&mut lo, &mut hi].into_iter().enumerate() {
+                    let t = _mm256_loadu_si256(hp.add(32 * half).cast());
+                    let bits = [_mm256_slli_epi16::<4>(t), _mm256_slli_epi16::<2>(t), t, _mm256_srli_epi16::<2>(t)];
+                    for c in 0..4 {
+                        v[c] = _mm256_or_si256(v[c], _mm256_and_si256(bits[c], top));
+                    }
+                }
+            }
+            (lo, hi)
         }
     }
 
@@ -1249,43 +1323,45 @@ pub mod avx2 {
         }
     }
 
-    /// `fast` for `R` rows of x (in order) against group `g` of a [`Stored::Q4K`] weight:
-    /// `out[8i + l]` for x row `r0 + i` and weight row `8g + l`. Per block, the four values of
-    /// each row in a 32-bit lane against x's four broadcast, eight instructions for the
-    /// block's 32 products with all eight rows; then the block's integer sums scaled, `d_b
-    /// s_b`, and the min's term, `m_b c_b`, taken off, each in one rounding
-    /// ([`super::scalar::fast`]'s order).
+    /// `fast` for `R` rows of x (in order) against group `g` of a weight of interleaved rows
+    /// (`SIX`: [`Stored::Q6K`], else [`Stored::Q4K`]): `out[8i + l]` for x row `r0 + i` and
+    /// weight row `8g + l`. Per block of 32, the four values of each row in a 32-bit lane
+    /// against x's four broadcast, eight instructions for the block's 32 products with all
+    /// eight rows; then the sums scaled and the offsets' terms taken off, each in one rounding
+    /// ([`super::scalar::fast`]'s order): Q4_K's block `d_b s_b` and its min's `m_b c_b`;
+    /// Q6_K's two blocks of 16 each `d_b s_b` (x quantized per 16), then each `32 d_b c_b`.
     ///
     /// # Safety
-    /// As [`q8`]'s; `g` is a group of the weight, `r0 + R` rows of x at most.
+    /// As [`q8`]'s; `g` is a group of the weight, of the form `SIX` says; `r0 + R` rows of x
+    /// at most.
     #[inline(always)]
-    unsafe fn fast_k<const R: usize, const DOT: u8>(k: K8<'_>, g: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+    unsafe fn fast_group<const R: usize, const SIX: bool, const DOT: u8>(k: Groups<'_>, g: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
         let nb = n_in / 32;
-        let q = &k.q[g * nb * 128..][..nb * 128];
+        let nbx = if SIX { 2 * nb } else { nb };
         let xq: [&[i8]; R] = std::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
-        let xs: [&[f32]; R] = std::array::from_fn(|i| &x.s[(r0 + i) * nb..][..nb]);
-        let xc: [&[f32]; R] = std::array::from_fn(|i| &x.c[(r0 + i) * nb..][..nb]);
-        // SAFETY: block `b < nb` reads bytes `128b..128b + 128` of `q` (cut to `128 nb`), bytes
-        // `32b..32b + 32` of each `xq[i]` (n_in), value `b` of each `xs[i]` and `xc[i]` (nb),
-        // and group `g`'s scales of block `b` (the caller's promise); `out` holds `8R` values
-        // (each store cut).
+        let xs: [&[f32]; R] = std::array::from_fn(|i| &x.s[(r0 + i) * nbx..][..nbx]);
+        let xc: [&[f32]; R] = std::array::from_fn(|i| &x.c[(r0 + i) * nbx..][..nbx]);
+        // SAFETY: block `b < nb` reads bytes `32b..32b + 32` of each `xq[i]` (n_in), values
+        // `b` (or `2b, 2b + 1` with `SIX`) of each `xs[i]` and `xc[i]` (cut to their blocks),
+        // and group `g`'s block `b` of the weight (the caller's promise); `out` holds `8R`
+        // values (each store cut); a prefetch reads nothing (`wrapping_add`).
         unsafe {
-            let (low, ones) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi16(1));
+            let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
-                let p = q.as_ptr().add(128 * b);
                 if R == 1 {
                     // A decode step streams the weight once: its lines asked for ahead.
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD + 64).cast());
+                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+                    if SIX {
+                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
+                    }
                 }
-                let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
-                for c in 0..4 {
-                    let v = _mm256_loadu_si256(p.add(32 * c).cast());
-                    lo[c] = _mm256_and_si256(v, low);
-                    hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                }
-                let (wd, wm) = group_scales(&k, g, b, nb);
+                let (lo, hi) = group_values::<SIX>(&k, g, b, nb);
+                let (wa, wb) = group_scales::<SIX>(&k, g, b, nb);
+                let thirty_two = _mm256_set1_ps(32.0);
+                let (wa32, wb32) = (_mm256_mul_ps(wa, thirty_two), _mm256_mul_ps(wb, thirty_two));
                 for i in 0..R {
                     let xp = xq[i].as_ptr().add(32 * b).cast::<i32>();
                     let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
@@ -1293,9 +1369,17 @@ pub mod avx2 {
                         a0 = dot::<DOT>(a0, lo[c], _mm256_set1_epi32(xp.add(c).read_unaligned()), ones);
                         a1 = dot::<DOT>(a1, hi[c], _mm256_set1_epi32(xp.add(4 + c).read_unaligned()), ones);
                     }
-                    let f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
-                    acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(wd, _mm256_set1_ps(*xs[i].get_unchecked(b))), acc[i]);
-                    acc[i] = _mm256_fnmadd_ps(wm, _mm256_set1_ps(*xc[i].get_unchecked(b)), acc[i]);
+                    let v = |s: &[f32], j: usize| _mm256_set1_ps(*s.get_unchecked(j));
+                    if SIX {
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(wa, v(xs[i], 2 * b)), acc[i]);
+                        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(wb, v(xs[i], 2 * b + 1)), acc[i]);
+                        acc[i] = _mm256_fnmadd_ps(wa32, v(xc[i], 2 * b), acc[i]);
+                        acc[i] = _mm256_fnmadd_ps(wb32, v(xc[i], 2 * b + 1), acc[i]);
+                    } else {
+                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
+                        acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(wa, v(xs[i], b)), acc[i]);
+                        acc[i] = _mm256_fnmadd_ps(wb, v(xc[i], b), acc[i]);
+                    }
                 }
             }
             for (i, a) in acc.iter().enumerate() {
@@ -1304,14 +1388,14 @@ pub mod avx2 {
         }
     }
 
-    /// `fast` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a [`Stored::Q4K`]
-    /// weight against every row of x: `out[r * width + o - rows.start]`. Two groups at a time
-    /// (held in the cache) against x's rows, up to eight at a time.
+    /// `fast` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a weight of
+    /// interleaved rows against every row of x: `out[r * width + o - rows.start]`. Two groups
+    /// at a time (held in the cache) against x's rows, up to eight at a time.
     ///
     /// # Safety
-    /// As [`q8`]'s.
+    /// As [`q8`]'s; the weight of the form `SIX` says.
     #[inline(always)]
-    unsafe fn fast_k_rows<const DOT: u8>(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+    unsafe fn fast_groups<const SIX: bool, const DOT: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 64];
         let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
         let mut g0 = groups.start;
@@ -1319,8 +1403,8 @@ pub mod avx2 {
             let g1 = (g0 + 2).min(groups.end);
             let mut r = 0;
             while r < t {
-                // Eight rows of x at once where AVX-512's registers hold them (at 128 rows
-                // 124 GMAC/s a core of a Zen 4 against four's 115).
+                // Eight rows of x at once where AVX-512's registers hold them (Q4_K at 128
+                // rows 124 GMAC/s a core of a Zen 4 against four's 115).
                 let n = match t - r {
                     n if n >= 8 && DOT == AVX512_VNNI => 8,
                     n if n >= 4 => 4,
@@ -1332,10 +1416,10 @@ pub mod avx2 {
                     // <= t`.
                     unsafe {
                         match n {
-                            8 => fast_k::<8, DOT>(k, g, n_in, x, r, &mut y),
-                            4 => fast_k::<4, DOT>(k, g, n_in, x, r, &mut y),
-                            2 => fast_k::<2, DOT>(k, g, n_in, x, r, &mut y),
-                            _ => fast_k::<1, DOT>(k, g, n_in, x, r, &mut y),
+                            8 => fast_group::<8, SIX, DOT>(k, g, n_in, x, r, &mut y),
+                            4 => fast_group::<4, SIX, DOT>(k, g, n_in, x, r, &mut y),
+                            2 => fast_group::<2, SIX, DOT>(k, g, n_in, x, r, &mut y),
+                            _ => fast_group::<1, SIX, DOT>(k, g, n_in, x, r, &mut y),
                         }
                     }
                     for l in 0..super::GROUP {
@@ -1353,44 +1437,48 @@ pub mod avx2 {
         }
     }
 
-    /// `exact` for `R` rows of x (in order) against group `g` of a [`Stored::Q4K`] weight:
-    /// `out[8i + l]`, [`super::scalar::exact_k`]'s sums (each lane a row): the block's nibbles
-    /// of one position `e` of the lanes' four picked out together (`vpshufb`), decoded, and
+    /// `exact` for `R` rows of x (in order) against group `g` of a weight of interleaved rows
+    /// (`SIX`: [`Stored::Q6K`], else [`Stored::Q4K`]): `out[8i + l]`,
+    /// [`super::scalar::exact_group`]'s sums (each lane a row): the block's values of one
+    /// position `e` of the lanes' four picked out together (`vpshufb`), decoded, and
     /// multiplied with x's value broadcast.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `g` is a group of the weight; each `x[i]` holds `n_in`
-    /// values.
+    /// The CPU has AVX2 and FMA; `g` is a group of the weight, of the form `SIX` says; each
+    /// `x[i]` holds `n_in` values.
     #[inline(always)]
-    unsafe fn exact_k<const R: usize>(k: K8<'_>, g: usize, n_in: usize, x: [&[f32]; R], out: &mut [f32]) {
+    unsafe fn exact_group<const R: usize, const SIX: bool>(k: Groups<'_>, g: usize, n_in: usize, x: [&[f32]; R], out: &mut [f32]) {
         let nb = n_in / 32;
-        let q = &k.q[g * nb * 128..][..nb * 128];
         let x: [&[f32]; R] = std::array::from_fn(|i| &x[i][..n_in]);
-        // SAFETY: block `b < nb` reads bytes `128b..128b + 128` of `q` (cut to `128 nb`),
-        // values `32b..32b + 32` of each `x[i]` (cut to n_in), and group `g`'s scales of
-        // block `b` (the caller's promise); `out` holds `8R` values (each store cut).
+        // SAFETY: block `b < nb` reads values `32b..32b + 32` of each `x[i]` (cut to n_in),
+        // and group `g`'s block `b` of the weight (the caller's promise); `out` holds `8R`
+        // values (each store cut); a prefetch reads nothing (`wrapping_add`).
         unsafe {
-            let low = _mm256_set1_epi8(0x0F);
             // Byte `e` of each 32-bit lane, zero-extended (`vpshufb` picks within each half).
             let pick: [__m256i; 4] = std::array::from_fn(|e| {
                 let e = e as i8;
                 let (a, b, c, d) = (e, 4 + e, 8 + e, 12 + e);
                 _mm256_setr_epi8(a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1, a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1)
             });
+            let thirty_two = _mm256_set1_ps(32.0);
             let mut acc = [[_mm256_setzero_ps(); 4]; R];
             for b in 0..nb {
-                let p = q.as_ptr().add(128 * b);
                 if R == 1 {
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(super::AHEAD + 64).cast());
+                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
+                    _mm_prefetch::<_MM_HINT_T0>(p.cast());
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+                    if SIX {
+                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
+                    }
                 }
-                let (wd, wm) = group_scales(&k, g, b, nb);
+                let (lo, hi) = group_values::<SIX>(&k, g, b, nb);
+                let (wa, wb) = group_scales::<SIX>(&k, g, b, nb);
                 for c in 0..4 {
-                    let v = _mm256_loadu_si256(p.add(32 * c).cast());
-                    for half in 0..2 {
-                        let u = if half == 0 { _mm256_and_si256(v, low) } else { _mm256_and_si256(_mm256_srli_epi16::<4>(v), low) };
+                    for (half, u) in [lo[c], hi[c]].into_iter().enumerate() {
                         for e in 0..4 {
-                            let w = _mm256_sub_ps(_mm256_mul_ps(wd, _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u, pick[e]))), wm);
+                            let f = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u, pick[e]));
+                            // As the contract reads them: `d * q` (q = u - 32), `d * u - m`.
+                            let w = if SIX { _mm256_mul_ps(if half == 0 { wa } else { wb }, _mm256_sub_ps(f, thirty_two)) } else { _mm256_sub_ps(_mm256_mul_ps(wa, f), wb) };
                             let at = 32 * b + 16 * half + 4 * c + e;
                             for i in 0..R {
                                 acc[i][e] = _mm256_fmadd_ps(w, _mm256_set1_ps(*x[i].get_unchecked(at)), acc[i][e]);
@@ -1406,15 +1494,16 @@ pub mod avx2 {
         }
     }
 
-    /// `exact` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a
-    /// [`Stored::Q4K`] weight against the `t` rows of x (in order): `out[r * width + o -
+    /// `exact` for weight rows `rows` (from a multiple of [`super::GROUP`]) of a weight of
+    /// interleaved rows against the `t` rows of x (in order): `out[r * width + o -
     /// rows.start]`. x in tiles of [`super::X_TILE`] rows (held in the cache), each against
     /// every group, up to `MAX_R` rows at a time.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA (and AVX-512 F and VL where `MAX_R` is 4).
+    /// The CPU has AVX2 and FMA (and AVX-512 F and VL where `MAX_R` is 4); the weight of the
+    /// form `SIX` says.
     #[inline(always)]
-    unsafe fn exact_k_rows_with<const MAX_R: usize>(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+    unsafe fn exact_groups_with<const MAX_R: usize, const SIX: bool>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 32];
         let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
         let xr = |i: usize| &x[i * n_in..][..n_in];
@@ -1431,9 +1520,9 @@ pub mod avx2 {
                     // SAFETY: the caller's promise; `g` is one of the weight's groups.
                     unsafe {
                         match n {
-                            4 => exact_k::<4>(k, g, n_in, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)], &mut y),
-                            2 => exact_k::<2>(k, g, n_in, [xr(r), xr(r + 1)], &mut y),
-                            _ => exact_k::<1>(k, g, n_in, [xr(r)], &mut y),
+                            4 => exact_group::<4, SIX>(k, g, n_in, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)], &mut y),
+                            2 => exact_group::<2, SIX>(k, g, n_in, [xr(r), xr(r + 1)], &mut y),
+                            _ => exact_group::<1, SIX>(k, g, n_in, [xr(r)], &mut y),
                         }
                     }
                     for l in 0..super::GROUP {
@@ -1450,163 +1539,27 @@ pub mod avx2 {
         }
     }
 
-    /// [`exact_k_rows_with`] for AVX2 + FMA: two rows of x at a time.
+    /// [`exact_groups_with`] for AVX2 + FMA: two rows of x at a time.
     #[target_feature(enable = "avx2,fma")]
-    pub fn exact_k_rows(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
-        // SAFETY: this function's features are the body's.
-        unsafe { exact_k_rows_with::<2>(k, rows, n_in, x, t, out, width) }
+    pub fn exact_groups(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features are the body's; `six` says the form.
+        unsafe {
+            match k.six() {
+                true => exact_groups_with::<2, true>(k, rows, n_in, x, t, out, width),
+                false => exact_groups_with::<2, false>(k, rows, n_in, x, t, out, width),
+            }
+        }
     }
 
-    /// [`exact_k_rows_with`] with AVX-512 VL's 32 registers: four rows of x at a time (the same
-    /// sums, the same bits).
+    /// [`exact_groups_with`] with AVX-512 VL's 32 registers: four rows of x at a time (the
+    /// same sums, the same bits).
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-    pub fn exact_k_rows_avx512(k: K8<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
-        // SAFETY: this function's features include the body's.
-        unsafe { exact_k_rows_with::<4>(k, rows, n_in, x, t, out, width) }
-    }
-
-    /// The six-bit values `u` (0..=63) of pair `p` (64 values) of a [`Stored::Q6K`] row's
-    /// nibbles `q` and top bits `h`, in x's `q4x32` layout: `[A even, B even]` and `[A odd, B
-    /// odd]` (A, B its two blocks of 32).
-    ///
-    /// # Safety
-    /// The CPU has AVX2; `q` holds bytes `32p..32p + 32` and `h` bytes `16p..16p + 16`.
-    #[inline(always)]
-    unsafe fn six_bits(q: &[u8], h: &[u8], p: usize) -> (__m256i, __m256i) {
-        // SAFETY: the caller's promise.
+    pub fn exact_groups_avx512(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+        // SAFETY: this function's features include the body's; `six` says the form.
         unsafe {
-            let low = _mm256_set1_epi8(0x0F);
-            let top = _mm256_set1_epi8(0x30);
-            let w = _mm256_loadu_si256(q.as_ptr().add(32 * p).cast());
-            // Each half of the layout takes its two bits of `h`'s byte to bits 4 and 5: the
-            // lower half of `[A even, B even]` bits 0-1 (left 4), the upper bits 2-3 (left 2);
-            // of `[A odd, B odd]` bits 4-5 (as they are) and 6-7 (right 2). Bits shifted in
-            // from a neighbouring byte fall outside bits 4 and 5.
-            let hb = _mm256_broadcastsi128_si256(_mm_loadu_si128(h.as_ptr().add(16 * p).cast()));
-            let even = _mm256_and_si256(_mm256_sllv_epi64(hb, _mm256_set_epi64x(2, 2, 4, 4)), top);
-            let odd = _mm256_and_si256(_mm256_srlv_epi64(hb, _mm256_set_epi64x(2, 2, 0, 0)), top);
-            (_mm256_or_si256(_mm256_and_si256(w, low), even), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), odd))
-        }
-    }
-
-    /// Pair `p` of a [`Stored::Q6K`] row decoded to f32 in x's `q4x32` layout (eight vectors of
-    /// eight), its four blocks of 16 scaled by `d[k]`: `d_k * (u - 32)`, as the contract reads
-    /// it.
-    ///
-    /// # Safety
-    /// As [`six_bits`]'.
-    #[inline(always)]
-    unsafe fn six_decoded(q: &[u8], h: &[u8], p: usize, d: [f32; 4]) -> [__m256; 8] {
-        // SAFETY: the caller's promise.
-        unsafe {
-            let (lo, hi) = six_bits(q, h, p);
-            let thirty_two = _mm256_set1_epi8(32);
-            // Through memory: a widening load takes its eight bytes where they lie, where
-            // taking them out of a register is an instruction more each.
-            let mut bytes = [0i8; 64];
-            _mm256_storeu_si256(bytes.as_mut_ptr().cast(), _mm256_sub_epi8(lo, thirty_two));
-            _mm256_storeu_si256(bytes.as_mut_ptr().add(32).cast(), _mm256_sub_epi8(hi, thirty_two));
-            let mut out = [_mm256_setzero_ps(); 8];
-            // x's order: A even, B even, A odd, B odd, 8 at a time; part `c % 4` of a half is
-            // the pair's block of 16 `c % 4`.
-            for (c, o) in out.iter_mut().enumerate() {
-                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes.as_ptr().add(8 * c).cast()));
-                *o = _mm256_mul_ps(_mm256_set1_ps(d[c % 4]), _mm256_cvtepi32_ps(v));
-            }
-            out
-        }
-    }
-
-    /// Superblock `sb`'s sixteen block scales of a [`Stored::Q6K`] row (its bytes `sc`, its
-    /// superblocks' `d`), eight a vector: [`Stored::q6_scale`]'s products.
-    ///
-    /// # Safety
-    /// The CPU has AVX2; `sc` holds bytes `16sb..16sb + 16` and `d` value `sb`.
-    #[inline(always)]
-    unsafe fn six_scales(sc: &[i8], d: &[f32], sb: usize) -> [__m256; 2] {
-        // SAFETY: the caller's promise.
-        unsafe {
-            let s = _mm256_set1_ps(*d.get_unchecked(sb));
-            let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(16 * sb).cast())));
-            let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(16 * sb + 8).cast())));
-            [_mm256_mul_ps(s, lo), _mm256_mul_ps(s, hi)]
-        }
-    }
-
-    /// `fast` for `R` rows of x (in the `q4x32` layout, blocks of 16) against the `W` rows of
-    /// a [`Stored::Q6K`] weight from `o`: `out[j * R + i]`. Per 64 values `u`'s products with
-    /// x summed in 32 bits per block of 16 (two lanes each), scaled by `[d_0 x2, .., d_3 x2]`
-    /// (made a superblock at a time from its bytes) and x's scales alike; the 32 taken off
-    /// `u` through x's block sums once a row: `sum_b d_b s_b (u . qx)_b - 32 sum_b d_b c_b`.
-    ///
-    /// # Safety
-    /// As [`q8`]'s.
-    #[inline(always)]
-    unsafe fn six<const W: usize, const R: usize, const DOT: u8>(
-        (q, h, sc, d): (&[u8], &[u8], &[i8], &[f32]),
-        o: usize,
-        n_in: usize,
-        x: &Quantized,
-        r0: usize,
-        out: &mut [f32],
-    ) {
-        let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
-        let (mut wq, mut wh) = ([&[][..]; W], [&[][..]; W]);
-        let (mut wsc, mut wd) = ([&[][..]; W], [&[][..]; W]);
-        for j in 0..W {
-            wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
-            wh[j] = &h[(o + j) * n_in / 4..][..n_in / 4];
-            wsc[j] = &sc[(o + j) * nb..][..nb];
-            wd[j] = &d[(o + j) * nsb..][..nsb];
-        }
-        let (xq, xp) = x_rows::<R>(x, r0, n_in);
-        // SAFETY: the CPU has AVX2 (the caller's promise).
-        let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
-        // SAFETY: pair `p = 4sb + k < n_in / 64` reads bytes `32p..32p + 32` of each `wq[j]`
-        // (n_in / 2), `16p..16p + 16` of each `wh[j]` (n_in / 4), bytes `64p..64p + 64` of
-        // each `xq[i]` (n_in) and scales `16p..16p + 8` of each `xp[i]` (n_in / 4).
-        unsafe {
-            let mut dk = [[_mm256_setzero_ps(); 2]; W];
-            for sb in 0..nsb {
-                for j in 0..W {
-                    dk[j] = six_scales(wsc[j], wd[j], sb);
-                }
-                for k in 0..4 {
-                    let p = 4 * sb + k;
-                    // The pair's four block scales, each twice, of the superblock's sixteen.
-                    let base = 4 * (k as i32 % 2);
-                    let pick = _mm256_setr_epi32(base, base, base + 1, base + 1, base + 2, base + 2, base + 3, base + 3);
-                    let (xa, xb, s) = x_step(&xq, &xp, p, 16 * p);
-                    for j in 0..W {
-                        // Each of the two streams: the nibbles, 32 bytes a step, and the top
-                        // bits, 16.
-                        ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
-                        ahead::<W>(wh[j], 16 * p, n_in / 4, p.is_multiple_of(4), super::AHEAD / 2);
-                        let (lo, hi) = six_bits(wq[j], wh[j], p);
-                        let ws = _mm256_permutevar8x32_ps(dk[j][k / 2], pick);
-                        for i in 0..R {
-                            let sums = step_sums::<DOT>(lo, hi, xa[i], xb[i], ones);
-                            acc[j][i] = _mm256_fmadd_ps(_mm256_mul_ps(ws, s[i]), _mm256_cvtepi32_ps(sums), acc[j][i]);
-                        }
-                    }
-                }
-            }
-        }
-        for j in 0..W {
-            // `sum_b d_b c_b` of each row of x, in one pass over the weight row's scales.
-            // SAFETY: the CPU has AVX2 and FMA (the caller's promise); the loads are cut.
-            unsafe {
-                let mut offs = [_mm256_setzero_ps(); R];
-                for sb in 0..nsb {
-                    let d = six_scales(wsc[j], wd[j], sb);
-                    for (i, v) in offs.iter_mut().enumerate() {
-                        let c = &x.c[(r0 + i) * nb + 16 * sb..][..16];
-                        *v = _mm256_fmadd_ps(d[1], load_f32(&c[8..]), _mm256_fmadd_ps(d[0], load_f32(c), *v));
-                    }
-                }
-                for i in 0..R {
-                    out[j * R + i] = hsum(acc[j][i]) - 32.0 * hsum(offs[i]);
-                }
+            match k.six() {
+                true => exact_groups_with::<4, true>(k, rows, n_in, x, t, out, width),
+                false => exact_groups_with::<4, false>(k, rows, n_in, x, t, out, width),
             }
         }
     }
@@ -1637,9 +1590,8 @@ pub mod avx2 {
                 Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q4 { q, d, m } => nibbles::<W, R, false, DOT>((q, &[], d, m, 1.0), o, n_in, x, r, y),
-                Stored::Q4K { .. } => unreachable!("a Q4K weight takes `fast_k_rows`"),
+                Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
                 Stored::Q5 { q, h, d } => nibbles::<W, R, true, DOT>((q, h, d, d, 16.0), o, n_in, x, r, y),
-                Stored::Q6K { q, h, sc, d } => six::<W, R, DOT>((q, h, sc, d), o, n_in, x, r, y),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -1679,8 +1631,11 @@ pub mod avx2 {
     unsafe fn fast_rows_with<const DOT: u8>(w: &Stored, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         // SAFETY: the caller's promise, passed on to the kernels.
         unsafe {
-            if let Some(k) = K8::of(w) {
-                return fast_k_rows::<DOT>(k, rows, n_in, x, t, out, width);
+            if let Some(k) = Groups::of(w) {
+                return match k.six() {
+                    true => fast_groups::<true, DOT>(k, rows, n_in, x, t, out, width),
+                    false => fast_groups::<false, DOT>(k, rows, n_in, x, t, out, width),
+                };
             }
             let mut y = [0f32; 16];
             let first = rows.start;
@@ -1878,47 +1833,7 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::Q6K { q, h, sc, d } => {
-                let (nb, nsb) = (n_in / 16, n_in / super::SUPER);
-                // Each row's nibbles, top bits, block bytes and superblock scales.
-                type SixRow<'a> = (&'a [u8], &'a [u8], &'a [i8], &'a [f32]);
-                let mut rows: [SixRow; W] = [(&[], &[], &[], &[]); W];
-                for (j, r) in rows.iter_mut().enumerate() {
-                    *r = (&q[(o + j) * n_in / 2..][..n_in / 2], &h[(o + j) * n_in / 4..][..n_in / 4], &sc[(o + j) * nb..][..nb], &d[(o + j) * nsb..][..nsb]);
-                }
-                // Each row's current superblock's sixteen block scales.
-                let mut kd = [[0f32; 16]; W];
-                // SAFETY: superblock `sb < n_in / 256` reads bytes `16sb..16sb + 16` of each
-                // row's `sc` and its `d` value `sb`; its pair `p = 4sb + k` bytes `32p..32p +
-                // 32` of each row's nibbles (n_in / 2), `16p..16p + 16` of its top bits (n_in /
-                // 4), and elements `64p..64p + 64` of x.
-                unsafe {
-                    for sb in 0..nsb {
-                        for j in 0..W {
-                            let v = six_scales(rows[j].2, rows[j].3, sb);
-                            _mm256_storeu_ps(kd[j].as_mut_ptr(), v[0]);
-                            _mm256_storeu_ps(kd[j].as_mut_ptr().add(8), v[1]);
-                        }
-                        for k in 0..4 {
-                            let p = 4 * sb + k;
-                            let mut xv = [_mm256_setzero_ps(); 8];
-                            for (c, v) in xv.iter_mut().enumerate() {
-                                *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
-                            }
-                            for j in 0..W {
-                                let (q, hb, ..) = rows[j];
-                                _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                                let ds = &kd[j];
-                                let wv = six_decoded(q, hb, p, [ds[4 * k], ds[4 * k + 1], ds[4 * k + 2], ds[4 * k + 3]]);
-                                for c in 0..8 {
-                                    acc[j] = _mm256_fmadd_ps(wv[c], xv[c], acc[j]);
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } => unreachable!("f32 and bf16 rows take the decoded path, Q4K ones `exact_k_rows`"),
+            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
         }
         for j in 0..W {
             out[j] = hsum(acc[j]);
@@ -2037,21 +1952,7 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
-            Stored::Q4K { .. } => w.decode_row(o, n_in, out),
-            Stored::Q6K { q, h, .. } => {
-                let (q, h) = (&q[o * n_in / 2..][..n_in / 2], &h[o * n_in / 4..][..n_in / 4]);
-                for p in 0..n_in / 64 {
-                    let b = o * n_in / 16 + 4 * p;
-                    // SAFETY: pair `p < n_in / 64` reads bytes `32p..32p + 32` of `q` and
-                    // `16p..16p + 16` of `h` (cut above).
-                    let wv = unsafe { six_decoded(q, h, p, [w.q6_scale(b), w.q6_scale(b + 1), w.q6_scale(b + 2), w.q6_scale(b + 3)]) };
-                    for (c, v) in wv.into_iter().enumerate() {
-                        let at = &mut out[64 * p + 8 * c..][..8];
-                        // SAFETY: `at` holds 8 f32 (cut above); the store is unaligned.
-                        unsafe { _mm256_storeu_ps(at.as_mut_ptr(), v) };
-                    }
-                }
-            }
+            Stored::Q4K { .. } | Stored::Q6K { .. } => w.decode_row(o, n_in, out),
         }
     }
 

@@ -35,7 +35,8 @@ impl Matrix {
     /// step, reading every weight from memory, streams a third faster; a `q4x32` weight of
     /// Q4_K's scales keeps them as its six-bit integers ([`Stored::Q4K`]), a fifth smaller; a
     /// `q8x16` one of Q6_K's values and scales six bits a value ([`Stored::Q6K`]), a third
-    /// smaller.
+    /// smaller. The last two with their rows interleaved eight at a time, as their kernels read
+    /// them.
     fn settle(&mut self) {
         if !self.settled {
             if let Some(c) = self.stored.compacted(self.n_in) {
@@ -320,20 +321,21 @@ const FUSED_MAX_T: usize = 4;
 /// format's decoding gives): `out[r * rows.len() + o - rows.start]`.
 fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: usize, out: &mut [f32]) {
     let (n_in, width, first) = (m.n_in, rows.len(), rows.start);
-    if let Some(k) = kernels::K8::of(&m.stored) {
-        // A Q4K weight's own kernel, for every count of rows (its groups' order of sums).
+    if let Some(k) = kernels::Groups::of(&m.stored) {
+        // A weight of interleaved rows: its own kernel, for every count of rows (its groups'
+        // order of sums).
         match isa {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `Isa::Avx512Vnni` is only chosen where the CPU has AVX2, FMA and AVX-512
             // F and VL.
-            Isa::Avx512Vnni => unsafe { kernels::avx2::exact_k_rows_avx512(k, rows, n_in, x, t, out, width) },
+            Isa::Avx512Vnni => unsafe { kernels::avx2::exact_groups_avx512(k, rows, n_in, x, t, out, width) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: every `Isa` but `Scalar` is only chosen where the CPU has AVX2 and FMA.
-            _ if isa.avx2() => unsafe { kernels::avx2::exact_k_rows(k, rows, n_in, x, t, out, width) },
+            _ if isa.avx2() => unsafe { kernels::avx2::exact_groups(k, rows, n_in, x, t, out, width) },
             _ => {
                 for o in rows {
                     for r in 0..t {
-                        out[r * width + o - first] = kernels::scalar::exact_k(&m.stored, o, n_in, &x[r * n_in..][..n_in]);
+                        out[r * width + o - first] = kernels::scalar::exact_group(&m.stored, o, n_in, &x[r * n_in..][..n_in]);
                     }
                 }
             }
@@ -341,7 +343,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. }) {
+    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {

@@ -276,7 +276,7 @@ fn fast_products_with_avx_vnni_are_the_avx2_bits() {
 #[test]
 fn x_quantizes_to_the_same_bytes_with_every_isa() {
     let mut rng = Rng(17);
-    for (block, q4, n_in) in [(32, false, 96), (16, false, 80), (32, true, 128), (32, true, 96), (16, true, 256)] {
+    for (block, q4, n_in) in [(32, false, 96), (16, false, 80), (32, true, 128), (32, true, 96)] {
         let t = 5;
         let mut x: Vec<f32> = (0..t * n_in).map(|_| rng.f() * 9.0).collect();
         // Blocks of zeros, a NaN, infinities, halves that round away from zero, tiny values.
