@@ -30,11 +30,13 @@ pub enum Stored {
     Q4 { q: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// A `q8x32` weight whose every value lies in -16..=15 (what GGUF's Q5_0 and Q4_0 make),
     /// kept in five bits, as Q5_0 keeps it (0.75 bytes a value against `q8x32`'s 1.125): `u =
-    /// q + 16` in nibbles as [`Stored::Q4`]'s and each value's fifth bit in `h`, one `u64` for
-    /// each pair of blocks (a row's lone last block alone), bit `i` the value at position `i`
-    /// of the pair in x's `q4x32` layout ([`q4_slot`]); `d` per 32 values: `w = d * (u - 16)`.
-    /// A product's weight is the same in either form.
-    Q5 { q: Vec<u8>, h: Vec<u64>, d: Vec<f32> },
+    /// q + 16`, `d` per 32 values: `w = d * (u - 16)`, the same weight in either form.
+    ///
+    /// Rows in groups of [`GROUP`] as [`Stored::Q4K`]'s: `u`'s low four bits in `q` as its
+    /// nibbles; its fifth in `h`, 32 bytes a group's block of 32 (at `(g * nb + b) * 32`):
+    /// byte `4l + e`'s bit `4 half + k` that of row `8g + l`'s value `32b + 16 half + 4k + e`;
+    /// `d` at `(g * nb + b) * 8 + l`.
+    Q5 { rows: usize, q: Vec<u8>, h: Vec<u8>, d: Vec<f32> },
     /// A `q4x32` weight whose scales and mins are GGUF Q4_K's: per superblock of [`SUPER`]
     /// values (eight blocks, rows a whole number of them) an f32 `d` and `dmin`, per block of 32
     /// six-bit integers `sc` and `mn`, `d_b = d * sc_b` and `m_b = dmin * mn_b` in f32: the very
@@ -70,11 +72,19 @@ pub const SUPER: usize = 256;
 /// 256-bit vector).
 pub const GROUP: usize = 8;
 
-/// A weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`]), whole: its nibbles,
-/// and Q4_K's integers and superblock scales or Q6_K's top bits, signed bytes and superblock
-/// scales (the others empty).
+/// The forms of interleaved rows, as [`Groups::form`] names them: [`Stored::Q4K`].
+pub const K4: u8 = 0;
+/// [`Stored::Q6K`].
+pub const K6: u8 = 1;
+/// [`Stored::Q5`].
+pub const F5: u8 = 2;
+
+/// A weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`], [`Stored::Q5`]), whole:
+/// its nibbles; Q4_K's integers and superblock scales, or Q6_K's top bits, signed bytes and
+/// superblock scales, or the five-bit form's fifth bits and block scales (the others empty).
 #[derive(Clone, Copy)]
 pub struct Groups<'a> {
+    form: u8,
     q: &'a [u8],
     h: &'a [u8],
     sc: &'a [u8],
@@ -85,23 +95,25 @@ pub struct Groups<'a> {
 }
 
 impl<'a> Groups<'a> {
-    /// `w`'s parts where it is a [`Stored::Q4K`] or [`Stored::Q6K`] weight.
+    /// `w`'s parts where it is a weight of interleaved rows.
     pub fn of(w: &'a Stored) -> Option<Groups<'a>> {
+        let none = Groups { form: K4, q: &[], h: &[], sc: &[], mn: &[], sc6: &[], d: &[], dmin: &[] };
         match w {
-            Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(Groups { q, h: &[], sc, mn, sc6: &[], d, dmin }),
-            Stored::Q6K { q, h, sc, d, .. } => Some(Groups { q, h, sc: &[], mn: &[], sc6: sc, d, dmin: &[] }),
+            Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(Groups { q, sc, mn, d, dmin, ..none }),
+            Stored::Q6K { q, h, sc, d, .. } => Some(Groups { form: K6, q, h, sc6: sc, d, ..none }),
+            Stored::Q5 { q, h, d, .. } => Some(Groups { form: F5, q, h, d, ..none }),
             _ => None,
         }
     }
 
-    /// Whether these are Q6_K's.
-    pub fn six(&self) -> bool {
-        !self.h.is_empty()
+    /// Which form: [`K4`], [`K6`] or [`F5`].
+    pub fn form(&self) -> u8 {
+        self.form
     }
 }
 
-/// Where value `i` of row `r` (rows of `n_in`) lies in a [`Stored::Q4K`] or [`Stored::Q6K`]
-/// weight's nibbles: the byte, and the shift of its half (0 or 4).
+/// Where value `i` of row `r` (rows of `n_in`) lies in the nibbles of a weight of interleaved
+/// rows: the byte, and the shift of its half (0 or 4).
 #[inline(always)]
 fn q4k_slot(r: usize, i: usize, n_in: usize) -> (usize, u32) {
     let (g, l) = (r / GROUP, r % GROUP);
@@ -118,6 +130,16 @@ fn q6k_top(r: usize, i: usize, n_in: usize) -> (usize, u32) {
     let (b, j) = (i / 32, i % 32);
     let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
     ((g * (n_in / 32) + b) * 64 + 32 * half + 4 * l + e, 2 * k as u32)
+}
+
+/// Where value `i` of row `r`'s fifth bit lies in a [`Stored::Q5`] weight's `h`: the byte, and
+/// the bit.
+#[inline(always)]
+fn q5_top(r: usize, i: usize, n_in: usize) -> (usize, u32) {
+    let (g, l) = (r / GROUP, r % GROUP);
+    let (b, j) = (i / 32, i % 32);
+    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
+    ((g * (n_in / 32) + b) * 32 + 4 * l + e, (4 * half + k) as u32)
 }
 
 /// The f32 `s` and the integers `k` in `ints` with `s * k_b == v_b`, bit for bit, for each of
@@ -269,28 +291,32 @@ impl Stored {
             return None;
         }
         let nb = n_in / 32;
-        let per_row = nb.div_ceil(2);
         let rows = q.len() / n_in;
-        let mut nibbles = Vec::new();
-        nibbles.try_reserve_exact(q.len() / 2).ok()?;
-        huge_pages(nibbles.as_mut_ptr(), q.len() / 2);
-        nibbles.resize(q.len() / 2, 0u8);
-        let mut h = vec![0u64; rows * per_row];
-        for (r, row) in q.chunks_exact(n_in).enumerate() {
-            for (b, block) in row.chunks_exact(32).enumerate() {
-                // Where the block's even and odd values sit in its pair's bits (x's layout).
-                let (even, odd) = q4_bases(b, nb);
-                let word = &mut h[r * per_row + b / 2];
-                let base = b / 2 * 64;
-                for (j, &v) in block.iter().enumerate() {
-                    let u = (v + 16) as u8;
-                    nibbles[(r * n_in + b * 32 + j) / 2] |= (u & 0xF) << (4 * (j % 2));
-                    let slot = if j % 2 == 0 { even + j / 2 } else { odd + j / 2 };
-                    *word |= ((u >> 4) as u64) << (slot - base);
+        let padded = rows.div_ceil(GROUP) * GROUP;
+        let (mut nibbles, mut h, mut ds) = (Vec::new(), Vec::new(), Vec::new());
+        nibbles.try_reserve_exact(padded * n_in / 2).ok()?;
+        h.try_reserve_exact(padded * n_in / 8).ok()?;
+        ds.try_reserve_exact(padded * nb).ok()?;
+        huge_pages(nibbles.as_mut_ptr(), padded * n_in / 2);
+        nibbles.resize(padded * n_in / 2, 0u8);
+        h.resize(padded * n_in / 8, 0u8);
+        ds.resize(padded * nb, 0f32);
+        for (r, (row, dr)) in q.chunks_exact(n_in).zip(d.chunks_exact(nb)).enumerate() {
+            let (g, l) = (r / GROUP, r % GROUP);
+            for (b, values) in row.chunks_exact(32).enumerate() {
+                ds[(g * nb + b) * GROUP + l] = dr[b];
+                let u = |i: usize| (values[i] + 16) as u8;
+                let (at, top) = (q4k_slot(r, 32 * b, n_in).0, q5_top(r, 32 * b, n_in).0);
+                for k in 0..4 {
+                    for e in 0..4 {
+                        let (a, c) = (u(4 * k + e), u(16 + 4 * k + e));
+                        nibbles[at + 32 * k + e] = (a & 0xF) | (c & 0xF) << 4;
+                        h[top + e] |= (a >> 4) << k | (c >> 4) << (4 + k);
+                    }
                 }
             }
         }
-        Some(Stored::Q5 { q: nibbles, h, d: d.clone() })
+        Some(Stored::Q5 { rows, q: nibbles, h, d: ds })
     }
 
     /// A `q8x16` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q6K`], where
@@ -385,24 +411,34 @@ impl Stored {
             }
             return Some(Stored::Q8 { block: 16, q, d });
         }
-        let Stored::Q5 { d, .. } = &*self else { return None };
-        let rows = d.len() / (n_in / 32);
+        let Stored::Q5 { rows, .. } = *self else { return None };
+        let nb = n_in / 32;
+        let mut d = vec![0f32; rows * nb];
         let mut q = vec![0i8; rows * n_in];
         for (r, row) in q.chunks_exact_mut(n_in).enumerate() {
+            for b in 0..nb {
+                d[r * nb + b] = self.q5_scale(r, b, nb);
+            }
             for (i, v) in row.iter_mut().enumerate() {
                 *v = self.q5_value(r, i, n_in);
             }
         }
-        Some(Stored::Q8 { block: 32, q, d: d.clone() })
+        Some(Stored::Q8 { block: 32, q, d })
     }
 
     /// Value `i` of row `r` of a [`Stored::Q5`] weight (`q`, -16..=15).
     fn q5_value(&self, r: usize, i: usize, n_in: usize) -> i8 {
         let Stored::Q5 { q, h, .. } = self else { unreachable!("q5_value of another form") };
-        let per_row = (n_in / 32).div_ceil(2);
-        let lo = (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF;
-        let hi = ((h[r * per_row + i / 64] >> (q4_slot(i, n_in) % 64)) & 1) as u8;
-        (lo | hi << 4) as i8 - 16
+        let (at, shift) = q4k_slot(r, i, n_in);
+        let (top, bit) = q5_top(r, i, n_in);
+        (((q[at] >> shift) & 0xF) | ((h[top] >> bit) & 1) << 4) as i8 - 16
+    }
+
+    /// Row `r`'s block `b`'s (of `nb` a row) scale, of a [`Stored::Q5`] weight.
+    #[inline(always)]
+    fn q5_scale(&self, r: usize, b: usize, nb: usize) -> f32 {
+        let Stored::Q5 { d, .. } = self else { unreachable!("q5_scale of another form") };
+        d[((r / GROUP) * nb + b) * GROUP + r % GROUP]
     }
 
     /// Row `r`'s block `b`'s (of `nb` a row) `d` and `m`, of a weight of nibbles without fifth
@@ -455,9 +491,9 @@ impl Stored {
                     *x = d * self.q4_value(o, i, n_in) as f32 - m;
                 }
             }
-            Stored::Q5 { d, .. } => {
+            Stored::Q5 { .. } => {
                 for (i, x) in out.iter_mut().enumerate() {
-                    *x = d[o * n_in / 32 + i / 32] * self.q5_value(o, i, n_in) as f32;
+                    *x = self.q5_scale(o, i / 32, n_in / 32) * self.q5_value(o, i, n_in) as f32;
                 }
             }
             Stored::Q6K { .. } => {
@@ -474,8 +510,8 @@ impl Stored {
         match self {
             Stored::F32(_) | Stored::Bf16(_) => None,
             Stored::Q8 { block, .. } => Some((*block, false)),
-            Stored::Q4 { .. } | Stored::Q5 { .. } => Some((32, true)),
-            Stored::Q4K { .. } => Some((32, false)),
+            Stored::Q4 { .. } => Some((32, true)),
+            Stored::Q4K { .. } | Stored::Q5 { .. } => Some((32, false)),
             Stored::Q6K { .. } => Some((16, false)),
         }
     }
@@ -754,12 +790,15 @@ pub mod scalar {
                 }
                 y
             }
-            Stored::Q5 { d, .. } => {
-                let d = &d[o * nb..][..nb];
+            Stored::Q5 { .. } => {
+                // x in order; per block the integer sum of `u = q + 16` scaled, then the 16's
+                // term, `16 d_b c_b`, taken off, each in one rounding (the vector kernel's).
                 let mut y = 0f32;
                 for b in 0..nb {
-                    let dot: i32 = (0..32).map(|j| w.q5_value(o, b * 32 + j, n_in) as i32 * xq[q4_slot(b * 32 + j, n_in)] as i32).sum();
-                    y += d[b] * s[b] * dot as f32;
+                    let dot: i32 = (0..32).map(|j| (w.q5_value(o, b * 32 + j, n_in) as i32 + 16) * xq[b * 32 + j] as i32).sum();
+                    let d = w.q5_scale(o, b, nb);
+                    y = (dot as f32).mul_add(d * s[b], y);
+                    y = (-(d * 16.0)).mul_add(c[b], y);
                 }
                 y
             }
@@ -799,8 +838,9 @@ pub mod scalar {
         y
     }
 
-    /// `exact` for row `o` of a [`Stored::Q4K`] or [`Stored::Q6K`] weight against `x` (in
-    /// order): each value decoded as the contract reads it (`d * u - m`, `d * q`), summed in
+    /// `exact` for row `o` of a weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`],
+    /// [`Stored::Q5`]) against `x` (in order): each value decoded as the contract reads it (`d
+    /// * u - m`, `d * q`), summed in
     /// four lanes, lane `e` the values `4k + e` and `16 + 4k + e` of each block of 32 (`k` in
     /// 0..4), block by block in the order `4k + e` then `16 + 4k + e` for each `k`; then `(l0
     /// + l1) + (l2 + l3)`. The vector kernel's order: a row's lane of its group's vectors.
@@ -814,6 +854,7 @@ pub mod scalar {
                         let i = 32 * b + 16 * half + 4 * k + e;
                         let v = match w {
                             Stored::Q6K { .. } => w.q6_scale(o, 2 * b + half, 2 * nb) * w.q6_value(o, i, n_in) as f32,
+                            Stored::Q5 { .. } => w.q5_scale(o, b, nb) * w.q5_value(o, i, n_in) as f32,
                             _ => {
                                 let (d, m) = w.q4_scale(o, b, nb);
                                 d * w.q4_value(o, i, n_in) as f32 - m
@@ -837,7 +878,7 @@ pub mod scalar {
     /// Decodes row `o` for the exact kernel, in the layout of x for its format.
     pub fn decode(w: &Stored, o: usize, n_in: usize, out: &mut [f32]) {
         match w {
-            Stored::Q4 { .. } | Stored::Q5 { .. } => {
+            Stored::Q4 { .. } => {
                 let mut plain = vec![0f32; n_in];
                 w.decode_row(o, n_in, &mut plain);
                 for (i, v) in plain.into_iter().enumerate() {
@@ -853,7 +894,7 @@ pub mod scalar {
 pub mod avx2 {
     //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
     //! Loads are unaligned, from slices whose bounds are checked where they are cut.
-    use super::{Groups, Quantized, Stored};
+    use super::{F5, Groups, K6, Quantized, Stored};
     use std::arch::x86_64::*;
 
     /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
@@ -991,21 +1032,27 @@ pub mod avx2 {
         }
     }
 
-    /// Group `g`'s block of 32 `b` (of `nb` a row): its eight rows' `d` and `m` for a
-    /// [`Stored::Q4K`] weight ([`Stored::q4_scale`]'s products), or its two blocks of 16's
-    /// scales for a [`Stored::Q6K`] one (`SIX`; [`Stored::q6_scale`]'s).
+    /// Group `g`'s block of 32 `b` (of `nb` a row) of a weight of interleaved rows, its
+    /// eight rows' scales: for a [`Stored::Q4K`] weight `d` and `m` ([`Stored::q4_scale`]'s
+    /// products), for a [`Stored::Q6K`] one its two blocks of 16's ([`Stored::q6_scale`]'s),
+    /// for a [`Stored::Q5`] one `d` and `16 d`.
     ///
     /// # Safety
-    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `SIX` says.
+    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `FORM` says.
     #[inline(always)]
-    unsafe fn group_scales<const SIX: bool>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's promise: with `SIX`, `(g * nb + b) * 16 + 16 <= sc6.len()`, else
-        // `(g * nb + b) * 8 + 8 <= sc.len()` (and `mn`'s); `(g * nb / 8 + b / 8) * 8 + 8 <=
-        // d.len()` (and `dmin`'s without `SIX`).
+    unsafe fn group_scales<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
+        // SAFETY: the caller's promise: for `F5` `(g * nb + b) * 8 + 8 <= d.len()`; for `K6`
+        // `(g * nb + b) * 16 + 16 <= sc6.len()`; for `K4` `(g * nb + b) * 8 + 8 <= sc.len()`
+        // (and `mn`'s); for both `(g * nb / 8 + b / 8) * 8 + 8 <= d.len()` (and `dmin`'s for
+        // `K4`).
         unsafe {
+            if FORM == F5 {
+                let d = _mm256_loadu_ps(k.d.as_ptr().add((g * nb + b) * super::GROUP));
+                return (d, _mm256_mul_ps(d, _mm256_set1_ps(16.0)));
+            }
             let sat = (g * (nb / 8) + b / 8) * super::GROUP;
             let ds = _mm256_loadu_ps(k.d.as_ptr().add(sat));
-            if SIX {
+            if FORM == K6 {
                 let at = k.sc6.as_ptr().add((g * nb + b) * 16);
                 let ints = |p: *const i8| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())));
                 (_mm256_mul_ps(ds, ints(at)), _mm256_mul_ps(ds, ints(at.add(8))))
@@ -1019,14 +1066,15 @@ pub mod avx2 {
 
     /// Group `g`'s block of 32 `b` of a weight of interleaved rows, unpacked: four vectors of
     /// its values `4k + e` (lane `l` row `8g + l`, byte `e` of the lane), four of `16 + 4k +
-    /// e`; with `SIX` the top two bits of each added (`u`, 0..=63), else nibbles.
+    /// e`: nibbles, with `K6` each value's top two bits added (`u`, 0..=63), with `F5` its
+    /// fifth (`u`, 0..=31).
     ///
     /// # Safety
-    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `SIX` says.
+    /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `FORM` says.
     #[inline(always)]
-    unsafe fn group_values<const SIX: bool>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> ([__m256i; 4], [__m256i; 4]) {
-        // SAFETY: the caller's promise: `(g * nb + b) * 128 + 128 <= q.len()`, and with `SIX`
-        // `(g * nb + b) * 64 + 64 <= h.len()`.
+    unsafe fn group_values<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> ([__m256i; 4], [__m256i; 4]) {
+        // SAFETY: the caller's promise: `(g * nb + b) * 128 + 128 <= q.len()`, and `(g * nb +
+        // b) * 64 + 64 <= h.len()` with `K6`, `(g * nb + b) * 32 + 32` with `F5`.
         unsafe {
             let low = _mm256_set1_epi8(0x0F);
             let p = k.q.as_ptr().add((g * nb + b) * 128);
@@ -1036,7 +1084,18 @@ pub mod avx2 {
                 lo[c] = _mm256_and_si256(v, low);
                 hi[c] = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
             }
-            if SIX {
+            if FORM == F5 {
+                // Bits `c` and `4 + c` of each byte of `h` to bit 4 of `lo[c]`'s and `hi[c]`'s
+                // (bits shifted in from the 16-bit lane's other byte fall outside it).
+                let (fifth, t) = (_mm256_set1_epi8(0x10), _mm256_loadu_si256(k.h.as_ptr().add((g * nb + b) * 32).cast()));
+                let up = [_mm256_slli_epi16::<4>(t), _mm256_slli_epi16::<3>(t), _mm256_slli_epi16::<2>(t), _mm256_slli_epi16::<1>(t)];
+                let down = [t, _mm256_srli_epi16::<1>(t), _mm256_srli_epi16::<2>(t), _mm256_srli_epi16::<3>(t)];
+                for c in 0..4 {
+                    lo[c] = _mm256_or_si256(lo[c], _mm256_and_si256(up[c], fifth));
+                    hi[c] = _mm256_or_si256(hi[c], _mm256_and_si256(down[c], fifth));
+                }
+            }
+            if FORM == K6 {
                 // Bits `2c, 2c + 1` of each byte of `h` to bits 4 and 5 (bits shifted in from
                 // the 16-bit lane's other byte fall outside them).
                 let top = _mm256_set1_epi8(0x30);
@@ -1228,17 +1287,15 @@ pub mod avx2 {
         }
     }
 
-    /// `fast` for `R` rows of x against the `W` rows of a weight of nibbles from `o` (x in the
-    /// q4x32 layout): `out[j * R + i]`. A q4x32 weight (`FIVE` false): `w = d u - m`, `h`
-    /// empty. A five-bit one (`FIVE`): each nibble's fifth bit from `h` added, `w = d (u -
-    /// 16)`, so `m` is `d` and `offset` 16. Either way the offset term, `offset * sum_b m_b
-    /// s_b (sum of the block's x values)`, is taken off through x's block sums.
+    /// `fast` for `R` rows of x against the `W` rows of a [`Stored::Q4`] weight from `o` (x in
+    /// the q4x32 layout): `out[j * R + i]`, `w = d u - m`, the mins' term, `sum_b m_b s_b (sum
+    /// of the block's x values)`, taken off through x's block sums.
     ///
     /// # Safety
     /// As [`q8`]'s.
     #[inline(always)]
-    unsafe fn nibbles<const W: usize, const R: usize, const FIVE: bool, const DOT: u8>(
-        (q, h, d, m, offset): (&[u8], &[u64], &[f32], &[f32], f32),
+    unsafe fn nibbles<const W: usize, const R: usize, const DOT: u8>(
+        (q, d, m): (&[u8], &[f32], &[f32]),
         o: usize,
         n_in: usize,
         x: &Quantized,
@@ -1247,13 +1304,9 @@ pub mod avx2 {
     ) {
         let nb = n_in / 32;
         let pairs = nb / 2;
-        let per_row = nb.div_ceil(2);
-        let (mut wq, mut wh, mut wd, mut wm): ([&[u8]; W], [&[u64]; W], [&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W], [&[]; W]);
+        let (mut wq, mut wd, mut wm): ([&[u8]; W], [&[f32]; W], [&[f32]; W]) = ([&[]; W], [&[]; W], [&[]; W]);
         for j in 0..W {
             wq[j] = &q[(o + j) * n_in / 2..][..n_in / 2];
-            if FIVE {
-                wh[j] = &h[(o + j) * per_row..][..per_row];
-            }
             wd[j] = &d[(o + j) * nb..][..nb];
             wm[j] = &m[(o + j) * nb..][..nb];
         }
@@ -1261,7 +1314,7 @@ pub mod avx2 {
         // SAFETY: the CPU has AVX2 (the caller's promise).
         let (mut acc, ones) = unsafe { ([[_mm256_setzero_ps(); R]; W], _mm256_set1_epi16(1)) };
         // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of each `wq[j]` (n_in / 2
-        // bytes), with `FIVE` `wh[j][p]` (p < per_row), bytes `64p..64p + 64` of each `xq[i]`
+        // bytes), bytes `64p..64p + 64` of each `xq[i]`
         // (n_in), scales `2p, 2p + 1` (< nb) of each `wd[j]` and `8p..8p + 8` of each `xp[i]`
         // (cut to `8 * pairs`).
         unsafe {
@@ -1269,20 +1322,7 @@ pub mod avx2 {
                 let (xa, xb, s) = x_step(&xq, &xp, p, 8 * p);
                 for j in 0..W {
                     ahead::<W>(wq[j], 32 * p, n_in / 2, p.is_multiple_of(2), super::AHEAD);
-                    let (mut lo, mut hi) = nibble_halves(wq[j], p);
-                    if FIVE {
-                        let bits = *wh[j].get_unchecked(p);
-                        if DOT == AVX512_VNNI {
-                            // AVX-512 BW takes the bits as a mask: 16 added (or'ed, below 16)
-                            // where set, one instruction for `fifth_bits`' five.
-                            let sixteen = _mm256_set1_epi8(16);
-                            lo = _mm256_mask_add_epi8(lo, bits as u32, lo, sixteen);
-                            hi = _mm256_mask_add_epi8(hi, (bits >> 32) as u32, hi, sixteen);
-                        } else {
-                            lo = _mm256_or_si256(lo, fifth_bits(bits as u32));
-                            hi = _mm256_or_si256(hi, fifth_bits((bits >> 32) as u32));
-                        }
-                    }
+                    let (lo, hi) = nibble_halves(wq[j], p);
                     let ws = pair(*wd[j].get_unchecked(2 * p), *wd[j].get_unchecked(2 * p + 1));
                     for i in 0..R {
                         let dot = _mm256_cvtepi32_ps(step_sums::<DOT>(lo, hi, xa[i], xb[i], ones));
@@ -1298,12 +1338,10 @@ pub mod avx2 {
                 let mut y = unsafe { hsum(acc[j][i]) };
                 let (d, m) = (wd[j], wm[j]);
                 if nb % 2 == 1 {
-                    // The lone last block: its even values, then its odd ones, in `u`.
+                    // The lone last block: its even values, then its odd ones.
                     let b = nb - 1;
                     let xq = &xq[i][b * 32..][..32];
-                    let bits = if FIVE { wh[j][per_row - 1] } else { 0 };
-                    let u = |k: usize, v: u8| (v as i32) | (((bits >> k) & 1) as i32) << 4;
-                    let dot: i32 = wq[j][b * 16..][..16].iter().enumerate().map(|(k, &v)| u(k, v & 0xF) * xq[k] as i32 + u(16 + k, v >> 4) * xq[16 + k] as i32).sum();
+                    let dot: i32 = wq[j][b * 16..][..16].iter().enumerate().map(|(k, &v)| (v & 0xF) as i32 * xq[k] as i32 + (v >> 4) as i32 * xq[16 + k] as i32).sum();
                     y += d[b] * x.s[r * nb + b] * dot as f32;
                 }
                 let c = &x.c[r * nb..][..nb];
@@ -1318,31 +1356,32 @@ pub mod avx2 {
                 for b in nb / 8 * 8..nb {
                     min += m[b] * c[b];
                 }
-                out[j * R + i] = y - offset * min;
+                out[j * R + i] = y - min;
             }
         }
     }
 
     /// `fast` for `R` rows of x (in order) against group `g` of a weight of interleaved rows
-    /// (`SIX`: [`Stored::Q6K`], else [`Stored::Q4K`]): `out[8i + l]` for x row `r0 + i` and
+    /// (of the form `FORM`): `out[8i + l]` for x row `r0 + i` and
     /// weight row `8g + l`. Per block of 32, the four values of each row in a 32-bit lane
     /// against x's four broadcast, eight instructions for the block's 32 products with all
     /// eight rows; then the sums scaled and the offsets' terms taken off, each in one rounding
     /// ([`super::scalar::fast`]'s order): Q4_K's block `d_b s_b` and its min's `m_b c_b`;
-    /// Q6_K's two blocks of 16 each `d_b s_b` (x quantized per 16), then each `32 d_b c_b`.
+    /// Q6_K's two blocks of 16 each `d_b s_b` (x quantized per 16), then each `32 d_b c_b`;
+    /// the five-bit form's `d_b s_b`, then `16 d_b c_b`.
     ///
     /// # Safety
-    /// As [`q8`]'s; `g` is a group of the weight, of the form `SIX` says; `r0 + R` rows of x
+    /// As [`q8`]'s; `g` is a group of the weight, of the form `FORM` says; `r0 + R` rows of x
     /// at most.
     #[inline(always)]
-    unsafe fn fast_group<const R: usize, const SIX: bool, const DOT: u8>(k: Groups<'_>, g: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
+    unsafe fn fast_group<const R: usize, const FORM: u8, const DOT: u8>(k: Groups<'_>, g: usize, n_in: usize, x: &Quantized, r0: usize, out: &mut [f32]) {
         let nb = n_in / 32;
-        let nbx = if SIX { 2 * nb } else { nb };
+        let nbx = if FORM == K6 { 2 * nb } else { nb };
         let xq: [&[i8]; R] = std::array::from_fn(|i| &x.q[(r0 + i) * n_in..][..n_in]);
         let xs: [&[f32]; R] = std::array::from_fn(|i| &x.s[(r0 + i) * nbx..][..nbx]);
         let xc: [&[f32]; R] = std::array::from_fn(|i| &x.c[(r0 + i) * nbx..][..nbx]);
         // SAFETY: block `b < nb` reads bytes `32b..32b + 32` of each `xq[i]` (n_in), values
-        // `b` (or `2b, 2b + 1` with `SIX`) of each `xs[i]` and `xc[i]` (cut to their blocks),
+        // `b` (or `2b, 2b + 1` with `K6`) of each `xs[i]` and `xc[i]` (cut to their blocks),
         // and group `g`'s block `b` of the weight (the caller's promise); `out` holds `8R`
         // values (each store cut); a prefetch reads nothing (`wrapping_add`).
         unsafe {
@@ -1354,12 +1393,14 @@ pub mod avx2 {
                     let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
                     _mm_prefetch::<_MM_HINT_T0>(p.cast());
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
-                    if SIX {
+                    if FORM == K6 {
                         _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
+                    } else if FORM == F5 && b % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 32 + super::AHEAD / 4).cast());
                     }
                 }
-                let (lo, hi) = group_values::<SIX>(&k, g, b, nb);
-                let (wa, wb) = group_scales::<SIX>(&k, g, b, nb);
+                let (lo, hi) = group_values::<FORM>(&k, g, b, nb);
+                let (wa, wb) = group_scales::<FORM>(&k, g, b, nb);
                 let thirty_two = _mm256_set1_ps(32.0);
                 let (wa32, wb32) = (_mm256_mul_ps(wa, thirty_two), _mm256_mul_ps(wb, thirty_two));
                 for i in 0..R {
@@ -1370,12 +1411,13 @@ pub mod avx2 {
                         a1 = dot::<DOT>(a1, hi[c], _mm256_set1_epi32(xp.add(4 + c).read_unaligned()), ones);
                     }
                     let v = |s: &[f32], j: usize| _mm256_set1_ps(*s.get_unchecked(j));
-                    if SIX {
+                    if FORM == K6 {
                         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0), _mm256_mul_ps(wa, v(xs[i], 2 * b)), acc[i]);
                         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1), _mm256_mul_ps(wb, v(xs[i], 2 * b + 1)), acc[i]);
                         acc[i] = _mm256_fnmadd_ps(wa32, v(xc[i], 2 * b), acc[i]);
                         acc[i] = _mm256_fnmadd_ps(wb32, v(xc[i], 2 * b + 1), acc[i]);
                     } else {
+                        // Q4_K's min, or the five-bit form's 16 d, in `wb`.
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
                         acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(wa, v(xs[i], b)), acc[i]);
                         acc[i] = _mm256_fnmadd_ps(wb, v(xc[i], b), acc[i]);
@@ -1393,9 +1435,9 @@ pub mod avx2 {
     /// at a time (held in the cache) against x's rows, up to eight at a time.
     ///
     /// # Safety
-    /// As [`q8`]'s; the weight of the form `SIX` says.
+    /// As [`q8`]'s; the weight of the form `FORM` says.
     #[inline(always)]
-    unsafe fn fast_groups<const SIX: bool, const DOT: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
+    unsafe fn fast_groups<const FORM: u8, const DOT: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 64];
         let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
         let mut g0 = groups.start;
@@ -1416,10 +1458,10 @@ pub mod avx2 {
                     // <= t`.
                     unsafe {
                         match n {
-                            8 => fast_group::<8, SIX, DOT>(k, g, n_in, x, r, &mut y),
-                            4 => fast_group::<4, SIX, DOT>(k, g, n_in, x, r, &mut y),
-                            2 => fast_group::<2, SIX, DOT>(k, g, n_in, x, r, &mut y),
-                            _ => fast_group::<1, SIX, DOT>(k, g, n_in, x, r, &mut y),
+                            8 => fast_group::<8, FORM, DOT>(k, g, n_in, x, r, &mut y),
+                            4 => fast_group::<4, FORM, DOT>(k, g, n_in, x, r, &mut y),
+                            2 => fast_group::<2, FORM, DOT>(k, g, n_in, x, r, &mut y),
+                            _ => fast_group::<1, FORM, DOT>(k, g, n_in, x, r, &mut y),
                         }
                     }
                     for l in 0..super::GROUP {
@@ -1438,16 +1480,16 @@ pub mod avx2 {
     }
 
     /// `exact` for `R` rows of x (in order) against group `g` of a weight of interleaved rows
-    /// (`SIX`: [`Stored::Q6K`], else [`Stored::Q4K`]): `out[8i + l]`,
+    /// (of the form `FORM`): `out[8i + l]`,
     /// [`super::scalar::exact_group`]'s sums (each lane a row): the block's values of one
     /// position `e` of the lanes' four picked out together (`vpshufb`), decoded, and
     /// multiplied with x's value broadcast.
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `g` is a group of the weight, of the form `SIX` says; each
+    /// The CPU has AVX2 and FMA; `g` is a group of the weight, of the form `FORM` says; each
     /// `x[i]` holds `n_in` values.
     #[inline(always)]
-    unsafe fn exact_group<const R: usize, const SIX: bool>(k: Groups<'_>, g: usize, n_in: usize, x: [&[f32]; R], out: &mut [f32]) {
+    unsafe fn exact_group<const R: usize, const FORM: u8>(k: Groups<'_>, g: usize, n_in: usize, x: [&[f32]; R], out: &mut [f32]) {
         let nb = n_in / 32;
         let x: [&[f32]; R] = std::array::from_fn(|i| &x[i][..n_in]);
         // SAFETY: block `b < nb` reads values `32b..32b + 32` of each `x[i]` (cut to n_in),
@@ -1460,25 +1502,31 @@ pub mod avx2 {
                 let (a, b, c, d) = (e, 4 + e, 8 + e, 12 + e);
                 _mm256_setr_epi8(a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1, a, -1, -1, -1, b, -1, -1, -1, c, -1, -1, -1, d, -1, -1, -1)
             });
-            let thirty_two = _mm256_set1_ps(32.0);
+            let (thirty_two, sixteen) = (_mm256_set1_ps(32.0), _mm256_set1_ps(16.0));
             let mut acc = [[_mm256_setzero_ps(); 4]; R];
             for b in 0..nb {
                 if R == 1 {
                     let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
                     _mm_prefetch::<_MM_HINT_T0>(p.cast());
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
-                    if SIX {
+                    if FORM == K6 {
                         _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
+                    } else if FORM == F5 && b % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 32 + super::AHEAD / 4).cast());
                     }
                 }
-                let (lo, hi) = group_values::<SIX>(&k, g, b, nb);
-                let (wa, wb) = group_scales::<SIX>(&k, g, b, nb);
+                let (lo, hi) = group_values::<FORM>(&k, g, b, nb);
+                let (wa, wb) = group_scales::<FORM>(&k, g, b, nb);
                 for c in 0..4 {
                     for (half, u) in [lo[c], hi[c]].into_iter().enumerate() {
                         for e in 0..4 {
                             let f = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(u, pick[e]));
-                            // As the contract reads them: `d * q` (q = u - 32), `d * u - m`.
-                            let w = if SIX { _mm256_mul_ps(if half == 0 { wa } else { wb }, _mm256_sub_ps(f, thirty_two)) } else { _mm256_sub_ps(_mm256_mul_ps(wa, f), wb) };
+                            // As the contract reads them: `d * q` (q = u - 32, u - 16), `d * u - m`.
+                            let w = match FORM {
+                                K6 => _mm256_mul_ps(if half == 0 { wa } else { wb }, _mm256_sub_ps(f, thirty_two)),
+                                F5 => _mm256_mul_ps(wa, _mm256_sub_ps(f, sixteen)),
+                                _ => _mm256_sub_ps(_mm256_mul_ps(wa, f), wb),
+                            };
                             let at = 32 * b + 16 * half + 4 * c + e;
                             for i in 0..R {
                                 acc[i][e] = _mm256_fmadd_ps(w, _mm256_set1_ps(*x[i].get_unchecked(at)), acc[i][e]);
@@ -1501,9 +1549,9 @@ pub mod avx2 {
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA (and AVX-512 F and VL where `MAX_R` is 4); the weight of the
-    /// form `SIX` says.
+    /// form `FORM` says.
     #[inline(always)]
-    unsafe fn exact_groups_with<const MAX_R: usize, const SIX: bool>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
+    unsafe fn exact_groups_with<const MAX_R: usize, const FORM: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 32];
         let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
         let xr = |i: usize| &x[i * n_in..][..n_in];
@@ -1520,9 +1568,9 @@ pub mod avx2 {
                     // SAFETY: the caller's promise; `g` is one of the weight's groups.
                     unsafe {
                         match n {
-                            4 => exact_group::<4, SIX>(k, g, n_in, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)], &mut y),
-                            2 => exact_group::<2, SIX>(k, g, n_in, [xr(r), xr(r + 1)], &mut y),
-                            _ => exact_group::<1, SIX>(k, g, n_in, [xr(r)], &mut y),
+                            4 => exact_group::<4, FORM>(k, g, n_in, [xr(r), xr(r + 1), xr(r + 2), xr(r + 3)], &mut y),
+                            2 => exact_group::<2, FORM>(k, g, n_in, [xr(r), xr(r + 1)], &mut y),
+                            _ => exact_group::<1, FORM>(k, g, n_in, [xr(r)], &mut y),
                         }
                     }
                     for l in 0..super::GROUP {
@@ -1542,11 +1590,12 @@ pub mod avx2 {
     /// [`exact_groups_with`] for AVX2 + FMA: two rows of x at a time.
     #[target_feature(enable = "avx2,fma")]
     pub fn exact_groups(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
-        // SAFETY: this function's features are the body's; `six` says the form.
+        // SAFETY: this function's features are the body's; `form` says the form.
         unsafe {
-            match k.six() {
-                true => exact_groups_with::<2, true>(k, rows, n_in, x, t, out, width),
-                false => exact_groups_with::<2, false>(k, rows, n_in, x, t, out, width),
+            match k.form() {
+                K6 => exact_groups_with::<2, K6>(k, rows, n_in, x, t, out, width),
+                F5 => exact_groups_with::<2, F5>(k, rows, n_in, x, t, out, width),
+                _ => exact_groups_with::<2, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
     }
@@ -1555,27 +1604,14 @@ pub mod avx2 {
     /// same sums, the same bits).
     #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
     pub fn exact_groups_avx512(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
-        // SAFETY: this function's features include the body's; `six` says the form.
+        // SAFETY: this function's features include the body's; `form` says the form.
         unsafe {
-            match k.six() {
-                true => exact_groups_with::<4, true>(k, rows, n_in, x, t, out, width),
-                false => exact_groups_with::<4, false>(k, rows, n_in, x, t, out, width),
+            match k.form() {
+                K6 => exact_groups_with::<4, K6>(k, rows, n_in, x, t, out, width),
+                F5 => exact_groups_with::<4, F5>(k, rows, n_in, x, t, out, width),
+                _ => exact_groups_with::<4, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
-    }
-
-    /// The fifth bits of 32 values (bit `i` of `bits` for byte `i`) as bytes of 16 or 0.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    fn fifth_bits(bits: u32) -> __m256i {
-        // Byte i takes byte i / 8 of `bits`, then keeps its bit i % 8.
-        let spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(bits as i32),
-            _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
-        );
-        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-        _mm256_and_si256(set, _mm256_set1_epi8(16))
     }
 
     /// One call of a kernel: `W` weight rows from `o` against `R` rows of x from `r`.
@@ -1589,9 +1625,8 @@ pub mod avx2 {
             match w {
                 Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
-                Stored::Q4 { q, d, m } => nibbles::<W, R, false, DOT>((q, &[], d, m, 1.0), o, n_in, x, r, y),
-                Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
-                Stored::Q5 { q, h, d } => nibbles::<W, R, true, DOT>((q, h, d, d, 16.0), o, n_in, x, r, y),
+                Stored::Q4 { q, d, m } => nibbles::<W, R, DOT>((q, d, m), o, n_in, x, r, y),
+                Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -1632,9 +1667,10 @@ pub mod avx2 {
         // SAFETY: the caller's promise, passed on to the kernels.
         unsafe {
             if let Some(k) = Groups::of(w) {
-                return match k.six() {
-                    true => fast_groups::<true, DOT>(k, rows, n_in, x, t, out, width),
-                    false => fast_groups::<false, DOT>(k, rows, n_in, x, t, out, width),
+                return match k.form() {
+                    K6 => fast_groups::<K6, DOT>(k, rows, n_in, x, t, out, width),
+                    F5 => fast_groups::<F5, DOT>(k, rows, n_in, x, t, out, width),
+                    _ => fast_groups::<{ super::K4 }, DOT>(k, rows, n_in, x, t, out, width),
                 };
             }
             let mut y = [0f32; 16];
@@ -1671,7 +1707,7 @@ pub mod avx2 {
                         // bits 40 -> 43, q4x32 44 -> 46 on a Zen 4).
                         let two = match w {
                             Stored::Q8 { block: 32, .. } => true,
-                            Stored::Q4 { .. } | Stored::Q5 { .. } => DOT == AVX512_VNNI,
+                            Stored::Q4 { .. } => DOT == AVX512_VNNI,
                             _ => false,
                         };
                         let nw = if end - o >= 2 && two { 2 } else { 1 };
@@ -1728,62 +1764,6 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::Q5 { q, h, d } => {
-                let nb = n_in / 32;
-                let per_row = nb.div_ceil(2);
-                let low = _mm256_set1_epi8(0x0F);
-                let sixteen = _mm256_set1_epi8(16);
-                // SAFETY: pair `p < nb / 2` reads bytes `32p..32p + 32` of row `o + j`'s
-                // nibbles (cut to n_in / 2), its word `p` of fifth bits (< per_row), elements
-                // `64p..64p + 64` of x and scales `2p, 2p + 1` (< nb).
-                unsafe {
-                    for p in 0..nb / 2 {
-                        let mut xv = [_mm256_setzero_ps(); 8];
-                        for (c, v) in xv.iter_mut().enumerate() {
-                            *v = _mm256_loadu_ps(x.as_ptr().add(64 * p + 8 * c));
-                        }
-                        for j in 0..W {
-                            let (q, h, d) = (&q[(o + j) * n_in / 2..][..n_in / 2], &h[(o + j) * per_row..][..per_row], &d[(o + j) * nb..][..nb]);
-                            _mm_prefetch::<_MM_HINT_T0>(q.as_ptr().wrapping_add(32 * p + W * n_in).cast());
-                            let w = _mm256_loadu_si256(q.as_ptr().add(32 * p).cast());
-                            let bits = *h.get_unchecked(p);
-                            let halves = [
-                                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32)), sixteen),
-                                _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32)), sixteen),
-                            ];
-                            let (da, db) = (_mm256_set1_ps(*d.get_unchecked(2 * p)), _mm256_set1_ps(*d.get_unchecked(2 * p + 1)));
-                            // x's order: A even, B even, A odd, B odd, 8 at a time.
-                            for c in 0..8 {
-                                let v = halves[c / 4];
-                                let bytes = match c % 4 {
-                                    0 => _mm256_castsi256_si128(v),
-                                    1 => _mm_srli_si128::<8>(_mm256_castsi256_si128(v)),
-                                    2 => _mm256_extracti128_si256::<1>(v),
-                                    _ => _mm_srli_si128::<8>(_mm256_extracti128_si256::<1>(v)),
-                                };
-                                let scale = if c % 4 < 2 { da } else { db };
-                                let wv = _mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-                                acc[j] = _mm256_fmadd_ps(wv, xv[c], acc[j]);
-                            }
-                        }
-                    }
-                }
-                if nb % 2 == 1 {
-                    // The lone last block, in the decoded path's way.
-                    let b = nb - 1;
-                    let mut row = [0f32; 32];
-                    for j in 0..W {
-                        for (k, v) in row.iter_mut().enumerate() {
-                            // x's order: the block's even values, then its odd ones.
-                            let i = if k < 16 { 2 * k } else { 2 * (k - 16) + 1 };
-                            *v = d[(o + j) * nb + b] * w.q5_value(o + j, b * 32 + i, n_in) as f32;
-                        }
-                        for c in 0..4 {
-                            acc[j] = _mm256_fmadd_ps(load_f32(&row[8 * c..]), load_f32(&x[b * 32 + 8 * c..]), acc[j]);
-                        }
-                    }
-                }
-            }
             Stored::Q4 { q, d, m } => {
                 let nb = n_in / 32;
                 let mut rows: [(&[u8], &[f32], &[f32]); W] = [(&[], &[], &[]); W];
@@ -1833,7 +1813,7 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
+            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
         }
         for j in 0..W {
             out[j] = hsum(acc[j]);
@@ -1880,48 +1860,6 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::Q5 { q, h, d } => {
-                let nb = n_in / 32;
-                let per_row = nb.div_ceil(2);
-                let (q, h, d) = (&q[o * n_in / 2..][..n_in / 2], &h[o * per_row..][..per_row], &d[o * nb..][..nb]);
-                let low = _mm256_set1_epi8(0x0F);
-                let sixteen = _mm256_set1_epi8(16);
-                for p in 0..nb / 2 {
-                    let w = load_u8(&q[p * 32..]);
-                    let bits = h[p];
-                    // [A even, B even] and [A odd, B odd] as signed bytes `u - 16`.
-                    let halves = [
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(w, low), fifth_bits(bits as u32)), sixteen),
-                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(w), low), fifth_bits((bits >> 32) as u32)), sixteen),
-                    ];
-                    for (hf, v) in halves.into_iter().enumerate() {
-                        for part in 0..4 {
-                            let bytes = match part {
-                                0 => _mm256_castsi256_si128(v),
-                                1 => _mm_srli_si128::<8>(_mm256_castsi256_si128(v)),
-                                2 => _mm256_extracti128_si256::<1>(v),
-                                _ => _mm_srli_si128::<8>(_mm256_extracti128_si256::<1>(v)),
-                            };
-                            let b = 2 * p + part / 2;
-                            let val = _mm256_mul_ps(_mm256_set1_ps(d[b]), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
-                            let at = &mut out[p * 64 + hf * 32 + part * 8..][..8];
-                            // SAFETY: `at` holds 8 f32 (cut above); the store is unaligned.
-                            unsafe { _mm256_storeu_ps(at.as_mut_ptr(), val) };
-                        }
-                    }
-                }
-                if nb % 2 == 1 {
-                    // The lone last block, as the plain decoding reads it.
-                    let b = nb - 1;
-                    let mut plain = [0f32; 32];
-                    for (j, v) in plain.iter_mut().enumerate() {
-                        *v = d[b] * w.q5_value(o, b * 32 + j, n_in) as f32;
-                    }
-                    for (j, &v) in plain.iter().enumerate() {
-                        out[b * 32 + if j % 2 == 0 { j / 2 } else { 16 + j / 2 }] = v;
-                    }
-                }
-            }
             Stored::Q8 { block, q, d } => {
                 let nb = n_in / block;
                 let (q, d) = (&q[o * n_in..][..n_in], &d[o * nb..][..nb]);
@@ -1952,7 +1890,7 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
-            Stored::Q4K { .. } | Stored::Q6K { .. } => w.decode_row(o, n_in, out),
+            Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => w.decode_row(o, n_in, out),
         }
     }
 

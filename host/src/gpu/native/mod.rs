@@ -343,7 +343,7 @@ fn exact_rows(isa: Isa, m: &Matrix, rows: std::ops::Range<usize>, x: &[f32], t: 
         return;
     }
     #[cfg(target_arch = "x86_64")]
-    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. } | Stored::Q5 { .. }) {
+    if isa.avx2() && t < FUSED_MAX_T && matches!(m.stored, Stored::Q8 { .. } | Stored::Q4 { .. }) {
         use kernels::avx2::exact_fused;
         let mut y = [0f32; 8];
         for r in 0..t {
