@@ -37,6 +37,11 @@ pub enum Stored {
     /// byte `4l + e`'s bit `4 half + k` that of row `8g + l`'s value `32b + 16 half + 4k + e`;
     /// `d` at `(g * nb + b) * 8 + l`.
     Q5 { rows: usize, q: Vec<u8>, h: Vec<u8>, d: Vec<f32> },
+    /// A `q8x32` weight of other values, its rows in groups of [`GROUP`] as [`Stored::Q4K`]'s:
+    /// `u = q + 128` (unsigned, for `vpdpbusd`) in `q`, 256 bytes a group's block of 32 (at
+    /// `(g * nb + b) * 256`): byte `32k + 4l + e` row `8g + l`'s value `32b + 4k + e`; `d` at
+    /// `(g * nb + b) * 8 + l`: `w = d * (u - 128)`, the same weight.
+    Q8G { rows: usize, q: Vec<u8>, d: Vec<f32> },
     /// A `q4x32` weight whose scales and mins are GGUF Q4_K's: per superblock of [`SUPER`]
     /// values (eight blocks, rows a whole number of them) an f32 `d` and `dmin`, per block of 32
     /// six-bit integers `sc` and `mn`, `d_b = d * sc_b` and `m_b = dmin * mn_b` in f32: the very
@@ -78,6 +83,8 @@ pub const K4: u8 = 0;
 pub const K6: u8 = 1;
 /// [`Stored::Q5`].
 pub const F5: u8 = 2;
+/// [`Stored::Q8G`].
+pub const E8: u8 = 3;
 
 /// A weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`], [`Stored::Q5`]), whole:
 /// its nibbles; Q4_K's integers and superblock scales, or Q6_K's top bits, signed bytes and
@@ -102,11 +109,12 @@ impl<'a> Groups<'a> {
             Stored::Q4K { q, sc, mn, d, dmin, .. } => Some(Groups { q, sc, mn, d, dmin, ..none }),
             Stored::Q6K { q, h, sc, d, .. } => Some(Groups { form: K6, q, h, sc6: sc, d, ..none }),
             Stored::Q5 { q, h, d, .. } => Some(Groups { form: F5, q, h, d, ..none }),
+            Stored::Q8G { q, d, .. } => Some(Groups { form: E8, q, d, ..none }),
             _ => None,
         }
     }
 
-    /// Which form: [`K4`], [`K6`] or [`F5`].
+    /// Which form: [`K4`], [`K6`], [`F5`] or [`E8`].
     pub fn form(&self) -> u8 {
         self.form
     }
@@ -224,7 +232,7 @@ impl Stored {
                     m[at / 32 + i] = dm[1];
                 }
             }
-            Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
+            Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q8G { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
         }
     }
 
@@ -288,7 +296,7 @@ impl Stored {
         }
         let Stored::Q8 { block: 32, q, d } = self else { return None };
         if q.iter().any(|&v| !(-16..=15).contains(&v)) {
-            return None;
+            return Self::bytes(q, d, n_in);
         }
         let nb = n_in / 32;
         let rows = q.len() / n_in;
@@ -317,6 +325,40 @@ impl Stored {
             }
         }
         Some(Stored::Q5 { rows, q: nibbles, h, d: ds })
+    }
+
+    /// A `q8x32` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q8G`].
+    fn bytes(q: &[i8], d: &[f32], n_in: usize) -> Option<Stored> {
+        let nb = n_in / 32;
+        let rows = q.len() / n_in;
+        let padded = rows.div_ceil(GROUP) * GROUP;
+        let (mut u, mut ds) = (Vec::new(), Vec::new());
+        u.try_reserve_exact(padded * n_in).ok()?;
+        ds.try_reserve_exact(padded * nb).ok()?;
+        huge_pages(u.as_mut_ptr(), padded * n_in);
+        u.resize(padded * n_in, 128u8);
+        ds.resize(padded * nb, 0f32);
+        for (r, (row, dr)) in q.chunks_exact(n_in).zip(d.chunks_exact(nb)).enumerate() {
+            let (g, l) = (r / GROUP, r % GROUP);
+            for (b, values) in row.chunks_exact(32).enumerate() {
+                ds[(g * nb + b) * GROUP + l] = dr[b];
+                let at = (g * nb + b) * 256 + 4 * l;
+                for (k, four) in values.chunks_exact(4).enumerate() {
+                    for (e, &v) in four.iter().enumerate() {
+                        u[at + 32 * k + e] = (v as u8) ^ 0x80;
+                    }
+                }
+            }
+        }
+        Some(Stored::Q8G { rows, q: u, d: ds })
+    }
+
+    /// Value `i` of row `r` of a [`Stored::Q8G`] weight (`q`), and its block's scale.
+    fn q8g_at(&self, r: usize, i: usize, n_in: usize) -> (i8, f32) {
+        let Stored::Q8G { q, d, .. } = self else { unreachable!("q8g_at of another form") };
+        let (g, l, b, j) = (r / GROUP, r % GROUP, i / 32, i % 32);
+        let at = (g * (n_in / 32) + b) * 256 + 32 * (j / 4) + 4 * l + j % 4;
+        ((q[at] ^ 0x80) as i8, d[(g * (n_in / 32) + b) * GROUP + l])
     }
 
     /// A `q8x16` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q6K`], where
@@ -411,6 +453,16 @@ impl Stored {
             }
             return Some(Stored::Q8 { block: 16, q, d });
         }
+        if let Stored::Q8G { rows, .. } = *self {
+            let nb = n_in / 32;
+            let (mut q, mut d) = (vec![0i8; rows * n_in], vec![0f32; rows * nb]);
+            for (r, row) in q.chunks_exact_mut(n_in).enumerate() {
+                for (i, v) in row.iter_mut().enumerate() {
+                    (*v, d[r * nb + i / 32]) = self.q8g_at(r, i, n_in);
+                }
+            }
+            return Some(Stored::Q8 { block: 32, q, d });
+        }
         let Stored::Q5 { rows, .. } = *self else { return None };
         let nb = n_in / 32;
         let mut d = vec![0f32; rows * nb];
@@ -496,6 +548,12 @@ impl Stored {
                     *x = self.q5_scale(o, i / 32, n_in / 32) * self.q5_value(o, i, n_in) as f32;
                 }
             }
+            Stored::Q8G { .. } => {
+                for (i, x) in out.iter_mut().enumerate() {
+                    let (v, d) = self.q8g_at(o, i, n_in);
+                    *x = d * v as f32;
+                }
+            }
             Stored::Q6K { .. } => {
                 for (i, x) in out.iter_mut().enumerate() {
                     *x = self.q6_scale(o, i / 16, n_in / 16) * self.q6_value(o, i, n_in) as f32;
@@ -511,7 +569,7 @@ impl Stored {
             Stored::F32(_) | Stored::Bf16(_) => None,
             Stored::Q8 { block, .. } => Some((*block, false)),
             Stored::Q4 { .. } => Some((32, true)),
-            Stored::Q4K { .. } | Stored::Q5 { .. } => Some((32, false)),
+            Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => Some((32, false)),
             Stored::Q6K { .. } => Some((16, false)),
         }
     }
@@ -790,6 +848,19 @@ pub mod scalar {
                 }
                 y
             }
+            Stored::Q8G { .. } => {
+                // x in order; per block the integer sum of `u = q + 128` scaled, then the
+                // 128's term, `128 d_b c_b`, taken off, each in one rounding (the vector
+                // kernel's).
+                let mut y = 0f32;
+                for b in 0..nb {
+                    let dot: i32 = (0..32).map(|j| (w.q8g_at(o, b * 32 + j, n_in).0 as i32 + 128) * xq[b * 32 + j] as i32).sum();
+                    let d = w.q8g_at(o, b * 32, n_in).1;
+                    y = (dot as f32).mul_add(d * s[b], y);
+                    y = (-(d * 128.0)).mul_add(c[b], y);
+                }
+                y
+            }
             Stored::Q5 { .. } => {
                 // x in order; per block the integer sum of `u = q + 16` scaled, then the 16's
                 // term, `16 d_b c_b`, taken off, each in one rounding (the vector kernel's).
@@ -839,7 +910,7 @@ pub mod scalar {
     }
 
     /// `exact` for row `o` of a weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`],
-    /// [`Stored::Q5`]) against `x` (in order): each value decoded as the contract reads it (`d
+    /// [`Stored::Q5`], [`Stored::Q8G`]) against `x` (in order): each value decoded as the contract reads it (`d
     /// * u - m`, `d * q`), summed in
     /// four lanes, lane `e` the values `4k + e` and `16 + 4k + e` of each block of 32 (`k` in
     /// 0..4), block by block in the order `4k + e` then `16 + 4k + e` for each `k`; then `(l0
@@ -855,6 +926,10 @@ pub mod scalar {
                         let v = match w {
                             Stored::Q6K { .. } => w.q6_scale(o, 2 * b + half, 2 * nb) * w.q6_value(o, i, n_in) as f32,
                             Stored::Q5 { .. } => w.q5_scale(o, b, nb) * w.q5_value(o, i, n_in) as f32,
+                            Stored::Q8G { .. } => {
+                                let (v, d) = w.q8g_at(o, i, n_in);
+                                d * v as f32
+                            }
                             _ => {
                                 let (d, m) = w.q4_scale(o, b, nb);
                                 d * w.q4_value(o, i, n_in) as f32 - m
@@ -894,7 +969,7 @@ pub mod scalar {
 pub mod avx2 {
     //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
     //! Loads are unaligned, from slices whose bounds are checked where they are cut.
-    use super::{F5, Groups, K6, Quantized, Stored};
+    use super::{E8, F5, Groups, K6, Quantized, Stored};
     use std::arch::x86_64::*;
 
     /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
@@ -1035,20 +1110,20 @@ pub mod avx2 {
     /// Group `g`'s block of 32 `b` (of `nb` a row) of a weight of interleaved rows, its
     /// eight rows' scales: for a [`Stored::Q4K`] weight `d` and `m` ([`Stored::q4_scale`]'s
     /// products), for a [`Stored::Q6K`] one its two blocks of 16's ([`Stored::q6_scale`]'s),
-    /// for a [`Stored::Q5`] one `d` and `16 d`.
+    /// for a [`Stored::Q5`] one `d` and `16 d`, for a [`Stored::Q8G`] one `d` and `128 d`.
     ///
     /// # Safety
     /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `FORM` says.
     #[inline(always)]
     unsafe fn group_scales<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's promise: for `F5` `(g * nb + b) * 8 + 8 <= d.len()`; for `K6`
+        // SAFETY: the caller's promise: for `F5` and `E8` `(g * nb + b) * 8 + 8 <= d.len()`; for `K6`
         // `(g * nb + b) * 16 + 16 <= sc6.len()`; for `K4` `(g * nb + b) * 8 + 8 <= sc.len()`
         // (and `mn`'s); for both `(g * nb / 8 + b / 8) * 8 + 8 <= d.len()` (and `dmin`'s for
         // `K4`).
         unsafe {
-            if FORM == F5 {
+            if FORM == F5 || FORM == E8 {
                 let d = _mm256_loadu_ps(k.d.as_ptr().add((g * nb + b) * super::GROUP));
-                return (d, _mm256_mul_ps(d, _mm256_set1_ps(16.0)));
+                return (d, _mm256_mul_ps(d, _mm256_set1_ps(if FORM == F5 { 16.0 } else { 128.0 })));
             }
             let sat = (g * (nb / 8) + b / 8) * super::GROUP;
             let ds = _mm256_loadu_ps(k.d.as_ptr().add(sat));
@@ -1067,15 +1142,22 @@ pub mod avx2 {
     /// Group `g`'s block of 32 `b` of a weight of interleaved rows, unpacked: four vectors of
     /// its values `4k + e` (lane `l` row `8g + l`, byte `e` of the lane), four of `16 + 4k +
     /// e`: nibbles, with `K6` each value's top two bits added (`u`, 0..=63), with `F5` its
-    /// fifth (`u`, 0..=31).
+    /// fifth (`u`, 0..=31); with `E8` whole bytes (`u`, 0..=255).
     ///
     /// # Safety
     /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `FORM` says.
     #[inline(always)]
     unsafe fn group_values<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> ([__m256i; 4], [__m256i; 4]) {
-        // SAFETY: the caller's promise: `(g * nb + b) * 128 + 128 <= q.len()`, and `(g * nb +
-        // b) * 64 + 64 <= h.len()` with `K6`, `(g * nb + b) * 32 + 32` with `F5`.
+        // SAFETY: the caller's promise: `(g * nb + b) * 128 + 128 <= q.len()` (`256` for
+        // `E8`), and `(g * nb + b) * 64 + 64 <= h.len()` with `K6`, `(g * nb + b) * 32 + 32`
+        // with `F5`.
         unsafe {
+            if FORM == E8 {
+                let p = k.q.as_ptr().add((g * nb + b) * 256);
+                let lo = std::array::from_fn(|c| _mm256_loadu_si256(p.add(32 * c).cast()));
+                let hi = std::array::from_fn(|c| _mm256_loadu_si256(p.add(128 + 32 * c).cast()));
+                return (lo, hi);
+            }
             let low = _mm256_set1_epi8(0x0F);
             let p = k.q.as_ptr().add((g * nb + b) * 128);
             let (mut lo, mut hi) = ([_mm256_setzero_si256(); 4], [_mm256_setzero_si256(); 4]);
@@ -1109,6 +1191,27 @@ pub mod avx2 {
                 }
             }
             (lo, hi)
+        }
+    }
+
+    /// [`dot`] of unsigned bytes `a` of any value (a [`Stored::Q8G`] weight's) with signed
+    /// bytes `b`: AVX2's pairs of products in 16 bits could saturate, so with [`PAIRS`] each
+    /// byte's nibbles are summed apart, `lo + 16 hi` (the same integers).
+    ///
+    /// # Safety
+    /// As [`dot`]'s.
+    #[inline(always)]
+    unsafe fn dot_bytes<const DOT: u8>(acc: __m256i, a: __m256i, b: __m256i, ones: __m256i) -> __m256i {
+        // SAFETY: the caller's promise.
+        unsafe {
+            if DOT == PAIRS {
+                let low = _mm256_set1_epi8(0x0F);
+                let lo = dot::<DOT>(_mm256_setzero_si256(), _mm256_and_si256(a, low), b, ones);
+                let hi = dot::<DOT>(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16::<4>(a), low), b, ones);
+                _mm256_add_epi32(acc, _mm256_add_epi32(lo, _mm256_slli_epi32::<4>(hi)))
+            } else {
+                dot::<DOT>(acc, a, b, ones)
+            }
         }
     }
 
@@ -1368,7 +1471,8 @@ pub mod avx2 {
     /// eight rows; then the sums scaled and the offsets' terms taken off, each in one rounding
     /// ([`super::scalar::fast`]'s order): Q4_K's block `d_b s_b` and its min's `m_b c_b`;
     /// Q6_K's two blocks of 16 each `d_b s_b` (x quantized per 16), then each `32 d_b c_b`;
-    /// the five-bit form's `d_b s_b`, then `16 d_b c_b`.
+    /// the five-bit form's `d_b s_b`, then `16 d_b c_b`; the bytes' `d_b s_b`, then `128 d_b
+    /// c_b`.
     ///
     /// # Safety
     /// As [`q8`]'s; `g` is a group of the weight, of the form `FORM` says; `r0 + R` rows of x
@@ -1390,9 +1494,11 @@ pub mod avx2 {
             for b in 0..nb {
                 if R == 1 {
                     // A decode step streams the weight once: its lines asked for ahead.
-                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
-                    _mm_prefetch::<_MM_HINT_T0>(p.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+                    let bytes = if FORM == E8 { 256 } else { 128 };
+                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * bytes + super::AHEAD);
+                    for line in (0..bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                    }
                     if FORM == K6 {
                         _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
                     } else if FORM == F5 && b % 2 == 0 {
@@ -1407,8 +1513,14 @@ pub mod avx2 {
                     let xp = xq[i].as_ptr().add(32 * b).cast::<i32>();
                     let (mut a0, mut a1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
                     for c in 0..4 {
-                        a0 = dot::<DOT>(a0, lo[c], _mm256_set1_epi32(xp.add(c).read_unaligned()), ones);
-                        a1 = dot::<DOT>(a1, hi[c], _mm256_set1_epi32(xp.add(4 + c).read_unaligned()), ones);
+                        let (xa, xb) = (_mm256_set1_epi32(xp.add(c).read_unaligned()), _mm256_set1_epi32(xp.add(4 + c).read_unaligned()));
+                        if FORM == E8 {
+                            a0 = dot_bytes::<DOT>(a0, lo[c], xa, ones);
+                            a1 = dot_bytes::<DOT>(a1, hi[c], xb, ones);
+                        } else {
+                            a0 = dot::<DOT>(a0, lo[c], xa, ones);
+                            a1 = dot::<DOT>(a1, hi[c], xb, ones);
+                        }
                     }
                     let v = |s: &[f32], j: usize| _mm256_set1_ps(*s.get_unchecked(j));
                     if FORM == K6 {
@@ -1417,7 +1529,7 @@ pub mod avx2 {
                         acc[i] = _mm256_fnmadd_ps(wa32, v(xc[i], 2 * b), acc[i]);
                         acc[i] = _mm256_fnmadd_ps(wb32, v(xc[i], 2 * b + 1), acc[i]);
                     } else {
-                        // Q4_K's min, or the five-bit form's 16 d, in `wb`.
+                        // Q4_K's min, or the five-bit form's 16 d, or the bytes' 128 d, in `wb`.
                         let f = _mm256_cvtepi32_ps(_mm256_add_epi32(a0, a1));
                         acc[i] = _mm256_fmadd_ps(f, _mm256_mul_ps(wa, v(xs[i], b)), acc[i]);
                         acc[i] = _mm256_fnmadd_ps(wb, v(xc[i], b), acc[i]);
@@ -1506,9 +1618,11 @@ pub mod avx2 {
             let mut acc = [[_mm256_setzero_ps(); 4]; R];
             for b in 0..nb {
                 if R == 1 {
-                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * 128 + super::AHEAD);
-                    _mm_prefetch::<_MM_HINT_T0>(p.cast());
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+                    let bytes = if FORM == E8 { 256 } else { 128 };
+                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * bytes + super::AHEAD);
+                    for line in (0..bytes).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+                    }
                     if FORM == K6 {
                         _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
                     } else if FORM == F5 && b % 2 == 0 {
@@ -1525,6 +1639,7 @@ pub mod avx2 {
                             let w = match FORM {
                                 K6 => _mm256_mul_ps(if half == 0 { wa } else { wb }, _mm256_sub_ps(f, thirty_two)),
                                 F5 => _mm256_mul_ps(wa, _mm256_sub_ps(f, sixteen)),
+                                E8 => _mm256_mul_ps(wa, _mm256_sub_ps(f, _mm256_set1_ps(128.0))),
                                 _ => _mm256_sub_ps(_mm256_mul_ps(wa, f), wb),
                             };
                             let at = 32 * b + 16 * half + 4 * c + e;
@@ -1595,6 +1710,7 @@ pub mod avx2 {
             match k.form() {
                 K6 => exact_groups_with::<2, K6>(k, rows, n_in, x, t, out, width),
                 F5 => exact_groups_with::<2, F5>(k, rows, n_in, x, t, out, width),
+                E8 => exact_groups_with::<2, E8>(k, rows, n_in, x, t, out, width),
                 _ => exact_groups_with::<2, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
@@ -1609,6 +1725,7 @@ pub mod avx2 {
             match k.form() {
                 K6 => exact_groups_with::<4, K6>(k, rows, n_in, x, t, out, width),
                 F5 => exact_groups_with::<4, F5>(k, rows, n_in, x, t, out, width),
+                E8 => exact_groups_with::<4, E8>(k, rows, n_in, x, t, out, width),
                 _ => exact_groups_with::<4, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
@@ -1626,7 +1743,7 @@ pub mod avx2 {
                 Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q4 { q, d, m } => nibbles::<W, R, DOT>((q, d, m), o, n_in, x, r, y),
-                Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
+                Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -1670,6 +1787,7 @@ pub mod avx2 {
                 return match k.form() {
                     K6 => fast_groups::<K6, DOT>(k, rows, n_in, x, t, out, width),
                     F5 => fast_groups::<F5, DOT>(k, rows, n_in, x, t, out, width),
+                    E8 => fast_groups::<E8, DOT>(k, rows, n_in, x, t, out, width),
                     _ => fast_groups::<{ super::K4 }, DOT>(k, rows, n_in, x, t, out, width),
                 };
             }
@@ -1813,7 +1931,7 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
+            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
         }
         for j in 0..W {
             out[j] = hsum(acc[j]);
@@ -1890,7 +2008,7 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
-            Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } => w.decode_row(o, n_in, out),
+            Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => w.decode_row(o, n_in, out),
         }
     }
 
