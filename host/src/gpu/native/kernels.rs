@@ -8,13 +8,18 @@
 //! - `exact`: each weight decoded to f32 as the contract reads it (`d * q - m`), then f32
 //!   products and sums. A row's result depends on its x row and the weight alone, never on the
 //!   other rows of the batch: the order of its sums is fixed (eight lanes over the row, then
-//!   their sum in one order), whichever rows share a pass.
+//!   their sum in one order; for a weight of interleaved rows four sums, [`scalar::exact_group`]),
+//!   whichever rows share a pass.
 //! - `fast`: each x row quantized per block of the weight's format to int8 (`sx * qx`, `qx` in
 //!   -127..=127, as llama.cpp's `q8_0` activations), integer products within a block, f32 across
 //!   blocks: `sum_b dw_b sx_b (qw . qx)_b - sum_b m_b sx_b (sum qx)_b`.
 //!
-//! Quantized weights keep their upload bytes; the f32 scales are split out of their interleaving
-//! (`d` and, for `q4x32`, `m` apart).
+//! A weight is written in its upload format (the f32 scales split out of their interleaving:
+//! `d` and, for `q4x32`, `m` apart) and, once written, takes a form of its own where it has one
+//! ([`Stored::compacted`]): Q4_K's, Q6_K's, five-bit and Q8_0's values with their rows
+//! interleaved eight at a time ([`GROUP`]), each 32-bit lane of a vector four values of one
+//! row, so that `vpdpbusd` sums a block of 32 with eight rows at once and a block's scaling is
+//! done once for the eight ([`Groups`]).
 
 use super::super::{Activation, Format};
 
@@ -236,11 +241,12 @@ impl Stored {
         }
     }
 
-    /// The weight (rows of `n_in`) in a more compact form where it has one: a `q8x32` weight in
-    /// five bits where every value fits ([`Stored::Q5`]), a `q4x32` one with Q4_K's integer
-    /// scales where every superblock's scales and mins are an f32 times six-bit integers
-    /// ([`Stored::Q4K`]; its nibbles moved out of `self`), a `q8x16` one in six bits where its
-    /// values and scales are Q6_K's ([`Stored::Q6K`]); `None` where it has none.
+    /// The weight (rows of `n_in`) in a form of its own, rows interleaved, where it has one: a
+    /// `q8x32` weight in five bits where every value fits ([`Stored::Q5`]), else as its bytes
+    /// ([`Stored::Q8G`]); a `q4x32` one with Q4_K's integer scales where every superblock's
+    /// scales and mins are an f32 times six-bit integers ([`Stored::Q4K`]; its nibbles dropped
+    /// from `self`); a `q8x16` one in six bits where its values and scales are Q6_K's
+    /// ([`Stored::Q6K`]); `None` where it has none (or memory is short).
     pub fn compacted(&mut self, n_in: usize) -> Option<Stored> {
         if let Stored::Q4 { q, d, m } = self {
             if !n_in.is_multiple_of(SUPER) {

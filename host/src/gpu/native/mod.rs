@@ -30,13 +30,13 @@ struct Matrix {
 }
 
 impl Matrix {
-    /// Once written, a weight takes its most compact form: a `q8x32` weight of five-bit values
-    /// (a GGUF Q5_0 or Q4_0 tensor) keeps five bits a value ([`Stored::Q5`]), which a decode
-    /// step, reading every weight from memory, streams a third faster; a `q4x32` weight of
-    /// Q4_K's scales keeps them as its six-bit integers ([`Stored::Q4K`]), a fifth smaller; a
-    /// `q8x16` one of Q6_K's values and scales six bits a value ([`Stored::Q6K`]), a third
-    /// smaller. The last two with their rows interleaved eight at a time, as their kernels read
-    /// them.
+    /// Once written, a weight takes its own form: a `q8x32` weight of five-bit values (a GGUF
+    /// Q5_0 or Q4_0 tensor) keeps five bits a value ([`Stored::Q5`]), which a decode step,
+    /// reading every weight from memory, streams a third faster, and one of other values its
+    /// bytes ([`Stored::Q8G`]); a `q4x32` weight of Q4_K's scales keeps them as its six-bit
+    /// integers ([`Stored::Q4K`]), a fifth smaller; a `q8x16` one of Q6_K's values and scales
+    /// six bits a value ([`Stored::Q6K`]), a third smaller. Each with its rows interleaved
+    /// eight at a time, as their kernels read them.
     fn settle(&mut self) {
         if !self.settled {
             if let Some(c) = self.stored.compacted(self.n_in) {
