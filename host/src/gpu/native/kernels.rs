@@ -1470,6 +1470,45 @@ pub mod avx2 {
         }
     }
 
+    /// Asks the memory for group `g`'s block `b` (of `nb` a row) of a weight of interleaved
+    /// rows some way ahead ([`super::AHEAD`] of its values' bytes, in proportion of its other
+    /// bits'), for a decode step, which streams each weight once.
+    ///
+    /// # Safety
+    /// The CPU has SSE (a prefetch reads nothing and faults on no address; `wrapping_add` makes
+    /// no reference past the weight).
+    #[inline(always)]
+    unsafe fn group_ahead<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) {
+        // SAFETY: the caller's promise.
+        unsafe {
+            let bytes = if FORM == E8 { 256 } else { 128 };
+            let p = k.q.as_ptr().wrapping_add((g * nb + b) * bytes + super::AHEAD);
+            for line in (0..bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
+            }
+            if FORM == K6 {
+                _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
+            } else if FORM == F5 && b.is_multiple_of(2) {
+                _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 32 + super::AHEAD / 4).cast());
+            }
+        }
+    }
+
+    /// A group kernel's results `y` (`y[8i + l]` for x row `xr.start + i` and weight row `8g +
+    /// l`) into `out[r * width + o - rows.start]`, the rows of `rows` only (a last group's
+    /// padding dropped).
+    #[inline(always)]
+    fn group_out(y: &[f32], g: usize, xr: core::ops::Range<usize>, rows: &core::ops::Range<usize>, out: &mut [f32], width: usize) {
+        for l in 0..super::GROUP {
+            let o = g * super::GROUP + l;
+            if o < rows.end {
+                for (i, r) in xr.clone().enumerate() {
+                    out[r * width + o - rows.start] = y[8 * i + l];
+                }
+            }
+        }
+    }
+
     /// `fast` for `R` rows of x (in order) against group `g` of a weight of interleaved rows
     /// (of the form `FORM`): `out[8i + l]` for x row `r0 + i` and
     /// weight row `8g + l`. Per block of 32, the four values of each row in a 32-bit lane
@@ -1499,17 +1538,7 @@ pub mod avx2 {
             let mut acc = [_mm256_setzero_ps(); R];
             for b in 0..nb {
                 if R == 1 {
-                    // A decode step streams the weight once: its lines asked for ahead.
-                    let bytes = if FORM == E8 { 256 } else { 128 };
-                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * bytes + super::AHEAD);
-                    for line in (0..bytes).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
-                    }
-                    if FORM == K6 {
-                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
-                    } else if FORM == F5 && b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 32 + super::AHEAD / 4).cast());
-                    }
+                    group_ahead::<FORM>(&k, g, b, nb);
                 }
                 let (lo, hi) = group_values::<FORM>(&k, g, b, nb);
                 let (wa, wb) = group_scales::<FORM>(&k, g, b, nb);
@@ -1557,7 +1586,7 @@ pub mod avx2 {
     #[inline(always)]
     unsafe fn fast_groups<const FORM: u8, const DOT: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &Quantized, t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 64];
-        let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
+        let groups = rows.start / super::GROUP..rows.end.div_ceil(super::GROUP);
         let mut g0 = groups.start;
         while g0 < groups.end {
             let g1 = (g0 + 2).min(groups.end);
@@ -1582,14 +1611,7 @@ pub mod avx2 {
                             _ => fast_group::<1, FORM, DOT>(k, g, n_in, x, r, &mut y),
                         }
                     }
-                    for l in 0..super::GROUP {
-                        let o = g * super::GROUP + l;
-                        if o < rows.end {
-                            for i in 0..n {
-                                out[(r + i) * width + o - first] = y[8 * i + l];
-                            }
-                        }
-                    }
+                    group_out(&y, g, r..r + n, &rows, out, width);
                 }
                 r += n;
             }
@@ -1624,16 +1646,7 @@ pub mod avx2 {
             let mut acc = [[_mm256_setzero_ps(); 4]; R];
             for b in 0..nb {
                 if R == 1 {
-                    let bytes = if FORM == E8 { 256 } else { 128 };
-                    let p = k.q.as_ptr().wrapping_add((g * nb + b) * bytes + super::AHEAD);
-                    for line in (0..bytes).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(line).cast());
-                    }
-                    if FORM == K6 {
-                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 64 + super::AHEAD / 2).cast());
-                    } else if FORM == F5 && b % 2 == 0 {
-                        _mm_prefetch::<_MM_HINT_T0>(k.h.as_ptr().wrapping_add((g * nb + b) * 32 + super::AHEAD / 4).cast());
-                    }
+                    group_ahead::<FORM>(&k, g, b, nb);
                 }
                 let (lo, hi) = group_values::<FORM>(&k, g, b, nb);
                 let (wa, wb) = group_scales::<FORM>(&k, g, b, nb);
@@ -1674,7 +1687,7 @@ pub mod avx2 {
     #[inline(always)]
     unsafe fn exact_groups_with<const MAX_R: usize, const FORM: u8>(k: Groups<'_>, rows: core::ops::Range<usize>, n_in: usize, x: &[f32], t: usize, out: &mut [f32], width: usize) {
         let mut y = [0f32; 32];
-        let (first, groups) = (rows.start, rows.start / super::GROUP..rows.end.div_ceil(super::GROUP));
+        let groups = rows.start / super::GROUP..rows.end.div_ceil(super::GROUP);
         let xr = |i: usize| &x[i * n_in..][..n_in];
         for t0 in (0..t).step_by(super::X_TILE) {
             let t1 = (t0 + super::X_TILE).min(t);
@@ -1694,14 +1707,7 @@ pub mod avx2 {
                             _ => exact_group::<1, FORM>(k, g, n_in, [xr(r)], &mut y),
                         }
                     }
-                    for l in 0..super::GROUP {
-                        let o = g * super::GROUP + l;
-                        if o < rows.end {
-                            for i in 0..n {
-                                out[(r + i) * width + o - first] = y[8 * i + l];
-                            }
-                        }
-                    }
+                    group_out(&y, g, r..r + n, &rows, out, width);
                     r += n;
                 }
             }
