@@ -47,6 +47,10 @@ pub enum Stored {
     /// `(g * nb + b) * 256`): byte `32k + 4l + e` row `8g + l`'s value `32b + 4k + e`; `d` at
     /// `(g * nb + b) * 8 + l`: `w = d * (u - 128)`, the same weight.
     Q8G { rows: usize, q: Vec<u8>, d: Vec<f32> },
+    /// A `q4x32` weight of other scales (Q4_1's, or Q4_K's in rows that are not whole
+    /// superblocks), its nibbles as [`Stored::Q4K`]'s, its `d` and `m` at `(g * nb + b) * 8 +
+    /// l`: the same weight.
+    Q4G { rows: usize, q: Vec<u8>, d: Vec<f32>, m: Vec<f32> },
     /// A `q4x32` weight whose scales and mins are GGUF Q4_K's: per superblock of [`SUPER`]
     /// values (eight blocks, rows a whole number of them) an f32 `d` and `dmin`, per block of 32
     /// six-bit integers `sc` and `mn`, `d_b = d * sc_b` and `m_b = dmin * mn_b` in f32: the very
@@ -90,6 +94,79 @@ pub const K6: u8 = 1;
 pub const F5: u8 = 2;
 /// [`Stored::Q8G`].
 pub const E8: u8 = 3;
+/// [`Stored::Q4G`].
+pub const F4: u8 = 4;
+
+/// The nibbles of `rows` rows of `n_in` (each byte two values, the first in its low half) in
+/// the layout of [`Stored::Q4K`]'s, the last group padded with zeros; `None` where memory is
+/// short.
+fn group_nibbles(q: &[u8], n_in: usize, rows: usize) -> Option<Vec<u8>> {
+    let len = rows.div_ceil(GROUP) * GROUP * n_in / 2;
+    let mut nibbles = Vec::new();
+    nibbles.try_reserve_exact(len).ok()?;
+    huge_pages(nibbles.as_mut_ptr(), len);
+    nibbles.resize(len, 0u8);
+    for (r, row) in q.chunks_exact(n_in / 2).enumerate() {
+        for (b, src) in row.chunks_exact(16).enumerate() {
+            // The block's values `4k + e` and `16 + 4k + e`, one byte ([`q4k_slot`]).
+            let at = q4k_slot(r, 32 * b, n_in).0;
+            let v = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0xF;
+            for k in 0..4 {
+                for e in 0..4 {
+                    nibbles[at + 32 * k + e] = v(4 * k + e) | v(16 + 4 * k + e) << 4;
+                }
+            }
+        }
+    }
+    Some(nibbles)
+}
+
+/// A value a block (`nb` a row, `rows` rows) in the groups' order: block `b` of row `8g + l`
+/// at `(g * nb + b) * 8 + l`, the last group padded with zeros.
+fn group_blocks(v: &[f32], nb: usize, rows: usize) -> Option<Vec<f32>> {
+    let mut out = Vec::new();
+    out.try_reserve_exact(rows.div_ceil(GROUP) * GROUP * nb).ok()?;
+    out.resize(rows.div_ceil(GROUP) * GROUP * nb, 0f32);
+    for (r, row) in v.chunks_exact(nb).enumerate() {
+        for (b, &x) in row.iter().enumerate() {
+            out[((r / GROUP) * nb + b) * GROUP + r % GROUP] = x;
+        }
+    }
+    Some(out)
+}
+
+/// Q4_K's integer scales and mins of a `q4x32` weight's `d` and `m` (`rows` rows of `n_in`, a
+/// whole number of superblocks) in [`Stored::Q4K`]'s order, where every superblock's are an
+/// f32 times six-bit integers, bit for bit ([`k_scales`]).
+#[allow(clippy::type_complexity)]
+fn k4_scales(d: &[f32], m: &[f32], n_in: usize, rows: usize) -> Option<(Vec<u8>, Vec<u8>, Vec<f32>, Vec<f32>)> {
+    let (nb, nsb) = (n_in / 32, n_in / SUPER);
+    let padded = rows.div_ceil(GROUP) * GROUP;
+    let (mut sc, mut mn) = (Vec::new(), Vec::new());
+    let (mut ds, mut mins) = (Vec::new(), Vec::new());
+    sc.try_reserve_exact(padded * nb).ok()?;
+    mn.try_reserve_exact(padded * nb).ok()?;
+    ds.try_reserve_exact(padded * nsb).ok()?;
+    mins.try_reserve_exact(padded * nsb).ok()?;
+    sc.resize(padded * nb, 0u8);
+    mn.resize(padded * nb, 0u8);
+    ds.resize(padded * nsb, 0f32);
+    mins.resize(padded * nsb, 0f32);
+    for (r, (dr, mr)) in d.chunks_exact(nb).zip(m.chunks_exact(nb)).enumerate() {
+        let (g, l) = (r / GROUP, r % GROUP);
+        for (s, (dv, mv)) in dr.chunks_exact(8).zip(mr.chunks_exact(8)).enumerate() {
+            let (a, ka) = k_scales::<8>(dv, 0..=63)?;
+            let (b, kb) = k_scales::<8>(mv, 0..=63)?;
+            ds[(g * nsb + s) * GROUP + l] = a;
+            mins[(g * nsb + s) * GROUP + l] = b;
+            for k in 0..8 {
+                sc[(g * nb + 8 * s + k) * GROUP + l] = ka[k] as u8;
+                mn[(g * nb + 8 * s + k) * GROUP + l] = kb[k] as u8;
+            }
+        }
+    }
+    Some((sc, mn, ds, mins))
+}
 
 /// A weight of interleaved rows ([`Stored::Q4K`], [`Stored::Q6K`], [`Stored::Q5`]), whole:
 /// its nibbles; Q4_K's integers and superblock scales, or Q6_K's top bits, signed bytes and
@@ -115,11 +192,12 @@ impl<'a> Groups<'a> {
             Stored::Q6K { q, h, sc, d, .. } => Some(Groups { form: K6, q, h, sc6: sc, d, ..none }),
             Stored::Q5 { q, h, d, .. } => Some(Groups { form: F5, q, h, d, ..none }),
             Stored::Q8G { q, d, .. } => Some(Groups { form: E8, q, d, ..none }),
+            Stored::Q4G { q, d, m, .. } => Some(Groups { form: F4, q, d, dmin: m, ..none }),
             _ => None,
         }
     }
 
-    /// Which form: [`K4`], [`K6`], [`F5`] or [`E8`].
+    /// Which form: [`K4`], [`K6`], [`F5`], [`E8`] or [`F4`].
     pub fn form(&self) -> u8 {
         self.form
     }
@@ -237,65 +315,27 @@ impl Stored {
                     m[at / 32 + i] = dm[1];
                 }
             }
-            Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q8G { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
+            Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q8G { .. } | Stored::Q4G { .. } => unreachable!("a compacted weight is written in its upload format (`expanded` first)"),
         }
     }
 
     /// The weight (rows of `n_in`) in a form of its own, rows interleaved, where it has one: a
     /// `q8x32` weight in five bits where every value fits ([`Stored::Q5`]), else as its bytes
     /// ([`Stored::Q8G`]); a `q4x32` one with Q4_K's integer scales where every superblock's
-    /// scales and mins are an f32 times six-bit integers ([`Stored::Q4K`]; its nibbles dropped
-    /// from `self`); a `q8x16` one in six bits where its values and scales are Q6_K's
+    /// scales and mins are an f32 times six-bit integers ([`Stored::Q4K`]), else with its own
+    /// ([`Stored::Q4G`]); a `q8x16` one in six bits where its values and scales are Q6_K's
     /// ([`Stored::Q6K`]); `None` where it has none (or memory is short).
     pub fn compacted(&mut self, n_in: usize) -> Option<Stored> {
         if let Stored::Q4 { q, d, m } = self {
-            if !n_in.is_multiple_of(SUPER) {
-                return None;
-            }
-            let (nb, nsb) = (n_in / 32, n_in / SUPER);
+            let nb = n_in / 32;
             let rows = d.len() / nb;
-            let groups = rows.div_ceil(GROUP);
-            let (mut sc, mut mn) = (Vec::new(), Vec::new());
-            let (mut ds, mut mins) = (Vec::new(), Vec::new());
-            let mut nibbles = Vec::new();
-            sc.try_reserve_exact(groups * GROUP * nb).ok()?;
-            mn.try_reserve_exact(groups * GROUP * nb).ok()?;
-            ds.try_reserve_exact(groups * GROUP * nsb).ok()?;
-            mins.try_reserve_exact(groups * GROUP * nsb).ok()?;
-            nibbles.try_reserve_exact(groups * GROUP * n_in / 2).ok()?;
-            huge_pages(nibbles.as_mut_ptr(), groups * GROUP * n_in / 2);
-            sc.resize(groups * GROUP * nb, 0u8);
-            mn.resize(groups * GROUP * nb, 0u8);
-            ds.resize(groups * GROUP * nsb, 0f32);
-            mins.resize(groups * GROUP * nsb, 0f32);
-            for (r, (dr, mr)) in d.chunks_exact(nb).zip(m.chunks_exact(nb)).enumerate() {
-                let (g, l) = (r / GROUP, r % GROUP);
-                for (s, (dv, mv)) in dr.chunks_exact(8).zip(mr.chunks_exact(8)).enumerate() {
-                    let (a, ka) = k_scales::<8>(dv, 0..=63)?;
-                    let (b, kb) = k_scales::<8>(mv, 0..=63)?;
-                    ds[(g * nsb + s) * GROUP + l] = a;
-                    mins[(g * nsb + s) * GROUP + l] = b;
-                    for k in 0..8 {
-                        sc[(g * nb + 8 * s + k) * GROUP + l] = ka[k] as u8;
-                        mn[(g * nb + 8 * s + k) * GROUP + l] = kb[k] as u8;
-                    }
-                }
+            let nibbles = group_nibbles(q, n_in, rows)?;
+            if n_in.is_multiple_of(SUPER)
+                && let Some((sc, mn, ds, mins)) = k4_scales(d, m, n_in, rows)
+            {
+                return Some(Stored::Q4K { rows, q: nibbles, sc, mn, d: ds, dmin: mins });
             }
-            nibbles.resize(groups * GROUP * n_in / 2, 0u8);
-            for (r, row) in q.chunks_exact(n_in / 2).enumerate() {
-                for (b, src) in row.chunks_exact(16).enumerate() {
-                    // The block's values `4k + e` and `16 + 4k + e`, one byte ([`q4k_slot`]).
-                    let at = q4k_slot(r, 32 * b, n_in).0;
-                    let v = |i: usize| (src[i / 2] >> (4 * (i % 2))) & 0xF;
-                    for k in 0..4 {
-                        for e in 0..4 {
-                            nibbles[at + 32 * k + e] = v(4 * k + e) | v(16 + 4 * k + e) << 4;
-                        }
-                    }
-                }
-            }
-            *q = Vec::new();
-            return Some(Stored::Q4K { rows, q: nibbles, sc, mn, d: ds, dmin: mins });
+            return Some(Stored::Q4G { rows, q: nibbles, d: group_blocks(d, nb, rows)?, m: group_blocks(m, nb, rows)? });
         }
         if let Stored::Q8 { block: 16, q, d } = self {
             return Self::six_bits(q, d, n_in);
@@ -431,7 +471,7 @@ impl Stored {
     /// A compacted weight back in its upload format, to be written: [`Stored::Q5`] in `q8x32`,
     /// [`Stored::Q4K`] in `q4x32` (its nibbles moved out of `self`); `None` for another form.
     pub fn expanded(&mut self, n_in: usize) -> Option<Stored> {
-        if let Stored::Q4K { rows, .. } = *self {
+        if let Stored::Q4K { rows, .. } | Stored::Q4G { rows, .. } = *self {
             let nb = n_in / 32;
             let (mut d, mut m) = (vec![0f32; rows * nb], vec![0f32; rows * nb]);
             let mut q = vec![0u8; rows * n_in / 2];
@@ -505,6 +545,10 @@ impl Stored {
     pub fn q4_scale(&self, r: usize, b: usize, nb: usize) -> (f32, f32) {
         match self {
             Stored::Q4 { d, m, .. } => (d[r * nb + b], m[r * nb + b]),
+            Stored::Q4G { d, m, .. } => {
+                let at = ((r / GROUP) * nb + b) * GROUP + r % GROUP;
+                (d[at], m[at])
+            }
             Stored::Q4K { sc, mn, d, dmin, .. } => {
                 let (g, l) = (r / GROUP, r % GROUP);
                 let (at, sat) = ((g * nb + b) * GROUP + l, (g * (nb / 8) + b / 8) * GROUP + l);
@@ -519,7 +563,7 @@ impl Stored {
     pub fn q4_value(&self, r: usize, i: usize, n_in: usize) -> u8 {
         match self {
             Stored::Q4 { q, .. } => (q[(r * n_in + i) / 2] >> (4 * (i % 2))) & 0xF,
-            Stored::Q4K { q, .. } => {
+            Stored::Q4K { q, .. } | Stored::Q4G { q, .. } => {
                 let (at, shift) = q4k_slot(r, i, n_in);
                 (q[at] >> shift) & 0xF
             }
@@ -543,7 +587,7 @@ impl Stored {
                     *x = d[i / *block] * q as f32;
                 }
             }
-            Stored::Q4 { .. } | Stored::Q4K { .. } => {
+            Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q4G { .. } => {
                 for (i, x) in out.iter_mut().enumerate() {
                     let (d, m) = self.q4_scale(o, i / 32, n_in / 32);
                     *x = d * self.q4_value(o, i, n_in) as f32 - m;
@@ -575,7 +619,7 @@ impl Stored {
             Stored::F32(_) | Stored::Bf16(_) => None,
             Stored::Q8 { block, .. } => Some((*block, false)),
             Stored::Q4 { .. } => Some((32, true)),
-            Stored::Q4K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => Some((32, false)),
+            Stored::Q4K { .. } | Stored::Q4G { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => Some((32, false)),
             Stored::Q6K { .. } => Some((16, false)),
         }
     }
@@ -842,7 +886,7 @@ pub mod scalar {
                 }
                 y - min
             }
-            Stored::Q4K { .. } => {
+            Stored::Q4K { .. } | Stored::Q4G { .. } => {
                 // x in order; per block the integer sum scaled, then the min's term taken off,
                 // each in one rounding (the vector kernel's fused steps).
                 let mut y = 0f32;
@@ -975,7 +1019,7 @@ pub mod scalar {
 pub mod avx2 {
     //! AVX2 + FMA. Every function here needs both: callers check [`super::Isa::detect`].
     //! Loads are unaligned, from slices whose bounds are checked where they are cut.
-    use super::{E8, F5, Groups, K6, Quantized, Stored};
+    use super::{E8, F4, F5, Groups, K6, Quantized, Stored};
     use std::arch::x86_64::*;
 
     /// `e^x` in each lane: `2^n e^r`, `n` the nearest integer to `x / ln 2` and `|r| <= ln 2 /
@@ -1116,17 +1160,23 @@ pub mod avx2 {
     /// Group `g`'s block of 32 `b` (of `nb` a row) of a weight of interleaved rows, its
     /// eight rows' scales: for a [`Stored::Q4K`] weight `d` and `m` ([`Stored::q4_scale`]'s
     /// products), for a [`Stored::Q6K`] one its two blocks of 16's ([`Stored::q6_scale`]'s),
-    /// for a [`Stored::Q5`] one `d` and `16 d`, for a [`Stored::Q8G`] one `d` and `128 d`.
+    /// for a [`Stored::Q5`] one `d` and `16 d`, for a [`Stored::Q8G`] one `d` and `128 d`, for
+    /// a [`Stored::Q4G`] one its `d` and `m`.
     ///
     /// # Safety
     /// The CPU has AVX2; group `g` and block `b` are the weight's, of the form `FORM` says.
     #[inline(always)]
     unsafe fn group_scales<const FORM: u8>(k: &Groups<'_>, g: usize, b: usize, nb: usize) -> (__m256, __m256) {
-        // SAFETY: the caller's promise: for `F5` and `E8` `(g * nb + b) * 8 + 8 <= d.len()`; for `K6`
+        // SAFETY: the caller's promise: for `F5`, `E8` and `F4` `(g * nb + b) * 8 + 8 <= d.len()`
+        // (and `dmin`'s for `F4`); for `K6`
         // `(g * nb + b) * 16 + 16 <= sc6.len()`; for `K4` `(g * nb + b) * 8 + 8 <= sc.len()`
         // (and `mn`'s); for both `(g * nb / 8 + b / 8) * 8 + 8 <= d.len()` (and `dmin`'s for
         // `K4`).
         unsafe {
+            if FORM == F4 {
+                let at = (g * nb + b) * super::GROUP;
+                return (_mm256_loadu_ps(k.d.as_ptr().add(at)), _mm256_loadu_ps(k.dmin.as_ptr().add(at)));
+            }
             if FORM == F5 || FORM == E8 {
                 let d = _mm256_loadu_ps(k.d.as_ptr().add((g * nb + b) * super::GROUP));
                 return (d, _mm256_mul_ps(d, _mm256_set1_ps(if FORM == F5 { 16.0 } else { 128.0 })));
@@ -1723,6 +1773,7 @@ pub mod avx2 {
                 K6 => exact_groups_with::<2, K6>(k, rows, n_in, x, t, out, width),
                 F5 => exact_groups_with::<2, F5>(k, rows, n_in, x, t, out, width),
                 E8 => exact_groups_with::<2, E8>(k, rows, n_in, x, t, out, width),
+                F4 => exact_groups_with::<2, F4>(k, rows, n_in, x, t, out, width),
                 _ => exact_groups_with::<2, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
@@ -1738,6 +1789,7 @@ pub mod avx2 {
                 K6 => exact_groups_with::<4, K6>(k, rows, n_in, x, t, out, width),
                 F5 => exact_groups_with::<4, F5>(k, rows, n_in, x, t, out, width),
                 E8 => exact_groups_with::<4, E8>(k, rows, n_in, x, t, out, width),
+                F4 => exact_groups_with::<4, F4>(k, rows, n_in, x, t, out, width),
                 _ => exact_groups_with::<4, { super::K4 }>(k, rows, n_in, x, t, out, width),
             }
         }
@@ -1755,7 +1807,7 @@ pub mod avx2 {
                 Stored::Q8 { block: 16, q, d } => q8::<W, R, true, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q8 { q, d, .. } => q8::<W, R, false, DOT>(q, d, o, n_in, x, r, y),
                 Stored::Q4 { q, d, m } => nibbles::<W, R, DOT>((q, d, m), o, n_in, x, r, y),
-                Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
+                Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } | Stored::Q4G { .. } => unreachable!("a weight of interleaved rows takes `fast_groups`"),
                 Stored::F32(_) | Stored::Bf16(_) => unreachable!("f32 and bf16 weights take the exact kernel"),
             }
         }
@@ -1800,6 +1852,7 @@ pub mod avx2 {
                     K6 => fast_groups::<K6, DOT>(k, rows, n_in, x, t, out, width),
                     F5 => fast_groups::<F5, DOT>(k, rows, n_in, x, t, out, width),
                     E8 => fast_groups::<E8, DOT>(k, rows, n_in, x, t, out, width),
+                    F4 => fast_groups::<F4, DOT>(k, rows, n_in, x, t, out, width),
                     _ => fast_groups::<{ super::K4 }, DOT>(k, rows, n_in, x, t, out, width),
                 };
             }
@@ -1943,7 +1996,7 @@ pub mod avx2 {
                     }
                 }
             }
-            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
+            Stored::F32(_) | Stored::Bf16(_) | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } | Stored::Q4G { .. } => unreachable!("f32 and bf16 rows take the decoded path, interleaved ones `exact_groups`"),
         }
         for j in 0..W {
             out[j] = hsum(acc[j]);
@@ -2020,7 +2073,7 @@ pub mod avx2 {
                 }
             }
             Stored::F32(v) => out.copy_from_slice(&v[o * n_in..][..n_in]),
-            Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } => w.decode_row(o, n_in, out),
+            Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q5 { .. } | Stored::Q8G { .. } | Stored::Q4G { .. } => w.decode_row(o, n_in, out),
         }
     }
 

@@ -111,7 +111,7 @@ fn format_bytes(s: &Stored, n_in: usize) -> u64 {
         Stored::F32(_) => 4 * n_in as u64,
         Stored::Bf16(_) => 2 * n_in as u64,
         Stored::Q8 { .. } | Stored::Q5 { .. } | Stored::Q6K { .. } | Stored::Q8G { .. } => n_in as u64,
-        Stored::Q4 { .. } | Stored::Q4K { .. } => n_in as u64 / 2,
+        Stored::Q4 { .. } | Stored::Q4K { .. } | Stored::Q4G { .. } => n_in as u64 / 2,
     }
 }
 

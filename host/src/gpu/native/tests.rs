@@ -74,15 +74,16 @@ fn weight(rng: &mut Rng, format: Format, n_out: usize, marked: usize) -> (Vec<u8
 }
 
 /// Whether the native device keeps a case's weight in a form of its own: a `q8x32` one always
-/// (five bits where its values fit, else its bytes with rows interleaved), Q4_K's integer
-/// scales (`q4x32`) or Q6_K's six bits (`q8x16`) where rows are whole superblocks.
+/// (five bits where its values fit, else its bytes with rows interleaved), a `q4x32` one
+/// always (Q4_K's integer scales where they are those, else its own, rows interleaved), Q6_K's
+/// six bits (`q8x16`) where rows are whole superblocks.
 fn compact(format: Format, marked: usize) -> bool {
-    format == Format::Q8x32 || (five_bits(marked) && (marked % FIVE_BITS) % kernels::SUPER == 0)
+    matches!(format, Format::Q8x32 | Format::Q4x32) || (five_bits(marked) && (marked % FIVE_BITS) % kernels::SUPER == 0)
 }
 
 /// Whether a weight is held in a compact form ([`compact`]).
 fn compacted(s: &Stored) -> bool {
-    matches!(s, Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q8G { .. })
+    matches!(s, Stored::Q5 { .. } | Stored::Q4K { .. } | Stored::Q6K { .. } | Stored::Q8G { .. } | Stored::Q4G { .. })
 }
 
 fn upload(b: &mut dyn Backend, format: Format, n_out: usize, n_in: usize, data: &[u8], scales: &[f32]) -> BufferId {
@@ -454,12 +455,15 @@ fn a_compacted_weight_written_again_takes_the_new_values() {
                         assert!((g - w).abs() <= tol * (1.0 + w.abs()), "{} round {round} {isa:?} {precision:?}: {g} against {w}", format.name());
                     }
                 }
-                // The compact form, then (values past five bits) a q8x32 weight's bytes
-                // interleaved, the others as uploaded.
+                // The compact form, then (values past five bits, scales of no superblock's
+                // integers) a q8x32 weight's bytes and a q4x32 one's own scales, rows
+                // interleaved; the other as uploaded.
                 let stored = &b.weights[&id].stored;
                 let form = match (format, round) {
                     (Format::Q8x32, 0) => matches!(stored, Stored::Q5 { .. }),
                     (Format::Q8x32, _) => matches!(stored, Stored::Q8G { .. }),
+                    (Format::Q4x32, 0) => matches!(stored, Stored::Q4K { .. }),
+                    (Format::Q4x32, _) => matches!(stored, Stored::Q4G { .. }),
                     (_, 0) => compacted(stored),
                     _ => !compacted(stored),
                 };
