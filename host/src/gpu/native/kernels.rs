@@ -129,7 +129,7 @@ fn group_blocks(v: &[f32], nb: usize, rows: usize) -> Option<Vec<f32>> {
     out.resize(rows.div_ceil(GROUP) * GROUP * nb, 0f32);
     for (r, row) in v.chunks_exact(nb).enumerate() {
         for (b, &x) in row.iter().enumerate() {
-            out[((r / GROUP) * nb + b) * GROUP + r % GROUP] = x;
+            out[group_block(r, b, nb)] = x;
         }
     }
     Some(out)
@@ -153,15 +153,14 @@ fn k4_scales(d: &[f32], m: &[f32], n_in: usize, rows: usize) -> Option<(Vec<u8>,
     ds.resize(padded * nsb, 0f32);
     mins.resize(padded * nsb, 0f32);
     for (r, (dr, mr)) in d.chunks_exact(nb).zip(m.chunks_exact(nb)).enumerate() {
-        let (g, l) = (r / GROUP, r % GROUP);
         for (s, (dv, mv)) in dr.chunks_exact(8).zip(mr.chunks_exact(8)).enumerate() {
             let (a, ka) = k_scales::<8>(dv, 0..=63)?;
             let (b, kb) = k_scales::<8>(mv, 0..=63)?;
-            ds[(g * nsb + s) * GROUP + l] = a;
-            mins[(g * nsb + s) * GROUP + l] = b;
+            ds[group_block(r, s, nsb)] = a;
+            mins[group_block(r, s, nsb)] = b;
             for k in 0..8 {
-                sc[(g * nb + 8 * s + k) * GROUP + l] = ka[k] as u8;
-                mn[(g * nb + 8 * s + k) * GROUP + l] = kb[k] as u8;
+                sc[group_block(r, 8 * s + k, nb)] = ka[k] as u8;
+                mn[group_block(r, 8 * s + k, nb)] = kb[k] as u8;
             }
         }
     }
@@ -203,34 +202,52 @@ impl<'a> Groups<'a> {
     }
 }
 
+/// Value `i` of row `r` (rows of `n_in`) in a weight of interleaved rows: its group's block
+/// (`g * nb + b`, row `8g + l`, `i = 32b + 16 half + 4k + e`), its lane `l`, and where it lies
+/// in the block: `half`, `k`, `e`.
+struct Slot {
+    block: usize,
+    l: usize,
+    half: usize,
+    k: usize,
+    e: usize,
+}
+
+#[inline(always)]
+fn slot(r: usize, i: usize, n_in: usize) -> Slot {
+    let j = i % 32;
+    Slot { block: (r / GROUP) * (n_in / 32) + i / 32, l: r % GROUP, half: j / 16, k: j % 16 / 4, e: j % 4 }
+}
+
+/// Where row `r`'s value of block `b` (of `nb` a row) lies in a weight of interleaved rows'
+/// values a block (scales, mins): `(g * nb + b) * 8 + l`.
+#[inline(always)]
+fn group_block(r: usize, b: usize, nb: usize) -> usize {
+    ((r / GROUP) * nb + b) * GROUP + r % GROUP
+}
+
 /// Where value `i` of row `r` (rows of `n_in`) lies in the nibbles of a weight of interleaved
 /// rows: the byte, and the shift of its half (0 or 4).
 #[inline(always)]
 fn q4k_slot(r: usize, i: usize, n_in: usize) -> (usize, u32) {
-    let (g, l) = (r / GROUP, r % GROUP);
-    let (b, j) = (i / 32, i % 32);
-    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
-    ((g * (n_in / 32) + b) * 128 + 32 * k + 4 * l + e, 4 * half as u32)
+    let s = slot(r, i, n_in);
+    (s.block * 128 + 32 * s.k + 4 * s.l + s.e, 4 * s.half as u32)
 }
 
 /// Where value `i` of row `r`'s top two bits lie in a [`Stored::Q6K`] weight's `h`: the byte,
 /// and the shift.
 #[inline(always)]
 fn q6k_top(r: usize, i: usize, n_in: usize) -> (usize, u32) {
-    let (g, l) = (r / GROUP, r % GROUP);
-    let (b, j) = (i / 32, i % 32);
-    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
-    ((g * (n_in / 32) + b) * 64 + 32 * half + 4 * l + e, 2 * k as u32)
+    let s = slot(r, i, n_in);
+    (s.block * 64 + 32 * s.half + 4 * s.l + s.e, 2 * s.k as u32)
 }
 
 /// Where value `i` of row `r`'s fifth bit lies in a [`Stored::Q5`] weight's `h`: the byte, and
 /// the bit.
 #[inline(always)]
 fn q5_top(r: usize, i: usize, n_in: usize) -> (usize, u32) {
-    let (g, l) = (r / GROUP, r % GROUP);
-    let (b, j) = (i / 32, i % 32);
-    let (half, k, e) = (j / 16, j % 16 / 4, j % 4);
-    ((g * (n_in / 32) + b) * 32 + 4 * l + e, (4 * half + k) as u32)
+    let s = slot(r, i, n_in);
+    (s.block * 32 + 4 * s.l + s.e, (4 * s.half + s.k) as u32)
 }
 
 /// The f32 `s` and the integers `k` in `ints` with `s * k_b == v_b`, bit for bit, for each of
@@ -356,9 +373,8 @@ impl Stored {
         h.resize(padded * n_in / 8, 0u8);
         ds.resize(padded * nb, 0f32);
         for (r, (row, dr)) in q.chunks_exact(n_in).zip(d.chunks_exact(nb)).enumerate() {
-            let (g, l) = (r / GROUP, r % GROUP);
             for (b, values) in row.chunks_exact(32).enumerate() {
-                ds[(g * nb + b) * GROUP + l] = dr[b];
+                ds[group_block(r, b, nb)] = dr[b];
                 let u = |i: usize| (values[i] + 16) as u8;
                 let (at, top) = (q4k_slot(r, 32 * b, n_in).0, q5_top(r, 32 * b, n_in).0);
                 for k in 0..4 {
@@ -385,10 +401,9 @@ impl Stored {
         u.resize(padded * n_in, 128u8);
         ds.resize(padded * nb, 0f32);
         for (r, (row, dr)) in q.chunks_exact(n_in).zip(d.chunks_exact(nb)).enumerate() {
-            let (g, l) = (r / GROUP, r % GROUP);
             for (b, values) in row.chunks_exact(32).enumerate() {
-                ds[(g * nb + b) * GROUP + l] = dr[b];
-                let at = (g * nb + b) * 256 + 4 * l;
+                ds[group_block(r, b, nb)] = dr[b];
+                let at = slot(r, 32 * b, n_in).block * 256 + 4 * (r % GROUP);
                 for (k, four) in values.chunks_exact(4).enumerate() {
                     for (e, &v) in four.iter().enumerate() {
                         u[at + 32 * k + e] = (v as u8) ^ 0x80;
@@ -402,9 +417,9 @@ impl Stored {
     /// Value `i` of row `r` of a [`Stored::Q8G`] weight (`q`), and its block's scale.
     fn q8g_at(&self, r: usize, i: usize, n_in: usize) -> (i8, f32) {
         let Stored::Q8G { q, d, .. } = self else { unreachable!("q8g_at of another form") };
-        let (g, l, b, j) = (r / GROUP, r % GROUP, i / 32, i % 32);
-        let at = (g * (n_in / 32) + b) * 256 + 32 * (j / 4) + 4 * l + j % 4;
-        ((q[at] ^ 0x80) as i8, d[(g * (n_in / 32) + b) * GROUP + l])
+        let s = slot(r, i, n_in);
+        let at = s.block * 256 + 32 * (4 * s.half + s.k) + 4 * s.l + s.e;
+        ((q[at] ^ 0x80) as i8, d[s.block * GROUP + s.l])
     }
 
     /// A `q8x16` weight ([`Stored::Q8`]'s `q` and `d`, rows of `n_in`) as [`Stored::Q6K`], where
@@ -430,7 +445,7 @@ impl Stored {
             let (g, l) = (r / GROUP, r % GROUP);
             for (sb, v) in dr.chunks_exact(16).enumerate() {
                 let (s, k) = k_scales::<16>(v, -128..=127)?;
-                ds[(g * nsb + sb) * GROUP + l] = s;
+                ds[group_block(r, sb, nsb)] = s;
                 for (j, &kj) in k.iter().enumerate() {
                     // Block of 16 `16sb + j`: block of 32 `8sb + j / 2`, its half `j % 2`.
                     sc[(g * nb + 8 * sb + j / 2) * 16 + 8 * (j % 2) + l] = kj as i8;
@@ -465,7 +480,7 @@ impl Stored {
     fn q6_scale(&self, r: usize, b: usize, nb: usize) -> f32 {
         let Stored::Q6K { sc, d, .. } = self else { unreachable!("q6_scale of another form") };
         let (g, l) = (r / GROUP, r % GROUP);
-        d[(g * (nb / 16) + b / 16) * GROUP + l] * sc[(g * (nb / 2) + b / 2) * 16 + 8 * (b % 2) + l] as f32
+        d[group_block(r, b / 16, nb / 16)] * sc[(g * (nb / 2) + b / 2) * 16 + 8 * (b % 2) + l] as f32
     }
 
     /// A compacted weight back in its upload format, to be written: [`Stored::Q5`] in `q8x32`,
@@ -536,7 +551,7 @@ impl Stored {
     #[inline(always)]
     fn q5_scale(&self, r: usize, b: usize, nb: usize) -> f32 {
         let Stored::Q5 { d, .. } = self else { unreachable!("q5_scale of another form") };
-        d[((r / GROUP) * nb + b) * GROUP + r % GROUP]
+        d[group_block(r, b, nb)]
     }
 
     /// Row `r`'s block `b`'s (of `nb` a row) `d` and `m`, of a weight of nibbles without fifth
@@ -545,13 +560,9 @@ impl Stored {
     pub fn q4_scale(&self, r: usize, b: usize, nb: usize) -> (f32, f32) {
         match self {
             Stored::Q4 { d, m, .. } => (d[r * nb + b], m[r * nb + b]),
-            Stored::Q4G { d, m, .. } => {
-                let at = ((r / GROUP) * nb + b) * GROUP + r % GROUP;
-                (d[at], m[at])
-            }
+            Stored::Q4G { d, m, .. } => (d[group_block(r, b, nb)], m[group_block(r, b, nb)]),
             Stored::Q4K { sc, mn, d, dmin, .. } => {
-                let (g, l) = (r / GROUP, r % GROUP);
-                let (at, sat) = ((g * nb + b) * GROUP + l, (g * (nb / 8) + b / 8) * GROUP + l);
+                let (at, sat) = (group_block(r, b, nb), group_block(r, b / 8, nb / 8));
                 (d[sat] * sc[at] as f32, dmin[sat] * mn[at] as f32)
             }
             _ => unreachable!("q4_scale of a weight without mins"),
